@@ -1,0 +1,5 @@
+"""`python -m agent` is `pitstop`."""
+
+from agent.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,193 @@
+"""The YAML configuration file, validated into frozen typed objects; no other I/O."""
+
+from __future__ import annotations
+
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from agent.errors import ConfigError
+
+DEFAULT_NAME = "<embedded default>"
+
+
+class _Strict(BaseModel):
+    # Unknown keys are typos far more often than intent: refuse them.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+
+
+def _expand(value: str) -> Path:
+    return Path(os.path.expandvars(os.path.expanduser(value)))
+
+
+class CanaryConfig(_Strict):
+    """The fixed request whose greedy answer proves the engine is really the one we started."""
+
+    prompt: str = "Pitstop canary: the quick brown fox"
+    max_tokens: int = Field(8, ge=1, le=256)
+
+
+class EngineConfig(_Strict):
+    """What engine to run, on what model, listening where."""
+
+    kind: Literal["reference", "vllm"] = "reference"
+    model: Path
+    served_model_name: str | None = None
+    socket: Path | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    python: Path | None = None
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    stop_timeout_s: float = Field(10.0, gt=0)
+
+    @field_validator("model", "socket", "python", mode="before")
+    @classmethod
+    def _expand_paths(cls, v: Any) -> Any:
+        return _expand(v) if isinstance(v, str) else v
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model.name
+
+
+class QueueConfig(_Strict):
+    """How the front holds requests while the engine is down."""
+
+    max_waiting: int = Field(256, ge=0)
+    deadline_s: float = Field(30.0, gt=0)
+
+
+class FrontConfig(_Strict):
+    """The public OpenAI-compatible port, owned by the agent."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    queue: QueueConfig = Field(default_factory=QueueConfig)
+    max_resumes: int = Field(3, ge=0)
+
+
+class PathsConfig(_Strict):
+    """Where the agent keeps its state and snapshots."""
+
+    state_dir: Path = Path("/var/lib/pitstop")
+    snapshot_dir: Path | None = None
+    run_dir: Path | None = None
+
+    @field_validator("state_dir", "snapshot_dir", "run_dir", mode="before")
+    @classmethod
+    def _expand_paths(cls, v: Any) -> Any:
+        return _expand(v) if isinstance(v, str) else v
+
+    @property
+    def snapshots(self) -> Path:
+        return self.snapshot_dir or self.state_dir / "snapshots"
+
+    @property
+    def run(self) -> Path:
+        return self.run_dir or self.state_dir / "run"
+
+
+class HealthConfig(_Strict):
+    """How the supervisor decides the engine is alive."""
+
+    interval_s: float = Field(1.0, gt=0)
+    timeout_s: float = Field(2.0, gt=0)
+    failures_before_restart: int = Field(3, ge=1)
+    start_timeout_s: float = Field(300.0, gt=0)
+    canary: CanaryConfig = Field(default_factory=CanaryConfig)
+
+
+class RestartConfig(_Strict):
+    """Backoff between restarts, and when to give up."""
+
+    backoff_initial_s: float = Field(0.5, ge=0)
+    backoff_max_s: float = Field(30.0, gt=0)
+    backoff_multiplier: float = Field(2.0, ge=1)
+    crash_loop_limit: int = Field(5, ge=1)
+    crash_loop_window_s: float = Field(300.0, gt=0)
+
+    @model_validator(mode="after")
+    def _initial_below_max(self) -> RestartConfig:
+        if self.backoff_initial_s > self.backoff_max_s:
+            raise ValueError("backoff_initial_s must not exceed backoff_max_s")
+        return self
+
+
+class MetricsConfig(_Strict):
+    """The Prometheus exposition endpoint."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = Field(9410, ge=0, le=65535)
+
+
+class Config(_Strict):
+    """The whole agent configuration.
+
+    Example::
+
+        cfg = load_config(Path("/etc/pitstop/pitstop.yaml"))
+        cfg.engine.kind  # 'reference' or 'vllm'
+    """
+
+    engine: EngineConfig
+    front: FrontConfig = Field(default_factory=FrontConfig)
+    paths: PathsConfig = Field(default_factory=PathsConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    restart: RestartConfig = Field(default_factory=RestartConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+    @property
+    def engine_socket(self) -> Path:
+        return self.engine.socket or self.paths.run / "engine.sock"
+
+
+def _describe(err: dict[str, Any]) -> str:
+    key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return f"{key}: unknown key; remove it or check its spelling against docs/configuration.md"
+    if kind == "missing":
+        return f"{key}: required key is missing"
+    return f"{key}: {err['msg']} (got {err.get('input')!r})"
+
+
+def parse_config(data: Any, source: str) -> Config:
+    """Validate already-parsed YAML; `source` names the file in every error."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        lines = "\n  ".join(_describe(err) for err in e.errors())
+        raise ConfigError(f"{source}: invalid configuration:\n  {lines}") from None
+
+
+def parse_text(text: str, source: str) -> Config:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: not valid YAML: {e}") from None
+    return parse_config(data, source)
+
+
+def load_config(path: Path | None) -> Config:
+    """Load `path`, or the embedded default (reference engine, tiny model) when None."""
+    if path is None:
+        return parse_text(default_text(), DEFAULT_NAME)
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the configuration file: {e.strerror}") from None
+    return parse_text(text, str(path))
+
+
+def default_text() -> str:
+    return resources.files("agent").joinpath("default.yaml").read_text()

@@ -1,0 +1,46 @@
+"""What the supervisor needs to know about an engine kind."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """How to start one engine process: argv, extra environment, where its socket will be."""
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    socket: Path | None = None
+
+
+class EngineAdapter(Protocol):
+    """One engine kind, as the supervisor drives it.
+
+    Example::
+
+        adapter = build_adapter(config)
+        spec = adapter.launch_spec()
+        # the supervisor starts spec.argv, then polls adapter.health_path on spec.socket
+    """
+
+    kind: str
+    health_path: str
+
+    def launch_spec(self) -> LaunchSpec:
+        """The command line and environment of a cold start."""
+        ...
+
+    def version(self) -> str:
+        """The engine's version, for identities and the build-info metric."""
+        ...
+
+    def model_name(self) -> str:
+        """The name clients use in the `model` field."""
+        ...
+
+    def exit_is_failure(self, returncode: int) -> bool:
+        """Whether an exit the agent did not ask for counts as a crash (always, so far)."""
+        ...

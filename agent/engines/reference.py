@@ -1,0 +1,47 @@
+"""The adapter for the reference engine (agent.engines.refengine), run as a child Python."""
+
+from __future__ import annotations
+
+import sys
+
+import agent
+from agent.config import Config
+from agent.engines.base import LaunchSpec
+
+
+class ReferenceAdapter:
+    """Starts `python -m agent.engines.refengine` on the configured model and Unix socket."""
+
+    kind = "reference"
+    health_path = "/health"
+
+    def __init__(self, config: Config) -> None:
+        self._config = config
+
+    def launch_spec(self) -> LaunchSpec:
+        eng = self._config.engine
+        python = str(eng.python) if eng.python else sys.executable
+        argv = [
+            python,
+            "-m",
+            "agent.engines.refengine",
+            "--model",
+            str(eng.model),
+            "--uds",
+            str(self._config.engine_socket),
+            "--served-model-name",
+            eng.model_name,
+            "--device",
+            eng.device,
+            *eng.args,
+        ]
+        return LaunchSpec(argv=argv, env=dict(eng.env), socket=self._config.engine_socket)
+
+    def version(self) -> str:
+        return agent.__version__
+
+    def model_name(self) -> str:
+        return self._config.engine.model_name
+
+    def exit_is_failure(self, returncode: int) -> bool:
+        return True
