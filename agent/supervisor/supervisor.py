@@ -171,7 +171,7 @@ class Supervisor:
             return
         duration = self._clock() - t0
         self._record(last_path, "failure", attempt, duration, fallthroughs)
-        self._failures.append(self._clock())
+        self.record_failure()
         self._fire(Event.START_FAILED, f"every start path failed: {'; '.join(fallthroughs)}")
 
     def _fall(self, path: str, kind: str, reason: str, fallthroughs: list[str]) -> None:
@@ -314,7 +314,7 @@ class Supervisor:
         self.status.engine_ready_since = None
         self.status.restarts += 1
         self.metrics.engine_failures.labels(cause=cause).inc()
-        self._failures.append(self._clock())
+        self.record_failure()
         self._cause = cause
         log.error("engine failed (%s): %s", cause, reason)
         self._fire(Event.ENGINE_FAILED, reason)
@@ -330,6 +330,10 @@ class Supervisor:
         self._fire(Event.RESTART, self._cause)
 
     # --- backing off ------------------------------------------------------------------
+    def record_failure(self) -> None:
+        """Count one failed start or engine failure towards backoff and the crash loop."""
+        self._failures.append(self._clock())
+
     def backoff_delay(self) -> tuple[float, int]:
         """(seconds to wait, failures in the window); a first failure restarts at once."""
         rc = self.config.restart
