@@ -14,7 +14,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.conftest import Engine, run_engine
+from tests.refengine_proc import Engine, run_engine
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
