@@ -220,7 +220,8 @@ def test_prepare_refuses_while_a_request_runs(refengine: Engine) -> None:
     body = {"model": "tiny", "prompt": "Slow", "max_tokens": 400, "stream": True,
             "ignore_eos": True}
     with refengine.http() as c, c.stream("POST", "/v1/completions", json=body) as r:
-        next(r.iter_lines())  # it is running
+        lines = r.iter_lines()  # keep it referenced: closing it would hang up
+        next(lines)  # it is running
         busy = refengine.http().post("/pitstop/prepare", json={"timeout_s": 0})
     assert busy.status_code == 409
     assert "running" in busy.json()["error"]["message"]
