@@ -1,0 +1,230 @@
+"""Take a snapshot of a running engine tree into the store, and restore one."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from agent.checkpoint.criu import CriuBackend, DumpOptions, restore_flags
+from agent.checkpoint.cuda import CudaCheckpoint, uses_cuda
+from agent.errors import SnapshotError
+from agent.identity import Identity
+from agent.store import Canary, Manifest, ProcessTree, SnapshotKind, SnapshotStore
+from agent.store.files import DIR_MODE
+
+LOG_DIR = ".logs"
+# Only the standard streams are re-wired on restore; the supervisor gives the engine
+# stdin /dev/null and stdout/stderr pipes.
+STD_FDS = (1, 2)
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """A published snapshot, as `capture` returns it."""
+
+    id: str
+    path: Path
+    manifest: Manifest
+
+    @property
+    def image_bytes(self) -> int:
+        return self.manifest.image_bytes
+
+
+@dataclass
+class RestoredProcess:
+    """A restored engine tree, running, re-parented to the nearest subreaper (the agent).
+
+    `outputs` maps the engine's fd (1, 2) to the read end of the new pipe wired to it;
+    stdout and stderr share one reader when they shared one pipe at dump time. The
+    caller owns the readers and reaps `pid`.
+    """
+
+    pid: int
+    snapshot_id: str
+    outputs: dict[int, io.FileIO]
+    log_path: Path
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def tree_pids(root: int, proc_root: Path = Path("/proc")) -> tuple[int, ...]:
+    """`root` and all its descendants, from /proc/PID/task/TID/children."""
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(proc_root / str(pid) / "task"):
+                text = (proc_root / str(pid) / "task" / tid / "children").read_text()
+                todo.extend(int(c) for c in text.split())
+    return tuple(sorted(set(out)))
+
+
+def std_pipes(pid: int, proc_root: Path = Path("/proc")) -> dict[str, str]:
+    """{"1": "pipe:[INODE]", ...} for the root's stdout/stderr that are pipes."""
+    pipes = {}
+    for fd in STD_FDS:
+        with contextlib.suppress(OSError):
+            target = os.readlink(proc_root / str(pid) / "fd" / str(fd))
+            if target.startswith("pipe:["):
+                pipes[str(fd)] = target
+    return pipes
+
+
+class Snapshotter:
+    """Captures an engine tree into the store and restores it: the `full` rung's engine.
+
+    Example::
+
+        snap = Snapshotter(store, CriuBackend(locate()), CudaCheckpoint())
+        info = snap.capture(engine_pid, canary=canary, identity=host_identity)
+        ...
+        restored = snap.restore(store.select(host_identity).chosen)
+        restored.pid  # same PID as at dump time; verify the canary, then report ready
+    """
+
+    def __init__(
+        self,
+        store: SnapshotStore,
+        criu: CriuBackend,
+        cuda: CudaCheckpoint | None = None,
+        *,
+        log_dir: Path | None = None,
+        proc_root: Path = Path("/proc"),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.criu = criu
+        self.cuda = cuda
+        self.log_dir = log_dir or store.root / LOG_DIR
+        self._proc = proc_root
+        self._clock = clock
+
+    def _log(self, name: str) -> Path:
+        self.log_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        return self.log_dir / name
+
+    def capture(
+        self,
+        pid: int,
+        *,
+        canary: Canary,
+        identity: Identity,
+        kind: SnapshotKind = "full",
+        options: DumpOptions | None = None,
+    ) -> SnapshotInfo:
+        """Dump the tree rooted at `pid` and publish it. The engine must be idle (no
+        requests in flight) and its stdin /dev/null. Without `options.leave_running`
+        CRIU kills the tree after a successful dump. A failed dump leaves the engine
+        running (CUDA restored and unlocked) and publishes nothing."""
+        opts = options or DumpOptions()
+        timings: dict[str, float] = {}
+        created = datetime.now(UTC)
+        tree = ProcessTree(
+            root_pid=pid,
+            pids=tree_pids(pid, self._proc),
+            inherited_pipes=std_pipes(pid, self._proc),
+            uses_cuda=uses_cuda(pid, self._proc),
+        )
+        if tree.uses_cuda and self.cuda is None:
+            raise SnapshotError(f"PID {pid} uses CUDA but no CUDA checkpoint backend was given")
+        with self.store.begin(kind) as draft:
+            log = self._log(f"{draft.id}-dump.log")
+            if tree.uses_cuda:
+                assert self.cuda is not None
+                t = self.cuda.suspend(pid)
+                timings.update(cuda_lock=t.first_s, cuda_checkpoint=t.second_s)
+            try:
+                dumped = self.criu.dump(pid, draft.dir, log, opts)
+            except SnapshotError as e:
+                if tree.uses_cuda:
+                    self._resume_after_failed_dump(pid, e)
+                raise
+            timings["criu_dump"] = dumped.duration_s
+            if tree.uses_cuda and opts.leave_running:
+                t = self.cuda.resume(pid)  # type: ignore[union-attr]
+                timings.update(cuda_restore=t.first_s, cuda_unlock=t.second_s)
+            t0 = self._clock()
+            files = draft.seal()
+            timings["seal"] = self._clock() - t0
+            manifest = Manifest(
+                id=draft.id,
+                kind=kind,
+                created_at=created,
+                identity=identity,
+                process=tree,
+                files=files,
+                timings=timings,
+                canary=canary,
+                criu_flags=dumped.flags,
+            )
+            path = draft.publish(manifest)
+        return SnapshotInfo(manifest.id, path, manifest)
+
+    def _resume_after_failed_dump(self, pid: int, cause: SnapshotError) -> None:
+        assert self.cuda is not None
+        try:
+            self.cuda.resume(pid)
+        except SnapshotError as e:
+            raise SnapshotError(
+                f"{cause}\nand then CUDA restore/unlock of PID {pid} failed too: {e}; "
+                f"the engine cannot serve: kill PID {pid} and cold start"
+            ) from e
+
+    def restore(self, manifest: Manifest) -> RestoredProcess:
+        """Restore a snapshot `select` chose. On any failure the restored tree is killed
+        and SnapshotError raised: the caller quarantines it and falls to a cold start."""
+        image_dir = self.store.path(manifest.id)
+        log = self._log(f"{manifest.id}-restore-{int(time.time() * 1000)}.log")
+        flags = restore_flags(manifest.criu_flags)
+        # One new pipe per old pipe inode; the write end goes to CRIU, we keep the read end.
+        readers: dict[str, int] = {}
+        writers: dict[int, str] = {}
+        for what in sorted(set(manifest.process.inherited_pipes.values())):
+            r, w = os.pipe()
+            readers[what] = r
+            writers[w] = what
+        timings: dict[str, float] = {}
+        try:
+            done = self.criu.restore(image_dir, log, flags=flags, inherit_fds=writers)
+        except BaseException:
+            for fd in [*readers.values(), *writers]:
+                os.close(fd)
+            raise
+        for fd in writers:
+            os.close(fd)
+        timings["criu_restore"] = done.duration_s
+        files = {what: os.fdopen(fd, "rb", buffering=0) for what, fd in readers.items()}
+        outputs = {int(n): files[w] for n, w in manifest.process.inherited_pipes.items()}
+        restored = RestoredProcess(done.pid, manifest.id, outputs, log, timings)
+        try:
+            if done.pid != manifest.process.root_pid:
+                raise SnapshotError(
+                    f"snapshot {manifest.id}: restored root PID {done.pid}, "
+                    f"dumped as {manifest.process.root_pid}"
+                )
+            if manifest.process.uses_cuda:
+                if self.cuda is None:
+                    raise SnapshotError(f"snapshot {manifest.id} needs CUDA checkpoint support")
+                t = self.cuda.resume(done.pid)
+                timings.update(cuda_restore=t.first_s, cuda_unlock=t.second_s)
+        except BaseException:
+            kill_tree(manifest.process.pids)
+            for f in files.values():
+                f.close()
+            raise
+        return restored
+
+
+def kill_tree(pids: tuple[int, ...]) -> None:
+    """SIGKILL every PID of a restored tree (the subreaper reaps them)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
