@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from agent.checkpoint.criu import CriuBackend, DumpOptions, restore_flags
 from agent.checkpoint.cuda import CudaCheckpoint, uses_cuda
 from agent.errors import SnapshotError
 from agent.identity import Identity
+from agent.proc import descendants, kill_tree
 from agent.store import Canary, Manifest, ProcessTree, SnapshotKind, SnapshotStore
 from agent.store.files import DIR_MODE
 
@@ -55,16 +55,8 @@ class RestoredProcess:
 
 
 def tree_pids(root: int, proc_root: Path = Path("/proc")) -> tuple[int, ...]:
-    """`root` and all its descendants, from /proc/PID/task/TID/children."""
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        with contextlib.suppress(OSError):
-            for tid in os.listdir(proc_root / str(pid) / "task"):
-                text = (proc_root / str(pid) / "task" / tid / "children").read_text()
-                todo.extend(int(c) for c in text.split())
-    return tuple(sorted(set(out)))
+    """`root` and all its live descendants."""
+    return (root, *descendants(root, proc_root))
 
 
 def std_pipes(pid: int, proc_root: Path = Path("/proc")) -> dict[str, str]:
@@ -216,15 +208,8 @@ class Snapshotter:
                 t = self.cuda.resume(done.pid)
                 timings.update(cuda_restore=t.first_s, cuda_unlock=t.second_s)
         except BaseException:
-            kill_tree(manifest.process.pids)
+            kill_tree(done.pid, proc=self._proc)
             for f in files.values():
                 f.close()
             raise
         return restored
-
-
-def kill_tree(pids: tuple[int, ...]) -> None:
-    """SIGKILL every PID of a restored tree (the subreaper reaps them)."""
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)

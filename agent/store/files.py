@@ -10,17 +10,12 @@ from pathlib import Path
 
 from agent.errors import SnapshotError
 
+# Re-exported: the store writes only through this module.
+from agent.fsutil import fsync_dir as fsync_dir
+from agent.fsutil import write_private as write_private
+
 DIR_MODE = 0o700
 FILE_MODE = 0o600
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new entry in `path` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fsync_file(path: Path) -> None:
@@ -29,25 +24,6 @@ def fsync_file(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def write_private(path: Path, data: bytes) -> None:
-    """Write `path` atomically, mode 0600: a new file (O_EXCL|O_NOFOLLOW) beside it,
-    fsync, os.replace, fsync the directory. A reader sees the old file or the new one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def read_private(path: Path, limit: int = 16 << 20) -> bytes:
