@@ -61,6 +61,7 @@ def locate(
     *,
     environ: Mapping[str, str] | None = None,
     repo_wrapper: Path = REPO_WRAPPER,
+    sbin_dirs: tuple[str, ...] = ("/usr/sbin", "/usr/local/sbin"),
     runner: Runner = run,
 ) -> CriuBinary:
     """The CRIU to use: the config key, then $PITSTOP_CRIU, then `make criu`'s wrapper,
@@ -73,7 +74,8 @@ def locate(
         return probe(Path(env[ENV_VAR]), f"${ENV_VAR}", runner)
     if os.access(repo_wrapper, os.X_OK):
         return probe(repo_wrapper, "make criu", runner)
-    found = shutil.which("criu", path=env.get("PATH", os.defpath) + ":/usr/sbin:/usr/local/sbin")
+    # A distribution's criu lives in /usr/sbin, often not on a non-root PATH.
+    found = shutil.which("criu", path=os.pathsep.join((env.get("PATH", os.defpath), *sbin_dirs)))
     if found:
         return probe(Path(found), "PATH", runner)
     raise SnapshotError(f"no CRIU found; {FIX}")
