@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from agent import proc
@@ -16,12 +17,30 @@ from agent.checkpoint.criu_locate import CriuBinary, locate
 from agent.checkpoint.snapshotter import Snapshotter
 from agent.errors import SnapshotError
 from agent.identity import Identity, collect
-from agent.store import Canary, SnapshotStore
+from agent.store import Canary, Manifest, ProcessTree, SnapshotStore
 from tests.prereq import require
 
 REPO = Path(__file__).resolve().parent.parent
 COUNTER = REPO / "tests" / "workloads" / "counter.py"
 CANARY = Canary(prompt="inc", max_tokens=1, text="1", token_ids=(1,))
+
+
+T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+IDENT = collect(engine_kind="counter", engine_version="1", criu="4.1.1")
+
+
+def publish(store: SnapshotStore, size: int = 1000, *, minutes: int = 0, ident=IDENT) -> Manifest:
+    """A snapshot with two image files of real bytes (the store does not care who wrote them)."""
+    with store.begin("full") as d:
+        (d.dir / "pages-1.img").write_bytes(os.urandom(size))
+        (d.dir / "core-1.img").write_bytes(b"core")
+        m = Manifest(
+            id=d.id, kind="full", created_at=T0 + timedelta(minutes=minutes), identity=ident,
+            process=ProcessTree(root_pid=4242, pids=(4242,)), files=d.seal(),
+            timings={"criu_dump": 0.1}, canary=CANARY,
+        )  # fmt: skip
+        d.publish(m)
+    return m
 
 
 def criu() -> CriuBinary:

@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -15,24 +15,9 @@ import pytest
 from agent.errors import SnapshotError
 from agent.store import Manifest, ProcessTree, SnapshotStore
 from tests.prereq import require
-from tests.snapshot_helpers import CANARY, REPO, identity
+from tests.snapshot_helpers import CANARY, IDENT, REPO, publish
 
-IDENT = identity()
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
-
-
-def publish(store: SnapshotStore, size: int = 1000, *, minutes: int = 0, ident=IDENT) -> Manifest:
-    """A snapshot with two image files of real bytes (the store does not care who wrote them)."""
-    with store.begin("full") as d:
-        (d.dir / "pages-1.img").write_bytes(os.urandom(size))
-        (d.dir / "core-1.img").write_bytes(b"core")
-        m = Manifest(
-            id=d.id, kind="full", created_at=T0 + timedelta(minutes=minutes), identity=ident,
-            process=ProcessTree(root_pid=4242, pids=(4242,)), files=d.seal(),
-            timings={"criu_dump": 0.1}, canary=CANARY,
-        )  # fmt: skip
-        d.publish(m)
-    return m
 
 
 @pytest.fixture

@@ -172,7 +172,10 @@ class SnapshotStore:
         return self.root / snapshot_id
 
     def ids(self) -> list[str]:
-        """Published snapshot ids; drafts and the quarantine (dot names) are never listed."""
+        """Published snapshot ids; drafts and the quarantine (dot names) are never listed.
+        A root that does not exist yet holds none."""
+        if not os.path.lexists(self.root):
+            return []
         check_root(self.root)
         return sorted(n for n in os.listdir(self.root) if ID_PATTERN.match(n))
 
@@ -198,6 +201,10 @@ class SnapshotStore:
     def load(self, snapshot_id: str) -> Manifest:
         """The parsed manifest, after checking the directory and file are private to us."""
         d = self.path(snapshot_id)
+        if not os.path.lexists(d):
+            raise SnapshotError(
+                f"no snapshot {snapshot_id} in {self.root}; `pitstop snapshot list` shows them"
+            )
         problem = check_private_dir(d)
         if problem:
             raise SnapshotError(f"snapshot {snapshot_id}: directory {d} {problem}")
