@@ -29,15 +29,18 @@ T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 IDENT = collect(engine_kind="counter", engine_version="1", criu="4.1.1")
 
 
-def publish(store: SnapshotStore, size: int = 1000, *, minutes: int = 0, ident=IDENT) -> Manifest:
+def publish(
+    store: SnapshotStore, size: int = 1000, *, minutes: int = 0, ident=IDENT, chunk: int = 0
+) -> Manifest:
     """A snapshot with two image files of real bytes (the store does not care who wrote them)."""
     with store.begin("full") as d:
+        d.chunk_bytes = chunk or d.chunk_bytes
         (d.dir / "pages-1.img").write_bytes(os.urandom(size))
         (d.dir / "core-1.img").write_bytes(b"core")
         m = Manifest(
             id=d.id, kind="full", created_at=T0 + timedelta(minutes=minutes), identity=ident,
             process=ProcessTree(root_pid=4242, pids=(4242,)), files=d.seal(),
-            timings={"criu_dump": 0.1}, canary=CANARY,
+            chunk_bytes=d.chunk_bytes, timings={"criu_dump": 0.1}, canary=CANARY,
         )  # fmt: skip
         d.publish(m)
     return m

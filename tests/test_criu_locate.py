@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from agent.checkpoint.criu_locate import locate
 from agent.errors import SnapshotError
-from tests.snapshot_helpers import criu
+from tests.snapshot_helpers import REPO, criu
 
 
 def _fake(tmp_path: Path, version: str) -> Path:
@@ -45,3 +46,13 @@ def test_config_beats_env_beats_the_wrapper_beats_path(tmp_path: Path):
     assert got.path == bindir / "criu" and got.source == "PATH"
     with pytest.raises(SnapshotError, match="no CRIU found"):
         locate(environ={"PATH": str(tmp_path / "e")}, repo_wrapper=tmp_path / "none", sbin_dirs=())
+
+
+def test_the_bundle_for_gpu_hosts_runs_on_its_own(tmp_path: Path):
+    criu()
+    out = tmp_path / "bundle"
+    subprocess.run([str(REPO / "scripts" / "install-criu.sh"), "bundle", str(out)], check=True,
+                   capture_output=True, timeout=600)  # fmt: skip
+    r = subprocess.run([str(out / "bin" / "criu"), "--version"], capture_output=True, text=True)
+    assert r.returncode == 0 and "Version: 4." in r.stdout
+    assert (out / "lib" / "ld-linux-x86-64.so.2").exists()

@@ -48,13 +48,16 @@ def test_select_prefers_the_newest_and_names_the_older(store: SnapshotStore):
 
 
 def test_a_flipped_byte_is_refused_with_the_reason(store: SnapshotStore):
-    good, bad = publish(store, minutes=0), publish(store, minutes=5)
+    good, bad = publish(store, minutes=0), publish(store, 1000, minutes=5, chunk=256)
+    assert len(bad.files[1].sha256_chunks) == 4  # pages-1.img, 1000 bytes in 256-byte chunks
     path = store.path(bad.id) / "pages-1.img"
     data = bytearray(path.read_bytes())
-    data[500] ^= 0x01
+    data[600] ^= 0x01
     path.write_bytes(bytes(data))
     v = store.verify(bad.id)
-    assert not v.ok and "pages-1.img: sha256" in v.reasons[0]
+    assert not v.ok
+    assert v.reasons == (f"{path}: sha256 differs from the manifest in 1 chunk(s), the first at "
+                         "byte 512",)  # fmt: skip
     sel = store.select(IDENT)
     assert sel.chosen is not None and sel.chosen.id == good.id
     assert sel.skipped[0].id == bad.id and sel.skipped[0].reason.startswith("corrupt: ")
@@ -158,6 +161,7 @@ def test_publish_refuses_files_missing_from_the_manifest(store: SnapshotStore):
         m = Manifest(
             id=d.id, kind="full", created_at=T0, identity=IDENT,
             process=ProcessTree(root_pid=1, pids=(1,)), files=files, timings={}, canary=CANARY,
+            chunk_bytes=d.chunk_bytes,
         )  # fmt: skip
         with pytest.raises(SnapshotError, match="late.img"):
             d.publish(m)

@@ -155,6 +155,7 @@ class Snapshotter:
                 files=files,
                 timings=timings,
                 canary=canary,
+                chunk_bytes=draft.chunk_bytes,
                 criu_flags=dumped.flags,
             )
             path = draft.publish(manifest)

@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import os
 import stat
+from concurrent.futures import Executor
 from pathlib import Path
 
 from agent.errors import SnapshotError
@@ -104,8 +105,39 @@ def make_private_dir(path: Path) -> None:
     check_root(path)
 
 
-def sha256_file(path: Path) -> str:
-    """The hex sha256 of a file, read without following symlinks."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    with os.fdopen(fd, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+# Images are hashed in chunks so that one 14 GB pages file is checked by many cores at
+# once (one sha256 stream runs at about 2 GB/s: as slow as the restore it guards).
+CHUNK_BYTES = 64 << 20
+_READ_BYTES = 4 << 20
+
+
+def _hash_range(fd: int, offset: int, length: int) -> str:
+    h = hashlib.sha256()
+    pos, end = offset, offset + length
+    while pos < end:
+        block = os.pread(fd, min(_READ_BYTES, end - pos), pos)
+        if not block:
+            break  # the file shrank under us: the digest will not match
+        h.update(block)  # hashlib releases the GIL for large blocks: threads run in parallel
+        pos += len(block)
+    return h.hexdigest()
+
+
+def chunk_digests(
+    directory: Path, names: list[str], pool: Executor, chunk: int = CHUNK_BYTES
+) -> dict[str, tuple[int, tuple[str, ...]]]:
+    """{name: (size, sha256 of each `chunk`-byte piece)} for files in `directory`, read
+    without following symlinks, every piece of every file hashed in parallel on `pool`."""
+    fds = {}
+    try:
+        jobs = {}
+        for name in names:
+            fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW)
+            fds[name] = fd
+            size = os.fstat(fd).st_size
+            offsets = range(0, max(size, 1), chunk)
+            jobs[name] = (size, [pool.submit(_hash_range, fd, o, chunk) for o in offsets])
+        return {n: (size, tuple(f.result() for f in fs)) for n, (size, fs) in jobs.items()}
+    finally:
+        for fd in fds.values():
+            os.close(fd)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -24,11 +24,14 @@ class _Strict(BaseModel):
 
 
 class ImageFile(_Strict):
-    """One file of the image, relative to the snapshot directory."""
+    """One file of the image, relative to the snapshot directory, with the sha256 of each
+    of its `Manifest.chunk_bytes`-sized pieces (hashed in parallel; the last may be short)."""
 
     name: str
     size: int = Field(ge=0)
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    sha256_chunks: tuple[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")], ...] = Field(
+        min_length=1
+    )
 
     @field_validator("name")
     @classmethod
@@ -73,6 +76,7 @@ class Manifest(_Strict):
     created_at: datetime
     identity: Identity
     process: ProcessTree
+    chunk_bytes: int = Field(gt=0)
     files: tuple[ImageFile, ...]
     # stage name ("cuda_lock", "cuda_checkpoint", "criu_dump", "checksum", ...) -> seconds
     timings: dict[str, float]
