@@ -84,6 +84,13 @@ def test_leave_running_keeps_serving_and_the_image_restores_the_dump_time_state(
     r = snap.restore(info.manifest)
     try:
         assert inc(c.sock) == 2
+        # Retention: a second capture with keep=1 replaces the first, and only after publishing.
+        snap.keep, snap.budget_bytes = 1, 1 << 40
+        second = snap.capture(
+            r.pid, canary=CANARY, identity=identity(snap.criu.version),
+            options=DumpOptions(leave_running=True),
+        )  # fmt: skip
+        assert snap.store.ids() == [second.id]
     finally:
         kill_and_reap(r.pid)
         for f in set(r.outputs.values()):

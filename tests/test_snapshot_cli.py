@@ -82,3 +82,15 @@ def test_doctor_fails_with_a_fix_when_criu_is_missing(tmp_path: Path, capsys):
     assert main(["doctor", "--config", str(cfg)]) == 1
     out = capsys.readouterr().out
     assert "FAIL  criu" in out and "fix: run `make criu`" in out
+
+
+def test_build_snapshotter_follows_the_config(setup):
+    from agent.checkpoint import build_snapshotter
+    from agent.config import load_config
+
+    cfg, store = setup
+    criu()
+    snap = build_snapshotter(load_config(cfg))
+    assert snap.store.root == store.root
+    assert snap.keep == 2 and snap.budget_bytes == 64 << 30
+    assert snap.criu.version.startswith("4.")

@@ -29,4 +29,6 @@ def build_snapshotter(config: Config) -> Snapshotter:
         store,
         CriuBackend(locate(config.snapshots.criu)),
         CudaCheckpoint(config.snapshots.cuda_lock_timeout_ms),
+        keep=config.snapshots.keep,
+        budget_bytes=int(config.snapshots.disk_budget_gib * 2**30),
     )

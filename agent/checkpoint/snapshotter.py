@@ -91,6 +91,8 @@ class Snapshotter:
         log_dir: Path | None = None,
         proc_root: Path = Path("/proc"),
         clock: Callable[[], float] = time.monotonic,
+        keep: int | None = None,
+        budget_bytes: int | None = None,
     ) -> None:
         self.store = store
         self.criu = criu
@@ -98,6 +100,8 @@ class Snapshotter:
         self.log_dir = log_dir or store.root / LOG_DIR
         self._proc = proc_root
         self._clock = clock
+        self.keep = keep
+        self.budget_bytes = budget_bytes
 
     def _log(self, name: str) -> Path:
         self.log_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
@@ -159,6 +163,9 @@ class Snapshotter:
                 criu_flags=dumped.flags,
             )
             path = draft.publish(manifest)
+        if self.keep is not None:
+            # Only now, with the replacement published, may older good ones go.
+            self.store.prune(self.keep, self.budget_bytes or 0)
         return SnapshotInfo(manifest.id, path, manifest)
 
     def _resume_after_failed_dump(self, pid: int, cause: SnapshotError) -> None:
