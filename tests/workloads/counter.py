@@ -13,6 +13,12 @@ if tcp:
 # Memory with content, so that an image has a known, incompressible size.
 ballast = os.urandom(ballast_mib << 20)
 count = 0
+# --cuda MIB: also hold MIB of GPU memory, whose sum is in every answer (bench/ GPU smoke).
+gpu = None
+if "--cuda" in sys.argv:
+    import torch
+
+    gpu = torch.ones(int(sys.argv[sys.argv.index("--cuda") + 1]) << 18, device="cuda")
 # A regular file held open, as engines hold their weights.
 held = open(__file__, "rb")  # noqa: SIM115
 if os.path.exists(path):
@@ -28,4 +34,5 @@ while True:
         if data.startswith(b"inc"):
             count += 1
             print(f"count {count}", flush=True)
-            conn.sendall(f"{count} {len(ballast)}\n".encode())
+            extra = f" {float(gpu.sum().item())}" if gpu is not None else ""
+            conn.sendall(f"{count} {len(ballast)}{extra}\n".encode())
