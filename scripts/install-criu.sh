@@ -8,8 +8,9 @@
 #
 # Where CRIU comes from, first match wins:
 #   1. a `criu` >= 4.1 already on PATH (or in /usr/sbin);
-#   2. Debian >= 13 / Ubuntu >= 24.04: `apt-get install criu` (4.1.x there);
-#   3. Debian 12: the Debian 13 package and the libraries it needs, fetched by
+#   2. apt offers criu >= 4.1 (Debian 13): `apt-get install criu`;
+#   3. otherwise (Debian 12; any apt system whose criu is older): the Debian 13
+#      package and the libraries it needs, fetched by
 #      debootstrap into a scratch root, then copied into a private prefix
 #      (.cache/criu/{sbin,lib}) and run through that prefix's own ld.so. CRIU
 #      is not run inside a chroot: it must see the real /proc and mounts.
@@ -85,10 +86,22 @@ from_path() {
     return 1
 }
 
-from_apt() {
-    say "apt-get install criu"
+apt_ready=
+apt_update() {
+    [ -n "$apt_ready" ] && return 0
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -q >/dev/null
+    apt_ready=1
+}
+
+# apt_candidate PKG: the upstream version apt would install ("4.1.1"), or "".
+apt_candidate() {
+    apt-cache policy "$1" 2>/dev/null | sed -n 's/^ *Candidate: *//p' |
+        sed 's/^[0-9]*://; s/[-+~].*//; s/^(none)$//'
+}
+
+from_apt() {
+    say "apt-get install criu ($1)"
     apt-get install -y -q criu >/dev/null
     v=$(criu_version /usr/sbin/criu)
     version_ok "$v" || die "the distribution's criu is $v, Pitstop needs >= $MIN_VERSION"
@@ -106,16 +119,21 @@ drop_scratch() {
 from_trixie() {
     if ! command -v debootstrap >/dev/null 2>&1; then
         say "apt-get install debootstrap"
-        export DEBIAN_FRONTEND=noninteractive
-        apt-get update -q >/dev/null
         apt-get install -y -q debootstrap >/dev/null
+    fi
+    # Debian's archive key (on Ubuntu, a separate package) verifies what is fetched.
+    keyring=/usr/share/keyrings/debian-archive-keyring.gpg
+    if [ ! -f "$keyring" ]; then
+        say "apt-get install debian-archive-keyring"
+        apt-get install -y -q debian-archive-keyring >/dev/null
     fi
     scratch="$DEST/.rootfs"
     drop_scratch "$scratch"
     rm -rf "$DEST/sbin" "$DEST/lib"
-    say "debootstrap trixie + criu into $scratch (about 30 s, touches nothing outside it)"
+    say "debootstrap trixie + criu into $scratch (1-3 minutes; touches nothing outside it)"
     # minbase resolves criu's library closure for us; the root is thrown away below.
-    if ! debootstrap --variant=minbase --include=criu trixie "$scratch" "$MIRROR" \
+    if ! debootstrap --keyring="$keyring" --variant=minbase --include=criu trixie \
+        "$scratch" "$MIRROR" \
         >"$DEST/debootstrap.log" 2>&1; then
         tail -n 20 "$DEST/debootstrap.log" >&2
         drop_scratch "$scratch"
@@ -137,12 +155,18 @@ install() {
         return 0
     fi
     from_path && return 0
-    . /etc/os-release
-    case "$ID:${VERSION_ID:-}" in
-        debian:12) from_trixie ;;
-        debian:*|ubuntu:2[4-9].*|ubuntu:[3-9]*) from_apt ;;
-        *) die "no CRIU >= $MIN_VERSION and no install recipe for $ID ${VERSION_ID:-}; install CRIU >= $MIN_VERSION and put it on PATH" ;;
-    esac
+    command -v apt-get >/dev/null 2>&1 ||
+        die "no CRIU >= $MIN_VERSION and no apt-get here; install CRIU >= $MIN_VERSION and put it on PATH"
+    # Debian 13, Ubuntu >= 24.10...: the distribution's criu is new enough. Otherwise
+    # (Debian 12, Ubuntu 24.04 without a 4.1 criu): Debian 13's, in a private prefix.
+    apt_update
+    candidate=$(apt_candidate criu)
+    if version_ok "$candidate"; then
+        from_apt "$candidate"
+    else
+        say "apt offers criu '${candidate:-none}' (< $MIN_VERSION): using Debian 13's in a private prefix"
+        from_trixie
+    fi
     wrapper_ok || die "$DEST/bin/criu does not run or is older than $MIN_VERSION"
 }
 
