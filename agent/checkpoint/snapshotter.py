@@ -123,30 +123,24 @@ class Snapshotter:
         opts = options or DumpOptions()
         timings: dict[str, float] = {}
         created = datetime.now(UTC)
+        pids = tree_pids(pid, self._proc)
         tree = ProcessTree(
             root_pid=pid,
-            pids=tree_pids(pid, self._proc),
+            pids=pids,
             inherited_pipes=std_pipes(pid, self._proc),
-            uses_cuda=uses_cuda(pid, self._proc),
+            cuda_pids=tuple(p for p in pids if uses_cuda(p, self._proc)),
         )
-        if tree.uses_cuda and self.cuda is None:
-            raise SnapshotError(f"PID {pid} uses CUDA but no CUDA checkpoint backend was given")
         with self.store.begin(kind) as draft:
             log = self._log(f"{draft.id}-dump.log")
-            if tree.uses_cuda:
-                assert self.cuda is not None
-                t = self.cuda.suspend(pid)
-                timings.update(cuda_lock=t.first_s, cuda_checkpoint=t.second_s)
+            self._suspend(tree.cuda_pids, timings)
             try:
                 dumped = self.criu.dump(pid, draft.dir, log, opts)
             except SnapshotError as e:
-                if tree.uses_cuda:
-                    self._resume_after_failed_dump(pid, e)
+                self._resume(tree.cuda_pids, timings, cause=e)
                 raise
             timings["criu_dump"] = dumped.duration_s
-            if tree.uses_cuda and opts.leave_running:
-                t = self.cuda.resume(pid)  # type: ignore[union-attr]
-                timings.update(cuda_restore=t.first_s, cuda_unlock=t.second_s)
+            if opts.leave_running:
+                self._resume(tree.cuda_pids, timings)
             t0 = self._clock()
             files = draft.seal()
             timings["seal"] = self._clock() - t0
@@ -168,15 +162,41 @@ class Snapshotter:
             self.store.prune(self.keep, self.budget_bytes or 0)
         return SnapshotInfo(manifest.id, path, manifest)
 
-    def _resume_after_failed_dump(self, pid: int, cause: SnapshotError) -> None:
-        assert self.cuda is not None
-        try:
-            self.cuda.resume(pid)
-        except SnapshotError as e:
-            raise SnapshotError(
-                f"{cause}\nand then CUDA restore/unlock of PID {pid} failed too: {e}; "
-                f"the engine cannot serve: kill PID {pid} and cold start"
-            ) from e
+    def _cuda(self) -> CudaCheckpoint:
+        if self.cuda is None:
+            raise SnapshotError("the engine uses CUDA but no CUDA checkpoint backend was given")
+        return self.cuda
+
+    def _suspend(self, pids: tuple[int, ...], timings: dict[str, float]) -> None:
+        """CUDA lock + checkpoint of each PID; if one fails, the ones done are resumed."""
+        done: list[int] = []
+        for p in pids:
+            try:
+                t = self._cuda().suspend(p)
+            except SnapshotError as e:
+                self._resume(tuple(done), timings, cause=e)
+                raise
+            done.append(p)
+            timings["cuda_lock"] = timings.get("cuda_lock", 0.0) + t.first_s
+            timings["cuda_checkpoint"] = timings.get("cuda_checkpoint", 0.0) + t.second_s
+
+    def _resume(
+        self, pids: tuple[int, ...], timings: dict[str, float], cause: Exception | None = None
+    ) -> None:
+        """CUDA restore + unlock of each PID. After a failure (`cause`), a failing resume
+        is reported together with the cause: that engine can no longer serve."""
+        for p in pids:
+            try:
+                t = self._cuda().resume(p)
+            except SnapshotError as e:
+                if cause is None:
+                    raise
+                raise SnapshotError(
+                    f"{cause}\nand then CUDA restore/unlock of PID {p} failed too: {e}; "
+                    f"the engine cannot serve: kill it and cold start"
+                ) from e
+            timings["cuda_restore"] = timings.get("cuda_restore", 0.0) + t.first_s
+            timings["cuda_unlock"] = timings.get("cuda_unlock", 0.0) + t.second_s
 
     def restore(self, manifest: Manifest) -> RestoredProcess:
         """Restore a snapshot `select` chose. On any failure the restored tree is killed
@@ -210,11 +230,7 @@ class Snapshotter:
                     f"snapshot {manifest.id}: restored root PID {done.pid}, "
                     f"dumped as {manifest.process.root_pid}"
                 )
-            if manifest.process.uses_cuda:
-                if self.cuda is None:
-                    raise SnapshotError(f"snapshot {manifest.id} needs CUDA checkpoint support")
-                t = self.cuda.resume(done.pid)
-                timings.update(cuda_restore=t.first_s, cuda_unlock=t.second_s)
+            self._resume(manifest.process.cuda_pids, timings)
         except BaseException:
             kill_tree(done.pid, proc=self._proc)
             for f in files.values():

@@ -49,7 +49,9 @@ class ProcessTree(_Strict):
     # fd number -> "pipe:[INODE]" for the root's stdout/stderr when they were pipes to
     # the agent; restore re-wires each with `criu --inherit-fd` to a new pipe.
     inherited_pipes: dict[str, str] = Field(default_factory=dict)
-    uses_cuda: bool = False
+    # The PIDs that held a CUDA context (vLLM's engine core is a child, not the root);
+    # each was CUDA-checkpointed before the dump and is CUDA-restored after a restore.
+    cuda_pids: tuple[int, ...] = ()
 
 
 class Canary(_Strict):

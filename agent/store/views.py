@@ -50,7 +50,7 @@ def manifest_text(m: Manifest) -> str:
         f"created:     {m.created_at.isoformat()}",
         f"image:       {_size(m.image_bytes)} in {len(m.files)} files",
         f"process:     root PID {m.process.root_pid}, PIDs {list(m.process.pids)}"
-        + (", uses CUDA" if m.process.uses_cuda else ""),
+        + (f", CUDA in {list(m.process.cuda_pids)}" if m.process.cuda_pids else ""),
         f"criu flags:  {' '.join(m.criu_flags)}",
         "timings:     " + ", ".join(f"{k} {v:.3f}s" for k, v in m.timings.items()),
         f"canary:      {m.canary.prompt!r} -> {m.canary.text!r}",
