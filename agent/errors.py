@@ -35,3 +35,15 @@ class SnapshotError(PitstopError):
 
 class StatusError(PitstopError):
     """The agent's status could not be read."""
+
+
+class IdentityError(PitstopError):
+    """A fact of the host's identity (GPU, engine packages, ...) could not be read."""
+
+
+class SourceUnavailable(IdentityError):
+    """An identity source is absent on this host (no NVIDIA driver, say): a valid None."""
+
+
+class WeightsError(PitstopError):
+    """The model's weight and config files could not be listed or hashed."""
