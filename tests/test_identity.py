@@ -53,7 +53,7 @@ def test_no_gpu_here_gives_none_fields_not_a_crash(tmp_path: Path):
             ident.gpu_memory_bytes, ident.cuda_checkpoint) == (None,) * 6
     assert ident.kernel == os.uname().release
     assert (ident.engine_distribution, ident.engine_version) == ("pitstop", agent.__version__)
-    assert ident.python == "%d.%d.%d" % sys.version_info[:3]
+    assert ident.python == ".".join(map(str, sys.version_info[:3]))
     assert ident.torch is not None and ident.torch.startswith("2.")
     assert ident.criu == "4.1.1" and ident.weights_digest == "sha256:abc"
     # The whole launch argv: a restored process keeps its model path, socket and flags.
