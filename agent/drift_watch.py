@@ -69,7 +69,7 @@ class DriftWatcher:
         reference = self._reference
         try:
             now = await asyncio.to_thread(self._identify)
-        except PitstopError as e:
+        except (PitstopError, OSError) as e:
             # A file replaced while hashed, a package being installed: try at the next round.
             if str(e) != self._last_error:
                 log.warning("drift check: cannot read the host identity: %s", e)
@@ -100,10 +100,16 @@ class DriftWatcher:
         return diffs
 
     async def run(self) -> None:
-        """Check every interval until cancelled."""
+        """Check every interval until cancelled; an interval of 0 (config: off) returns."""
+        if self.interval_s <= 0:
+            return
         while True:
             await asyncio.sleep(self.interval_s)
-            await self.check()
+            try:
+                await self.check()
+            except Exception:
+                # A bug here must not silently end drift detection for the agent's life.
+                log.exception("drift check failed; trying again in %.0f s", self.interval_s)
 
 
 def build_reader(config: Config, adapter: EngineAdapter, criu_version: str | None) -> HostIdentity:
