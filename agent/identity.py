@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import platform
 import shutil
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from agent.config import Config
     from agent.engines.base import EngineAdapter
     from agent.weights import WeightsDigest, WeightsDigester
+
+log = logging.getLogger("pitstop.identity")
 
 # Environment variables that change what the engine computes or where it runs;
 # only these are recorded, so that unrelated variables do not make snapshots stale.
@@ -398,7 +401,14 @@ class HostIdentity:
         self.last_weights: WeightsDigest | None = None
 
     def __call__(self) -> Identity:
+        from agent.weights import describe_change
+
+        before = self.last_weights
         self.last_weights = self.digester.digest(self.config.engine.model)
+        if before is not None and before.digest != self.last_weights.digest:
+            # The digest alone says that; the operator wants to know which files.
+            log.info("weights in %s changed: %s", self.config.engine.model,
+                     ", ".join(describe_change(before, self.last_weights)))
         return host_identity(self.config, self.adapter, self.criu_version,
                              self.last_weights.digest, **self._kwargs)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import threading
 from pathlib import Path
@@ -16,7 +17,8 @@ from agent.metrics import Metrics, StatusView, new_registry
 from agent.weights import CACHE_NAME, WeightsDigester
 
 
-def test_a_rewritten_weight_is_reported_once_from_a_worker_thread(tiny_model, tmp_path: Path):
+def test_a_rewritten_weight_is_reported_once_from_a_worker_thread(
+        tiny_model, tmp_path: Path, caplog):
     shutil.copytree(tiny_model, tmp_path / "model")
     (tmp_path / "state").mkdir()
     cfg = parse_config({"engine": {"model": str(tmp_path / "model"), "device": "cpu"},
@@ -42,8 +44,10 @@ def test_a_rewritten_weight_is_reported_once_from_a_worker_thread(tiny_model, tm
         with open(tmp_path / "model" / "model.safetensors", "r+b") as f:
             f.seek(-8, 2)
             f.write(b"drifted!")
-        diffs = await watcher.check()
+        with caplog.at_level(logging.INFO, "pitstop.identity"):
+            diffs = await watcher.check()
         assert [d.field for d in diffs] == ["weights_digest"]
+        assert "changed: changed model.safetensors" in caplog.text
         assert reader.last_weights.files_hashed == 1  # only the changed file was read
         await watcher.check()  # the same drift again: not reported twice
         assert len(reported) == 1
