@@ -33,7 +33,7 @@ class Output:
     error: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not field equality: two requests may look alike
 class Sequence:
     """A request as the loop sees it. `tokens` is prompt + generated; the KV slot holds
     the first `computed` of them."""
@@ -122,6 +122,8 @@ class Scheduler:
     def cancel(self, seq: Sequence) -> None:
         with self._cond:
             seq.cancelled = True
+            if seq in self._waiting:
+                self._waiting.remove(seq)
             self._cond.notify_all()
 
     def state(self) -> dict[str, int | bool]:
