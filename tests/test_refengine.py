@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -11,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import openai
 import pytest
 
@@ -273,7 +275,23 @@ def test_engine_refuses_a_missing_model(tmp_path: Path) -> None:
 
 
 def test_tcp_listener_and_prefill_chunks(tiny_model: Path) -> None:
-    """--prefill-chunk > 1 is the fast path for big prompts; greedy output stays sensible."""
-    with run_engine(tiny_model, "--prefill-chunk", "16", "--kv-slots", "1") as engine:
+    """--prefill-chunk > 1 is the fast path for long prompts; --host/--port add TCP."""
+    with socket.socket() as s:  # a free loopback port (the engine binds it right after)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with run_engine(tiny_model, "--prefill-chunk", "16", "--kv-slots", "1",
+                    "--host", "127.0.0.1", "--port", str(port)) as engine:
         _, ids, text = complete_ids(engine, PROMPTS[1], 16)
+        models = httpx2.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
     assert len(ids) == 16 and text
+    assert models["data"][0]["id"] == "tiny"
+
+
+def test_bfloat16_greedy_resume_is_exact(tiny_model: Path) -> None:
+    with run_engine(tiny_model, "--dtype", "bfloat16", "--max-model-len", "256") as engine:
+        assert engine.http().get("/pitstop/state").json()["dtype"] == "bfloat16"
+        for prompt in PROMPTS[:2]:
+            prompt_ids, full, _ = complete_ids(engine, prompt, 32)
+            _, head, _ = complete_ids(engine, prompt, 13)
+            _, tail, _ = complete_ids(engine, prompt_ids + head, 32 - 13)
+            assert head + tail == full, prompt
