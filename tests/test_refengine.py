@@ -227,6 +227,8 @@ def test_prepare_refuses_while_a_request_runs(refengine: Engine) -> None:
         busy = refengine.http().post("/pitstop/prepare", json={"timeout_s": 0})
     assert busy.status_code == 409
     assert "running" in busy.json()["error"]["message"]
+    bad = refengine.http().post("/pitstop/prepare", json={"timeout_s": "soon"})
+    assert bad.status_code == 400 and "timeout_s" in bad.json()["error"]["message"]
     assert refengine.http().get("/pitstop/state").json()["paused"] is False
 
 
