@@ -305,3 +305,16 @@ def test_bfloat16_greedy_resume_is_exact(tiny_model: Path) -> None:
             _, head, _ = complete_ids(engine, prompt, 13)
             _, tail, _ = complete_ids(engine, prompt_ids + head, 32 - 13)
             assert head + tail == full, prompt
+
+
+def test_chat_resumes_through_completions_exactly(refengine: Engine) -> None:
+    """A chat stream continues as a completion of prompt ids + ids sent, like the front does."""
+    messages = [{"role": "user", "content": "Tell me about the bridge."}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    with refengine.http() as c:
+        full = c.post("/v1/chat/completions", json=body).json()
+    prompt_ids, ids = full["prompt_token_ids"], full["choices"][0]["token_ids"]
+    k = 9
+    _, tail, _ = complete_ids(refengine, prompt_ids + ids[:k], 24 - k)
+    assert ids[:k] + tail == ids
