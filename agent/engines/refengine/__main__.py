@@ -111,7 +111,7 @@ async def _serve(args: argparse.Namespace) -> int:
     sched.start()
     name = args.served_model_name or args.model.name
     runner = web.AppRunner(EngineApp(model, tokenizer, sched, name, str(args.model)).build(),
-                           access_log=None)
+                           access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     where = []
     if args.uds is not None:
@@ -128,8 +128,10 @@ async def _serve(args: argparse.Namespace) -> int:
              pool.nbytes / 1e6, args.model)
     await done.wait()
     log.info("stopping")
+    # Stop generating first: handlers still streaming get an error and end, so the
+    # runner's cleanup does not wait for them.
+    await asyncio.to_thread(sched.stop)
     await runner.cleanup()
-    sched.stop()
     if args.uds is not None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(args.uds)
