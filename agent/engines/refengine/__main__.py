@@ -10,7 +10,6 @@ import logging
 import os
 import signal
 import sys
-import warnings
 from pathlib import Path
 
 log = logging.getLogger("refengine")
@@ -48,8 +47,6 @@ def main(argv: list[str] | None = None) -> int:
         print("refengine: --kv-slots, --prefill-chunk and --threads must be at least 1",
               file=sys.stderr)
         return 2
-    # torch warns at import when numpy is absent; the engine never uses numpy.
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     from agent.errors import ModelError
 
     try:
