@@ -131,7 +131,7 @@ def _open_permissions(sdir: Path) -> None:
 
 
 @pytest.mark.parametrize(("damage", "words"), [
-    (_flip_a_byte, "checksum"),
+    (_flip_a_byte, "sha256"),
     (_truncate_manifest, "manifest"),
     (_another_host, "kernel"),
     (_open_permissions, "mode"),
