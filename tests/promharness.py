@@ -180,15 +180,24 @@ def short_for_rules(src: Path, dst: Path, for_: str = "2s") -> Path:
 
 
 @contextlib.contextmanager
-def running_prometheus(workdir: Path, targets: list[str], rule_files: list[Path],
-                       interval: str = "1s") -> Iterator[PrometheusServer]:
-    """Prometheus scraping `targets` as job "pitstop" every `interval`, with `rule_files`."""
+def running_prometheus(workdir: Path, targets: list[str] | dict[str, str],
+                       rule_files: list[Path], interval: str = "1s"
+                       ) -> Iterator[PrometheusServer]:
+    """Prometheus scraping `targets` as job "pitstop" every `interval`, with `rule_files`.
+
+    `targets` is a list of host:port (each its own `instance`), or {instance: host:port}.
+    """
     workdir.mkdir(parents=True, exist_ok=True)
+    if isinstance(targets, dict):
+        static = [{"targets": [addr], "labels": {"instance": name}}
+                  for name, addr in targets.items()]
+    else:
+        static = [{"targets": targets}]
     config = {
         "global": {"scrape_interval": interval, "evaluation_interval": interval,
                    "scrape_timeout": interval},
         "rule_files": [str(p) for p in rule_files],
-        "scrape_configs": [{"job_name": "pitstop", "static_configs": [{"targets": targets}]}],
+        "scrape_configs": [{"job_name": "pitstop", "static_configs": static}],
     }
     cfg = workdir / "prometheus.yml"
     cfg.write_text(yaml.safe_dump(config))
