@@ -45,11 +45,11 @@ PALETTE = ["#73bf69", "#f2cc0c", "#5794f2", "#ff9830", "#f2495c", "#b877d9", "#8
 
 
 # --- the run --------------------------------------------------------------------------------
-def disturb(agent: ph.RunningAgent, how: str) -> None:
+def disturb(agent: ph.Agent, how: str) -> None:
     """Kill (a crash) or freeze (a hang) the agent's current engine."""
     pid = ph.wait_for("an engine to disturb", lambda: agent.status()["state"] == "ready"
                       and agent.status()["engine_pid"], timeout=120)
-    print(f"  {how} engine {pid} of {agent.state_dir.name}", flush=True)
+    print(f"  {how} engine {pid} of {agent.name}", flush=True)
     os.kill(pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import shutil
 import signal
@@ -20,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from tests import agentproc
 
 REPO = Path(__file__).resolve().parent.parent
 RULES = REPO / "rules" / "pitstop.rules.yml"
@@ -54,91 +55,48 @@ def wait_for(what: str, check: Any, timeout: float, every: float = 0.2) -> Any:
     raise TimeoutError(f"{what}: not seen within {timeout:.0f}s (last: {last!r})")
 
 
-# --- the model --------------------------------------------------------------------------
-def have_reference_engine() -> bool:
-    """Whether this checkout has the reference engine and `pitstop make-model`."""
-    try:
-        import agent.engines.refengine  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
+# --- the model and the agent ----------------------------------------------------------------
 def ensure_model(model: Path = MODEL_DIR) -> Path:
-    """The tiny model, made once with `pitstop make-model` into .cache/ (git-ignored)."""
+    """The tiny model, made once with `pitstop make-model` (idempotent) into `model`."""
     if not (model / "config.json").exists():
         model.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run([str(PITSTOP), "make-model", str(model)], check=True, timeout=300)
     return model
 
 
-# --- the agent --------------------------------------------------------------------------
-@dataclass
-class RunningAgent:
-    """A `pitstop run` child; `metrics` is host:port read from its status.json."""
+def agent_config(tmp: Path, model: Path, **overrides: dict[str, Any]) -> dict[str, Any]:
+    """tests/agentproc's config (ports from the kernel, state in `tmp`) with the front off:
+    these tests look at the agent's metrics only."""
+    return agentproc.agent_config(tmp, model, **{"front": {"enabled": False}, **overrides})
 
-    proc: subprocess.Popen[bytes]
-    state_dir: Path
+
+@dataclass
+class Agent:
+    """A running `pitstop run`; `metrics` is the host:port it bound, from status.json."""
+
+    name: str
+    proc: agentproc.RunningAgent
     metrics: str
-    log: Path
 
     def status(self) -> dict[str, Any]:
-        return json.loads((self.state_dir / "run" / "status.json").read_text())
+        return self.proc.status()
 
     def scrape(self) -> str:
         return http_get(f"http://{self.metrics}/metrics").decode()
 
-    def stop(self, timeout: float = 20.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                # The agent owns its engine tree; its own kill failed, so take the group down.
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
-
-
-def agent_config(state_dir: Path, model: Path, **overrides: Any) -> dict[str, Any]:
-    """A config for tests: front off, metrics on a port the kernel picks, state in tmp."""
-    cfg: dict[str, Any] = {
-        "engine": {"kind": "reference", "model": str(model), "device": "cpu"},
-        "front": {"enabled": False},
-        "paths": {"state_dir": str(state_dir)},
-        "metrics": {"host": "127.0.0.1", "port": 0},
-        "health": {"interval_s": 0.5},
-    }
-    for section, values in overrides.items():
-        cfg.setdefault(section, {}).update(values)
-    return cfg
-
 
 @contextlib.contextmanager
 def running_agent(workdir: Path, name: str, config: dict[str, Any],
-                  start_timeout: float = 60.0) -> Iterator[RunningAgent]:
+                  start_timeout: float = 60.0) -> Iterator[Agent]:
     """Start `pitstop run` on `config`; yield once its metrics port is known; stop it."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    cfg_path = workdir / f"{name}.yaml"
-    cfg_path.write_text(yaml.safe_dump(config))
-    state_dir = Path(config["paths"]["state_dir"])
-    log = workdir / f"{name}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen([str(PITSTOP), "run", "--config", str(cfg_path)], stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-    agent = RunningAgent(proc, state_dir, "", log)
+    tmp = workdir / name
+    tmp.mkdir(parents=True, exist_ok=True)
+    proc = agentproc.RunningAgent(tmp, config)
     try:
-        def metrics_bound() -> str:
-            if proc.poll() is not None:
-                raise RuntimeError(f"agent {name} exited {proc.returncode}: "
-                                   f"{log.read_text()[-2000:]}")
-            return agent.status().get("metrics", "")
-
-        agent.metrics = wait_for(f"agent {name} metrics port in status.json", metrics_bound,
-                                 start_timeout)
-        yield agent
+        st = proc.wait_for(lambda s: s.get("metrics"), start_timeout, "the metrics port")
+        yield Agent(name, proc, st["metrics"])
     finally:
-        agent.stop()
+        proc.stop()
 
 
 # --- Prometheus -------------------------------------------------------------------------

@@ -168,17 +168,15 @@ def test_metric_name_extraction() -> None:
 class Live:
     """The module's running pieces: one healthy agent, one that never gets healthy."""
 
-    def __init__(self, prometheus: ph.PrometheusServer, healthy: ph.RunningAgent,
-                 broken: ph.RunningAgent) -> None:
+    def __init__(self, prometheus: ph.PrometheusServer, healthy: ph.Agent,
+                 broken: ph.Agent) -> None:
         self.prometheus, self.healthy, self.broken = prometheus, healthy, broken
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+def live(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Live]:
     need_prometheus()
-    require(ph.have_reference_engine(), "the reference engine (agent.engines.refengine) is "
-            "not in this checkout yet; it comes with branch refengine")
-    model = ph.ensure_model()
+    model = tiny_model
     work = tmp_path_factory.mktemp("obs")
     healthy_cfg = ph.agent_config(work / "healthy", model)
     # The real engine, given too little time to ever answer its health check: every start
