@@ -24,6 +24,12 @@ STAGE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 6
 STALL_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
 RECOVERY_PATHS = ("hybrid", "full", "warm", "cold")
+RESULTS = ("success", "failure")
+# What makes the supervisor walk the ladder, and the failures it did not ask for.
+RECOVERY_CAUSES = ("startup", "crash", "exit", "hang", "reload", "reset")
+FAILURE_CAUSES = ("crash", "exit", "hang")
+FALLTHROUGH_REASONS = ("skipped", "start_failed", "verify_failed")
+SNAPSHOT_KINDS = ("hybrid", "full")
 
 
 @dataclass(frozen=True)
@@ -136,7 +142,27 @@ class Metrics:
             "Requests the front could not finish, by reason (deadline, queue_full, "
             "resume_limit, engine_error, client_gone).",
             ["reason"], registry=registry)
+        self._initialise_known_labels()
         registry.register(StatusCollector(status))
+
+    def _initialise_known_labels(self) -> None:
+        """Export 0 for every known label set before its first event.
+
+        A counter series that first appears at 1 has no `increase()`: without this, the
+        dashboards would miss every host's first crash, first hang, first fall-through.
+        """
+        for path in RECOVERY_PATHS:
+            for result in RESULTS:
+                for cause in RECOVERY_CAUSES:
+                    self.recoveries.labels(path=path, result=result, cause=cause)
+            for reason in FALLTHROUGH_REASONS:
+                self.ladder_fallthroughs.labels(path=path, reason=reason)
+        for cause in FAILURE_CAUSES:
+            self.engine_failures.labels(cause=cause)
+        for result in RESULTS:
+            self.regenerations.labels(result=result)
+            for kind in SNAPSHOT_KINDS:
+                self.snapshots_created.labels(kind=kind, result=result)
 
 
 class StatusCollector(Collector):

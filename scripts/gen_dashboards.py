@@ -256,7 +256,7 @@ def fleet_panels() -> list[dict[str, Any]]:
                       "stale hosts: {{reason}}", "B")], w=8, custom=BARS),
         panel("table", "Versions per host", "pitstop_node_info: what each host runs. Join "
               "with DCGM on driver_version (DCGM_FI_DRIVER_VERSION).",
-              [target(f"pitstop_node_info{{{I}}}", "", instant=True, table=True)], w=24,
+              [target(f"pitstop_node_info{{{I}}}", "", instant=True, table=True)], w=24, h=6,
               transformations=[{"id": "organize", "options": {
                   "excludeByName": {"Time": True, "Value": True, "job": True,
                                     "__name__": True},
