@@ -36,6 +36,11 @@ def panel(kind: str, title: str, desc: str, targets: list[dict[str, Any]], unit:
           custom: dict[str, Any] | None = None, mappings: list[dict[str, Any]] | None = None,
           transformations: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     defaults: dict[str, Any] = {"unit": unit}
+    if custom is BARS:
+        # Event counts: the agent exports every known label set at 0 from the start, and
+        # 48 zero series would crowd out the few that had events.
+        for t in targets:
+            t["expr"] = f"{t['expr']} > 0"
     if custom:
         defaults["custom"] = custom
     if mappings:
@@ -232,7 +237,7 @@ def fleet_panels() -> list[dict[str, Any]]:
         panel("bargauge", "Recoveries by cause", "Recoveries in the dashboard's time range, "
               "by cause, path and result.",
               [target(f"sum by (cause, path, result) (increase(pitstop_recoveries_total{{{I}}}"
-                      "[$__range]))", "{{cause}} via {{path}}: {{result}}", instant=True)],
+                      "[$__range])) > 0", "{{cause}} via {{path}}: {{result}}", instant=True)],
               options={"orientation": "horizontal", "displayMode": "basic"}),
         row("Snapshots and drift"),
         panel("bargauge", "Time since the last good snapshot", "Age of each host's newest "

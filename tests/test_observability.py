@@ -139,15 +139,14 @@ def test_dashboard_shape(path: Path) -> None:
                 assert window in ("$__rate_interval", "$__range"), f"{p['title']}: [{window}]"
 
 
-def test_every_expression_parses() -> None:
+def test_every_expression_parses(tmp_path: Path) -> None:
     """promtool parses each dashboard expression, as a recording rule of a scratch file."""
     need_prometheus()
     exprs = [ph.substitute(e) for path in ph.DASHBOARDS for _, e in ph.dashboard_exprs(path)
              if not e.startswith("label_values(")]
     doc = {"groups": [{"name": "dashboards", "rules": [
         {"record": f"dashboard:expr{n}", "expr": e} for n, e in enumerate(exprs)]}]}
-    scratch = ph.REPO / ".cache" / "dashboard-exprs.rules.yml"
-    scratch.parent.mkdir(exist_ok=True)
+    scratch = tmp_path / "dashboard-exprs.rules.yml"
     scratch.write_text(yaml.safe_dump(doc))
     r = promtool("check", "rules", str(scratch))
     assert r.returncode == 0, r.stdout + r.stderr
