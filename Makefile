@@ -6,7 +6,7 @@ CACHE ?= .cache
 MODEL ?= $(HOME)/.cache/pitstop/tiny-llama
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: run test lint venv model criu criu-bundle clean
+.PHONY: run test lint venv model criu criu-bundle clean prometheus docs-images
 
 venv: $(VENV)/.installed
 
@@ -36,10 +36,19 @@ run: venv model criu
 	$(BIN)/pitstop run
 
 lint: venv
-	$(BIN)/ruff check agent tests bench
+	$(BIN)/ruff check agent tests bench scripts
 
-test: venv criu
-	$(BIN)/ruff check agent tests bench
+# promtool and the Prometheus server, from Debian's package: the rule and alert tests.
+prometheus:
+	bash scripts/install-prometheus.sh
+
+# The dashboard pictures in docs/img/, from a short real run (matplotlib: the docs extra).
+docs-images: venv prometheus model
+	$(BIN)/pip install -q -e '.[docs]'
+	$(BIN)/python scripts/render_dashboards.py --model $(MODEL) --out docs/img
+
+test: venv criu prometheus
+	$(BIN)/ruff check agent tests bench scripts
 	$(BIN)/python -m pytest -q -ra
 
 clean:

@@ -69,7 +69,8 @@ class Agent:
         private_dir(config.paths.run)
         self.status_file = StatusFile(config.paths.run / "status.json")
         self._node = NodeInfo(kernel=os.uname().release, engine_kind=config.engine.kind,
-                              engine_version=self.adapter.version())
+                              engine_version=self.adapter.version(),
+                              model=config.engine.model_name)
         self.registry = new_registry()
         self.metrics = Metrics(self.registry, self.status_view)
         self.front = None
