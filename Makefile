@@ -6,7 +6,7 @@ CACHE ?= .cache
 MODEL ?= $(HOME)/.cache/pitstop/tiny-llama
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: run test lint venv model clean
+.PHONY: run test lint venv vllm model clean
 
 venv: $(VENV)/.installed
 
@@ -18,6 +18,11 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
+# Real vLLM (CPU build) in a venv of its own, for tests/test_vllm_engine.py; cached by a stamp
+# under $(CACHE), about 2 min the first time (LAB.md fact 7).
+vllm:
+	scripts/install-vllm.sh
+
 model: venv
 	$(BIN)/pitstop make-model $(MODEL)
 
@@ -27,7 +32,7 @@ run: venv model
 lint: venv
 	$(BIN)/ruff check agent tests bench
 
-test: venv
+test: venv vllm
 	$(BIN)/ruff check agent tests bench
 	$(BIN)/python -m pytest -q -ra
 

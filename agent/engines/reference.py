@@ -14,6 +14,7 @@ class ReferenceAdapter:
 
     kind = "reference"
     health_path = "/health"
+    metrics_path = None
 
     def __init__(self, config: Config) -> None:
         self._config = config
