@@ -25,6 +25,49 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from agent.run import run_agent
+
+    return run_agent(args.config, verbose=args.verbose)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    from agent.config import load_config
+    from agent.supervisor.status import StatusFile
+
+    cfg = load_config(args.config)
+    data = StatusFile(cfg.paths.run / "status.json").read()
+    if args.json:
+        print(json.dumps(data, indent=1))
+    else:
+        print(format_status(data))
+    return EXIT_OK if data["state"] == "ready" else EXIT_FAIL
+
+
+def format_status(data: dict) -> str:
+    import time
+
+    lines = [f"state:    {data['state']}" + (f" ({data['reason']})" if data.get("reason") else "")]
+    lines.append(f"engine:   {data.get('engine_kind', '?')}, pid {data.get('engine_pid') or '-'}")
+    since = data.get("engine_ready_since")
+    if since and data.get("engine_pid"):
+        lines.append(f"uptime:   {time.time() - since:.0f}s")
+    rec = data.get("last_recovery")
+    if rec:
+        lines.append(f"last recovery: {rec['path']} ({rec['cause']}) {rec['result']} in "
+                     f"{rec['duration_s']:.2f}s")
+        for f in rec.get("fallthroughs", []):
+            lines.append(f"  fell through: {f}")
+    lines.append(f"restarts: {data.get('restarts', 0)}")
+    if data.get("front"):
+        lines.append(f"front:    http://{data['front']}/v1")
+    if data.get("metrics"):
+        lines.append(f"metrics:  http://{data['metrics']}/metrics")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pitstop", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -32,6 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check-config", help="validate a configuration file (exit 2 when invalid)")
     c.add_argument("file", type=Path)
     c.set_defaults(func=_cmd_check_config)
+
+    r = sub.add_parser("run", help="run the agent in the foreground (what the systemd unit runs)")
+    r.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
+    r.add_argument("-v", "--verbose", action="store_true")
+    r.set_defaults(func=_cmd_run)
+
+    s = sub.add_parser("status", help="the agent's state, engine PID, uptime, last recovery")
+    s.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_cmd_status)
     return p
 
 

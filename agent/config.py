@@ -162,7 +162,8 @@ def parse_config(data: Any, source: str) -> Config:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+        raise ConfigError(
+            f"{source}: expected a mapping at the top level, got {type(data).__name__}")
     try:
         return Config.model_validate(data)
     except ValidationError as e:

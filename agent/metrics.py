@@ -1,0 +1,214 @@
+"""Every Prometheus metric Pitstop exports, defined here and nowhere else.
+
+Events (recoveries, requests) are counted as they happen; states (engine up, snapshot
+age) are read from the agent's status at scrape time by `StatusCollector`. docs/metrics.md
+documents each one; tests check that the dashboards and rules use only names from here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+import agent
+
+# Recovery times span a 1 s hybrid restore to a multi-minute cold start of a big model.
+RECOVERY_BUCKETS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0,
+                    120.0, 300.0, 600.0)
+STAGE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
+STALL_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+
+RECOVERY_PATHS = ("hybrid", "full", "warm", "cold")
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What `pitstop_node_info` carries, to join a fleet's hosts with DCGM's labels."""
+
+    driver_version: str = ""
+    cuda_driver_version: str = ""
+    kernel: str = ""
+    engine_kind: str = ""
+    engine_version: str = ""
+    weights_digest: str = ""
+    gpu_name: str = ""
+
+
+@dataclass(frozen=True)
+class StatusView:
+    """The read-only slice of the agent's status that scrape-time metrics need."""
+
+    state: str
+    engine_up: bool
+    engine_start_time: float | None
+    states: tuple[str, ...]
+    node: NodeInfo
+    snapshot_created: float | None = None
+    snapshot_bytes: int | None = None
+    snapshot_kind: str = ""
+    stale_reasons: tuple[str, ...] = ()
+    holder_up: bool | None = None
+    holder_bytes: int | None = None
+    front_queue_depth: int = 0
+    front_inflight: int = 0
+
+
+class Metrics:
+    """The metric objects, registered on an injected registry.
+
+    Example::
+
+        m = Metrics(CollectorRegistry(), status=lambda: view)
+        m.recoveries.labels(path="cold", result="success", cause="crash").inc()
+    """
+
+    def __init__(self, registry: CollectorRegistry, status: Callable[[], StatusView]) -> None:
+        self.registry = registry
+        # --- supervisor: restarts and recoveries -------------------------------------
+        self.recoveries = Counter(
+            "pitstop_recoveries_total",
+            "Engine (re)starts by the ladder path that served them, result and cause.",
+            ["path", "result", "cause"], registry=registry)
+        self.recovery_duration = Histogram(
+            "pitstop_recovery_duration_seconds",
+            "From the decision to (re)start the engine to its verified canary answer.",
+            ["path", "result"], buckets=RECOVERY_BUCKETS, registry=registry)
+        self.recovery_stage_duration = Histogram(
+            "pitstop_recovery_stage_duration_seconds",
+            "Duration of one stage of a recovery (spawn, criu_restore, cuda_restore, attach, "
+            "health, verify, ...).",
+            ["path", "stage"], buckets=STAGE_BUCKETS, registry=registry)
+        self.ladder_fallthroughs = Counter(
+            "pitstop_ladder_fallthroughs_total",
+            "A ladder path skipped or failed, so the next one was tried, by reason.",
+            ["path", "reason"], registry=registry)
+        self.engine_failures = Counter(
+            "pitstop_engine_failures_total",
+            "Engine failures the agent did not ask for, by cause (exit, signal, hang, verify).",
+            ["cause"], registry=registry)
+        # --- snapshots and drift -----------------------------------------------------
+        self.snapshots_created = Counter(
+            "pitstop_snapshots_created_total",
+            "Snapshots taken, by kind (full, hybrid) and result.",
+            ["kind", "result"], registry=registry)
+        self.snapshot_create_duration = Histogram(
+            "pitstop_snapshot_create_duration_seconds",
+            "Time to take and publish one snapshot.",
+            ["kind"], buckets=RECOVERY_BUCKETS, registry=registry)
+        self.snapshots_rejected = Counter(
+            "pitstop_snapshots_rejected_total",
+            "Snapshots refused at restore time, by reason (stale, corrupt, foreign, ...).",
+            ["reason"], registry=registry)
+        self.drift_events = Counter(
+            "pitstop_drift_events_total",
+            "Identity fields seen to differ from the current snapshot's, by field.",
+            ["field"], registry=registry)
+        self.regenerations = Counter(
+            "pitstop_regenerations_total",
+            "Snapshot regenerations after drift or a cold start, by result.",
+            ["result"], registry=registry)
+        # --- front -------------------------------------------------------------------
+        self.front_requests = Counter(
+            "pitstop_front_requests_total",
+            "Requests the front answered, by endpoint and HTTP status code.",
+            ["endpoint", "code"], registry=registry)
+        self.front_queue_wait = Histogram(
+            "pitstop_front_queue_wait_seconds",
+            "Time a request waited for a ready engine before it was forwarded.",
+            buckets=STALL_BUCKETS, registry=registry)
+        self.front_resumed = Counter(
+            "pitstop_front_resumed_requests_total",
+            "Requests continued on a recovered engine after the engine died mid-answer.",
+            ["endpoint"], registry=registry)
+        self.front_stall = Histogram(
+            "pitstop_front_stall_seconds",
+            "Pause seen by a client whose answer was resumed across a recovery.",
+            buckets=STALL_BUCKETS, registry=registry)
+        self.front_failed = Counter(
+            "pitstop_front_failed_requests_total",
+            "Requests the front could not finish, by reason (deadline, queue_full, "
+            "resume_limit, engine_error, client_gone).",
+            ["reason"], registry=registry)
+        registry.register(StatusCollector(status))
+
+
+class StatusCollector(Collector):
+    """Reads the agent's status at scrape time: nothing here is updated by events."""
+
+    def __init__(self, status: Callable[[], StatusView], clock: Callable[[], float] = time.time):
+        self._status = status
+        self._clock = clock
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._status()
+        info = InfoMetricFamily("pitstop_build", "Pitstop's version.")
+        info.add_metric([], {"version": agent.__version__})
+        yield info
+        node = InfoMetricFamily(
+            "pitstop_node",
+            "Driver, kernel, engine and weights this node runs; join with DCGM on the driver.")
+        node.add_metric([], {k: v for k, v in s.node.__dict__.items()})
+        yield node
+        up = GaugeMetricFamily("pitstop_engine_up", "1 when the engine is verified and serving.")
+        up.add_metric([], 1.0 if s.engine_up else 0.0)
+        yield up
+        state = GaugeMetricFamily(
+            "pitstop_engine_state", "The supervisor's state: 1 for the current one.",
+            labels=["state"])
+        for name in s.states:
+            state.add_metric([name], 1.0 if name == s.state else 0.0)
+        yield state
+        if s.engine_start_time is not None:
+            st = GaugeMetricFamily(
+                "pitstop_engine_start_time_seconds",
+                "Unix time at which the current engine became ready.")
+            st.add_metric([], s.engine_start_time)
+            yield st
+        present = GaugeMetricFamily(
+            "pitstop_snapshot_present", "1 when a usable snapshot exists for this host.",
+            labels=["kind"])
+        present.add_metric([s.snapshot_kind or "none"], 1.0 if s.snapshot_created else 0.0)
+        yield present
+        if s.snapshot_created is not None:
+            age = GaugeMetricFamily(
+                "pitstop_snapshot_age_seconds", "Age of the newest usable snapshot.")
+            age.add_metric([], max(0.0, self._clock() - s.snapshot_created))
+            yield age
+        if s.snapshot_bytes is not None:
+            size = GaugeMetricFamily(
+                "pitstop_snapshot_size_bytes", "Size on disk of the newest usable snapshot.")
+            size.add_metric([], float(s.snapshot_bytes))
+            yield size
+        stale = GaugeMetricFamily(
+            "pitstop_snapshot_stale", "1 per reason the newest snapshot cannot be restored.",
+            labels=["reason"])
+        for reason in s.stale_reasons:
+            stale.add_metric([reason], 1.0)
+        yield stale
+        if s.holder_up is not None:
+            hu = GaugeMetricFamily("pitstop_holder_up", "1 when the GPU memory holder answers.")
+            hu.add_metric([], 1.0 if s.holder_up else 0.0)
+            yield hu
+        if s.holder_bytes is not None:
+            hb = GaugeMetricFamily(
+                "pitstop_holder_bytes", "Bytes of model memory held outside the engine.")
+            hb.add_metric([], float(s.holder_bytes))
+            yield hb
+        qd = GaugeMetricFamily(
+            "pitstop_front_queue_depth", "Requests waiting in the front for a ready engine.")
+        qd.add_metric([], float(s.front_queue_depth))
+        yield qd
+        inf = GaugeMetricFamily(
+            "pitstop_front_inflight_requests", "Requests the front is forwarding right now.")
+        inf.add_metric([], float(s.front_inflight))
+        yield inf
+
+
+def new_registry() -> CollectorRegistry:
+    """A fresh registry; status is only read at scrape time, never at registration."""
+    return CollectorRegistry(auto_describe=False)

@@ -1,0 +1,1 @@
+"""The supervisor: walks the recovery ladder, watches the engine, restarts it."""

@@ -1,0 +1,108 @@
+"""The supervisor's word to the front: is the engine ready, and where."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The engine is verified and serving on `socket`; `recovery` counts engine generations."""
+
+    socket: Path
+    recovery: int
+
+
+class EngineGate:
+    """Opened by the supervisor when the engine is verified, closed when it goes down.
+
+    The front waits on it to hold requests across a restart, and counts its requests in
+    flight on it so that the supervisor can wait for quiet before a snapshot.
+
+    Example::
+
+        gate = EngineGate()
+        gate.open(Path("/run/pitstop/engine.sock"))   # supervisor
+        ready = await gate.wait_ready(timeout=30)      # front; None on timeout
+    """
+
+    def __init__(self) -> None:
+        self._ready: Ready | None = None
+        self._changed = asyncio.Event()
+        self._recovery = 0
+        self._inflight = 0
+        self._quiet = asyncio.Event()
+        self._quiet.set()
+        self._admitting = True
+        self.down_reason = "starting"
+
+    @property
+    def current(self) -> Ready | None:
+        return self._ready if self._admitting else None
+
+    @property
+    def recovery(self) -> int:
+        return self._recovery
+
+    def open(self, socket: Path) -> None:
+        self._recovery += 1
+        self._ready = Ready(socket=socket, recovery=self._recovery)
+        self.down_reason = ""
+        self._wake()
+
+    def close(self, reason: str) -> None:
+        self._ready = None
+        self.down_reason = reason
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_ready(self, timeout: float) -> Ready | None:
+        """The ready engine, waiting up to `timeout` seconds for one; None when none came."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.current is None:
+            left = deadline - loop.time()
+            if left <= 0:
+                return None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), left)
+        return self.current
+
+    # Admission control, for snapshots: hold new requests, wait for those in flight.
+    def pause_admission(self) -> None:
+        self._admitting = False
+        self._wake()
+
+    def resume_admission(self) -> None:
+        self._admitting = True
+        self._wake()
+
+    async def wait_quiet(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._quiet.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    @contextlib.contextmanager
+    def request(self) -> Iterator[None]:
+        """Count one request in flight for as long as the block runs."""
+        self._inflight += 1
+        self._quiet.clear()
+        try:
+            yield
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._quiet.set()
