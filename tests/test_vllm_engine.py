@@ -1,4 +1,5 @@
-"""Real vLLM (CPU build) started from VllmAdapter's launch spec on the tiny model, on a Unix socket.
+"""Real vLLM (CPU build) from VllmAdapter's launch spec, on the tiny model `pitstop make-model`
+writes (the `tiny_model` fixture of conftest.py), on a Unix socket.
 
 Two boots in all (each about 25 s on an idle machine): one shared by the module, ended by the
 SIGKILL of its API server, and one for the SIGKILL of the engine core.
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -35,21 +35,6 @@ def vllm_python() -> Path:
     return VLLM_PYTHON
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The model `pitstop make-model` writes: the one users are told to try first."""
-    out = tmp_path_factory.mktemp("model") / "tiny-llama"
-    done = subprocess.run(
-        [sys.executable, "-m", "agent", "make-model", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, f"pitstop make-model failed:\n{done.stdout}\n{done.stderr}"
-    return out
-
-
 def _boot(tmp: Path, model: Path) -> VllmServer:
     server = VllmServer(vllm_adapter(tmp, model), tmp / "vllm.log")
     try:
@@ -63,9 +48,9 @@ def _boot(tmp: Path, model: Path) -> VllmServer:
 
 @pytest.fixture(scope="module")
 def server(
-    vllm_python: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+    vllm_python: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[VllmServer]:
-    s = _boot(tmp_path_factory.mktemp("vllm"), tiny_llama)
+    s = _boot(tmp_path_factory.mktemp("vllm"), tiny_model)
     yield s
     s.kill()
 
@@ -166,9 +151,9 @@ def test_sigkill_of_the_api_server(server: VllmServer):
 
 
 def test_sigkill_of_the_engine_core_ends_the_api_server(
-    vllm_python: Path, tiny_llama: Path, tmp_path: Path
+    vllm_python: Path, tiny_model: Path, tmp_path: Path
 ):
-    server = _boot(tmp_path, tiny_llama)
+    server = _boot(tmp_path, tiny_model)
     try:
         cores = [p for p, t in server.children().items() if t.startswith("VLLM::EngineCore")]
         assert len(cores) == 1, f"want one VLLM::EngineCore under {server.pid}: {server.children()}"
