@@ -18,6 +18,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
+from agent.config import CanaryConfig
 from tests.prereq import require
 from tests.vllmproc import VLLM_PYTHON, VllmServer, vllm_adapter
 
@@ -53,6 +54,21 @@ def server(
     s = _boot(tmp_path_factory.mktemp("vllm"), tiny_model)
     yield s
     s.kill()
+
+
+def _canary(server: VllmServer) -> tuple[str, list[int]]:
+    """The supervisor's canary request (config defaults): greedy, with token ids."""
+    canary = CanaryConfig()
+    r = server.get_json("/v1/completions", {
+        "model": server.adapter.model_name(), "prompt": canary.prompt,
+        "max_tokens": canary.max_tokens, "temperature": 0, "return_token_ids": True})
+    return r["choices"][0]["text"], r["choices"][0]["token_ids"]
+
+
+@pytest.fixture(scope="module")
+def first_canary(server: VllmServer) -> tuple[str, list[int]]:
+    """The canary answer of the module's first boot, for the next boot to match."""
+    return _canary(server)
 
 
 @pytest.fixture
@@ -132,7 +148,12 @@ def test_metrics_are_vllms_own_on_the_same_socket(client: openai.OpenAI, server:
         assert f"\n{name}{{" in r.text, f"{name} missing from vLLM's /metrics"
 
 
-def test_sigkill_of_the_api_server(server: VllmServer):
+def test_canary_is_stable_within_a_boot(server: VllmServer, first_canary):
+    assert _canary(server) == first_canary
+
+
+def test_sigkill_of_the_api_server(server: VllmServer, first_canary):
+    # first_canary: taken before this kill, for the next boot to compare with.
     # Last user of the shared server: it ends it.
     engine_cores = [p for p, t in server.children().items() if t.startswith("VLLM::EngineCore")]
     assert engine_cores, f"no VLLM::EngineCore under {server.pid}: {server.children()}"
@@ -151,10 +172,12 @@ def test_sigkill_of_the_api_server(server: VllmServer):
 
 
 def test_sigkill_of_the_engine_core_ends_the_api_server(
-    vllm_python: Path, tiny_model: Path, tmp_path: Path
+    vllm_python: Path, tiny_model: Path, tmp_path: Path, first_canary
 ):
     server = _boot(tmp_path, tiny_model)
     try:
+        # A restarted vLLM must give the recorded canary answer, or every restart fails verify.
+        assert _canary(server) == first_canary
         cores = [p for p, t in server.children().items() if t.startswith("VLLM::EngineCore")]
         assert len(cores) == 1, f"want one VLLM::EngineCore under {server.pid}: {server.children()}"
         os.kill(cores[0], signal.SIGKILL)

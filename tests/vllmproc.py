@@ -71,6 +71,12 @@ class VllmServer:
         with self.http(timeout=5.0) as c:
             return c.get(f"http://localhost{path}")
 
+    def get_json(self, path: str, body: dict) -> dict:
+        with self.http() as c:
+            r = c.post(f"http://localhost{path}", json=body)
+            r.raise_for_status()
+            return r.json()
+
     def wait_ready(self, timeout: float = BOOT_TIMEOUT_S) -> float:
         """Wait for /health 200 and the served model in /v1/models; the seconds it took."""
         start = time.monotonic()
