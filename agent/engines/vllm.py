@@ -53,6 +53,10 @@ class VllmAdapter:
     health_path = "/health"
     # vLLM serves its own Prometheus exposition on the same socket; the front passes it through.
     metrics_path = "/metrics"
+    # vLLM has no endpoints that drop and rebuild what a snapshot need not hold (its sleep mode
+    # needs VLLM_SERVER_DEV_MODE and CUDA); snapshots of vLLM are not possible here anyway.
+    prepare_path = None
+    resume_path = None
 
     def __init__(self, config: Config) -> None:
         self._config = config
