@@ -143,3 +143,77 @@ def test_a_damaged_snapshot_is_refused_with_its_reason_and_the_engine_cold_start
     assert rec["path"] == "cold", rec
     assert any(f.startswith("full skipped") and words in f for f in rec["fallthroughs"]), rec
     assert words in snapped.log()
+
+
+def test_snapshot_create_asks_the_running_agent(tmp_path, tiny_model):
+    a = RunningAgent(tmp_path, agent_config(tmp_path, tiny_model,
+                                            snapshots={"regenerate": "manual"}))
+    try:
+        a.wait_ready()
+        assert _snapshots(a) == []
+        r = subprocess.run([sys.executable, "-m", "agent", "snapshot", "create", "--json",
+                            "--config", str(a.config_path)], capture_output=True, text=True,
+                           cwd=REPO, timeout=300)
+        assert r.returncode == 0, r.stderr
+        made = json.loads(r.stdout)
+        assert [s["id"] for s in _snapshots(a)] == [made["id"]]
+        assert made["freed_bytes"] > 0  # the KV pool stayed out of the image
+        assert _complete(a)  # still serving after the dump
+    finally:
+        a.stop()
+
+
+def _rewrite_a_weight(model: Path) -> None:
+    """Same size, different bytes, the old mtime put back: only a content hash sees it."""
+    w = model / "model.safetensors"
+    st = w.stat()
+    data = bytearray(w.read_bytes())
+    data[-64] ^= 0x01
+    w.write_bytes(bytes(data))
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _add_a_file(model: Path) -> None:
+    (model / "added_tokens.json").write_text("{}")
+
+
+@pytest.mark.parametrize("change", [_rewrite_a_weight, _add_a_file])
+def test_changed_weights_make_the_snapshot_stale_then_it_is_regenerated_and_restored(
+        tmp_path, tiny_model, change):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    a = RunningAgent(tmp_path, agent_config(tmp_path, model,
+                                            snapshots={"drift_check_interval_s": 1}))
+    try:
+        a.wait_ready()
+        a.wait_for(lambda s: "published" in s.get("reason", ""), 120, "the first snapshot")
+        [first] = _snapshots(a)
+        change(model)
+        st = a.wait_for(lambda s: (s.get("last_recovery") or {}).get("cause") == "drift"
+                        and "published" in s.get("reason", ""), 180, "the regeneration")
+        rec = st["last_recovery"]
+        assert rec["path"] == "cold"
+        assert any("stale: weights_digest" in f for f in rec["fallthroughs"]), rec
+        assert "drift: weights_digest" in a.log()
+        ids = [s["id"] for s in _snapshots(a)]
+        assert len(ids) == 2 and first["id"] in ids
+        os.kill(st["engine_pid"], signal.SIGKILL)
+        st = a.wait_for(lambda s: s["restarts"] == 1 and s["state"] == "ready", 120, "restore")
+        assert st["last_recovery"]["path"] == "full"
+        assert f"restored snapshot {ids[0]}" in a.log()
+    finally:
+        a.stop()
+
+
+def test_changed_engine_arguments_make_the_snapshot_stale(snapped):
+    a = snapped
+    a.config["engine"]["args"] = ["--kv-slots", "4"]
+    a.write_config(a.config)
+    a.proc.send_signal(signal.SIGHUP)
+    st = a.wait_for(lambda s: (s.get("last_recovery") or {}).get("cause") == "reload"
+                    and s["state"] == "ready", 120, "the reload")
+    rec = st["last_recovery"]
+    assert rec["path"] == "cold"
+    assert any("stale: engine_args" in f for f in rec["fallthroughs"]), rec
