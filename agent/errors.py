@@ -35,3 +35,19 @@ class SnapshotError(PitstopError):
 
 class StatusError(PitstopError):
     """The agent's status could not be read."""
+
+
+class FrontError(PitstopError):
+    """The front proxy could not bind its port or serve a request."""
+
+
+class FrontRejected(FrontError):
+    """The front turned a request away (queue full, deadline, draining); it says when to retry.
+
+    Not a fault: the client gets 503 with Retry-After, and the reason is counted.
+    """
+
+    def __init__(self, reason: str, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after = retry_after
