@@ -152,19 +152,26 @@ class StopScanner:
         self._stops = stops
         self._include = include
         self._min_tokens = min_tokens
-        self._hold = 0 if include else max(len(s) for s in stops) - 1
-        self._pending = ""
+        self._look = max(len(s) for s in stops) - 1  # how far back a match can begin
+        self._hold = 0 if include else self._look
+        self._pending = ""  # held back: not yet sent
+        self._context = ""  # the last `_look` characters seen, sent or not
 
     def feed(self, text: str, tokens_so_far: int) -> tuple[str, str | None]:
         """The text that may go to the client now, and the stop string that matched."""
         buf = self._pending + text
         if text and tokens_so_far > self._min_tokens:
+            seen = self._context + text
+            off = len(self._context) - len(self._pending)  # where `buf` begins in `seen`
             for stop in self._stops:
                 # Only a match ending in the new text counts, as in vLLM's check.
-                i = buf.find(stop, max(0, len(buf) - len(text) - len(stop) + 1))
+                i = seen.find(stop, max(0, len(seen) - len(text) - len(stop) + 1))
                 if i >= 0:
                     self._pending = ""
-                    return buf[:i + len(stop)] if self._include else buf[:i], stop
+                    end = i + len(stop) if self._include else i
+                    return buf[:end - off], stop
+        if self._look:
+            self._context = (self._context + text)[-self._look:]
         cut = max(0, len(buf) - self._hold)
         self._pending = buf[cut:]
         return buf[:cut], None

@@ -40,6 +40,7 @@ class SSEParser:
 
     def __init__(self) -> None:
         self._buf = b""
+        self._skip_lf = False
 
     @property
     def pending(self) -> bytes:
@@ -47,20 +48,20 @@ class SSEParser:
         return self._buf
 
     def feed(self, chunk: bytes) -> list[Event]:
+        if self._skip_lf and chunk.startswith(b"\n"):
+            chunk = chunk[1:]  # the second half of a CRLF split across two reads
+        self._skip_lf = False
+        if b"\r" in chunk:
+            # Rare (the servers we front write LF): normalise line ends to LF as they come.
+            self._skip_lf = chunk.endswith(b"\r")
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         buf = self._buf + chunk if self._buf else chunk
-        tail = b""
-        if b"\r" in buf:
-            # Rare (the servers we front write LF): normalise line ends, but keep a final CR
-            # back, since it may be the first half of a CRLF split across two reads.
-            if buf.endswith(b"\r"):
-                buf, tail = buf[:-1], b"\r"
-            buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         events: list[Event] = []
         start = 0
         while (end := buf.find(b"\n\n", start)) >= 0:
             events.append(_parse(buf[start:end + 2]))
             start = end + 2
-        self._buf = buf[start:] + tail
+        self._buf = buf[start:]
         return events
 
 

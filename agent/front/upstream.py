@@ -11,11 +11,12 @@ from multidict import CIMultiDict
 
 from agent.supervisor.gate import Ready
 
-# Hop-by-hop headers (RFC 9110 7.6.1) and those the proxy recomputes: never forwarded.
-_HOP = frozenset(h.lower() for h in (
+# Hop-by-hop headers (RFC 9110 7.6.1), and those each side's HTTP stack writes itself:
+# never forwarded.
+_NOT_FORWARDED = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer",
     "Transfer-Encoding", "Upgrade", "Host", "Content-Length", "Content-Encoding",
-    "Accept-Encoding"))
+    "Accept-Encoding", "Server", "Date"))
 
 # Errors that mean the engine went away under a request (killed, restarted, socket gone).
 LOST = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError,
@@ -26,7 +27,7 @@ def forward_headers(headers: Mapping[str, str] | Iterable[tuple[str, str]]) -> C
     """End-to-end headers only. Accept-Encoding is dropped so the engine answers in plain
     bytes that the front can parse; the public side may still be compressed by a proxy."""
     items = headers.items() if isinstance(headers, Mapping) else headers
-    return CIMultiDict((k, v) for k, v in items if k.lower() not in _HOP)
+    return CIMultiDict((k, v) for k, v in items if k.lower() not in _NOT_FORWARDED)
 
 
 class Upstream:
