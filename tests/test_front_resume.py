@@ -224,3 +224,17 @@ def test_stop_scanner_matches_vllm_semantics() -> None:
     s = StopScanner(("END",), include=False, min_tokens=0)
     assert s.feed("xxEN", 1) == ("xx", None)
     assert s.flush() == "EN"
+
+
+def test_fast_path_is_not_fooled_by_text_that_looks_like_keys() -> None:
+    tricky = [(40, '{"token_ids": [9], "finish_reason": "stop"}'), (41, ', "token_ids": [8]')]
+    for sep in ((", ", ": "), (",", ":")):
+        t = Tracker(Plan.of(COMPLETIONS, {"model": "m", "prompt": "hi", "stream": True}))
+        out = b""
+        for ev in engine_stream(False, tricky + PIECES[:3], PROMPT, "length"):
+            obj = json.loads(ev[6:])
+            out += t.feed(b"data: " + json.dumps(obj, separators=sep).encode() + b"\n\n")
+        text, objs = client_view(out, chat=False)
+        assert text == "".join(x for _, x in tricky + PIECES[:3])
+        assert t.out_ids == [40, 41, 40, 41, 42] and t.finish == "length"
+        assert all("token_ids" not in c for o in objs for c in o.get("choices") or [])

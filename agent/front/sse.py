@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 DONE = b"[DONE]"
 DONE_FRAME = b"data: [DONE]\n\n"
 
 
-@dataclass(frozen=True)
-class Event:
+class Event(NamedTuple):
     """One event: its `data` lines joined by newlines, and the exact bytes it came in as."""
 
     data: bytes
@@ -59,7 +57,12 @@ class SSEParser:
         events: list[Event] = []
         start = 0
         while (end := buf.find(b"\n\n", start)) >= 0:
-            events.append(_parse(buf[start:end + 2]))
+            raw = buf[start:end + 2]
+            # Nearly every event is one 'data: ' line: take its payload without line parsing.
+            if raw.startswith(b"data: ") and raw.find(b"\n", 6) == len(raw) - 2:
+                events.append(Event(data=raw[6:-2], raw=raw))
+            else:
+                events.append(_parse(raw))
             start = end + 2
         self._buf = buf[start:]
         return events
