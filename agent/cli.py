@@ -46,6 +46,103 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from agent.run import run_agent
+
+    return run_agent(args.config, verbose=args.verbose)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    from agent.config import load_config
+    from agent.supervisor.status import StatusFile
+
+    cfg = load_config(args.config)
+    data = StatusFile(cfg.paths.run / "status.json").read()
+    if args.json:
+        print(json.dumps(data, indent=1))
+    else:
+        print(format_status(data))
+    return EXIT_OK if data["state"] == "ready" else EXIT_FAIL
+
+
+def format_status(data: dict) -> str:
+    import time
+
+    lines = [f"state:    {data['state']}" + (f" ({data['reason']})" if data.get("reason") else "")]
+    lines.append(f"engine:   {data.get('engine_kind', '?')}, pid {data.get('engine_pid') or '-'}")
+    since = data.get("engine_ready_since")
+    if since and data.get("engine_pid"):
+        lines.append(f"uptime:   {time.time() - since:.0f}s")
+    rec = data.get("last_recovery")
+    if rec:
+        lines.append(f"last recovery: {rec['path']} ({rec['cause']}) {rec['result']} in "
+                     f"{rec['duration_s']:.2f}s")
+        for f in rec.get("fallthroughs", []):
+            lines.append(f"  fell through: {f}")
+    lines.append(f"restarts: {data.get('restarts', 0)}")
+    if data.get("front"):
+        lines.append(f"front:    http://{data['front']}/v1")
+    if data.get("metrics"):
+        lines.append(f"metrics:  http://{data['metrics']}/metrics")
+    return "\n".join(lines)
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from agent.config import load_config
+    from agent.doctor import format_checks, run_checks
+
+    checks = run_checks(load_config(args.config))
+    if args.json:
+        print(json.dumps([dataclasses.asdict(c) for c in checks], indent=1))
+    else:
+        print(format_checks(checks))
+    return EXIT_FAIL if any(c.needed and not c.ok for c in checks) else EXIT_OK
+
+
+def _cmd_snapshot(args: argparse.Namespace) -> int:
+    import json
+
+    from agent.config import load_config
+    from agent.store import SnapshotStore, views
+
+    cfg = load_config(args.config)
+    if args.action == "create":
+        import asyncio
+
+        from agent.control import call
+
+        done = asyncio.run(call(cfg.paths.run / "control.sock", "snapshot"))
+        print(json.dumps(done, indent=1) if args.json else
+              f"snapshot {done['id']} published: {done['bytes'] / 1e6:.1f} MB in "
+              f"{done['duration_s']:.2f}s")
+        return EXIT_OK
+    store = SnapshotStore(cfg.paths.snapshots)
+    if args.action == "list":
+        entries = store.entries()
+        out = json.dumps([views.entry_json(e) for e in entries], indent=1) if args.json \
+            else views.entries_text(entries)
+    elif args.action == "inspect":
+        m = store.load(args.id)
+        out = m.model_dump_json(indent=1) if args.json else views.manifest_text(m)
+    elif args.action == "verify":
+        verdicts = [store.verify(i) for i in (args.ids or store.ids())]
+        out = json.dumps([views.verdict_json(v) for v in verdicts], indent=1) if args.json \
+            else "\n".join(views.verdict_text(v) for v in verdicts) or "no snapshots"
+        print(out)
+        return EXIT_OK if all(v.ok for v in verdicts) else EXIT_FAIL
+    else:
+        for i in args.ids:
+            store.delete(i)
+        out = json.dumps({"deleted": args.ids}) if args.json else f"deleted {' '.join(args.ids)}"
+    print(out)
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pitstop", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -62,6 +159,41 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--force", action="store_true", help="replace whatever DIR holds")
     m.set_defaults(func=_cmd_make_model)
+
+    r = sub.add_parser("run", help="run the agent in the foreground (what the systemd unit runs)")
+    r.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
+    r.add_argument("-v", "--verbose", action="store_true")
+    r.set_defaults(func=_cmd_run)
+
+    s = sub.add_parser("status", help="the agent's state, engine PID, uptime, last recovery")
+    s.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_cmd_status)
+
+    d = sub.add_parser("doctor", help="can this host snapshot and restore? (exit 1 when not)")
+    d.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=_cmd_doctor)
+
+    sn = sub.add_parser("snapshot", help="create, list, inspect, verify or delete snapshots")
+    snsub = sn.add_subparsers(dest="action", required=True, metavar="ACTION")
+    for name, text in (
+        ("create", "ask the running agent to snapshot its engine at the next quiet moment"),
+        ("list", "every snapshot, newest first"),
+        ("inspect", "one snapshot's manifest"),
+        ("verify", "check manifests, permissions and checksums (exit 1 when one is refused)"),
+        ("delete", "remove snapshots"),
+    ):
+        a = snsub.add_parser(name, help=text)
+        a.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
+        a.add_argument("--json", action="store_true")
+        if name == "inspect":
+            a.add_argument("id")
+        elif name == "verify":
+            a.add_argument("ids", nargs="*", metavar="ID", help="default: all")
+        elif name == "delete":
+            a.add_argument("ids", nargs="+", metavar="ID")
+    sn.set_defaults(func=_cmd_snapshot)
     return p
 
 

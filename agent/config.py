@@ -100,6 +100,26 @@ class PathsConfig(_Strict):
         return self.run_dir or self.state_dir / "run"
 
 
+class SnapshotsConfig(_Strict):
+    """Where CRIU is and how many snapshots to keep (the directory is paths.snapshots)."""
+
+    enabled: bool = True
+    # When a start found no usable snapshot: take one before the gate opens, at the first
+    # quiet moment after it opens, or only on `pitstop snapshot create`.
+    regenerate: Literal["before-serving", "after-serving", "manual"] = "after-serving"
+    # How long a snapshot waits for requests in flight to finish (new ones are held).
+    quiet_timeout_s: float = Field(30.0, gt=0)
+    criu: Path | None = None
+    keep: int = Field(2, ge=1)
+    disk_budget_gib: float = Field(64.0, gt=0)
+    cuda_lock_timeout_ms: int = Field(10_000, ge=1)
+
+    @field_validator("criu", mode="before")
+    @classmethod
+    def _expand_paths(cls, v: Any) -> Any:
+        return _expand(v) if isinstance(v, str) else v
+
+
 class HealthConfig(_Strict):
     """How the supervisor decides the engine is alive."""
 
@@ -149,6 +169,7 @@ class Config(_Strict):
     health: HealthConfig = Field(default_factory=HealthConfig)
     restart: RestartConfig = Field(default_factory=RestartConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    snapshots: SnapshotsConfig = Field(default_factory=SnapshotsConfig)
 
     @property
     def engine_socket(self) -> Path:
@@ -170,7 +191,8 @@ def parse_config(data: Any, source: str) -> Config:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+        raise ConfigError(
+            f"{source}: expected a mapping at the top level, got {type(data).__name__}")
     try:
         return Config.model_validate(data)
     except ValidationError as e:

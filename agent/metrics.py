@@ -210,5 +210,5 @@ class StatusCollector(Collector):
 
 
 def new_registry() -> CollectorRegistry:
-    """A registry without the default process collectors' global state."""
-    return CollectorRegistry(auto_describe=True)
+    """A fresh registry; status is only read at scrape time, never at registration."""
+    return CollectorRegistry(auto_describe=False)

@@ -151,11 +151,14 @@ def read_record(directory: Path) -> dict[str, Any] | None:
         return None
 
 
-def make_model(directory: Path, spec: ModelSpec, *, force: bool = False) -> bool:
+def make_model(
+    directory: Path, spec: ModelSpec, *, force: bool = False, shard_bytes: int = SHARD_BYTES
+) -> bool:
     """Write the model to `directory`; False when an identical one is already there.
 
     The model is written into a temporary directory beside `directory` and renamed into
-    place, so a half-written model is never visible under the final name.
+    place, so a half-written model is never visible under the final name. Weights go into
+    files of at most `shard_bytes` (plus an index when there are several).
     """
     directory = Path(directory)
     record = record_for(spec)
@@ -172,7 +175,7 @@ def make_model(directory: Path, spec: ModelSpec, *, force: bool = False) -> bool
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
     try:
-        _write_all(tmp, spec, record)
+        _write_all(tmp, spec, record, shard_bytes)
         _publish(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -191,14 +194,14 @@ def _publish(tmp: Path, directory: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_all(tmp: Path, spec: ModelSpec, record: dict[str, Any]) -> None:
+def _write_all(tmp: Path, spec: ModelSpec, record: dict[str, Any], shard_bytes: int) -> None:
     os.chmod(tmp, 0o755)  # mkdtemp makes 0700; a model directory is readable like any other
     tokenizer = _train_tokenizer()
     tokenizer.save(str(tmp / "tokenizer.json"))
     _write_json(tmp / "tokenizer_config.json", _tokenizer_config(spec))
     _write_json(tmp / "config.json", _config(spec))
     _write_json(tmp / "generation_config.json", _generation_config())
-    _write_weights(tmp, spec)
+    _write_weights(tmp, spec, shard_bytes)
     _write_json(tmp / RECORD, record)  # last: a record means a complete model
 
 
@@ -321,12 +324,12 @@ def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
     return n
 
 
-def _write_weights(tmp: Path, spec: ModelSpec) -> None:
+def _write_weights(tmp: Path, spec: ModelSpec, shard_bytes: int) -> None:
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
     for name, shape in spec.tensor_shapes():
         n = _nbytes(shape, spec.dtype)
-        if shards[-1] and size + n > SHARD_BYTES:
+        if shards[-1] and size + n > shard_bytes:
             shards.append([])
             size = 0
         shards[-1].append((name, shape))

@@ -1,4 +1,4 @@
-"""Missing prerequisites fail under CI=true and skip (saying why) elsewhere."""
+"""A missing prerequisite fails the test under CI=true and skips it, saying why, elsewhere."""
 
 from __future__ import annotations
 
@@ -7,9 +7,14 @@ import os
 import pytest
 
 
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() == "true"
+
+
 def require(condition: object, why: str) -> None:
+    """Fail (CI) or skip (locally) with `why` unless `condition` holds."""
     if condition:
         return
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"prerequisite missing under CI: {why}")
+    if in_ci():
+        pytest.fail(f"prerequisite missing under CI=true: {why}")
     pytest.skip(why)

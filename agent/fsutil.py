@@ -1,0 +1,45 @@
+"""Atomic, private file writes: a reader sees the old file or the whole new one."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_private(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Write `data` to `path` through a temporary file, fsync, rename, fsync the directory."""
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def private_dir(path: Path) -> Path:
+    """Create `path` (and parents) and make sure it is 0700 and ours."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = path.lstat()
+    if st.st_uid != os.getuid():
+        from agent.errors import PitstopError
+
+        raise PitstopError(f"{path} is owned by uid {st.st_uid}, not by us; fix its owner")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path

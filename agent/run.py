@@ -1,0 +1,231 @@
+"""`pitstop run`: wire config, supervisor, front, metrics and systemd together."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from prometheus_client import start_http_server
+
+from agent import proc
+from agent.checkpoint import build_snapshotter
+from agent.checkpoint.snapshotter import Snapshotter
+from agent.config import Config, load_config
+from agent.control import ControlServer
+from agent.engines import build_adapter
+from agent.errors import ConfigError, ModelError, SnapshotError
+from agent.fsutil import private_dir
+from agent.identity import Identity, collect
+from agent.metrics import Metrics, NodeInfo, StatusView, new_registry
+from agent.supervisor.canary import CanaryBook
+from agent.supervisor.capture import Capture
+from agent.supervisor.gate import EngineGate
+from agent.supervisor.paths.cold import ColdStart
+from agent.supervisor.paths.restore import FullRestore
+from agent.supervisor.states import State
+from agent.supervisor.status import AgentStatus, StatusFile
+from agent.supervisor.supervisor import Supervisor
+from agent.systemd import Notifier
+
+log = logging.getLogger("pitstop")
+
+REAP_EVERY_S = 1.0
+
+
+def setup_logging(verbose: bool = False) -> None:
+    # Under systemd the journal stamps each line itself.
+    fmt = "%(levelname)s %(name)s: %(message)s"
+    if not os.environ.get("JOURNAL_STREAM"):
+        fmt = "%(asctime)s " + fmt
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=fmt,
+                        stream=sys.stderr)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+class Agent:
+    """One node agent: the supervisor plus the front, metrics and systemd around it."""
+
+    def __init__(self, config: Config, config_path: Path | None, notifier: Notifier) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.notifier = notifier
+        if config.engine.kind == "reference" and not (config.engine.model / "config.json").exists():
+            raise ModelError(
+                f"engine.model: {config.engine.model} holds no model (no config.json); make the "
+                f"tiny one with `pitstop make-model {config.engine.model}` or point engine.model "
+                "at a model directory")
+        self.adapter = build_adapter(config)
+        self.gate = EngineGate()
+        self.status = AgentStatus(engine_kind=config.engine.kind)
+        private_dir(config.paths.state_dir)
+        private_dir(config.paths.run)
+        self.status_file = StatusFile(config.paths.run / "status.json")
+        self._node = NodeInfo(kernel=os.uname().release, engine_kind=config.engine.kind,
+                              engine_version=self.adapter.version())
+        self.registry = new_registry()
+        self.metrics = Metrics(self.registry, self.status_view)
+        self.front = None
+        if config.front.enabled:
+            from agent.front.proxy import Front
+
+            self.front = Front(config.front, self.gate, self.metrics)
+        self.snapshotter, unavailable = self._snapshotter(config)
+        self.capture = None
+        if self.snapshotter is not None:
+            self.capture = Capture(self.snapshotter, self.adapter, config.engine_socket,
+                                   self.gate, self.metrics, self.identity,
+                                   config.snapshots.quiet_timeout_s)
+        self.full = FullRestore(self.snapshotter, unavailable, self.adapter,
+                                config.engine_socket, self.identity, self.metrics,
+                                config.health.timeout_s * 10)
+        self.supervisor = Supervisor(
+            config=config, adapter=self.adapter, paths=[self.full, ColdStart(self.adapter)],
+            gate=self.gate, metrics=self.metrics, notifier=notifier, status=self.status,
+            canaries=CanaryBook(config.paths.state_dir / "canary.json"),
+            capture=self.capture, on_change=self._write_status)
+        self.control = ControlServer(config.paths.run / "control.sock",
+                                     {"snapshot": self._control_snapshot,
+                                      "status": self._control_status})
+
+    @staticmethod
+    def _snapshotter(config: Config) -> tuple[Snapshotter | None, str]:
+        """The snapshotter, or None and the reason (CRIU missing, snapshots disabled)."""
+        if not config.snapshots.enabled:
+            return None, "snapshots are disabled (snapshots.enabled: false)"
+        try:
+            snap = build_snapshotter(config)
+            snap.store.open(clean=True)
+        except (SnapshotError, OSError) as e:
+            log.warning("snapshots unavailable, every start will be cold: %s", e)
+            return None, f"snapshots unavailable: {e}"
+        return snap, ""
+
+    def identity(self) -> Identity:
+        """What a snapshot taken now depends on, and what a restore must match."""
+        criu = self.snapshotter.criu.binary.version if self.snapshotter is not None else None
+        return collect(engine_kind=self.config.engine.kind,
+                       engine_version=self.adapter.version(), criu=criu,
+                       engine_args=self.config.engine.args)
+
+    async def _control_snapshot(self, body: dict) -> dict:
+        return await self.supervisor.request_snapshot()
+
+    async def _control_status(self, body: dict) -> dict:
+        return self.status.to_json()
+
+    def _snapshot_fields(self) -> dict:
+        if self.snapshotter is None:
+            return {}
+        newest = next((e for e in self.snapshotter.store.entries() if e.manifest), None)
+        if newest is None or newest.manifest is None:
+            return {"stale_reasons": self.full.stale_reasons}
+        return {"snapshot_created": newest.manifest.created_at.timestamp(),
+                "snapshot_bytes": newest.bytes_on_disk, "snapshot_kind": newest.manifest.kind,
+                "stale_reasons": self.full.stale_reasons}
+
+    def status_view(self) -> StatusView:
+        return StatusView(
+            state=self.status.state, engine_up=self.status.state == State.READY.value,
+            engine_start_time=self.status.engine_ready_since,
+            states=tuple(s.value for s in State), node=self._node,
+            front_queue_depth=getattr(self.front, "queue_depth", 0),
+            front_inflight=self.gate.inflight, **self._snapshot_fields())
+
+    def _write_status(self) -> None:
+        try:
+            self.status_file.write(self.status)
+        except OSError as e:
+            log.warning("cannot write %s: %s", self.status_file.path, e)
+
+    # --- signals ------------------------------------------------------------------------
+    def _on_term(self) -> None:
+        log.info("stop requested: draining, then stopping the engine")
+        self.notifier.stopping()
+        asyncio.ensure_future(self._drain_then_stop())
+
+    async def _drain_then_stop(self) -> None:
+        if self.front is not None:
+            await self.front.stop(self.config.engine.stop_timeout_s)
+        self.supervisor.request_stop()
+
+    def _on_hup(self) -> None:
+        self.notifier.reloading()
+        try:
+            new = load_config(self.config_path)
+        except ConfigError as e:
+            log.error("reload refused, keeping the running configuration: %s", e)
+            self.notifier.reloaded()
+            self.notifier.status(f"{self.supervisor.state}: reload refused: {e}"[:200])
+            return
+        if new.front != self.config.front or new.metrics != self.config.metrics \
+                or new.paths != self.config.paths:
+            log.warning("reload: front, metrics and paths changes take effect on restart only")
+        self.config = new
+        self.supervisor.apply_config(new)
+        log.info("configuration reloaded from %s", self.config_path or "the embedded default")
+        self.notifier.reloaded()
+
+    # --- background duties ---------------------------------------------------------------
+    async def _reaper(self) -> None:
+        while True:
+            for pid, status in proc.reap_orphans():
+                log.debug("reaped orphan %d (status %d)", pid, status)
+            await asyncio.sleep(REAP_EVERY_S)
+
+    async def _watchdog(self) -> None:
+        """Pet systemd's watchdog only while the supervisor loop is making progress."""
+        interval = (self.notifier.watchdog_s or 0) / 3
+        if interval <= 0:
+            return
+        while True:
+            stale = time.monotonic() - self.supervisor.heartbeat
+            if stale < interval * 2 + self.config.health.interval_s + self.config.health.timeout_s:
+                self.notifier.watchdog()
+            else:
+                log.warning("supervisor loop silent for %.1fs: not petting the watchdog", stale)
+            await asyncio.sleep(interval)
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        proc.become_subreaper()
+        loop.add_signal_handler(signal.SIGTERM, self._on_term)
+        loop.add_signal_handler(signal.SIGINT, self._on_term)
+        loop.add_signal_handler(signal.SIGHUP, self._on_hup)
+        loop.add_signal_handler(signal.SIGCHLD, lambda: proc.reap_orphans())
+        if self.config.metrics.enabled:
+            server, _ = start_http_server(self.config.metrics.port, self.config.metrics.host,
+                                          registry=self.registry)
+            self.status.metrics = f"{self.config.metrics.host}:{server.server_port}"
+            log.info("metrics on http://%s/metrics", self.status.metrics)
+        if self.front is not None:
+            await self.front.start()
+            self.status.front = f"{self.config.front.host}:{self.front.port}"
+            log.info("front on http://%s/v1", self.status.front)
+        await self.control.start()
+        self._write_status()
+        duties = [asyncio.ensure_future(self._reaper()), asyncio.ensure_future(self._watchdog())]
+        try:
+            await self.supervisor.run()
+        finally:
+            for d in duties:
+                d.cancel()
+            if self.front is not None:
+                await self.front.stop(0)
+            await self.control.stop()
+            self._write_status()
+        return 0
+
+
+def run_agent(config_path: Path | None, verbose: bool = False) -> int:
+    setup_logging(verbose)
+    config = load_config(config_path)
+    agent = Agent(config, config_path, Notifier())
+    with contextlib.suppress(KeyboardInterrupt):
+        return asyncio.run(agent.run())
+    return 0

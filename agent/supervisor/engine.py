@@ -1,0 +1,151 @@
+"""One engine process tree as the supervisor sees it: started or restored, watched, stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+
+from agent import proc
+from agent.engines.base import LaunchSpec
+from agent.errors import EngineError
+
+log = logging.getLogger("pitstop.engine")
+
+
+@dataclass(frozen=True)
+class Exit:
+    """How an engine process ended: exit code, or the signal that killed it."""
+
+    code: int | None
+    signal: int | None
+
+    def __str__(self) -> str:
+        if self.signal is not None:
+            return f"killed by {signal.Signals(self.signal).name}"
+        return f"exited with status {self.code}"
+
+
+class EngineProcess:
+    """A running engine, known by a pidfd so a recycled PID can never fool us.
+
+    Example::
+
+        eng = EngineProcess.spawn(adapter.launch_spec())
+        exit = await eng.wait()
+    """
+
+    def __init__(self, pid: int, stdout: int | None = None) -> None:
+        self.pid = pid
+        self.started = time.monotonic()
+        self._pidfd = os.pidfd_open(pid)
+        self._exit: asyncio.Future[Exit] = asyncio.get_running_loop().create_future()
+        self._stopping = False
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self._pidfd, self._on_exit)
+        self._log_task = None
+        if stdout is not None:
+            self._log_task = asyncio.ensure_future(self._forward_log(stdout))
+
+    @classmethod
+    def spawn(cls, spec: LaunchSpec) -> EngineProcess:
+        env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
+        try:
+            with proc.spawn_lock():
+                p = subprocess.Popen(
+                    spec.argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+                proc.own(p.pid)
+        except OSError as e:
+            raise EngineError(f"cannot start the engine {spec.argv[0]!r}: {e.strerror}") from e
+        # Popen must not wait on it later; the pidfd is the one owner of its status.
+        p.returncode = 0
+        assert p.stdout is not None
+        fd = os.dup(p.stdout.fileno())
+        p.stdout.close()
+        return cls(p.pid, stdout=fd)
+
+    @classmethod
+    def adopt(cls, pid: int, stdout: int | None = None) -> EngineProcess:
+        """A process tree restored by CRIU, re-parented to us as its subreaper."""
+        proc.own(pid)
+        return cls(pid, stdout=stdout)
+
+    def _on_exit(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._pidfd)
+        exit = Exit(code=None, signal=None)
+        try:
+            res = os.waitid(os.P_PIDFD, self._pidfd, os.WEXITED | os.WNOHANG)
+        except ChildProcessError:
+            res = None  # not our child after all (reaped elsewhere): status unknown
+        if res is not None:
+            if res.si_code == os.CLD_EXITED:
+                exit = Exit(code=res.si_status, signal=None)
+            else:
+                exit = Exit(code=None, signal=res.si_status)
+        proc.disown(self.pid)
+        os.close(self._pidfd)
+        if not self._exit.done():
+            self._exit.set_result(exit)
+
+    async def _forward_log(self, fd: int) -> None:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=1 << 20)
+        transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0))
+        try:
+            while line := await reader.readline():
+                log.info("[%d] %s", self.pid, line.decode(errors="replace").rstrip())
+        except (ValueError, asyncio.LimitOverrunError):
+            pass
+        finally:
+            transport.close()
+
+    @property
+    def exited(self) -> asyncio.Future[Exit]:
+        return self._exit
+
+    @property
+    def alive(self) -> bool:
+        return not self._exit.done()
+
+    @property
+    def stopping(self) -> bool:
+        """True once the agent itself asked the engine to stop."""
+        return self._stopping
+
+    async def wait(self) -> Exit:
+        return await asyncio.shield(self._exit)
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._pidfd, sig)
+
+    async def kill(self) -> Exit:
+        """SIGKILL the whole tree, then reap the root."""
+        self._stopping = True
+        if self.alive:
+            proc.kill_tree(self.pid, signal.SIGKILL)
+        return await self.wait()
+
+    async def stop(self, timeout: float) -> Exit:
+        """SIGTERM, wait up to `timeout`, then SIGKILL the tree."""
+        self._stopping = True
+        if self.alive:
+            proc.kill_tree(self.pid, signal.SIGTERM)
+            with contextlib.suppress(TimeoutError):
+                return await asyncio.wait_for(self.wait(), timeout)
+            log.warning("engine %d did not stop within %.0fs; killing it", self.pid, timeout)
+        return await self.kill()
+
+    async def close(self) -> None:
+        if self._log_task is not None:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(self._log_task, 2)

@@ -1,0 +1,87 @@
+"""Talking to the engine over its Unix socket: health, model list, the canary request."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from agent.errors import EngineError
+
+
+@dataclass(frozen=True)
+class CanaryAnswer:
+    """The greedy answer to the canary request: what verification compares."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+class EngineProbe:
+    """HTTP over the engine's Unix socket, every call bounded by a timeout.
+
+    Example::
+
+        async with EngineProbe(sock, timeout=2) as probe:
+            await probe.health()
+    """
+
+    def __init__(self, socket: Path, timeout: float) -> None:
+        self.socket = socket
+        self.timeout = timeout
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> EngineProbe:
+        # A fresh connection each time: a pooled one could outlive the engine it reached.
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.UnixConnector(path=str(self.socket), force_close=True),
+            timeout=aiohttp.ClientTimeout(total=self.timeout))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def _request(self, method: str, path: str, body: dict | None = None,
+                       timeout: float | None = None) -> tuple[int, bytes]:
+        assert self._session is not None
+        t = aiohttp.ClientTimeout(total=timeout or self.timeout)
+        try:
+            async with self._session.request(
+                    method, f"http://engine{path}", json=body, timeout=t) as r:
+                return r.status, await r.read()
+        except TimeoutError as e:
+            raise EngineError(f"engine did not answer {path} within {t.total:.1f}s") from e
+        except aiohttp.ClientError as e:
+            raise EngineError(f"engine unreachable on {self.socket}: {e}") from e
+
+    async def health(self, path: str = "/health") -> None:
+        status, body = await self._request("GET", path)
+        if status != 200:
+            raise EngineError(f"engine {path} answered {status}: {body[:200]!r}")
+
+    async def control(self, path: str, body: dict | None = None,
+                      timeout: float | None = None) -> dict:
+        """POST to one of the engine's control endpoints (prepare/resume for snapshots)."""
+        status, raw = await self._request("POST", path, body or {}, timeout=timeout)
+        if status != 200:
+            raise EngineError(f"engine {path} answered {status}: {raw[:300]!r}")
+        return json.loads(raw)
+
+    async def models(self) -> list[str]:
+        status, body = await self._request("GET", "/v1/models")
+        if status != 200:
+            raise EngineError(f"engine /v1/models answered {status}: {body[:200]!r}")
+        return [m["id"] for m in json.loads(body).get("data", [])]
+
+    async def canary(self, model: str, prompt: str, max_tokens: int,
+                     timeout: float) -> CanaryAnswer:
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0.0, "return_token_ids": True}
+        status, raw = await self._request("POST", "/v1/completions", body, timeout=timeout)
+        if status != 200:
+            raise EngineError(f"canary request answered {status}: {raw[:300]!r}")
+        choice = json.loads(raw)["choices"][0]
+        return CanaryAnswer(text=choice["text"], token_ids=tuple(choice.get("token_ids") or ()))

@@ -1,0 +1,71 @@
+"""The agent's status: kept by the supervisor, read by metrics and `pitstop status`."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from agent.errors import StatusError
+from agent.fsutil import write_private
+from agent.supervisor.states import State
+
+
+@dataclass
+class Recovery:
+    """How the last (re)start went."""
+
+    path: str
+    cause: str
+    result: str
+    duration_s: float
+    at: float
+    stages: dict[str, float] = field(default_factory=dict)
+    fallthroughs: list[str] = field(default_factory=list)
+
+
+@dataclass
+class AgentStatus:
+    """Everything `pitstop status` prints, persisted to `status.json` on every change."""
+
+    agent_pid: int = field(default_factory=os.getpid)
+    state: str = State.STOPPED.value
+    state_since: float = field(default_factory=time.time)
+    reason: str = ""
+    engine_kind: str = ""
+    engine_pid: int | None = None
+    engine_ready_since: float | None = None
+    front: str = ""
+    metrics: str = ""
+    restarts: int = 0
+    last_recovery: Recovery | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class StatusFile:
+    """`status.json` in the agent's run directory."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def write(self, status: AgentStatus) -> None:
+        write_private(self.path, json.dumps(status.to_json(), indent=1).encode())
+
+    def read(self) -> dict:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            raise StatusError(
+                f"no agent status at {self.path}: is the agent running with this config?"
+            ) from None
+        except (OSError, ValueError) as e:
+            raise StatusError(f"cannot read the agent status {self.path}: {e}") from e
+        pid = data.get("agent_pid")
+        if not isinstance(pid, int) or not Path(f"/proc/{pid}").exists():
+            data["state"] = "not running"
+            data["engine_pid"] = None
+        return data

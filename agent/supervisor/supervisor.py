@@ -1,0 +1,459 @@
+"""The supervisor loop: walk the ladder, verify, watch, back off, stop."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from agent.config import Config
+from agent.engines.base import EngineAdapter
+from agent.errors import EngineError, SnapshotError, StartPathError, VerifyError
+from agent.metrics import Metrics
+from agent.supervisor.canary import CanaryBook, CanaryRecord, setup_key
+from agent.supervisor.capture import Capture
+from agent.supervisor.engine import EngineProcess
+from agent.supervisor.gate import EngineGate
+from agent.supervisor.ladder import Attempt, StartPath
+from agent.supervisor.probe import CanaryAnswer, EngineProbe
+from agent.supervisor.states import Event, State, next_state
+from agent.supervisor.status import AgentStatus, Recovery
+from agent.systemd import Notifier
+
+log = logging.getLogger("pitstop.supervisor")
+
+# How often to re-arm systemd's start timeout while a long start is making progress.
+EXTEND_EVERY_S = 10.0
+HEALTH_POLL_S = 0.1
+
+
+class Supervisor:
+    """Owns the engine: starts it through the ladder, keeps it healthy, stops it.
+
+    Example::
+
+        sup = Supervisor(config=cfg, adapter=adapter, paths=[ColdStart(adapter)], gate=gate,
+                         metrics=metrics, notifier=Notifier(), status=AgentStatus(),
+                         canaries=CanaryBook(state_dir / "canary.json"))
+        await sup.run()  # returns after request_stop()
+    """
+
+    def __init__(self, *, config: Config, adapter: EngineAdapter, paths: Sequence[StartPath],
+                 gate: EngineGate, metrics: Metrics, notifier: Notifier, status: AgentStatus,
+                 canaries: CanaryBook, on_change: Callable[[], None] = lambda: None,
+                 capture: Capture | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.adapter = adapter
+        self.paths = list(paths)
+        self.gate = gate
+        self.metrics = metrics
+        self.notifier = notifier
+        self.status = status
+        self.canaries = canaries
+        self._on_change = on_change
+        self.capture = capture
+        self._clock = clock
+        self.state = State.STOPPED
+        self.engine: EngineProcess | None = None
+        self.heartbeat = clock()
+        self._stop = asyncio.Event()
+        self._reset = asyncio.Event()
+        self._restart = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._failures: collections.deque[float] = collections.deque()
+        self._announced_ready = False
+        self._cause = "startup"
+        # Set when the engine came up without a usable snapshot: take one per policy.
+        self._snapshot_wanted = ""
+        self._snapshot_requests: list[asyncio.Future[dict]] = []
+        self._verified_canary: CanaryRecord | None = None
+
+    # --- control from outside (signals) -------------------------------------------------
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def request_restart(self, cause: str) -> None:
+        """Replace a serving engine through the ladder (a reload changed the engine)."""
+        self._cause = cause
+        self._restart.set()
+
+    def apply_config(self, config: Config) -> None:
+        """Take a reloaded configuration; an engine change restarts the engine."""
+        engine_changed = config.engine != self.config.engine
+        self.config = config
+        self.request_reset()
+        if engine_changed and self.state in (State.READY, State.BACKOFF):
+            self.request_restart("reload")
+
+    def request_snapshot(self) -> asyncio.Future[dict]:
+        """Take a snapshot at the next quiet moment; the future gets its summary."""
+        if self.capture is None:
+            raise SnapshotError("snapshots are not available on this host: "
+                                "see `pitstop doctor`")
+        fut: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
+        self._snapshot_requests.append(fut)
+        self._wake.set()
+        return fut
+
+    def request_regeneration(self, reason: str) -> None:
+        """The current snapshot went stale (drift): take a fresh one at the next safe point."""
+        if self.capture is not None and self.config.snapshots.regenerate != "manual":
+            self._snapshot_wanted = reason
+            self._wake.set()
+
+    def request_reset(self) -> None:
+        """Clear a crash loop (on reload): the next walk of the ladder starts at once."""
+        self._failures.clear()
+        self._reset.set()
+
+    # --- state ------------------------------------------------------------------------
+    def _fire(self, event: Event, reason: str = "") -> None:
+        new = next_state(self.state, event)
+        log.info("state %s -> %s on %s%s", self.state, new, event, f": {reason}" if reason else "")
+        self.state = new
+        self.status.state = new.value
+        self.status.state_since = time.time()
+        self.status.reason = reason
+        self.notifier.status(f"{new}" + (f": {reason}" if reason else ""))
+        self._on_change()
+
+    def _beat(self) -> None:
+        self.heartbeat = self._clock()
+
+    async def _sleep_or_stop(self, seconds: float) -> bool:
+        """Sleep; True when a stop was requested meanwhile."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), seconds)
+        return self._stop.is_set()
+
+    # --- the loop ---------------------------------------------------------------------
+    async def run(self) -> None:
+        self._fire(Event.START)
+        while self.state is not State.STOPPED:
+            self._beat()
+            if self._stop.is_set() and self.state is not State.STOPPING:
+                self._fire(Event.STOP)
+            if self.state is State.STARTING:
+                await self._start()
+            elif self.state is State.READY:
+                await self._serve()
+            elif self.state is State.BACKOFF:
+                await self._backoff()
+            elif self.state is State.FAILED:
+                await self._failed()
+            elif self.state is State.STOPPING:
+                await self._shutdown()
+
+    # --- starting ---------------------------------------------------------------------
+    def _canary_key(self) -> str:
+        eng = self.config.engine
+        return setup_key(eng.model, [eng.kind, self.adapter.version(), eng.device, *eng.args])
+
+    async def _start(self) -> None:
+        attempt = Attempt(cause=self._cause)
+        t0 = self._clock()
+        fallthroughs: list[str] = []
+        last_path = "cold"
+        for path in self.paths:
+            if self._stop.is_set():
+                return
+            last_path = path.name
+            skip = path.skip_reason()
+            if skip is not None:
+                self._fall(path.name, "skipped", skip, fallthroughs)
+                continue
+            self.notifier.status(f"starting: {path.name} ({attempt.cause})")
+            try:
+                engine = await path.start(attempt)
+            except (StartPathError, EngineError) as e:
+                self._fall(path.name, "start_failed", str(e), fallthroughs)
+                continue
+            self.engine = engine
+            self.status.engine_pid = engine.pid
+            try:
+                await self._verify(engine, path, attempt)
+                await path.after_verified(engine)
+            except EngineError as e:
+                if not engine.stopping:
+                    await engine.kill()
+                await engine.close()
+                self.engine = None
+                self.status.engine_pid = None
+                if self._stop.is_set():
+                    return
+                path.failed(str(e))
+                kind = "verify_failed" if isinstance(e, VerifyError) else "start_failed"
+                self._fall(path.name, kind, str(e), fallthroughs)
+                continue
+            self._ready(path.name, attempt, self._clock() - t0, fallthroughs)
+            return
+        duration = self._clock() - t0
+        self._record(last_path, "failure", attempt, duration, fallthroughs)
+        self.record_failure()
+        self._fire(Event.START_FAILED, f"every start path failed: {'; '.join(fallthroughs)}")
+
+    def _fall(self, path: str, kind: str, reason: str, fallthroughs: list[str]) -> None:
+        log.warning("ladder: %s %s: %s", path, kind.replace("_", " "), reason)
+        fallthroughs.append(f"{path} {kind.replace('_', ' ')}: {reason}")
+        self.metrics.ladder_fallthroughs.labels(path=path, reason=kind).inc()
+
+    async def _verify(self, engine: EngineProcess, path: StartPath, attempt: Attempt) -> None:
+        hc = self.config.health
+        sock = self.config.engine_socket
+        deadline = self._clock() + hc.start_timeout_s
+        next_extend = self._clock()
+        async with EngineProbe(sock, timeout=hc.timeout_s) as probe:
+            with attempt.stage("health"):
+                while True:
+                    self._beat()
+                    if not engine.alive:
+                        raise EngineError(f"engine {engine.pid} {engine.exited.result()} "
+                                          "before it became healthy; see its log above")
+                    if self._stop.is_set():
+                        await engine.stop(self.config.engine.stop_timeout_s)
+                        raise EngineError("stop requested while starting")
+                    if self._clock() >= next_extend and not self._announced_ready:
+                        self.notifier.extend_timeout(EXTEND_EVERY_S * 3)
+                        next_extend = self._clock() + EXTEND_EVERY_S
+                    try:
+                        await probe.health(self.adapter.health_path)
+                        break
+                    except EngineError:
+                        if self._clock() >= deadline:
+                            raise EngineError(
+                                f"engine {engine.pid} not healthy within {hc.start_timeout_s:.0f}s"
+                                " (health.start_timeout_s)") from None
+                    await asyncio.sleep(HEALTH_POLL_S)
+            with attempt.stage("verify"):
+                name = self.adapter.model_name()
+                models = await probe.models()
+                if name not in models:
+                    raise VerifyError(f"engine serves {models}, not the configured model {name!r}")
+                answer = await probe.canary(name, hc.canary.prompt, hc.canary.max_tokens,
+                                            timeout=max(hc.timeout_s, 30.0))
+                self._check_canary(path, answer)
+
+    def _check_canary(self, path: StartPath, answer: CanaryAnswer) -> None:
+        canary = self.config.health.canary
+        expected = path.expected_canary()
+        key = self._canary_key()
+        if expected is None:
+            rec = self.canaries.load()
+            if rec is not None and rec.key == key and rec.prompt == canary.prompt \
+                    and rec.max_tokens == canary.max_tokens:
+                expected = rec
+        if expected is None:
+            # First start of this setup: its answer becomes the record later starts must match.
+            expected = CanaryRecord(key=key, prompt=canary.prompt, max_tokens=canary.max_tokens,
+                                    text=answer.text, token_ids=answer.token_ids)
+            self.canaries.save(expected)
+            log.info("canary recorded for this setup: %r", answer.text)
+        elif not expected.matches(answer):
+            raise VerifyError(f"canary answered {answer.text!r}, expected the recorded "
+                              f"{expected.text!r}: this engine is not the one that was recorded")
+        self._verified_canary = expected
+
+    def _ready(self, path: str, attempt: Attempt, duration: float,
+               fallthroughs: list[str]) -> None:
+        assert self.engine is not None
+        self._record(path, "success", attempt, duration, fallthroughs)
+        self.status.engine_ready_since = time.time()
+        policy = self.config.snapshots.regenerate
+        if self.capture is not None and path in ("cold", "warm") and policy != "manual":
+            self._snapshot_wanted = f"{path} start found no usable snapshot"
+        if not (self._snapshot_wanted and policy == "before-serving"):
+            self.gate.open(self.config.engine_socket)
+        self._fire(Event.VERIFIED, f"{path} start in {duration:.2f}s ({attempt.cause})")
+        if not self._announced_ready:
+            self._announced_ready = True
+            self.notifier.ready(f"ready: {path} start in {duration:.2f}s")
+        log.info("engine %d ready via %s in %.2fs (cause %s; stages %s)", self.engine.pid, path,
+                 duration, attempt.cause,
+                 ", ".join(f"{k} {v:.2f}s" for k, v in attempt.stages.items()))
+
+    def _record(self, path: str, result: str, attempt: Attempt, duration: float,
+                fallthroughs: list[str]) -> None:
+        m = self.metrics
+        m.recoveries.labels(path=path, result=result, cause=attempt.cause).inc()
+        m.recovery_duration.labels(path=path, result=result).observe(duration)
+        for stage, secs in attempt.stages.items():
+            m.recovery_stage_duration.labels(path=path, stage=stage).observe(secs)
+        self.status.last_recovery = Recovery(
+            path=path, cause=attempt.cause, result=result, duration_s=round(duration, 3),
+            at=time.time(), stages={k: round(v, 3) for k, v in attempt.stages.items()},
+            fallthroughs=fallthroughs)
+
+    # --- serving ----------------------------------------------------------------------
+    async def _serve(self) -> None:
+        engine = self.engine
+        assert engine is not None
+        if self._snapshot_wanted:
+            await self._snapshot(self._snapshot_wanted)
+            if self.state is not State.READY:
+                return
+        if self.gate.current is None:
+            self.gate.open(self.config.engine_socket)
+        hc = self.config.health
+        misses = 0
+        async with EngineProbe(self.config.engine_socket, timeout=hc.timeout_s) as probe:
+            while True:
+                self._beat()
+                stop = asyncio.ensure_future(self._stop.wait())
+                restart = asyncio.ensure_future(self._restart.wait())
+                wake = asyncio.ensure_future(self._wake.wait())
+                await asyncio.wait({engine.exited, stop, restart, wake}, timeout=hc.interval_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                for f in (stop, restart, wake):
+                    f.cancel()
+                self._wake.clear()
+                if self._stop.is_set():
+                    return
+                if (self._snapshot_requests or self._snapshot_wanted) \
+                        and not engine.exited.done():
+                    await self._snapshot(self._snapshot_wanted or "requested")
+                    if self.state is not State.READY:
+                        return
+                    continue
+                if self._restart.is_set():
+                    self._restart.clear()
+                    await self._replace(engine)
+                    return
+                if engine.exited.done():
+                    exit = engine.exited.result()
+                    cause = "crash" if self.adapter.exit_is_failure(exit.code or 0) else "exit"
+                    await self._engine_failed(cause, f"engine {engine.pid} {exit}")
+                    return
+                try:
+                    await probe.health(self.adapter.health_path)
+                    misses = 0
+                except EngineError as e:
+                    misses += 1
+                    log.warning("health check %d/%d failed: %s", misses,
+                                hc.failures_before_restart, e)
+                    if misses >= hc.failures_before_restart:
+                        await self._engine_failed(
+                            "hang", f"engine {engine.pid} failed {misses} health checks in a "
+                            f"row ({e})")
+                        return
+
+    async def _snapshot(self, why: str) -> None:
+        """Snapshot the serving engine (READY -> SNAPSHOTTING -> READY)."""
+        engine = self.engine
+        waiting, self._snapshot_requests = self._snapshot_requests, []
+        regeneration = bool(self._snapshot_wanted)
+        self._snapshot_wanted = ""
+        assert engine is not None and self.capture is not None
+        if self._verified_canary is None:
+            err = SnapshotError("the engine has no verified canary answer to record")
+            for fut in waiting:
+                fut.set_exception(err)
+            return
+        self._fire(Event.SNAPSHOT, why)
+        try:
+            result = await self.capture.take(engine, self._verified_canary)
+        except SnapshotError as e:
+            log.error("%s", e)
+            if regeneration:
+                self.metrics.regenerations.labels(result="failure").inc()
+            for fut in waiting:
+                fut.set_exception(e)
+            if not engine.alive:
+                await self._engine_failed("crash", f"engine {engine.pid} died during a "
+                                          f"snapshot: {engine.exited.result()}")
+                return
+            self._fire(Event.SNAPSHOT_DONE, f"snapshot failed: {e}"[:300])
+            return
+        if regeneration:
+            self.metrics.regenerations.labels(result="success").inc()
+        summary = {"id": result.info.id, "bytes": result.info.image_bytes,
+                   "duration_s": round(result.duration_s, 3),
+                   "freed_bytes": result.freed_bytes}
+        for fut in waiting:
+            fut.set_result(summary)
+        self._fire(Event.SNAPSHOT_DONE, f"snapshot {result.info.id} published")
+
+    async def _engine_failed(self, cause: str, reason: str) -> None:
+        self.gate.close(reason)
+        engine = self.engine
+        if engine is not None:
+            await engine.kill()
+            await engine.close()
+        self.engine = None
+        self.status.engine_pid = None
+        self.status.engine_ready_since = None
+        self.status.restarts += 1
+        self.metrics.engine_failures.labels(cause=cause).inc()
+        self.record_failure()
+        self._cause = cause
+        log.error("engine failed (%s): %s", cause, reason)
+        self._fire(Event.ENGINE_FAILED, reason)
+
+    async def _replace(self, engine: EngineProcess) -> None:
+        self.gate.close(f"restarting: {self._cause}")
+        exit = await engine.stop(self.config.engine.stop_timeout_s)
+        await engine.close()
+        log.info("engine %d stopped for a restart (%s): %s", engine.pid, self._cause, exit)
+        self.engine = None
+        self.status.engine_pid = None
+        self.status.engine_ready_since = None
+        self._fire(Event.RESTART, self._cause)
+
+    # --- backing off ------------------------------------------------------------------
+    def record_failure(self) -> None:
+        """Count one failed start or engine failure towards backoff and the crash loop."""
+        self._failures.append(self._clock())
+
+    def backoff_delay(self) -> tuple[float, int]:
+        """(seconds to wait, failures in the window); a first failure restarts at once."""
+        rc = self.config.restart
+        now = self._clock()
+        while self._failures and now - self._failures[0] > rc.crash_loop_window_s:
+            self._failures.popleft()
+        n = len(self._failures)
+        if n <= 1:
+            return 0.0, n
+        return min(rc.backoff_max_s, rc.backoff_initial_s * rc.backoff_multiplier ** (n - 2)), n
+
+    async def _backoff(self) -> None:
+        delay, n = self.backoff_delay()
+        limit = self.config.restart.crash_loop_limit
+        if n > limit:
+            window = self.config.restart.crash_loop_window_s
+            self._fire(Event.CRASH_LOOP,
+                       f"crash loop: {n} failures within {window:.0f}s (restart.crash_loop_limit);"
+                       " fix the engine, then reload the agent")
+            return
+        if delay > 0:
+            log.info("backing off %.1fs before the next start (%d recent failures)", delay, n)
+        if await self._sleep_or_stop(delay):
+            return
+        self._restart.clear()
+        self._fire(Event.BACKOFF_DONE)
+
+    async def _failed(self) -> None:
+        self._reset.clear()
+        while not self._stop.is_set() and not self._reset.is_set():
+            self._beat()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._reset.wait(), 1.0)
+        if self._reset.is_set() and not self._stop.is_set():
+            self._cause = "reset"
+            self._fire(Event.RESET, "reset by reload")
+
+    # --- stopping ---------------------------------------------------------------------
+    async def _shutdown(self) -> None:
+        self.notifier.stopping()
+        self.gate.close("stopping")
+        engine = self.engine
+        if engine is not None:
+            exit = await engine.stop(self.config.engine.stop_timeout_s)
+            await engine.close()
+            log.info("engine %d stopped: %s", engine.pid, exit)
+        self.engine = None
+        self.status.engine_pid = None
+        self.status.engine_ready_since = None
+        self._fire(Event.STOPPED)
