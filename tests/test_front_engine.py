@@ -5,16 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from frontkit import MODEL_NAME, Engine, Harness, front_on, socket_dir
-from prereq import require
+
+from tests.frontkit import MODEL_NAME, Engine, Harness, front_on, socket_dir
+from tests.prereq import require
 
 pytestmark = pytest.mark.integration
 
@@ -25,15 +24,6 @@ except ImportError:  # pragma: no cover - a dev dependency; require() says so
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 _OPENAI_KEYS = ("model", "prompt", "messages", "max_tokens", "temperature", "stop", "seed")
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("model") / "tiny"
-    r = subprocess.run([sys.executable, "-m", "agent", "make-model", str(d)],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, f"pitstop make-model failed: {r.stderr[-2000:]}"
-    return d
 
 
 @pytest.fixture(scope="module")

@@ -51,6 +51,18 @@ class _Failed(Exception):
         self.reason = reason
 
 
+class _ClientGone(Exception):
+    """The client's connection broke while the front wrote to it (not the engine's)."""
+
+
+async def _send(resp: web.StreamResponse, data: bytes) -> None:
+    # A write error is the client's side: it must never read as an engine crash to resume.
+    try:
+        await resp.write(data)
+    except ConnectionError as e:
+        raise _ClientGone(str(e)) from e
+
+
 class Front:
     """Owns the public TCP port and forwards OpenAI requests to the engine's Unix socket.
 
@@ -265,7 +277,10 @@ class Front:
         await resp.prepare(request)
         try:
             async for chunk in up.content.iter_any():
-                await resp.write(chunk)
+                await _send(resp, chunk)
+        except _ClientGone:
+            self.metrics.front_failed.labels(reason="client_gone").inc()
+            return resp
         except LOST as e:
             self.metrics.front_failed.labels(reason="engine_lost").inc()
             log.error("request %s: engine lost mid-stream, not resumable: %s", rid, _describe(e))
@@ -313,7 +328,7 @@ class Front:
                                         self.metrics.front_stall.observe(
                                             time.monotonic() - lost_at)
                                         lost_at = None
-                                    await resp.write(out)
+                                    await _send(resp, out)
                                 if tracker.cut:
                                     up.close()  # stopped by the front: the engine aborts
                                     break
@@ -346,6 +361,11 @@ class Front:
                             "%d tokens sent", rid, new.recovery, ready.recovery,
                             len(tracker.out_ids))
                 ready = new
+        except _ClientGone:
+            self.metrics.front_failed.labels(reason="client_gone").inc()
+            log.info("request %s: client went away", rid)
+            assert resp is not None
+            return resp
         except _Failed as f:
             self.metrics.front_failed.labels(reason=f.reason).inc()
             log.error("request %s failed (%s): %s", rid, f.reason, f)
