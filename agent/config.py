@@ -59,6 +59,8 @@ class QueueConfig(_Strict):
 
     max_waiting: int = Field(256, ge=0)
     deadline_s: float = Field(30.0, gt=0)
+    # What a 503 tells the client to wait before it tries again.
+    retry_after_s: int = Field(5, ge=1)
 
 
 class FrontConfig(_Strict):
@@ -69,6 +71,12 @@ class FrontConfig(_Strict):
     port: int = Field(8000, ge=0, le=65535)
     queue: QueueConfig = Field(default_factory=QueueConfig)
     max_resumes: int = Field(3, ge=0)
+    # How long an answer cut by an engine crash waits for the recovered engine: longer than
+    # the queue deadline, since its client is already being served and a cold start of a
+    # big model takes minutes.
+    resume_wait_s: float = Field(120.0, gt=0)
+    # Largest request body accepted (long prompts as token id lists are big).
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
 
 
 class PathsConfig(_Strict):

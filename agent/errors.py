@@ -47,3 +47,19 @@ class SourceUnavailable(IdentityError):
 
 class WeightsError(PitstopError):
     """The model's weight and config files could not be listed or hashed."""
+
+
+class FrontError(PitstopError):
+    """The front proxy could not bind its port or serve a request."""
+
+
+class FrontRejected(FrontError):
+    """The front turned a request away (queue full, deadline, draining); it says when to retry.
+
+    Not a fault: the client gets 503 with Retry-After, and the reason is counted.
+    """
+
+    def __init__(self, reason: str, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after = retry_after

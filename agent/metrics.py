@@ -139,8 +139,8 @@ class Metrics:
             buckets=STALL_BUCKETS, registry=registry)
         self.front_failed = Counter(
             "pitstop_front_failed_requests_total",
-            "Requests the front could not finish, by reason (deadline, queue_full, "
-            "resume_limit, engine_error, client_gone).",
+            "Requests the front could not finish, by reason (deadline, queue_full, draining, "
+            "resume_limit, not_resumable, engine_lost, engine_error, client_gone).",
             ["reason"], registry=registry)
         self._initialise_known_labels()
         registry.register(StatusCollector(status))
