@@ -179,6 +179,8 @@ class Agent:
         self.notifier.reloading()
         try:
             new = load_config(self.config_path)
+            if new.engine.kind == self.config.engine.kind:
+                self.adapter.reconfigure(new)
         except ConfigError as e:
             log.error("reload refused, keeping the running configuration: %s", e)
             self.notifier.reloaded()
@@ -194,7 +196,6 @@ class Agent:
                 or new.paths != self.config.paths:
             log.warning("reload: front, metrics and paths changes take effect on restart only")
         self.config = new
-        self.adapter.reconfigure(new)
         self.reader.config = new
         self.supervisor.apply_config(new)
         log.info("configuration reloaded from %s", self.config_path or "the embedded default")
