@@ -34,6 +34,10 @@ class Session:
     pid: int
     uid: int
 
+    @property
+    def allowed(self) -> bool:
+        return self.uid in (os.getuid(), 0)
+
 
 def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
     """(pid, uid, gid) of the process that connected, as the kernel recorded it."""
@@ -173,17 +177,13 @@ class HolderServer:
         except BlockingIOError:
             return
         pid, uid, _gid = peer_credentials(conn)
-        if uid not in (os.getuid(), 0):
-            log.warning("refused pid %d of uid %d: only uid %d and root may use this holder",
-                        pid, uid, os.getuid())
-            with contextlib.suppress(OSError):
-                p.send(conn, _error(p.ErrorCode.FORBIDDEN,
-                                    f"uid {uid} may not use this holder (it serves uid "
-                                    f"{os.getuid()} and root)"))
-            conn.close()
-            return
         conn.setblocking(False)
         s = Session(conn=conn, pid=pid, uid=uid)
+        if not s.allowed:
+            # Answered (FORBIDDEN) and closed at its first request: closing now, with the
+            # request unread, would reset the connection before the stranger reads why.
+            log.warning("refused pid %d of uid %d: only uid %d and root may use this holder",
+                        pid, uid, os.getuid())
         self._sessions[id(s)] = s
         self._sel.register(conn, selectors.EVENT_READ, lambda _c, s=s: self._on_readable(s))
         log.debug("session of pid %d opened", pid)
@@ -212,6 +212,13 @@ class HolderServer:
             return
         for fd in fds:  # tenants never send fds; don't keep what they did send
             os.close(fd)
+        if not s.allowed:
+            self._answer(s, _error(p.ErrorCode.FORBIDDEN,
+                                   f"uid {s.uid} may not use this holder (it serves uid "
+                                   f"{os.getuid()} and root)"))
+            if id(s) in self._sessions:
+                self._drop(id(s))
+            return
         reply, out_fds = self._handle(s, data)
         self._answer(s, reply, out_fds)
         self.table.check({sid for sid in self._sessions})
