@@ -6,7 +6,7 @@ CACHE ?= .cache
 MODEL ?= $(HOME)/.cache/pitstop/tiny-llama
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: run test lint venv model clean
+.PHONY: run test lint venv model criu criu-bundle clean
 
 venv: $(VENV)/.installed
 
@@ -18,16 +18,27 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
+# CRIU >= 4.1 at $(CACHE)/criu/bin/criu (LAB.md fact 2); the script is idempotent.
+criu: $(CACHE)/criu/.installed
+
+$(CACHE)/criu/.installed: scripts/install-criu.sh
+	scripts/install-criu.sh
+	touch $@
+
+# A self-contained CRIU (binary, ld.so, libraries) to carry to a GPU host.
+criu-bundle: criu
+	scripts/install-criu.sh bundle .gpu/criu
+
 model: venv
 	$(BIN)/pitstop make-model $(MODEL)
 
-run: venv model
+run: venv model criu
 	$(BIN)/pitstop run
 
 lint: venv
 	$(BIN)/ruff check agent tests bench
 
-test: venv
+test: venv criu
 	$(BIN)/ruff check agent tests bench
 	$(BIN)/python -m pytest -q -ra
 

@@ -116,6 +116,49 @@ def _cmd_holder(args: argparse.Namespace) -> int:
     return holder_release(args.dir, gpu, args.names, release_all=args.all)
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from agent.config import load_config
+    from agent.doctor import format_checks, run_checks
+
+    checks = run_checks(load_config(args.config))
+    if args.json:
+        print(json.dumps([dataclasses.asdict(c) for c in checks], indent=1))
+    else:
+        print(format_checks(checks))
+    return EXIT_FAIL if any(c.needed and not c.ok for c in checks) else EXIT_OK
+
+
+def _cmd_snapshot(args: argparse.Namespace) -> int:
+    import json
+
+    from agent.config import load_config
+    from agent.store import SnapshotStore, views
+
+    store = SnapshotStore(load_config(args.config).paths.snapshots)
+    if args.action == "list":
+        entries = store.entries()
+        out = json.dumps([views.entry_json(e) for e in entries], indent=1) if args.json \
+            else views.entries_text(entries)
+    elif args.action == "inspect":
+        m = store.load(args.id)
+        out = m.model_dump_json(indent=1) if args.json else views.manifest_text(m)
+    elif args.action == "verify":
+        verdicts = [store.verify(i) for i in (args.ids or store.ids())]
+        out = json.dumps([views.verdict_json(v) for v in verdicts], indent=1) if args.json \
+            else "\n".join(views.verdict_text(v) for v in verdicts) or "no snapshots"
+        print(out)
+        return EXIT_OK if all(v.ok for v in verdicts) else EXIT_FAIL
+    else:
+        for i in args.ids:
+            store.delete(i)
+        out = json.dumps({"deleted": args.ids}) if args.json else f"deleted {' '.join(args.ids)}"
+    print(out)
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pitstop", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -142,6 +185,30 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=_cmd_status)
+
+    d = sub.add_parser("doctor", help="can this host snapshot and restore? (exit 1 when not)")
+    d.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=_cmd_doctor)
+
+    sn = sub.add_parser("snapshot", help="list, inspect, verify or delete snapshots")
+    snsub = sn.add_subparsers(dest="action", required=True, metavar="ACTION")
+    for name, text in (
+        ("list", "every snapshot, newest first"),
+        ("inspect", "one snapshot's manifest"),
+        ("verify", "check manifests, permissions and checksums (exit 1 when one is refused)"),
+        ("delete", "remove snapshots"),
+    ):
+        a = snsub.add_parser(name, help=text)
+        a.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
+        a.add_argument("--json", action="store_true")
+        if name == "inspect":
+            a.add_argument("id")
+        elif name == "verify":
+            a.add_argument("ids", nargs="*", metavar="ID", help="default: all")
+        elif name == "delete":
+            a.add_argument("ids", nargs="+", metavar="ID")
+    sn.set_defaults(func=_cmd_snapshot)
 
     h = sub.add_parser("holder", help="the per-GPU memory holder: serve (default), status, "
                        "release")

@@ -92,6 +92,20 @@ class PathsConfig(_Strict):
         return self.run_dir or self.state_dir / "run"
 
 
+class SnapshotsConfig(_Strict):
+    """Where CRIU is and how many snapshots to keep (the directory is paths.snapshots)."""
+
+    criu: Path | None = None
+    keep: int = Field(2, ge=1)
+    disk_budget_gib: float = Field(64.0, gt=0)
+    cuda_lock_timeout_ms: int = Field(10_000, ge=1)
+
+    @field_validator("criu", mode="before")
+    @classmethod
+    def _expand_paths(cls, v: Any) -> Any:
+        return _expand(v) if isinstance(v, str) else v
+
+
 class HealthConfig(_Strict):
     """How the supervisor decides the engine is alive."""
 
@@ -141,6 +155,7 @@ class Config(_Strict):
     health: HealthConfig = Field(default_factory=HealthConfig)
     restart: RestartConfig = Field(default_factory=RestartConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    snapshots: SnapshotsConfig = Field(default_factory=SnapshotsConfig)
 
     @property
     def engine_socket(self) -> Path:
