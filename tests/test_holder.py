@@ -13,6 +13,7 @@ import pytest
 
 from agent.errors import HolderRefusedError, HolderUnavailableError, MappingError
 from agent.holder import protocol as p
+from agent.holder.client import HolderClient
 from agent.holder.mapping import HeldSet, HostSpace
 from tests.holder_proc import Holder, wait_for
 from tests.holder_tenant import digest_of, pattern
@@ -328,3 +329,22 @@ def test_the_holder_dir_is_private(holder):
 
 def test_pattern_is_seeded():
     assert pattern(1, 100) != pattern(2, 100)
+
+
+def test_stale_reason_names_what_changed_in_the_holder(holder):
+    from agent.holder.client import stale_reason
+
+    write_here(holder, SIZES)
+    with holder.client() as c:
+        held = HeldSet.attach(c, DIGEST, HostSpace)
+    expected = held.identity
+    held.close()
+    with holder.client() as c:
+        assert stale_reason(c, expected) is None
+    write_here(holder, SIZES, seed=3)
+    with holder.client() as c:
+        assert "epoch 1 -> 2" in (stale_reason(c, expected) or "")
+        c.release(f"{DIGEST}/a.safetensors")
+        assert "is gone" in (stale_reason(c, expected) or "")
+    assert "holder unavailable" in (stale_reason(HolderClient(holder.base / "nope"), expected)
+                                    or "")

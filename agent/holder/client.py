@@ -164,3 +164,26 @@ def holder_available(path: Path | str, timeout: float = 2.0) -> str | None:
     except (HolderUnavailableError, HolderRefusedError) as e:
         return str(e)
     return None
+
+
+def stale_reason(client: HolderClient, expected: dict[str, dict[str, object]]) -> str | None:
+    """Why held memory no longer matches what an image was taken against, or None.
+
+    `expected` is the `held.regions` an engine reported at prepare time (name -> holder_id,
+    epoch, digest, chunks). A hybrid restore is worth trying only when every region is
+    still committed in this very holder at the same epoch: the skip reason otherwise.
+    """
+    try:
+        now = {r.name: r for r in client.list() if r.committed}
+    except (HolderUnavailableError, HolderRefusedError) as e:
+        return f"holder unavailable: {e}"
+    for name, want in sorted(expected.items()):
+        r = now.get(name)
+        if r is None:
+            return f"held region {name} is gone (released, or the holder restarted)"
+        got = {"holder_id": r.holder_id, "epoch": r.epoch, "digest": r.digest,
+               "chunks": r.chunks}
+        diffs = [f"{k} {want.get(k)!r} -> {v!r}" for k, v in got.items() if want.get(k) != v]
+        if diffs:
+            return f"held region {name} changed since the image was taken: {'; '.join(diffs)}"
+    return None

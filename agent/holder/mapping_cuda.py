@@ -22,7 +22,7 @@ class CudaSpace:
     Detach unmaps and releases the imported handles but keeps the reservation: LAB fact 12,
     imported memory still mapped at checkpoint time makes the restore fail for good, and
     the same addresses must come back so tensors and captured CUDA graphs stay valid.
-    The caller's CUDA context (torch's) must be current.
+    Every call binds the device's primary context (the one torch uses) first.
 
     Example::
 
@@ -39,6 +39,14 @@ class CudaSpace:
         self.size = -(-size // align) * align
         self.device = device
         self._handles: dict[int, tuple[Any, int]] = {}  # offset of a chunk -> its imported handle
+        # The device's primary context: the one torch uses. Calls may come from another
+        # thread (the engine's prepare/resume run off its event loop), where no context is
+        # current, so every call binds it first.
+        _ck(cu.cuInit(0), "cuInit")
+        dev = _ck(cu.cuDeviceGet(device), f"cuDeviceGet({device})")
+        self._dev = dev
+        self._ctx = _ck(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+        self._bind()
         self.base = int(_ck(cu.cuMemAddressReserve(self.size, align, 0, 0),
                             f"cuMemAddressReserve({self.size})"))
         acc = cu.CUmemAccessDesc()
@@ -47,8 +55,12 @@ class CudaSpace:
         acc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._access = acc
 
+    def _bind(self) -> None:
+        _ck(self._cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+
     def map(self, offset: int, fds: list[int], chunks: list[int]) -> None:
         cu = self._cu
+        self._bind()
         kind = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         at = offset
         for fd, length in zip(fds, chunks, strict=True):
@@ -69,6 +81,7 @@ class CudaSpace:
 
     def unmap(self, offset: int, length: int) -> None:
         cu = self._cu
+        self._bind()
         # Kernels still reading the weights must finish before the pages go.
         _ck(cu.cuCtxSynchronize(), "cuCtxSynchronize")
         for at in sorted(a for a in self._handles if offset <= a < offset + length):
@@ -93,6 +106,7 @@ class CudaSpace:
         self.unmap(0, self.size)
         _ck(self._cu.cuMemAddressFree(self.base, self.size), "cuMemAddressFree")
         self.size = 0
+        _ck(self._cu.cuDevicePrimaryCtxRelease(self._dev), "cuDevicePrimaryCtxRelease")
 
 
 def cuda_space_factory(device: int) -> Any:
