@@ -126,8 +126,12 @@ async def _serve(args: argparse.Namespace) -> int:
     return 1 if failure else 0
 
 
-def _held_weights(args: argparse.Namespace, device: object) -> HeldWeights:
+def _held_weights(args: argparse.Namespace, device: object) -> HeldWeights | None:
+    """The weights in the holder; None (load privately) when another engine is loading
+    the same weights into it right now. A holder that is down is an error: the agent
+    asked for a warm start and falls to a cold one."""
     from agent.engines.refengine.model import weight_files
+    from agent.errors import HolderRefusedError
     from agent.holder.weights import HeldWeights, files_digest
 
     files = weight_files(args.model)
@@ -136,7 +140,13 @@ def _held_weights(args: argparse.Namespace, device: object) -> HeldWeights:
         log.warning("no --weights-digest: hashing %d weight files to name the held regions",
                     len(files))
         digest = files_digest(files)
-    return HeldWeights.open(args.holder, files, digest, device)
+    try:
+        return HeldWeights.open(args.holder, files, digest, device)
+    except HolderRefusedError as e:
+        if e.code != "busy":
+            raise
+        log.warning("%s; loading the weights privately this time", e)
+        return None
 
 
 if __name__ == "__main__":
