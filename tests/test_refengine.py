@@ -227,6 +227,8 @@ def test_prepare_refuses_while_a_request_runs(refengine: Engine) -> None:
         busy = refengine.http().post("/pitstop/prepare", json={"timeout_s": 0})
     assert busy.status_code == 409
     assert "running" in busy.json()["error"]["message"]
+    bad = refengine.http().post("/pitstop/prepare", json={"timeout_s": "soon"})
+    assert bad.status_code == 400 and "timeout_s" in bad.json()["error"]["message"]
     assert refengine.http().get("/pitstop/state").json()["paused"] is False
 
 
@@ -266,12 +268,20 @@ def test_bad_requests_through_the_openai_client(refengine: Engine) -> None:
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
 
 
-def test_engine_refuses_a_missing_model(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "agent.engines.refengine", "--model",
-                        str(tmp_path / "absent"), "--uds", str(tmp_path / "s.sock")],
-                       capture_output=True, text=True, timeout=60)
+def test_engine_refuses_a_missing_model_or_a_too_long_context(tmp_path: Path,
+                                                              tiny_model: Path) -> None:
+    def start(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "agent.engines.refengine", *argv,
+                               "--uds", str(tmp_path / "s.sock")],
+                              capture_output=True, text=True, timeout=60)
+
+    r = start("--model", str(tmp_path / "absent"))
     assert r.returncode == 2
     assert str(tmp_path / "absent") in r.stderr
+    r = start("--model", str(tiny_model), "--max-model-len", "100000")
+    assert r.returncode == 2
+    assert "max_position_embeddings (2048)" in r.stderr
+    assert not (tmp_path / "s.sock").exists()
 
 
 def test_tcp_listener_and_prefill_chunks(tiny_model: Path) -> None:

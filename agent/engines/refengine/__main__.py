@@ -73,6 +73,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from agent.engines.refengine.scheduler import Scheduler
     from agent.engines.refengine.server import EngineApp
     from agent.engines.refengine.tokenizer import Tokenizer
+    from agent.errors import ModelError
 
     device_name = args.device
     if device_name == "auto":
@@ -83,6 +84,10 @@ async def _serve(args: argparse.Namespace) -> int:
                        held=held.tensors if held is not None else None)
     tokenizer = Tokenizer(args.model)
     cfg = model.config
+    if args.max_model_len and args.max_model_len > cfg.max_position_embeddings:
+        raise ModelError(f"--max-model-len {args.max_model_len} exceeds the model's "
+                         f"max_position_embeddings ({cfg.max_position_embeddings}) in "
+                         f"{args.model / 'config.json'}; use at most that")
     max_len = min(args.max_model_len or 2048, cfg.max_position_embeddings)
     pool = KVPool(cfg, args.kv_slots, max_len, device, model.dtype)
     eos = set(cfg.eos_token_ids)
