@@ -137,7 +137,18 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
     from agent.config import load_config
     from agent.store import SnapshotStore, views
 
-    store = SnapshotStore(load_config(args.config).paths.snapshots)
+    cfg = load_config(args.config)
+    if args.action == "create":
+        import asyncio
+
+        from agent.control import call
+
+        done = asyncio.run(call(cfg.paths.run / "control.sock", "snapshot"))
+        print(json.dumps(done, indent=1) if args.json else
+              f"snapshot {done['id']} published: {done['bytes'] / 1e6:.1f} MB in "
+              f"{done['duration_s']:.2f}s")
+        return EXIT_OK
+    store = SnapshotStore(cfg.paths.snapshots)
     if args.action == "list":
         entries = store.entries()
         out = json.dumps([views.entry_json(e) for e in entries], indent=1) if args.json \
@@ -191,9 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=_cmd_doctor)
 
-    sn = sub.add_parser("snapshot", help="list, inspect, verify or delete snapshots")
+    sn = sub.add_parser("snapshot", help="create, list, inspect, verify or delete snapshots")
     snsub = sn.add_subparsers(dest="action", required=True, metavar="ACTION")
     for name, text in (
+        ("create", "ask the running agent to snapshot its engine at the next quiet moment"),
         ("list", "every snapshot, newest first"),
         ("inspect", "one snapshot's manifest"),
         ("verify", "check manifests, permissions and checksums (exit 1 when one is refused)"),

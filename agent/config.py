@@ -95,6 +95,12 @@ class PathsConfig(_Strict):
 class SnapshotsConfig(_Strict):
     """Where CRIU is and how many snapshots to keep (the directory is paths.snapshots)."""
 
+    enabled: bool = True
+    # When a start found no usable snapshot: take one before the gate opens, at the first
+    # quiet moment after it opens, or only on `pitstop snapshot create`.
+    regenerate: Literal["before-serving", "after-serving", "manual"] = "after-serving"
+    # How long a snapshot waits for requests in flight to finish (new ones are held).
+    quiet_timeout_s: float = Field(30.0, gt=0)
     criu: Path | None = None
     keep: int = Field(2, ge=1)
     disk_budget_gib: float = Field(64.0, gt=0)

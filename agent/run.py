@@ -14,14 +14,20 @@ from pathlib import Path
 from prometheus_client import start_http_server
 
 from agent import proc
+from agent.checkpoint import build_snapshotter
+from agent.checkpoint.snapshotter import Snapshotter
 from agent.config import Config, load_config
+from agent.control import ControlServer
 from agent.engines import build_adapter
-from agent.errors import ConfigError, ModelError
+from agent.errors import ConfigError, ModelError, SnapshotError
 from agent.fsutil import private_dir
+from agent.identity import Identity, collect
 from agent.metrics import Metrics, NodeInfo, StatusView, new_registry
 from agent.supervisor.canary import CanaryBook
+from agent.supervisor.capture import Capture
 from agent.supervisor.gate import EngineGate
 from agent.supervisor.paths.cold import ColdStart
+from agent.supervisor.paths.restore import FullRestore
 from agent.supervisor.states import State
 from agent.supervisor.status import AgentStatus, StatusFile
 from agent.supervisor.supervisor import Supervisor
@@ -69,11 +75,59 @@ class Agent:
             from agent.front.proxy import Front
 
             self.front = Front(config.front, self.gate, self.metrics)
+        self.snapshotter, unavailable = self._snapshotter(config)
+        self.capture = None
+        if self.snapshotter is not None:
+            self.capture = Capture(self.snapshotter, self.adapter, config.engine_socket,
+                                   self.gate, self.metrics, self.identity,
+                                   config.snapshots.quiet_timeout_s)
+        self.full = FullRestore(self.snapshotter, unavailable, self.adapter,
+                                config.engine_socket, self.identity, self.metrics,
+                                config.health.timeout_s * 10)
         self.supervisor = Supervisor(
-            config=config, adapter=self.adapter, paths=[ColdStart(self.adapter)],
+            config=config, adapter=self.adapter, paths=[self.full, ColdStart(self.adapter)],
             gate=self.gate, metrics=self.metrics, notifier=notifier, status=self.status,
             canaries=CanaryBook(config.paths.state_dir / "canary.json"),
-            on_change=self._write_status)
+            capture=self.capture, on_change=self._write_status)
+        self.control = ControlServer(config.paths.run / "control.sock",
+                                     {"snapshot": self._control_snapshot,
+                                      "status": self._control_status})
+
+    @staticmethod
+    def _snapshotter(config: Config) -> tuple[Snapshotter | None, str]:
+        """The snapshotter, or None and the reason (CRIU missing, snapshots disabled)."""
+        if not config.snapshots.enabled:
+            return None, "snapshots are disabled (snapshots.enabled: false)"
+        try:
+            snap = build_snapshotter(config)
+            snap.store.open(clean=True)
+        except (SnapshotError, OSError) as e:
+            log.warning("snapshots unavailable, every start will be cold: %s", e)
+            return None, f"snapshots unavailable: {e}"
+        return snap, ""
+
+    def identity(self) -> Identity:
+        """What a snapshot taken now depends on, and what a restore must match."""
+        criu = self.snapshotter.criu.binary.version if self.snapshotter is not None else None
+        return collect(engine_kind=self.config.engine.kind,
+                       engine_version=self.adapter.version(), criu=criu,
+                       engine_args=self.config.engine.args)
+
+    async def _control_snapshot(self, body: dict) -> dict:
+        return await self.supervisor.request_snapshot()
+
+    async def _control_status(self, body: dict) -> dict:
+        return self.status.to_json()
+
+    def _snapshot_fields(self) -> dict:
+        if self.snapshotter is None:
+            return {}
+        newest = next((e for e in self.snapshotter.store.entries() if e.manifest), None)
+        if newest is None or newest.manifest is None:
+            return {"stale_reasons": self.full.stale_reasons}
+        return {"snapshot_created": newest.manifest.created_at.timestamp(),
+                "snapshot_bytes": newest.bytes_on_disk, "snapshot_kind": newest.manifest.kind,
+                "stale_reasons": self.full.stale_reasons}
 
     def status_view(self) -> StatusView:
         return StatusView(
@@ -81,7 +135,7 @@ class Agent:
             engine_start_time=self.status.engine_ready_since,
             states=tuple(s.value for s in State), node=self._node,
             front_queue_depth=getattr(self.front, "queue_depth", 0),
-            front_inflight=self.gate.inflight)
+            front_inflight=self.gate.inflight, **self._snapshot_fields())
 
     def _write_status(self) -> None:
         try:
@@ -153,6 +207,7 @@ class Agent:
             await self.front.start()
             self.status.front = f"{self.config.front.host}:{self.front.port}"
             log.info("front on http://%s/v1", self.status.front)
+        await self.control.start()
         self._write_status()
         duties = [asyncio.ensure_future(self._reaper()), asyncio.ensure_future(self._watchdog())]
         try:
@@ -162,6 +217,7 @@ class Agent:
                 d.cancel()
             if self.front is not None:
                 await self.front.stop(0)
+            await self.control.stop()
             self._write_status()
         return 0
 

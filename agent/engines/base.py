@@ -28,6 +28,10 @@ class EngineAdapter(Protocol):
 
     kind: str
     health_path: str
+    # Control endpoints that drop (prepare) and rebuild (resume) state that need not be
+    # in a snapshot, such as the KV pool; None when the engine has none.
+    prepare_path: str | None
+    resume_path: str | None
 
     def launch_spec(self) -> LaunchSpec:
         """The command line and environment of a cold start."""
