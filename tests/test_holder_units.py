@@ -80,3 +80,45 @@ def test_requests_parse_strictly():
         with pytest.raises(p.ProtocolError) as e:
             p.parse_request(raw)
         assert e.value.code == code, raw
+
+
+FAULTY_HOLDER = """
+import sys
+from pathlib import Path
+from agent.holder.backends import GpuFaultError
+from agent.holder.backends.cpu import CpuBackend
+from agent.holder.server import HolderServer
+
+class Faulty(CpuBackend):
+    def allocate(self, name, size):
+        raise GpuFaultError("cuMemCreate: CUDA_ERROR_ECC_UNCORRECTABLE")
+
+server = HolderServer(Faulty("cpu"), Path(sys.argv[1]))
+server.bind()
+print("ready", flush=True)
+raise SystemExit(server.serve())
+"""
+
+
+def test_a_gpu_fault_stops_the_holder_with_status_74(tmp_path):
+    import subprocess
+    import sys
+
+    from agent.errors import HolderUnavailableError
+    from agent.holder.client import HolderClient
+    from agent.holder.server import EXIT_GPU_FAULT
+    from tests.holder_proc import REPO
+
+    h = subprocess.Popen([sys.executable, "-c", FAULTY_HOLDER, str(tmp_path)], cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert h.stdout is not None and h.stdout.readline().strip() == "ready"
+        with HolderClient.for_gpu(tmp_path, "cpu") as c, pytest.raises(HolderUnavailableError):
+            c.create("d/w", 4096, "d")
+        assert h.wait(timeout=30) == EXIT_GPU_FAULT
+        assert h.stderr is not None and "ECC_UNCORRECTABLE" in h.stderr.read()
+        assert not (tmp_path / "cpu" / p.SOCKET_NAME).exists()
+    finally:
+        if h.poll() is None:
+            h.kill()
+            h.wait()

@@ -269,10 +269,13 @@ def _error(code: p.ErrorCode, message: str) -> p.Reply:
 
 def run_holder(backend_kind: str, gpu: str, base: Path, max_bytes: int | None = None) -> int:
     """`pitstop holder`: build the backend, bind, tell systemd, serve until told to stop."""
-    from agent.holder.backends import make_backend
+    from agent.holder.backends import BackendError, make_backend
     from agent.systemd import Notifier
 
-    backend = make_backend(backend_kind, gpu)
+    try:
+        backend = make_backend(backend_kind, gpu)
+    except BackendError as e:
+        raise HolderError(f"holder for {gpu}: {e}") from e
     server = HolderServer(backend, base, max_bytes=max_bytes)
     try:
         server.bind()
