@@ -97,7 +97,12 @@ class CudaBackend:
                                "'pitstop[cuda]' (or cuda-bindings matching the driver)") from e
         self._cu = cu
         self.gpu = gpu
-        check(cu.cuInit(0), "cuInit")
+        try:
+            check(cu.cuInit(0), "cuInit")
+        except BackendError:
+            raise
+        except Exception as e:  # cuda-bindings raises its own error when libcuda is absent
+            raise BackendError(f"cuInit: {e}; is the NVIDIA driver installed?") from e
         self._ordinal = self._find(gpu)
         self._handle_type = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         self._prop = self._allocation_prop()
