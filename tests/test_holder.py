@@ -81,6 +81,7 @@ def test_committed_memory_outlives_its_writer_and_a_second_tenant_reads_it(holde
     with holder.client() as c:
         assert c.has_committed(DIGEST)
         regions = c.committed_set(DIGEST)
+        assert c.list("sha256-other") == [] and len(c.list(DIGEST)) == 2
     assert regions is not None and {r.name for r in regions} == set(SIZES)
     assert all(r.epoch == 1 and r.parts == 2 for r in regions)
     r = spawn_tenant("read", str(holder.sock), DIGEST)
@@ -122,7 +123,7 @@ def test_a_peer_of_another_uid_is_refused(holder):
     # Simulate loosened file permissions: SO_PEERCRED must still keep the stranger out.
     os.chmod(holder.sock.parent, 0o711)
     os.chmod(holder.sock, 0o666)
-    request = p.encode(p.PlainRequest(op="stats"))
+    request = p.encode(p.StatsRequest())
     pid = os.fork()
     if pid == 0:  # the child: become nobody, connect, report what the holder said
         code = 3
@@ -165,7 +166,7 @@ def test_client_mistakes_get_an_answer_and_the_session_goes_on(holder):
         s.send(bad)
         reply = p.parse_reply(s.recv(p.MAX_MESSAGE))
         assert not reply.ok and reply.error is not None and reply.error.code == code, bad
-    s.send(p.encode(p.PlainRequest(op="stats")))
+    s.send(p.encode(p.StatsRequest()))
     assert p.parse_reply(s.recv(p.MAX_MESSAGE)).ok
     s.close()
 

@@ -83,8 +83,7 @@ class HolderClient:
         self._sock = s
         return s
 
-    def _call(self, req: p.CreateRequest | p.NameRequest | p.PlainRequest
-              ) -> tuple[p.Reply, list[int]]:
+    def _call(self, req: p.AnyRequest) -> tuple[p.Reply, list[int]]:
         s = self._connect()
         try:
             p.send(s, req)
@@ -135,18 +134,19 @@ class HolderClient:
         assert reply.region is not None
         return reply.region
 
-    def list(self) -> list[p.RegionInfo]:
-        reply, _ = self._call(p.PlainRequest(op="list"))
+    def list(self, digest: str | None = None) -> list[p.RegionInfo]:
+        """Every region (committed and being written), or only those of `digest`."""
+        reply, _ = self._call(p.ListRequest(digest=digest))
         return list(reply.regions or [])
 
     def stats(self) -> p.Stats:
-        reply, _ = self._call(p.PlainRequest(op="stats"))
+        reply, _ = self._call(p.StatsRequest())
         assert reply.stats is not None
         return reply.stats
 
     def committed_set(self, digest: str) -> list[p.RegionInfo] | None:
         """The committed regions of `digest` when all `parts` of them are there, else None."""
-        regions = [r for r in self.list() if r.committed and r.digest == digest]
+        regions = [r for r in self.list(digest) if r.committed]
         if not regions or any(r.parts != len(regions) for r in regions):
             return None
         return sorted(regions, key=lambda r: r.name)

@@ -62,14 +62,20 @@ class NameRequest(_Req):
     name: str = Field(pattern=NAME_PATTERN)
 
 
-class PlainRequest(_Req):
-    """list / stats: no arguments."""
+class ListRequest(_Req):
+    """Every region, or only those of one digest (what a tenant asks about its weights)."""
 
-    op: Literal["list", "stats"]
+    op: Literal["list"] = "list"
+    digest: str | None = Field(None, pattern=DIGEST_PATTERN)
 
 
-Request = Annotated[CreateRequest | NameRequest | PlainRequest, Field(discriminator="op")]
-_request_adapter: TypeAdapter[CreateRequest | NameRequest | PlainRequest] = TypeAdapter(Request)
+class StatsRequest(_Req):
+    op: Literal["stats"] = "stats"
+
+
+AnyRequest = CreateRequest | NameRequest | ListRequest | StatsRequest
+Request = Annotated[AnyRequest, Field(discriminator="op")]
+_request_adapter: TypeAdapter[AnyRequest] = TypeAdapter(Request)
 
 
 class RegionInfo(_Msg):
@@ -133,7 +139,7 @@ class ProtocolError(ValueError):
         self.code = code
 
 
-def parse_request(data: bytes) -> CreateRequest | NameRequest | PlainRequest:
+def parse_request(data: bytes) -> AnyRequest:
     try:
         raw = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

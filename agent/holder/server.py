@@ -225,7 +225,17 @@ class HolderServer:
 
     def _answer(self, s: Session, reply: p.Reply, fds: list[int] | None = None) -> None:
         try:
-            p.send(s.conn, reply, fds)
+            data = p.encode(reply)
+        except ValueError as e:
+            # Too many regions for one datagram: the client can narrow its question.
+            reply = _error(p.ErrorCode.BAD_REQUEST, f"{e}; ask for one digest's regions "
+                           '({"op": "list", "digest": ...})')
+            data, fds = p.encode(reply), None
+        try:
+            if fds:
+                socket.send_fds(s.conn, [data], fds)
+            else:
+                s.conn.send(data)
         except (BlockingIOError, OSError) as e:
             # A tenant that stopped reading or went away loses its session (and with
             # it anything it had not committed).
@@ -239,10 +249,11 @@ class HolderServer:
             if isinstance(req, p.CreateRequest):
                 r = t.create(s, req.name, req.size, req.digest, req.parts)
                 return p.Reply(ok=True, region=t.info(r)), list(r.allocation.fds)
-            if isinstance(req, p.PlainRequest):
-                if req.op == "list":
-                    regions = [t.info(r) for r in (*t.committed.values(), *t.pending.values())]
-                    return p.Reply(ok=True, regions=regions), []
+            if isinstance(req, p.ListRequest):
+                regions = [t.info(r) for r in (*t.committed.values(), *t.pending.values())
+                           if req.digest is None or r.digest == req.digest]
+                return p.Reply(ok=True, regions=regions), []
+            if isinstance(req, p.StatsRequest):
                 return p.Reply(ok=True, stats=self._stats()), []
             if req.op == "commit":
                 return p.Reply(ok=True, region=t.info(t.commit(s, req.name))), []
