@@ -349,3 +349,15 @@ def test_stale_reason_names_what_changed_in_the_holder(holder):
         assert "is gone" in (stale_reason(c, expected) or "")
     assert "holder unavailable" in (stale_reason(HolderClient(holder.base / "nope"), expected)
                                     or "")
+
+
+def test_a_list_too_large_for_one_answer_is_refused_and_the_holder_serves_on(holder):
+    with holder.client() as c:
+        for i in range(400):
+            c.create(f"many/{i:04d}-{'x' * 40}", 4096, "many").close()
+        with pytest.raises(HolderRefusedError, match="ask for one digest") as e:
+            c.list()
+        assert e.value.code == "bad_request"
+        assert c.stats().regions_pending == 400 and c.list("other") == []
+    wait_for(lambda: holder.stats().regions_pending == 0, "the writer's regions to go")
+    assert holder.memfds() == []
