@@ -59,3 +59,31 @@ class HolderInvariantError(HolderError):
 
 class MappingError(HolderError):
     """Held memory could not be mapped, detached or re-attached in the tenant."""
+
+
+class IdentityError(PitstopError):
+    """A fact of the host's identity (GPU, engine packages, ...) could not be read."""
+
+
+class SourceUnavailable(IdentityError):
+    """An identity source is absent on this host (no NVIDIA driver, say): a valid None."""
+
+
+class WeightsError(PitstopError):
+    """The model's weight and config files could not be listed or hashed."""
+
+
+class FrontError(PitstopError):
+    """The front proxy could not bind its port or serve a request."""
+
+
+class FrontRejected(FrontError):
+    """The front turned a request away (queue full, deadline, draining); it says when to retry.
+
+    Not a fault: the client gets 503 with Retry-After, and the reason is counted.
+    """
+
+    def __init__(self, reason: str, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after = retry_after

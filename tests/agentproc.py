@@ -77,6 +77,10 @@ class RunningAgent:
             lambda s: s.get("state") == "ready" and s.get("engine_pid")
             and s.get("engine_pid") != after_pid, timeout, "ready")
 
+    def status_model(self) -> str:
+        return self.config["engine"].get("served_model_name") or \
+            Path(self.config["engine"]["model"]).name
+
     @property
     def front_url(self) -> str:
         return f"http://{self.status()['front']}/v1"

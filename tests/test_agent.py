@@ -9,7 +9,6 @@ import sys
 import time
 import urllib.request
 
-import httpx
 import openai
 import pytest
 
@@ -28,7 +27,7 @@ def agent(tmp_path, tiny_model):
 
 def _client(agent: RunningAgent) -> openai.OpenAI:
     return openai.OpenAI(base_url=agent.front_url, api_key="unused", max_retries=0,
-                         timeout=60, http_client=httpx.Client(trust_env=False))
+                         timeout=60)
 
 
 def _greedy(client: openai.OpenAI, model: str, prompt: str = "Once upon a time") -> str:

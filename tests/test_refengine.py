@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -284,8 +285,9 @@ def test_engine_refuses_a_missing_model_or_a_too_long_context(tmp_path: Path,
     assert not (tmp_path / "s.sock").exists()
 
 
-def test_tcp_listener_and_prefill_chunks(tiny_model: Path) -> None:
-    """--prefill-chunk > 1 is the fast path for long prompts; --host/--port add TCP."""
+def test_tcp_prefill_chunks_and_sigterm_mid_stream(tiny_model: Path) -> None:
+    """--prefill-chunk > 1 is the fast path for long prompts; --host/--port add TCP;
+    SIGTERM ends a running stream with an error event and the engine exits promptly."""
     with socket.socket() as s:  # a free loopback port (the engine binds it right after)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -293,8 +295,19 @@ def test_tcp_listener_and_prefill_chunks(tiny_model: Path) -> None:
                     "--host", "127.0.0.1", "--port", str(port)) as engine:
         _, ids, text = complete_ids(engine, PROMPTS[1], 16)
         models = httpx2.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
+        body = {"prompt": "Long", "max_tokens": 2000, "stream": True, "ignore_eos": True}
+        with engine.http() as c, c.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(lines)
+            engine.proc.send_signal(signal.SIGTERM)
+            rest = list(lines)
+        t0 = time.monotonic()
+        assert engine.proc.wait(timeout=30) == 0
+        assert time.monotonic() - t0 < 10
+        assert not engine.socket.exists()
     assert len(ids) == 16 and text
     assert models["data"][0]["id"] == "tiny"
+    assert any("shutting down" in line for line in rest), rest[-3:]
 
 
 def test_bfloat16_greedy_resume_is_exact(tiny_model: Path) -> None:
@@ -305,3 +318,16 @@ def test_bfloat16_greedy_resume_is_exact(tiny_model: Path) -> None:
             _, head, _ = complete_ids(engine, prompt, 13)
             _, tail, _ = complete_ids(engine, prompt_ids + head, 32 - 13)
             assert head + tail == full, prompt
+
+
+def test_chat_resumes_through_completions_exactly(refengine: Engine) -> None:
+    """A chat stream continues as a completion of prompt ids + ids sent, like the front does."""
+    messages = [{"role": "user", "content": "Tell me about the bridge."}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    with refengine.http() as c:
+        full = c.post("/v1/chat/completions", json=body).json()
+    prompt_ids, ids = full["prompt_token_ids"], full["choices"][0]["token_ids"]
+    k = 9
+    _, tail, _ = complete_ids(refengine, prompt_ids + ids[:k], 24 - k)
+    assert ids[:k] + tail == ids

@@ -14,6 +14,7 @@ class ReferenceAdapter:
 
     kind = "reference"
     health_path = "/health"
+    metrics_path = None
     prepare_path = "/pitstop/prepare"
     resume_path = "/pitstop/resume"
 

@@ -101,10 +101,16 @@ class Scheduler:
         self._thread.start()
 
     def stop(self) -> None:
+        """End the loop; every request still running or waiting gets an error."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
         self._thread.join(timeout=10)
+        with self._cond:
+            for seq in self._running + list(self._waiting):
+                seq.emit(Output(error="the engine is shutting down"))
+            self._running.clear()
+            self._waiting.clear()
 
     def submit(self, prompt: list[int], params: SamplingParams, detok: Detokenizer,
                loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Output]) -> Sequence:
