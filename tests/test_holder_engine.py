@@ -109,3 +109,14 @@ def test_the_engine_without_a_holder_reports_disk(model):
     with run_engine(model) as e:
         st = state(e)
         assert st["weights_source"] == "disk" and st["held"] is None
+
+
+def test_without_a_digest_the_engine_names_regions_by_the_agents_digest(holder: Holder, model):
+    from agent.weights import WeightsDigester
+
+    want = WeightsDigester(None).digest(model).digest
+    with run_engine(model, "--holder", str(holder.sock)) as e:
+        assert state(e)["held"]["digest"] == want
+    with holder.client() as c:
+        assert c.has_committed(want)
+        assert [r.name for r in c.list(want)] == [f"{want}/model.safetensors"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import struct
@@ -62,17 +61,6 @@ class WeightFile:
             begin, end = meta["data_offsets"]
             tensors[name] = TensorEntry(meta["dtype"], tuple(meta["shape"]), begin, end)
         return cls(path=path, data_offset=8 + n, data_size=size - 8 - n, tensors=tensors)
-
-
-def files_digest(paths: list[Path]) -> str:
-    """sha256 over every file's name and sha256: reads every byte, so the agent should pass
-    its own (cached) digest instead; this is the fallback."""
-    outer = hashlib.sha256()
-    for path in sorted(paths):
-        with path.open("rb") as f:
-            inner = hashlib.file_digest(f, "sha256").hexdigest()
-        outer.update(f"{path.name}\0{inner}\n".encode())
-    return f"sha256-{outer.hexdigest()}"
 
 
 def region_name(digest: str, path: Path) -> str:

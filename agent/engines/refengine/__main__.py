@@ -153,14 +153,15 @@ def _held_weights(args: argparse.Namespace, device: object) -> HeldWeights | Non
     asked for a warm start and falls to a cold one."""
     from agent.engines.refengine.model import weight_files
     from agent.errors import HolderRefusedError
-    from agent.holder.weights import HeldWeights, files_digest
+    from agent.holder.weights import HeldWeights
+    from agent.weights import WeightsDigester
 
     files = weight_files(args.model)
     digest = args.weights_digest
     if digest is None:
-        log.warning("no --weights-digest: hashing %d weight files to name the held regions",
-                    len(files))
-        digest = files_digest(files)
+        # The agent's own digest, computed the agent's way (uncached: every file is read).
+        log.warning("no --weights-digest: hashing %s to name the held regions", args.model)
+        digest = WeightsDigester(None).digest(args.model).digest
     try:
         return HeldWeights.open(args.holder, files, digest, device)
     except HolderRefusedError as e:
