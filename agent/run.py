@@ -184,10 +184,17 @@ class Agent:
             self.notifier.reloaded()
             self.notifier.status(f"{self.supervisor.state}: reload refused: {e}"[:200])
             return
+        if new.engine.kind != self.config.engine.kind:
+            log.error("reload refused: engine.kind %s -> %s needs a restart of the agent "
+                      "(systemctl restart pitstop-agent)", self.config.engine.kind,
+                      new.engine.kind)
+            self.notifier.reloaded()
+            return
         if new.front != self.config.front or new.metrics != self.config.metrics \
                 or new.paths != self.config.paths:
             log.warning("reload: front, metrics and paths changes take effect on restart only")
         self.config = new
+        self.adapter.reconfigure(new)
         self.reader.config = new
         self.supervisor.apply_config(new)
         log.info("configuration reloaded from %s", self.config_path or "the embedded default")

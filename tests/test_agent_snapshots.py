@@ -73,8 +73,7 @@ def test_a_cold_start_takes_a_snapshot_and_a_crash_is_restored_from_it(snapped):
     assert snap["kind"] == "full"
     pid = a.status()["engine_pid"]
     os.kill(pid, signal.SIGKILL)
-    st = a.wait_ready(after_pid=None, timeout=120)
-    st = a.wait_for(lambda s: s["restarts"] == 1 and s["state"] == "ready", 120, "restore")
+    st = a.wait_recovered(1)
     rec = st["last_recovery"]
     assert rec["path"] == "full" and rec["cause"] == "crash", rec
     assert "criu_restore" in rec["stages"]
@@ -90,8 +89,7 @@ def test_the_same_image_is_restored_again_and_again(snapped):
     a = snapped
     for n in range(1, 4):
         os.kill(a.status()["engine_pid"], signal.SIGKILL)
-        st = a.wait_for(lambda s, n=n: s["restarts"] == n and s["state"] == "ready", 120,
-                        f"restore {n}")
+        st = a.wait_recovered(n)
         assert st["last_recovery"]["path"] == "full"
     assert len(_snapshots(a)) == 1
 
@@ -101,7 +99,7 @@ def _corrupt_and_kill(a: RunningAgent, damage) -> dict:
     sdir = Path(a.config["paths"]["state_dir"]) / "snapshots" / snap["id"]
     damage(sdir)
     os.kill(a.status()["engine_pid"], signal.SIGKILL)
-    return a.wait_for(lambda s: s["restarts"] == 1 and s["state"] == "ready", 180, "recovery")
+    return a.wait_recovered(1, timeout=180)
 
 
 def _flip_a_byte(sdir: Path) -> None:
@@ -200,7 +198,7 @@ def test_changed_weights_make_the_snapshot_stale_then_it_is_regenerated_and_rest
         ids = [s["id"] for s in _snapshots(a)]
         assert len(ids) == 2 and first["id"] in ids
         os.kill(st["engine_pid"], signal.SIGKILL)
-        st = a.wait_for(lambda s: s["restarts"] == 1 and s["state"] == "ready", 120, "restore")
+        st = a.wait_recovered(1)
         assert st["last_recovery"]["path"] == "full"
         assert f"restored snapshot {ids[0]}" in a.log()
     finally:

@@ -60,6 +60,9 @@ class VllmAdapter:
 
     def __init__(self, config: Config) -> None:
         self._config = config
+
+    def reconfigure(self, config: Config) -> None:
+        self._config = config
         _check_args(config)
 
     def launch_spec(self) -> LaunchSpec:
