@@ -122,3 +122,63 @@ def test_a_gpu_fault_stops_the_holder_with_status_74(tmp_path):
         if h.poll() is None:
             h.kill()
             h.wait()
+
+
+class CountingBackend:
+    """A stand-in allocator for the region table's own rules (the real ones run in
+    test_holder.py): hands out fake fd numbers and counts what is live."""
+
+    name, gpu, align = "fake", "cpu", 4096
+
+    def __init__(self) -> None:
+        self.live: set[int] = set()
+        self.next_fd = 1000
+
+    def allocate(self, name, size):
+        from agent.holder.backends import Allocation
+
+        self.next_fd += 1
+        self.live.add(self.next_fd)
+        return Allocation(fds=[self.next_fd], chunks=[-(-size // 4096) * 4096])
+
+    def free(self, a):
+        for fd in a.fds:
+            self.live.remove(fd)
+        a.fds.clear()
+
+    def close(self):
+        pass
+
+
+def test_region_table_rules():
+    from agent.errors import HolderInvariantError
+    from agent.holder.regions import RegionTable, RequestRefused
+
+    b = CountingBackend()
+    t = RegionTable(b, "hid", max_bytes=3 * 4096)
+    w, other = object(), object()
+    sessions = {id(w), id(other)}
+    t.create(w, "n", 10, "d", 1)
+    t.commit(w, "n")
+    t.create(w, "n", 10, "d", 1)  # a replacement, pending
+    assert t.attach("n").epoch == 1 and len(b.live) == 2
+    t.commit(w, "n")
+    assert t.attach("n").epoch == 2 and len(b.live) == 1  # the old version was freed
+    t.release(other, "n")
+    assert t.create(other, "n", 10, "d", 1).epoch == 3  # epochs never go back
+    with pytest.raises(RequestRefused) as e:
+        t.create(w, "n", 10, "d", 1)
+    assert e.value.code == p.ErrorCode.BUSY
+    with pytest.raises(RequestRefused) as e:
+        t.create(w, "big", 3 * 4096, "d", 1)
+    assert e.value.code == p.ErrorCode.NO_MEMORY
+    t.check(sessions)
+    assert t.session_closed(other) == ["n"] and not b.live
+    assert (t.bytes_committed, t.bytes_pending) == (0, 0)
+    t.create(w, "x", 1, "d", 1)
+    t.bytes_pending += 1  # books that no longer add up stop the holder
+    with pytest.raises(HolderInvariantError, match="recounted"):
+        t.check(sessions)
+    t.bytes_pending -= 1
+    with pytest.raises(HolderInvariantError, match="no live writer"):
+        t.check({id(other)})
