@@ -73,7 +73,7 @@ def start_engine(model: Path, sock: Path, device: str, holder_sock: Path) -> sub
              "--uds", str(sock), "--served-model-name", "smoke", "--device", device,
              "--kv-slots", "4", "--max-model-len", "1024", "--holder", str(holder_sock),
              "--weights-digest", DIGEST],
-            cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            cwd=REPO, stdin=subprocess.DEVNULL, stdout=(sock.parent / "engine.log").open("a"),
             stderr=subprocess.STDOUT, start_new_session=True)
         proc.own(p.pid)
     return p
@@ -83,7 +83,8 @@ def wait_healthy(sock: Path, p: subprocess.Popen | None, timeout: float = 600) -
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if p is not None and p.poll() is not None:
-            raise SystemExit(f"engine exited {p.returncode}: {p.stdout.read().decode()}")
+            log = (sock.parent / "engine.log").read_text()[-3000:]
+            raise SystemExit(f"engine exited {p.returncode}: {log}")
         with contextlib.suppress(Exception):
             if http(sock, "GET", "/health")[0] == 200:
                 return

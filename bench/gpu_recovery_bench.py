@@ -55,6 +55,9 @@ class Agent:
             st = self.status()
             if st and pred(st):
                 return st
+            if st.get("state") == "failed":
+                self.stop()
+                raise SystemExit(f"agent failed waiting for {what}: {st.get('reason')}")
             if self.p.poll() is not None:
                 raise SystemExit(f"agent exited waiting for {what}")
             time.sleep(0.05)
@@ -71,6 +74,7 @@ class Agent:
 
 def kv_args(model: Path, kv_gib: float, max_len: int) -> list[str]:
     c = json.loads((model / "config.json").read_text())
+    max_len = min(max_len, c["max_position_embeddings"])
     head_dim = c["hidden_size"] // c["num_attention_heads"]
     per_token = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim * 2
     slots = max(1, int(kv_gib * 2**30) // (per_token * max_len))
@@ -113,6 +117,7 @@ def main() -> None:
     ap.add_argument("--snapshot-dir", type=Path, default=None,
                     help="default: on disk under --work")
     ap.add_argument("--paths", default="full,cold")
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     tag = f"{a.gib:g}gib"
@@ -122,7 +127,7 @@ def main() -> None:
     t0 = time.monotonic()
     subprocess.run([sys.executable, "-m", "agent", "make-model", str(model), "--target-gib",
                     str(a.gib)], cwd=REPO, check=True,
-                   env={**os.environ, "PITSTOP_MODELGEN_DEVICE": "cuda"})
+                   env={**os.environ, "PITSTOP_MODELGEN_DEVICE": a.device})
     result["make_model_s"] = round(time.monotonic() - t0, 2)
     result["weights_bytes"] = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     log(f"model {model}: {result['weights_bytes'] / 1e9:.2f} GB in {result['make_model_s']}s")
@@ -131,7 +136,7 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     cfg = {
-        "engine": {"kind": "reference", "model": str(model), "device": "cuda",
+        "engine": {"kind": "reference", "model": str(model), "device": a.device,
                    "args": kv_args(model, a.kv_gib, a.max_len), "stop_timeout_s": 30},
         "paths": {"state_dir": str(work / "state")},
         "front": {"enabled": False},
@@ -178,6 +183,7 @@ def main() -> None:
             agent.stop()
 
     shutil.copy(work / "agent.log", a.out / f"agent-{tag}.log")
+    result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     (a.out / f"recovery-{tag}.json").write_text(json.dumps(result, indent=1))
     log("wrote", a.out / f"recovery-{tag}.json")
 
