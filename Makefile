@@ -6,7 +6,7 @@ CACHE ?= .cache
 MODEL ?= $(HOME)/.cache/pitstop/tiny-llama
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: run test lint venv model clean
+.PHONY: run test lint venv model ansible clean
 
 venv: $(VENV)/.installed
 
@@ -18,6 +18,17 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
+# Ansible and ansible-lint in their own venv: ansible-core pins its own jinja2 and
+# resolvelib, and the `ansible` package (which bundles the collections) is ~0.5 GB
+# that the agent never needs.
+ANSIBLE_VENV ?= .venv-ansible
+ansible: $(ANSIBLE_VENV)/.installed
+
+$(ANSIBLE_VENV)/.installed: requirements-ansible.txt
+	test -x $(ANSIBLE_VENV)/bin/python || $(PYTHON) -m venv $(ANSIBLE_VENV)
+	$(ANSIBLE_VENV)/bin/pip install -q -r requirements-ansible.txt
+	touch $@
+
 model: venv
 	$(BIN)/pitstop make-model $(MODEL)
 
@@ -27,9 +38,9 @@ run: venv model
 lint: venv
 	$(BIN)/ruff check agent tests bench
 
-test: venv
+test: venv ansible
 	$(BIN)/ruff check agent tests bench
 	$(BIN)/python -m pytest -q -ra
 
 clean:
-	rm -rf $(VENV) $(CACHE)
+	rm -rf $(VENV) $(ANSIBLE_VENV) $(CACHE)
