@@ -6,7 +6,7 @@ CACHE ?= .cache
 MODEL ?= $(HOME)/.cache/pitstop/tiny-llama
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: run test lint venv model clean
+.PHONY: run test lint venv model clean rootfs rootfs-trixie
 
 venv: $(VENV)/.installed
 
@@ -27,7 +27,16 @@ run: venv model
 lint: venv
 	$(BIN)/ruff check agent tests bench
 
-test: venv
+# A Debian rootfs booted by systemd-nspawn: the real systemd the unit tests drive (LAB.md
+# fact 8). The script returns at once when its stamp matches, so this costs nothing the
+# second time.
+rootfs:
+	scripts/make-rootfs.sh bookworm $(CACHE)/rootfs/bookworm
+
+rootfs-trixie:
+	scripts/make-rootfs.sh trixie $(CACHE)/rootfs/trixie
+
+test: venv rootfs
 	$(BIN)/ruff check agent tests bench
 	$(BIN)/python -m pytest -q -ra
 
