@@ -6,7 +6,7 @@ CACHE ?= .cache
 MODEL ?= $(HOME)/.cache/pitstop/tiny-llama
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: run test lint venv model ansible clean
+.PHONY: run test lint venv model clean rootfs rootfs-trixie ansible ansible-hosts
 
 venv: $(VENV)/.installed
 
@@ -38,7 +38,26 @@ run: venv model
 lint: venv
 	$(BIN)/ruff check agent tests bench
 
-test: venv ansible
+# A Debian rootfs booted by systemd-nspawn: the real systemd the unit tests drive (LAB.md
+# fact 8). The script returns at once when its stamp matches, so this costs nothing the
+# second time.
+rootfs:
+	scripts/make-rootfs.sh bookworm $(CACHE)/rootfs/bookworm
+
+rootfs-trixie:
+	scripts/make-rootfs.sh trixie $(CACHE)/rootfs/trixie
+
+# The Ansible tests' hosts: Debian 12 and 13 roots with what Ansible needs on a host
+# (Python with apt bindings, venv) and dpkg-dev for the test's local apt repository; Debian
+# 13's criu 4.1 comes from the distribution, as on a real host. Plus a wheelhouse of the
+# agent and its dependencies: the containers have no network, as hosts behind a mirror.
+ANSIBLE_HOST_PACKAGES := python3,python3-apt,python3-venv,python3-pip,dpkg-dev
+ansible-hosts: ansible
+	scripts/make-rootfs.sh bookworm $(CACHE)/rootfs/ansible-bookworm $(ANSIBLE_HOST_PACKAGES)
+	scripts/make-rootfs.sh trixie $(CACHE)/rootfs/ansible-trixie $(ANSIBLE_HOST_PACKAGES),criu
+	scripts/ansible-wheelhouse.sh $(CACHE)/ansible-wheelhouse
+
+test: venv rootfs ansible-hosts
 	$(BIN)/ruff check agent tests bench
 	$(BIN)/python -m pytest -q -ra
 

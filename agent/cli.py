@@ -13,6 +13,13 @@ EXIT_FAIL = 1
 EXIT_USAGE = 2
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
 def _cmd_check_config(args: argparse.Namespace) -> int:
     from agent.config import load_config
 
@@ -22,6 +29,20 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
         print(f"pitstop: {e}", file=sys.stderr)
         return EXIT_USAGE
     print(f"{args.file}: ok (engine {cfg.engine.kind}, model {cfg.engine.model})")
+    return EXIT_OK
+
+
+def _cmd_make_model(args: argparse.Namespace) -> int:
+    from agent.modelgen import make_model, spec_for
+
+    spec = spec_for(args.size, target_gib=args.target_gib, seed=args.seed)
+    made = make_model(args.dir, spec, force=args.force)
+    gib = spec.weight_bytes() / (1 << 30)
+    verb = "wrote" if made else "already present:"
+    print(
+        f"{verb} {args.dir} ({spec.num_hidden_layers} layers, hidden {spec.hidden_size}, "
+        f"{spec.dtype}, {gib:.3f} GiB of weights)"
+    )
     return EXIT_OK
 
 
@@ -44,6 +65,29 @@ def _cmd_status(args: argparse.Namespace) -> int:
     else:
         print(format_status(data))
     return EXIT_OK if data["state"] == "ready" else EXIT_FAIL
+
+
+def _cmd_install_units(args: argparse.Namespace) -> int:
+    from agent import units
+
+    if args.holder and not args.enable:
+        print("pitstop: --holder only makes sense with --enable", file=sys.stderr)
+        return EXIT_USAGE
+    pitstop = args.pitstop_bin or units.default_pitstop_bin()
+    paths = units.paths_for(pitstop.absolute(), args.config.absolute())
+    if not args.config.exists():
+        print(f"pitstop: note: {args.config} does not exist yet; the tmpfiles snippet uses the "
+              "default directories", file=sys.stderr)
+    for f in units.install(args.prefix, paths):
+        print(f"installed {f}")
+    if args.no_reload:
+        return EXIT_OK
+    done, warnings = units.activate(args.prefix, args.enable, args.holder)
+    for c in done:
+        print(f"ran: {c}")
+    for w in warnings:
+        print(f"pitstop: warning: {w}", file=sys.stderr)
+    return EXIT_OK
 
 
 def format_status(data: dict) -> str:
@@ -76,6 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("file", type=Path)
     c.set_defaults(func=_cmd_check_config)
 
+    m = sub.add_parser("make-model", help="write a random-weight Llama model directory")
+    m.add_argument("dir", type=Path)
+    m.add_argument("--size", default="tiny", choices=["tiny", "small", "medium"])
+    m.add_argument("--target-gib", type=_positive_float, default=None,
+                   help="make a bf16 model of about this many GiB (overrides --size)")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--force", action="store_true", help="replace whatever DIR holds")
+    m.set_defaults(func=_cmd_make_model)
+
     r = sub.add_parser("run", help="run the agent in the foreground (what the systemd unit runs)")
     r.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
     r.add_argument("-v", "--verbose", action="store_true")
@@ -85,6 +138,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=_cmd_status)
+
+    u = sub.add_parser("install-units",
+                       help="install the systemd units, sysctl and tmpfiles snippets")
+    u.add_argument("--prefix", type=Path, default=Path("/"),
+                   help="root to install under (default /: the live system)")
+    u.add_argument("--pitstop-bin", type=Path,
+                   help="the pitstop command the units run (default: the one beside this Python)")
+    u.add_argument("--config", type=Path, default=Path("/etc/pitstop/pitstop.yaml"),
+                   help="the configuration the agent reads (default /etc/pitstop/pitstop.yaml)")
+    u.add_argument("--enable", action="store_true",
+                   help="enable pitstop-agent.service and the holders (not start them)")
+    u.add_argument("--holder", action="append", default=[], metavar="GPU_UUID",
+                   help="a GPU to enable a holder for, with --enable (repeatable)")
+    u.add_argument("--no-reload", action="store_true",
+                   help="only write the files: no daemon-reload, tmpfiles, sysctl or enabling")
+    u.set_defaults(func=_cmd_install_units)
     return p
 
 

@@ -35,3 +35,7 @@ class SnapshotError(PitstopError):
 
 class StatusError(PitstopError):
     """The agent's status could not be read."""
+
+
+class UnitsError(PitstopError):
+    """The systemd units could not be rendered, installed or enabled."""

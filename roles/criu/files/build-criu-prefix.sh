@@ -4,19 +4,24 @@
 # debootstrap resolves criu's library closure into a scratch root, which is thrown away;
 # only the binary, the loader and the libraries the loader lists are kept (about 13 MB).
 # The same recipe as the project's scripts/install-criu.sh (LAB.md fact 2).
+# CRIU_FROM_ROOT=DIR takes criu from an existing root with it installed instead (no debootstrap).
 set -eu
 prefix=$1 suite=$2 mirror=$3
 scratch=$(mktemp -d /var/tmp/criu-prefix.XXXXXX)
+from_root=${CRIU_FROM_ROOT:-}
 
 drop_scratch() {
     # Unmount whatever debootstrap left mounted (proc, sys) before removing the root.
     awk -v d="$scratch" '$2 == d || index($2, d "/") == 1 {print $2}' /proc/mounts | sort -r |
         while read -r m; do umount -l "$m" || true; done
+    rm -f "$scratch/root" 2>/dev/null || true
     rm -rf --one-file-system "$scratch"
 }
 trap drop_scratch EXIT
 
-if ! debootstrap --variant=minbase --include=criu "$suite" "$scratch/root" "$mirror" \
+if [ -n "$from_root" ]; then
+    ln -s "$(cd "$from_root" && pwd)" "$scratch/root"
+elif ! debootstrap --variant=minbase --include=criu "$suite" "$scratch/root" "$mirror" \
     >"$scratch/debootstrap.log" 2>&1; then
     tail -n 20 "$scratch/debootstrap.log" >&2
     echo "build-criu-prefix: debootstrap of $suite from $mirror failed" >&2

@@ -1,0 +1,1 @@
+"""The reference engine: a small, real OpenAI-compatible server for a Llama model (CPU or GPU)."""

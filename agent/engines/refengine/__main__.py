@@ -1,0 +1,118 @@
+"""`python -m agent.engines.refengine --model DIR --uds PATH`: run the reference engine."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import warnings
+from pathlib import Path
+
+log = logging.getLogger("refengine")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m agent.engines.refengine", description=__doc__)
+    p.add_argument("--model", type=Path, required=True, help="Hugging Face Llama model directory")
+    p.add_argument("--uds", type=Path, help="listen on this Unix socket")
+    p.add_argument("--host", help="also listen on TCP (a checkpointed engine should not)")
+    p.add_argument("--port", type=int)
+    p.add_argument("--served-model-name", help="the name clients use (default: DIR's name)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    p.add_argument("--kv-slots", type=int, default=8, help="requests served at once")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="tokens per request, prompt included (default: min(config, 2048))")
+    p.add_argument("--prefill-chunk", type=int, default=1,
+                   help="prompt tokens per forward call; above 1, a resumed greedy request "
+                        "may differ in the last bits from an uninterrupted one")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s refengine[%(process)d] %(message)s")
+    if args.uds is None and args.port is None:
+        print("refengine: give --uds PATH and/or --host/--port", file=sys.stderr)
+        return 2
+    if min(args.kv_slots, args.prefill_chunk) < 1:
+        print("refengine: --kv-slots and --prefill-chunk must be at least 1", file=sys.stderr)
+        return 2
+    # torch warns at import when numpy is absent; the engine never uses numpy.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    from agent.errors import ModelError
+
+    try:
+        return asyncio.run(_serve(args))
+    except ModelError as e:
+        print(f"refengine: {e}", file=sys.stderr)
+        return 2
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    import torch
+    from aiohttp import web
+
+    from agent.engines.refengine.kvpool import KVPool
+    from agent.engines.refengine.model import Llama
+    from agent.engines.refengine.scheduler import Scheduler
+    from agent.engines.refengine.server import EngineApp
+    from agent.engines.refengine.tokenizer import Tokenizer
+
+    device_name = args.device
+    if device_name == "auto":
+        device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device_name)
+    model = Llama.load(args.model, device, None if args.dtype == "auto" else args.dtype)
+    tokenizer = Tokenizer(args.model)
+    cfg = model.config
+    max_len = min(args.max_model_len or 2048, cfg.max_position_embeddings)
+    pool = KVPool(cfg, args.kv_slots, max_len, device, model.dtype)
+    eos = set(cfg.eos_token_ids)
+    if not eos and tokenizer.token_id(tokenizer.eos_token) is not None:
+        eos = {tokenizer.token_id(tokenizer.eos_token)}  # type: ignore[arg-type]
+
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+    failure: list[BaseException] = []
+
+    def on_fatal(e: BaseException) -> None:
+        failure.append(e)
+        loop.call_soon_threadsafe(done.set)
+
+    sched = Scheduler(model, pool, eos, args.prefill_chunk, on_fatal)
+    sched.start()
+    name = args.served_model_name or args.model.name
+    runner = web.AppRunner(EngineApp(model, tokenizer, sched, name, str(args.model)).build(),
+                           access_log=None)
+    await runner.setup()
+    where = []
+    if args.uds is not None:
+        await web.UnixSite(runner, str(args.uds)).start()
+        where.append(str(args.uds))
+    if args.port is not None:
+        await web.TCPSite(runner, args.host or "127.0.0.1", args.port).start()
+        where.append(f"{args.host or '127.0.0.1'}:{args.port}")
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, done.set)
+    log.info("ready: model %s (%s, %s, %.1f MB of weights) on %s, %d KV slots x %d tokens "
+             "(%.1f MB), serving %s", name, device, str(model.dtype).removeprefix("torch."),
+             model.weight_bytes / 1e6, ", ".join(where), pool.slots, max_len,
+             pool.nbytes / 1e6, args.model)
+    await done.wait()
+    log.info("stopping")
+    await runner.cleanup()
+    sched.stop()
+    if args.uds is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(args.uds)
+    return 1 if failure else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

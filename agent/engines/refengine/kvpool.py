@@ -1,0 +1,81 @@
+"""The KV cache: one preallocated tensor, handed out to requests slot by slot."""
+
+from __future__ import annotations
+
+import torch
+
+from agent.engines.refengine.model import LlamaConfig
+
+
+class KVPool:
+    """A (layers, 2, slots, kv_heads, max_len, head_dim) tensor that can be freed and rebuilt.
+
+    Freeing it (before a snapshot) leaves the engine's image small; `allocate` brings it back.
+
+    Example::
+
+        pool = KVPool(config, slots=8, max_len=2048, device=torch.device("cpu"),
+                      dtype=torch.float32)
+        slot = pool.acquire()
+        views = pool.slot_views(slot)   # per layer (K, V), each (kv_heads, max_len, head_dim)
+        pool.release(slot)
+    """
+
+    def __init__(self, config: LlamaConfig, slots: int, max_len: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.shape = (config.num_layers, 2, slots, config.num_kv_heads, max_len, config.head_dim)
+        self.slots = slots
+        self.max_len = max_len
+        self.device = device
+        self.dtype = dtype
+        self._tensor: torch.Tensor | None = None
+        self._free = list(range(slots - 1, -1, -1))
+
+    @property
+    def nbytes(self) -> int:
+        n = torch.tensor([], dtype=self.dtype).element_size()
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def allocated(self) -> bool:
+        return self._tensor is not None
+
+    @property
+    def used(self) -> int:
+        return self.slots - len(self._free)
+
+    def allocate(self) -> int:
+        """Make the pool tensor; returns its size in bytes (0 when it already existed)."""
+        if self._tensor is not None:
+            return 0
+        # empty, not zeros: attention reads only positions a request wrote, and untouched
+        # CPU pages stay out of a checkpoint image.
+        self._tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        return self.nbytes
+
+    def free(self) -> int:
+        """Drop the pool tensor; returns the bytes freed. Only legal with no slot in use."""
+        if self.used:
+            raise RuntimeError(f"KV pool freed with {self.used} slots in use")  # invariant
+        if self._tensor is None:
+            return 0
+        self._tensor = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # give the memory back to the driver, not just the cache
+        return self.nbytes
+
+    def acquire(self) -> int | None:
+        return self._free.pop() if self._free and self._tensor is not None else None
+
+    def release(self, slot: int) -> None:
+        if slot in self._free:
+            raise RuntimeError(f"KV slot {slot} released twice")  # invariant
+        self._free.append(slot)
+
+    def slot_views(self, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self._tensor is None:
+            raise RuntimeError("KV pool used while freed")  # the scheduler never admits then
+        t = self._tensor
+        return [(t[layer, 0, slot], t[layer, 1, slot]) for layer in range(self.shape[0])]

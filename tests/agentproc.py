@@ -1,0 +1,97 @@
+"""Start a real `pitstop run` for a test, find its ports, wait for states, stop it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def agent_config(tmp: Path, model: Path, **overrides: dict) -> dict:
+    """A config for tests: ports chosen by the kernel, state under `tmp`, quick health."""
+    cfg = {
+        "engine": {"kind": "reference", "model": str(model), "device": "cpu"},
+        "paths": {"state_dir": str(tmp / "state")},
+        "front": {"host": "127.0.0.1", "port": 0},
+        "metrics": {"host": "127.0.0.1", "port": 0},
+        "health": {"interval_s": 0.5, "timeout_s": 1.0, "failures_before_restart": 3,
+                   "start_timeout_s": 120},
+        "restart": {"backoff_initial_s": 0.2, "backoff_max_s": 1.0},
+    }
+    for section, values in overrides.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+class RunningAgent:
+    """A `pitstop run` child process with its config, log and status file."""
+
+    def __init__(self, tmp: Path, config: dict, env: dict[str, str] | None = None) -> None:
+        self.tmp = tmp
+        self.config = config
+        self.config_path = tmp / "pitstop.yaml"
+        self.write_config(config)
+        self.log_path = tmp / "agent.log"
+        self.status_path = Path(config["paths"]["state_dir"]) / "run" / "status.json"
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the agent
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "agent", "run", "--config", str(self.config_path)],
+            cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})})
+
+    def write_config(self, config: dict) -> None:
+        self.config_path.write_text(yaml.safe_dump(config))
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def status(self) -> dict:
+        try:
+            return json.loads(self.status_path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def wait_for(self, pred, timeout: float = 120, what: str = "condition") -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st = self.status()
+            if st and pred(st):
+                return st
+            if self.proc.poll() is not None:
+                raise AssertionError(f"agent exited ({self.proc.returncode}) waiting for {what}"
+                                     f"\n{self.log()[-4000:]}")
+            time.sleep(0.1)
+        raise AssertionError(f"timed out waiting for {what}; status {self.status()}"
+                             f"\n{self.log()[-4000:]}")
+
+    def wait_ready(self, timeout: float = 120, after_pid: int | None = None) -> dict:
+        return self.wait_for(
+            lambda s: s.get("state") == "ready" and s.get("engine_pid")
+            and s.get("engine_pid") != after_pid, timeout, "ready")
+
+    @property
+    def front_url(self) -> str:
+        return f"http://{self.status()['front']}/v1"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.status()['metrics']}/metrics"
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode

@@ -1,0 +1,38 @@
+"""Shared fixtures: the tiny model (cached under .cache/models) and a reference engine."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.refengine_proc import REPO, Engine, run_engine
+
+MODEL_CACHE = REPO / ".cache" / "models"
+
+
+def cached_model(size: str = "tiny", seed: int = 0) -> Path:
+    """A generated model under .cache/models, keyed by everything that determines it;
+    made from scratch when absent (make_model is idempotent and atomic)."""
+    from agent.modelgen import make_model, record_for, spec_for
+
+    spec = spec_for(size, seed=seed)
+    key = hashlib.sha256(json.dumps(record_for(spec), sort_keys=True).encode()).hexdigest()[:16]
+    directory = MODEL_CACHE / f"{size}-{key}"
+    make_model(directory, spec)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    return cached_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def refengine(tiny_model: Path) -> Iterator[Engine]:
+    """One engine for the session; 4 KV slots so that 8 concurrent requests must queue."""
+    with run_engine(tiny_model, "--kv-slots", "4", "--max-model-len", "512") as engine:
+        yield engine

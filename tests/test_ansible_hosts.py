@@ -1,0 +1,151 @@
+"""The playbooks against real hosts: Debian 12 and 13 booted under systemd-nspawn, reached
+through Ansible's community.docker.nsenter connection, in the order an operator works:
+site.yml, site.yml again (no change), the pins in effect, a rollout of a new pin one host at a
+time, and a rollout that stops at a failing host."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.ansible_env import ANSIBLE_BIN, ROOT, run_ansible
+from tests.ansible_hosts import (
+    DRIVER,
+    DRIVER_VERSIONS,
+    FAIL_MARKER,
+    ROOTFS,
+    WHEELHOUSE,
+    Fleet,
+    agent_status,
+    container_binds,
+    dpkg_installed_at,
+    installed_version,
+    make_apt_repo,
+    make_criu_bundle,
+    recap,
+    use_local_repo,
+)
+from tests.prereq import require
+from tests.systemd_container import SystemdContainer, container_prerequisites
+
+pytestmark = pytest.mark.integration
+
+
+def _playbook(fleet: Fleet, name: str) -> tuple[int, str]:
+    r = run_ansible("ansible-playbook", "-i", str(fleet.inventory),
+                    str(ROOT / "playbooks" / name), timeout=1500)
+    out = r.stdout + r.stderr
+    (fleet.scratch / f"{name}.log").open("a").write(out)
+    return r.returncode, out
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    for rootfs in ROOTFS.values():
+        missing = container_prerequisites(rootfs)
+        require(not missing, f"cannot boot the test hosts: {', '.join(missing)}; run `make test`")
+    require((ANSIBLE_BIN / "ansible-playbook").exists(), "no .venv-ansible: run `make ansible`")
+    require((WHEELHOUSE / ".stamp").exists(), "no wheelhouse: run `make ansible-hosts`")
+    scratch = Path(tempfile.mkdtemp(prefix="pitstop-ansible-", dir="/var/tmp"))
+    hosts: dict[str, SystemdContainer] = {}
+    try:
+        make_apt_repo(scratch / "apt", os.uname().release)
+        make_criu_bundle(scratch / "criu-bundle")
+        for name, rootfs in ROOTFS.items():
+            c = SystemdContainer(rootfs=rootfs, binds=container_binds(scratch),
+                                 log_path=scratch / f"{name}.boot.log", name=f"ansible-{name}")
+            hosts[name] = c
+            c.start()
+            use_local_repo(c)
+        f = Fleet(hosts=hosts, inventory=scratch / "inventory.yml", scratch=scratch)
+        f.write_inventory()
+        yield f
+    finally:
+        for c in hosts.values():
+            with contextlib.suppress(Exception):
+                c.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def test_site_brings_the_agent_up_under_systemd(fleet: Fleet) -> None:
+    rc, out = _playbook(fleet, "site.yml")
+    assert rc == 0, out[-6000:]
+    for name, c in fleet.hosts.items():
+        assert c.systemctl("is-active", "pitstop-agent.service", check=False).strip() == "active", \
+            f"{name}: {c.journal('pitstop-agent.service')[-3000:]}"
+        assert agent_status(c)["state"] == "ready", name
+        # CRIU >= 4.1: Debian 13's own, Debian 12 through the private prefix.
+        version = c.run(["/usr/local/sbin/criu", "--version"]).stdout
+        assert "Version: 4." in version, (name, version)
+        assert c.run(["cat", "/etc/sysctl.d/90-pitstop-criu.conf"]).stdout.strip() \
+            .endswith("kernel.io_uring_disabled=2")
+    assert c.run(["readlink", "/usr/local/sbin/criu"], check=False).stdout.strip() \
+        == "/usr/sbin/criu", "Debian 13 should use its distribution's criu"
+    deb12 = fleet.hosts["deb12"]
+    assert "/opt/pitstop/criu" in deb12.run(["cat", "/usr/local/sbin/criu"]).stdout
+
+
+def test_site_again_changes_nothing(fleet: Fleet) -> None:
+    rc, out = _playbook(fleet, "site.yml")
+    assert rc == 0, out[-6000:]
+    counts = recap(out)
+    assert set(counts) == set(fleet.hosts), out[-3000:]
+    for host, c in counts.items():
+        assert c["changed"] == 0 and c["failed"] == 0, (host, c, out[-6000:])
+
+
+def test_the_pins_are_in_effect(fleet: Fleet) -> None:
+    kernel_pkg = f"linux-image-{os.uname().release}"
+    for name, c in fleet.hosts.items():
+        held = c.run(["apt-mark", "showhold"]).stdout.split()
+        assert DRIVER in held, (name, held)
+        policy = c.run(["apt-cache", "policy", DRIVER]).stdout
+        assert f"Installed: {DRIVER_VERSIONS[0]}" in policy, policy
+        # The pin makes the pinned version the candidate although newer ones are offered.
+        assert f"Candidate: {DRIVER_VERSIONS[0]}" in policy, policy
+        assert f"*** {DRIVER_VERSIONS[0]} 1001" in policy, policy
+        assert "1001" in c.run(["cat", "/etc/apt/preferences.d/pitstop-nvidia-driver.pref"]).stdout
+        # An upgrade does not move a held, pinned package.
+        c.run(["apt-get", "-y", "-q", "upgrade"])
+        assert installed_version(c, DRIVER) == DRIVER_VERSIONS[0], name
+        # The kernel role keeps the running kernel and holds its package, once one is installed.
+        c.run(["apt-get", "install", "-y", "-q", kernel_pkg])
+    rc, out = _playbook(fleet, "pin.yml")
+    assert rc == 0, out[-6000:]
+    for name, c in fleet.hosts.items():
+        assert kernel_pkg in c.run(["apt-mark", "showhold"]).stdout.split(), name
+
+
+def test_rollout_upgrades_one_host_at_a_time(fleet: Fleet) -> None:
+    new = DRIVER_VERSIONS[1]
+    fleet.write_inventory(nvidia_driver_version=new)
+    rc, out = _playbook(fleet, "rollout.yml")
+    assert rc == 0, out[-6000:]
+    first, second = fleet.hosts["deb12"], fleet.hosts["deb13"]
+    for name, c in fleet.hosts.items():
+        assert installed_version(c, DRIVER) == new, name
+        assert agent_status(c)["state"] == "ready", name
+    # serial: 1 — the second host's upgrade began after the first host was ready again.
+    t1, t2 = dpkg_installed_at(first, DRIVER, new), dpkg_installed_at(second, DRIVER, new)
+    assert t1 and t2 and t1 < t2, (t1, t2)
+    assert out.count("PLAY [Roll the pinned versions and the agent out]") == 2, out[-3000:]
+
+
+def test_rollout_stops_at_the_first_failing_host(fleet: Fleet) -> None:
+    first, second = fleet.hosts["deb12"], fleet.hosts["deb13"]
+    first.run(["touch", FAIL_MARKER])
+    before = DRIVER_VERSIONS[1]
+    fleet.write_inventory(nvidia_driver_version=DRIVER_VERSIONS[2])
+    rc, out = _playbook(fleet, "rollout.yml")
+    assert rc != 0, out[-6000:]
+    assert "this host is marked to fail" in out, out[-6000:]
+    # The second host was never touched: old pin, agent still ready.
+    assert installed_version(second, DRIVER) == before
+    assert agent_status(second)["state"] == "ready"
+    assert recap(out).get("deb13") is None or recap(out)["deb13"]["changed"] == 0, out[-3000:]
