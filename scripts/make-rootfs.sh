@@ -20,8 +20,13 @@ mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 # the shared libraries that the host's Python (bind-mounted from the host, not installed here)
 # loads for ssl, ctypes, sqlite3, bz2, lzma, readline, uuid and curses.
 base=systemd,systemd-sysv,dbus,procps,iproute2,ca-certificates
-base+=,libssl3,libffi8,libsqlite3-0,libbz2-1.0,liblzma5,zlib1g,libncursesw6,libreadline8
-base+=,libuuid1,libexpat1,libnsl2,libtirpc3,libcrypt1
+# Debian 13 renamed some of them for the 64-bit time_t transition (libssl3 -> libssl3t64).
+case $suite in
+    bookworm|bullseye) t64= ;;
+    *) t64=t64 ;;
+esac
+base+=,libssl3$t64,libffi8,libsqlite3-0,libbz2-1.0,liblzma5,zlib1g,libncursesw6,libreadline8$t64
+base+=,libuuid1,libexpat1,libnsl2,libtirpc3$t64,libcrypt1
 packages=$base${extra:+,$extra}
 want="suite=$suite packages=$packages"
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSIBLE_BIN = ROOT / ".venv-ansible" / "bin"
-PLAYBOOKS = sorted(p for p in (ROOT / "playbooks").glob("*.yml") if "inventory" not in p.name)
+PLAYBOOKS = sorted((ROOT / "playbooks").glob("*.yml"))
+EXAMPLE_INVENTORY = ROOT / "playbooks" / "inventory.example"
 
 
 def ansible_env() -> dict[str, str]:

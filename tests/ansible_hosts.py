@@ -6,13 +6,14 @@ import hashlib
 import json
 import re
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from tests.ansible_env import ROOT
-from tests.systemd_container import Bind, SystemdContainer
+from tests.systemd_container import Bind, SystemdContainer, python_binds
 
 ROOTFS = {"deb12": ROOT / ".cache" / "rootfs" / "ansible-bookworm",
           "deb13": ROOT / ".cache" / "rootfs" / "ansible-trixie"}
@@ -88,6 +89,8 @@ class Fleet:
             "hosts": {name: {"ansible_connection": "community.docker.nsenter",
                              "ansible_nsenter_pid": c.leader_pid,
                              "ansible_python_interpreter": "/usr/bin/python3",
+                             # nsenter is root already, and the hosts have no sudo.
+                             "ansible_become": False,
                              **host_vars(name, self.scratch)}
                       for name, c in self.hosts.items()},
             "vars": group_vars}}
@@ -132,11 +135,19 @@ def base_vars(scratch: Path) -> dict[str, object]:
 
 
 def host_vars(name: str, scratch: Path) -> dict[str, object]:
+    """Debian 13's Python is 3.13 and the only CPU torch wheel here is cp311: that host makes
+    the agent's virtualenv with the controller's Python 3.11, bound read-only at its own path
+    (a fleet with its own Python build does the same through pitstop_python)."""
+    if name == "deb13":
+        return {"pitstop_python": f"{sys.base_prefix}/bin/python3"}
     return {}
 
 
-def container_binds(scratch: Path) -> list[Bind]:
-    return [Bind(scratch / "apt", target=APT_DIR), Bind(WHEELHOUSE, target=WHEEL_DIR)]
+def container_binds(scratch: Path, name: str) -> list[Bind]:
+    binds = [Bind(scratch / "apt", target=APT_DIR), Bind(WHEELHOUSE, target=WHEEL_DIR)]
+    if name == "deb13":
+        binds += python_binds()
+    return binds
 
 
 def use_local_repo(c: SystemdContainer) -> None:

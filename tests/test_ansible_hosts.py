@@ -6,6 +6,7 @@ time, and a rollout that stops at a failing host."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -58,7 +59,7 @@ def fleet() -> Iterator[Fleet]:
         make_apt_repo(scratch / "apt", os.uname().release)
         make_criu_bundle(scratch / "criu-bundle")
         for name, rootfs in ROOTFS.items():
-            c = SystemdContainer(rootfs=rootfs, binds=container_binds(scratch),
+            c = SystemdContainer(rootfs=rootfs, binds=container_binds(scratch, name),
                                  log_path=scratch / f"{name}.boot.log", name=f"ansible-{name}")
             hosts[name] = c
             c.start()
@@ -149,3 +150,22 @@ def test_rollout_stops_at_the_first_failing_host(fleet: Fleet) -> None:
     assert installed_version(second, DRIVER) == before
     assert agent_status(second)["state"] == "ready"
     assert recap(out).get("deb13") is None or recap(out)["deb13"]["changed"] == 0, out[-3000:]
+
+
+def test_report_names_the_hosts_off_the_pins(fleet: Fleet) -> None:
+    # After the stopped rollout the inventory pins the third version; deb13 still has the second.
+    report = fleet.scratch / "report.json"
+    r = run_ansible("ansible-playbook", "-i", str(fleet.inventory), "-e",
+                    f"pitstop_report_file={report}", str(ROOT / "playbooks" / "report.yml"),
+                    timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    data = json.loads(report.read_text())
+    hosts = {h["host"]: h for h in data["hosts"]}
+    assert set(hosts) == set(fleet.hosts)
+    assert "deb13" in data["differing"], data
+    deb13 = hosts["deb13"]
+    assert deb13["driver_packages"] == {DRIVER: DRIVER_VERSIONS[1]}
+    assert deb13["driver_pin"] == DRIVER_VERSIONS[2]
+    assert deb13["kernel"] == os.uname().release == deb13["kernel_pin"]
+    assert deb13["agent_state"] == "ready" and deb13["agent_version"]
+    assert deb13["engine_kind"] == "reference"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.ansible_env import ANSIBLE_BIN, PLAYBOOKS, ROOT, run_ansible
+from tests.ansible_env import ANSIBLE_BIN, EXAMPLE_INVENTORY, PLAYBOOKS, ROOT, run_ansible
 from tests.prereq import require
 
 
@@ -26,8 +26,8 @@ def test_ansible_lint_production_profile_is_clean() -> None:
 
 @pytest.mark.parametrize("playbook", PLAYBOOKS, ids=lambda p: p.name)
 def test_playbook_syntax(playbook) -> None:
-    r = run_ansible("ansible-playbook", "--syntax-check", "-i",
-                    str(ROOT / "playbooks" / "inventory.example.yml"), str(playbook))
+    r = run_ansible("ansible-playbook", "--syntax-check", "-i", str(EXAMPLE_INVENTORY),
+                    str(playbook))
     assert r.returncode == 0, r.stdout + r.stderr
 
 
