@@ -24,6 +24,7 @@ from tests.ansible_hosts import (
     WHEELHOUSE,
     Fleet,
     agent_status,
+    base_vars,
     container_binds,
     dpkg_installed_at,
     installed_version,
@@ -38,8 +39,8 @@ from tests.systemd_container import SystemdContainer, container_prerequisites
 pytestmark = pytest.mark.integration
 
 
-def _playbook(fleet: Fleet, name: str) -> tuple[int, str]:
-    r = run_ansible("ansible-playbook", "-i", str(fleet.inventory),
+def _playbook(fleet: Fleet, name: str, *extra: str) -> tuple[int, str]:
+    r = run_ansible("ansible-playbook", "-i", str(fleet.inventory), *extra,
                     str(ROOT / "playbooks" / name), timeout=1500)
     out = r.stdout + r.stderr
     (fleet.scratch / f"{name}.log").open("a").write(out)
@@ -99,6 +100,23 @@ def test_site_again_changes_nothing(fleet: Fleet) -> None:
     assert set(counts) == set(fleet.hosts), out[-3000:]
     for host, c in counts.items():
         assert c["changed"] == 0 and c["failed"] == 0, (host, c, out[-6000:])
+
+
+def test_a_bad_config_is_refused_and_the_running_one_kept(fleet: Fleet) -> None:
+    c = fleet.hosts["deb12"]
+    before = c.run(["cat", "/etc/pitstop/pitstop.yaml"]).stdout
+    bad = base_vars(fleet.scratch)["pitstop_config"]
+    fleet.write_inventory(pitstop_config={**bad, "health": {"intervl_s": 1}})
+    try:
+        rc, out = _playbook(fleet, "site.yml", "--limit", "deb12")
+    finally:
+        fleet.write_inventory()
+    assert rc != 0, out[-4000:]
+    # The agent's own message, from `pitstop check-config` run by the template's validate:.
+    assert "health.intervl_s: unknown key" in out, out[-4000:]
+    assert c.run(["cat", "/etc/pitstop/pitstop.yaml"]).stdout == before
+    assert c.systemctl("is-active", "pitstop-agent.service", check=False).strip() == "active"
+    assert agent_status(c)["state"] == "ready"
 
 
 def test_the_pins_are_in_effect(fleet: Fleet) -> None:
