@@ -76,8 +76,10 @@ class SystemdContainer:
             # nothing needs copying (--ephemeral would copy the whole directory on ext4).
             "--volatile=overlay",
             "--private-network",
-            # CRIU's own capability; nspawn leaves it out of its default set.
-            "--capability=CAP_CHECKPOINT_RESTORE,CAP_NET_ADMIN,CAP_IPC_LOCK",
+            # What the agent unit keeps and nspawn leaves out of its default set: CRIU's own
+            # capability, and CAP_SYS_TIME, which a restore needs to set the offsets of the time
+            # namespace it restores into (the engine's monotonic clock goes on unbroken).
+            "--capability=CAP_CHECKPOINT_RESTORE,CAP_NET_ADMIN,CAP_IPC_LOCK,CAP_SYS_TIME",
             "--console=read-only",
             *(b.flag() for b in self.binds),
             "--boot",
@@ -86,6 +88,11 @@ class SystemdContainer:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the container
         self._nspawn = subprocess.Popen(
             argv,
+            # nspawn puts the whole container under its own seccomp filter. A process under
+            # seccomp cannot suspend another's (PTRACE_O_SUSPEND_SECCOMP), so CRIU in any unit
+            # of the container could not dump anything. Without it, the only filters in the
+            # container are the ones the units under test ask for, as on a real host.
+            env={**os.environ, "SYSTEMD_SECCOMP": "0"},
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,

@@ -192,3 +192,58 @@ def test_holders_outlive_agent_restarts_and_stops(stand_in: SystemdContainer) ->
     assert c.show(HOLDER, "MainPID", "ActiveState", "NRestarts") == holder
     # And the agent's start pulled in the target every enabled holder hangs off.
     assert c.show("pitstop-holders.target", "ActiveState")["ActiveState"] == "active"
+
+
+def _criu_argv() -> list[str] | None:
+    """CRIU >= 4.1 as the container can run it: the project's wrapper, or Debian 13's binary
+    from the trixie rootfs through that tree's own loader (LAB.md fact 6)."""
+    wrapper = REPO / ".cache" / "criu" / "bin" / "criu"
+    if wrapper.exists():
+        return [str(wrapper)]
+    trixie = REPO / ".cache" / "rootfs" / "trixie"
+    if (trixie / ".pitstop-rootfs").exists() and (trixie / "usr/sbin/criu").exists():
+        return [f"{trixie}/usr/lib64/ld-linux-x86-64.so.2", "--library-path",
+                f"{trixie}/usr/lib/x86_64-linux-gnu", f"{trixie}/usr/sbin/criu"]
+    return None
+
+
+def test_criu_dumps_and_restores_across_invocations_of_the_agent_unit(
+        stand_in: SystemdContainer) -> None:
+    """The hardening of pitstop-agent.service leaves CRIU working, restart after restart."""
+    c = stand_in
+    criu = _criu_argv()
+    require(criu, "no CRIU >= 4.1: `make rootfs` puts Debian 13's in .cache/rootfs/trixie")
+    prog = SCRATCH / "criu-pitstop"
+    events, count = SCRATCH / "criu-events", SCRATCH / "count"
+    c.write_file(str(prog), "#!/bin/sh\n"
+                 f"exec {REPO}/.venv/bin/python {REPO}/tests/sd_criu_prog.py \"$@\"\n", 0o755)
+    c.write_file(str(SCRATCH / "stand-in.json"), json.dumps(
+        {"criu": criu, "images": str(SCRATCH / "img"), "events": str(events),
+         "count": str(count)}))
+    c.run(["rm", "-rf", str(events), str(count), str(SCRATCH / "img")])
+    _install(c, prog, CONFIG)
+
+    def counted() -> int:
+        text = c.run(["cat", str(count)], check=False).stdout.strip()
+        return int(text) if text.isdigit() else 0
+
+    def last_event() -> str:
+        return c.run(["tail", "-n1", str(events)], check=False).stdout.strip()
+
+    c.systemctl("start", AGENT)
+    engine = last_event().split()[-1]
+    assert last_event() == f"spawned {engine}"
+    for cycle in range(2):
+        c.wait_for("the engine counting", lambda: counted() >= 3, 30)
+        c.systemctl("stop", AGENT)
+        assert last_event() == f"dumped {engine}", c.journal(AGENT)[-2000:]
+        at_dump = counted()
+        c.systemctl("start", AGENT, check=False)
+        assert last_event() == f"restored {engine}", c.journal(AGENT)[-3000:]
+        # The same process, its memory intact: the count goes on from where it stopped (a new
+        # process would start again from 1).
+        c.wait_for("the count to move", lambda n=at_dump: counted() != n, 30)
+        assert at_dump < counted() < at_dump + 100, f"cycle {cycle}: the count restarted"
+        group = c.show(AGENT, "ControlGroup")["ControlGroup"]
+        cgroups = c.run(["cat", f"/proc/{engine}/cgroup"]).stdout
+        assert group in cgroups, f"restored engine outside {group}: {cgroups}"
