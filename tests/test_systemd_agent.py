@@ -31,8 +31,9 @@ PITSTOP = str(REPO / ".venv" / "bin" / "pitstop")
 CONFIG = SCRATCH / "pitstop.yaml"
 STATE = Path("/var/lib/pitstop-test")
 STATUS = STATE / "run" / "status.json"
-# Short enough to keep the hang test quick; the shipped unit says 30 s and 15 s.
-TEST_OVERRIDES = "[Service]\nWatchdogSec=3s\nTimeoutAbortSec=3s\n"
+# Short enough to keep the hang test quick, long enough that a busy 2-CPU machine does not
+# starve a healthy agent past it; the shipped unit says 30 s and 15 s.
+TEST_OVERRIDES = "[Service]\nWatchdogSec=8s\nTimeoutAbortSec=3s\n"
 
 
 def _config(model: Path) -> dict:
@@ -124,8 +125,7 @@ def test_a_killed_engine_is_recovered_without_a_systemd_restart(agent: SystemdCo
     c.wait_for("a new engine, ready",
                lambda: _status(c).get("state") == "ready"
                and _status(c).get("engine_pid") not in (None, engine), 240, interval_s=0.2)
-    assert c.show(AGENT, "MainPID", "NRestarts") == before
-    assert before["NRestarts"] == "0"
+    assert c.show(AGENT, "MainPID", "NRestarts") == before, c.journal(AGENT)[-3000:]
 
 
 def test_a_reload_with_a_broken_config_keeps_the_agent_running(agent: SystemdContainer) -> None:
@@ -168,6 +168,7 @@ def test_a_hung_agent_is_restarted_by_the_watchdog(agent: SystemdContainer) -> N
     c = agent
     _ensure_started(c)
     before = c.show(AGENT, "MainPID", "NRestarts")
+    engine = _status(c)["engine_pid"]
     c.systemctl("kill", "--kill-who=main", "--signal=SIGSTOP", AGENT)
     t0 = time.monotonic()
     c.wait_for("a restart by the watchdog",
@@ -177,3 +178,6 @@ def test_a_hung_agent_is_restarted_by_the_watchdog(agent: SystemdContainer) -> N
     print(f"\nagent: hung (SIGSTOP) -> watchdog -> READY again in {time.monotonic() - t0:.2f} s")
     assert c.show(AGENT, "MainPID")["MainPID"] != before["MainPID"]
     assert "Watchdog timeout" in c.journal(AGENT)
+    # The hung agent's engine was killed with it, not left running beside the new one.
+    assert c.run(["kill", "-0", str(engine)], check=False).returncode != 0
+    assert _status(c)["engine_pid"] != engine

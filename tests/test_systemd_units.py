@@ -144,6 +144,7 @@ def test_hung_agent_is_killed_by_the_watchdog_and_restarted(stand_in: SystemdCon
     c.systemctl("start", AGENT)
     before = c.show(AGENT, "MainPID", "NRestarts")
     assert before["NRestarts"] == "0"
+    engine = next(p for p, e in _events(c) if e == "engine-up")
     c.systemctl("kill", "--kill-who=main", "--signal=SIGSTOP", AGENT)
     t0 = time.monotonic()
     c.wait_for("a restart by the watchdog",
@@ -154,6 +155,8 @@ def test_hung_agent_is_killed_by_the_watchdog_and_restarted(stand_in: SystemdCon
     after = c.show(AGENT, "MainPID")
     assert after["MainPID"] != before["MainPID"]
     assert "Watchdog timeout" in c.journal(AGENT)
+    # KillMode=mixed: the hung agent's engine went with it (SIGKILL to the whole cgroup).
+    assert c.run(["kill", "-0", str(engine)], check=False).returncode != 0
 
 
 def test_stop_lets_the_agent_drain_and_stop_its_engine(stand_in: SystemdContainer) -> None:
