@@ -250,3 +250,19 @@ def test_criu_dumps_and_restores_across_invocations_of_the_agent_unit(
         group = c.show(AGENT, "ControlGroup")["ControlGroup"]
         cgroups = c.run(["cat", f"/proc/{engine}/cgroup"]).stdout
         assert group in cgroups, f"restored engine outside {group}: {cgroups}"
+
+
+def test_debian_13_boots_the_same_way_and_verifies_the_units(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The Ansible tests and trixie hosts: systemd 257 takes the same units and harness."""
+    trixie = REPO / ".cache" / "rootfs" / "trixie"
+    missing = container_prerequisites(trixie)
+    require(not missing, "cannot boot the Debian 13 container: missing " + "; ".join(missing))
+    with make_container(tmp_path_factory.mktemp("sd13"),
+                        tmp_path_factory.mktemp("sd13-logs") / "boot.log", rootfs=trixie) as c:
+        assert "systemd 257" in c.systemctl("--version")
+        _install(c, PITSTOP, REPO / "examples" / "pitstop.yaml")
+        r = c.run(["systemd-analyze", "verify", f"/etc/systemd/system/{AGENT}",
+                   "/etc/systemd/system/pitstop-holders.target",
+                   f"/etc/systemd/system/{HOLDER}"], check=False)
+        assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
