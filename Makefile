@@ -6,7 +6,8 @@ CACHE ?= .cache
 MODEL ?= $(HOME)/.cache/pitstop/tiny-llama
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: run test lint venv model clean rootfs rootfs-trixie ansible ansible-hosts
+.PHONY: run test lint venv vllm model criu criu-bundle clean prometheus docs-images rootfs \
+	rootfs-trixie ansible ansible-hosts
 
 venv: $(VENV)/.installed
 
@@ -17,6 +18,22 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --find-links /opt/wheels 'torch==2.13.0'
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
+
+# Real vLLM (CPU build) in a venv of its own, for tests/test_vllm_engine.py; cached by a stamp
+# under $(CACHE), about 2 min the first time (LAB.md fact 7).
+vllm:
+	scripts/install-vllm.sh
+
+# CRIU >= 4.1 at $(CACHE)/criu/bin/criu (LAB.md fact 2); the script is idempotent.
+criu: $(CACHE)/criu/.installed
+
+$(CACHE)/criu/.installed: scripts/install-criu.sh
+	scripts/install-criu.sh
+	touch $@
+
+# A self-contained CRIU (binary, ld.so, libraries) to carry to a GPU host.
+criu-bundle: criu
+	scripts/install-criu.sh bundle .gpu/criu
 
 # Ansible and ansible-lint in their own venv: ansible-core pins its own jinja2 and
 # resolvelib, and the `ansible` package (which bundles the collections) is ~0.5 GB
@@ -32,15 +49,15 @@ $(ANSIBLE_VENV)/.installed: requirements-ansible.txt
 model: venv
 	$(BIN)/pitstop make-model $(MODEL)
 
-run: venv model
+run: venv model criu
 	$(BIN)/pitstop run
 
 lint: venv
-	$(BIN)/ruff check agent tests bench
+	$(BIN)/ruff check agent tests bench scripts
 
-# A Debian rootfs booted by systemd-nspawn: the real systemd the unit tests drive (LAB.md
-# fact 8). The script returns at once when its stamp matches, so this costs nothing the
-# second time.
+# A Debian 12 rootfs booted by systemd-nspawn: the real systemd the unit tests drive (LAB.md
+# fact 8). The script returns at once when its stamp matches. Debian 13 boots the same way
+# (rootfs-trixie; not needed by the tests).
 rootfs:
 	scripts/make-rootfs.sh bookworm $(CACHE)/rootfs/bookworm
 
@@ -48,17 +65,26 @@ rootfs-trixie:
 	scripts/make-rootfs.sh trixie $(CACHE)/rootfs/trixie
 
 # The Ansible tests' hosts: Debian 12 and 13 roots with what Ansible needs on a host
-# (Python with apt bindings, venv) and dpkg-dev for the test's local apt repository; Debian
+# (apt bindings for Python, venv) and dpkg-dev for the test's local apt repository; Debian
 # 13's criu 4.1 comes from the distribution, as on a real host. Plus a wheelhouse of the
 # agent and its dependencies: the containers have no network, as hosts behind a mirror.
-ANSIBLE_HOST_PACKAGES := python3,python3-apt,python3-venv,python3-pip,dpkg-dev
+ANSIBLE_HOST_PACKAGES := python3-apt,python3-venv,python3-pip,dpkg-dev
 ansible-hosts: ansible
 	scripts/make-rootfs.sh bookworm $(CACHE)/rootfs/ansible-bookworm $(ANSIBLE_HOST_PACKAGES)
 	scripts/make-rootfs.sh trixie $(CACHE)/rootfs/ansible-trixie $(ANSIBLE_HOST_PACKAGES),criu
 	scripts/ansible-wheelhouse.sh $(CACHE)/ansible-wheelhouse
 
-test: venv rootfs ansible-hosts
-	$(BIN)/ruff check agent tests bench
+# promtool and the Prometheus server, from Debian's package: the rule and alert tests.
+prometheus:
+	bash scripts/install-prometheus.sh
+
+# The dashboard pictures in docs/img/, from a short real run (matplotlib: the docs extra).
+docs-images: venv prometheus model
+	$(BIN)/pip install -q -e '.[docs]'
+	$(BIN)/python scripts/render_dashboards.py --model $(MODEL) --out docs/img
+
+test: venv criu prometheus vllm rootfs ansible-hosts
+	$(BIN)/ruff check agent tests bench scripts
 	$(BIN)/python -m pytest -q -ra
 
 clean:

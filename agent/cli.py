@@ -112,6 +112,120 @@ def format_status(data: dict) -> str:
     return "\n".join(lines)
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from agent.config import load_config
+    from agent.doctor import format_checks, run_checks
+
+    checks = run_checks(load_config(args.config))
+    if args.json:
+        print(json.dumps([dataclasses.asdict(c) for c in checks], indent=1))
+    else:
+        print(format_checks(checks))
+    return EXIT_FAIL if any(c.needed and not c.ok for c in checks) else EXIT_OK
+
+
+def _cmd_snapshot(args: argparse.Namespace) -> int:
+    import json
+
+    from agent.config import load_config
+    from agent.store import SnapshotStore, views
+
+    cfg = load_config(args.config)
+    if args.action == "create":
+        import asyncio
+
+        from agent.control import call
+
+        done = asyncio.run(call(cfg.paths.run / "control.sock", "snapshot"))
+        print(json.dumps(done, indent=1) if args.json else
+              f"snapshot {done['id']} published: {done['bytes'] / 1e6:.1f} MB in "
+              f"{done['duration_s']:.2f}s")
+        return EXIT_OK
+    store = SnapshotStore(cfg.paths.snapshots)
+    if args.action == "list":
+        entries = store.entries()
+        out = json.dumps([views.entry_json(e) for e in entries], indent=1) if args.json \
+            else views.entries_text(entries)
+    elif args.action == "inspect":
+        m = store.load(args.id)
+        out = m.model_dump_json(indent=1) if args.json else views.manifest_text(m)
+    elif args.action == "verify":
+        verdicts = [store.verify(i) for i in (args.ids or store.ids())]
+        out = json.dumps([views.verdict_json(v) for v in verdicts], indent=1) if args.json \
+            else "\n".join(views.verdict_text(v) for v in verdicts) or "no snapshots"
+        print(out)
+        return EXIT_OK if all(v.ok for v in verdicts) else EXIT_FAIL
+    else:
+        for i in args.ids:
+            store.delete(i)
+        out = json.dumps({"deleted": args.ids}) if args.json else f"deleted {' '.join(args.ids)}"
+    print(out)
+    return EXIT_OK
+
+
+def _cmd_drift(args: argparse.Namespace) -> int:
+    import json
+
+    from agent.checkpoint.criu_locate import locate
+    from agent.config import load_config
+    from agent.drift import compare
+    from agent.drift_watch import build_reader
+    from agent.engines import build_adapter
+    from agent.errors import SnapshotError
+    from agent.store import SnapshotStore
+
+    cfg = load_config(args.config)
+    store = SnapshotStore(cfg.paths.snapshots)
+    try:
+        if args.snapshot:
+            manifest = store.load(args.snapshot)
+        else:
+            manifest = next((e.manifest for e in store.entries() if e.manifest), None)
+    except SnapshotError as e:
+        print(f"pitstop: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if manifest is None:
+        print(f"pitstop: no readable snapshot in {cfg.paths.snapshots} to compare with; "
+              "`pitstop snapshot list` shows them", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        criu = locate(cfg.snapshots.criu).version
+    except SnapshotError:
+        criu = None  # as the agent records it when it has no CRIU
+    now = build_reader(cfg, build_adapter(cfg), criu)()
+    diffs = compare(manifest.identity, now)
+    if args.json:
+        print(json.dumps({"snapshot": manifest.id, "drift": bool(diffs), "differences": [
+            {"field": d.field, "old": d.old, "new": d.new} for d in diffs]}, indent=1))
+    elif diffs:
+        print("\n".join(str(d) for d in diffs))
+    else:
+        print(f"snapshot {manifest.id} matches this host")
+    return EXIT_FAIL if diffs else EXIT_OK
+
+
+def _cmd_digest(args: argparse.Namespace) -> int:
+    import json
+
+    from agent.config import load_config
+    from agent.weights import WeightsDigester, cache_path_for
+
+    cfg = load_config(args.config)
+    model = args.model or cfg.engine.model
+    d = WeightsDigester(cache_path_for(cfg.paths.state_dir)).digest(model, rehash=args.rehash)
+    if args.json:
+        print(json.dumps({"model": str(d.model), "digest": d.digest, "bytes_read": d.bytes_read,
+                          "files_hashed": d.files_hashed, "seconds": round(d.seconds, 3),
+                          "files": [vars(f) for f in d.files]}, indent=1))
+    else:
+        print(f"{d.digest}  {d.model}\n{len(d.files)} files, {d.files_hashed} hashed, "
+              f"{d.bytes_read} bytes read in {d.seconds:.2f}s")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pitstop", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -138,6 +252,46 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=_cmd_status)
+
+    d = sub.add_parser("doctor", help="can this host snapshot and restore? (exit 1 when not)")
+    d.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=_cmd_doctor)
+
+    sn = sub.add_parser("snapshot", help="create, list, inspect, verify or delete snapshots")
+    snsub = sn.add_subparsers(dest="action", required=True, metavar="ACTION")
+    for name, text in (
+        ("create", "ask the running agent to snapshot its engine at the next quiet moment"),
+        ("list", "every snapshot, newest first"),
+        ("inspect", "one snapshot's manifest"),
+        ("verify", "check manifests, permissions and checksums (exit 1 when one is refused)"),
+        ("delete", "remove snapshots"),
+    ):
+        a = snsub.add_parser(name, help=text)
+        a.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
+        a.add_argument("--json", action="store_true")
+        if name == "inspect":
+            a.add_argument("id")
+        elif name == "verify":
+            a.add_argument("ids", nargs="*", metavar="ID", help="default: all")
+        elif name == "delete":
+            a.add_argument("ids", nargs="+", metavar="ID")
+    sn.set_defaults(func=_cmd_snapshot)
+
+    dr = sub.add_parser("drift", help="compare a snapshot's identity with this host's "
+                        "(exit 1 when a field differs)")
+    dr.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
+    dr.add_argument("--json", action="store_true")
+    dr.add_argument("--snapshot", metavar="ID", help="default: the newest snapshot")
+    dr.set_defaults(func=_cmd_drift)
+
+    dg = sub.add_parser("digest", help="the weights digest of engine.model (cached by stat)")
+    dg.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
+    dg.add_argument("--json", action="store_true")
+    dg.add_argument("--rehash", action="store_true", help="read every file again, ignoring "
+                    "the cache (and refresh it)")
+    dg.add_argument("--model", type=Path, help="another model directory than engine.model")
+    dg.set_defaults(func=_cmd_digest)
 
     u = sub.add_parser("install-units",
                        help="install the systemd units, sysctl and tmpfiles snippets")

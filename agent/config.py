@@ -59,6 +59,8 @@ class QueueConfig(_Strict):
 
     max_waiting: int = Field(256, ge=0)
     deadline_s: float = Field(30.0, gt=0)
+    # What a 503 tells the client to wait before it tries again.
+    retry_after_s: int = Field(5, ge=1)
 
 
 class FrontConfig(_Strict):
@@ -69,6 +71,12 @@ class FrontConfig(_Strict):
     port: int = Field(8000, ge=0, le=65535)
     queue: QueueConfig = Field(default_factory=QueueConfig)
     max_resumes: int = Field(3, ge=0)
+    # How long an answer cut by an engine crash waits for the recovered engine: longer than
+    # the queue deadline, since its client is already being served and a cold start of a
+    # big model takes minutes.
+    resume_wait_s: float = Field(120.0, gt=0)
+    # Largest request body accepted (long prompts as token id lists are big).
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
 
 
 class PathsConfig(_Strict):
@@ -90,6 +98,37 @@ class PathsConfig(_Strict):
     @property
     def run(self) -> Path:
         return self.run_dir or self.state_dir / "run"
+
+
+class SnapshotsConfig(_Strict):
+    """Where CRIU is and how many snapshots to keep (the directory is paths.snapshots)."""
+
+    enabled: bool = True
+    # When a start found no usable snapshot: take one before the gate opens, at the first
+    # quiet moment after it opens, or only on `pitstop snapshot create`.
+    regenerate: Literal["before-serving", "after-serving", "manual"] = "after-serving"
+    # How long a snapshot waits for requests in flight to finish (new ones are held).
+    quiet_timeout_s: float = Field(30.0, gt=0)
+    # How often the running agent recomputes the host identity (weights by stat, re-hashing
+    # only changed files) to notice drift; 0 turns the watcher off.
+    drift_check_interval_s: float = Field(30.0, ge=0)
+    criu: Path | None = None
+    keep: int = Field(2, ge=1)
+    disk_budget_gib: float = Field(64.0, gt=0)
+    cuda_lock_timeout_ms: int = Field(10_000, ge=1)
+
+    @field_validator("criu", mode="before")
+    @classmethod
+    def _expand_paths(cls, v: Any) -> Any:
+        return _expand(v) if isinstance(v, str) else v
+
+    @field_validator("drift_check_interval_s")
+    @classmethod
+    def _off_or_calm(cls, v: float) -> float:
+        # Each check stats every model file and queries NVML: not a busy loop.
+        if 0 < v < 1:
+            raise ValueError("must be 0 (off) or at least 1 second")
+        return v
 
 
 class HealthConfig(_Strict):
@@ -141,6 +180,7 @@ class Config(_Strict):
     health: HealthConfig = Field(default_factory=HealthConfig)
     restart: RestartConfig = Field(default_factory=RestartConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    snapshots: SnapshotsConfig = Field(default_factory=SnapshotsConfig)
 
     @property
     def engine_socket(self) -> Path:

@@ -37,5 +37,33 @@ class StatusError(PitstopError):
     """The agent's status could not be read."""
 
 
+class IdentityError(PitstopError):
+    """A fact of the host's identity (GPU, engine packages, ...) could not be read."""
+
+
+class SourceUnavailable(IdentityError):
+    """An identity source is absent on this host (no NVIDIA driver, say): a valid None."""
+
+
+class WeightsError(PitstopError):
+    """The model's weight and config files could not be listed or hashed."""
+
+
+class FrontError(PitstopError):
+    """The front proxy could not bind its port or serve a request."""
+
+
+class FrontRejected(FrontError):
+    """The front turned a request away (queue full, deadline, draining); it says when to retry.
+
+    Not a fault: the client gets 503 with Retry-After, and the reason is counted.
+    """
+
+    def __init__(self, reason: str, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after = retry_after
+
+
 class UnitsError(PitstopError):
     """The systemd units could not be rendered, installed or enabled."""

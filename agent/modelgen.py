@@ -353,7 +353,7 @@ def _write_safetensors(
 
     The format is an 8-byte little-endian header length, a JSON header naming each
     tensor's dtype, shape and byte range, then the raw bytes (safetensors' own writer
-    needs numpy and the whole dict in memory).
+    wants every tensor of the file in memory at once).
     """
     st_dtype = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[spec.dtype]
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}

@@ -14,14 +14,22 @@ from pathlib import Path
 from prometheus_client import start_http_server
 
 from agent import proc
+from agent.checkpoint import build_snapshotter
+from agent.checkpoint.snapshotter import Snapshotter
 from agent.config import Config, load_config
+from agent.control import ControlServer
+from agent.drift import Difference, describe
+from agent.drift_watch import DriftWatcher, build_reader
 from agent.engines import build_adapter
-from agent.errors import ConfigError, ModelError
+from agent.errors import ConfigError, ModelError, SnapshotError
 from agent.fsutil import private_dir
+from agent.identity import Identity
 from agent.metrics import Metrics, NodeInfo, StatusView, new_registry
 from agent.supervisor.canary import CanaryBook
+from agent.supervisor.capture import Capture
 from agent.supervisor.gate import EngineGate
 from agent.supervisor.paths.cold import ColdStart
+from agent.supervisor.paths.restore import FullRestore
 from agent.supervisor.states import State
 from agent.supervisor.status import AgentStatus, StatusFile
 from agent.supervisor.supervisor import Supervisor
@@ -61,7 +69,8 @@ class Agent:
         private_dir(config.paths.run)
         self.status_file = StatusFile(config.paths.run / "status.json")
         self._node = NodeInfo(kernel=os.uname().release, engine_kind=config.engine.kind,
-                              engine_version=self.adapter.version())
+                              engine_version=self.adapter.version(),
+                              model=config.engine.model_name)
         self.registry = new_registry()
         self.metrics = Metrics(self.registry, self.status_view)
         self.front = None
@@ -69,11 +78,77 @@ class Agent:
             from agent.front.proxy import Front
 
             self.front = Front(config.front, self.gate, self.metrics)
+        self.snapshotter, unavailable = self._snapshotter(config)
+        criu = self.snapshotter.criu.binary.version if self.snapshotter is not None else None
+        self.reader = build_reader(config, self.adapter, criu)
+        # The identity of the engine now serving (taken just before it started): what its
+        # snapshot is tagged with, and what the drift watcher compares the host against.
+        self.engine_identity: Identity | None = None
+        self.drifted: tuple[str, ...] = ()
+        self.capture = None
+        if self.snapshotter is not None:
+            self.capture = Capture(self.snapshotter, self.adapter, config.engine_socket,
+                                   self.gate, self.metrics, self.identity,
+                                   config.snapshots.quiet_timeout_s)
+        self.full = FullRestore(self.snapshotter, unavailable, self.adapter,
+                                config.engine_socket, self.identity, self.metrics,
+                                config.health.timeout_s * 10)
         self.supervisor = Supervisor(
-            config=config, adapter=self.adapter, paths=[ColdStart(self.adapter)],
+            config=config, adapter=self.adapter, paths=[self.full, ColdStart(self.adapter)],
             gate=self.gate, metrics=self.metrics, notifier=notifier, status=self.status,
             canaries=CanaryBook(config.paths.state_dir / "canary.json"),
-            on_change=self._write_status)
+            capture=self.capture, on_change=self._write_status,
+            before_start=self._before_start, on_ready=self._on_ready)
+        self.watcher: DriftWatcher | None = None
+        self.control = ControlServer(config.paths.run / "control.sock",
+                                     {"snapshot": self._control_snapshot,
+                                      "status": self._control_status})
+
+    @staticmethod
+    def _snapshotter(config: Config) -> tuple[Snapshotter | None, str]:
+        """The snapshotter, or None and the reason (CRIU missing, snapshots disabled)."""
+        if not config.snapshots.enabled:
+            return None, "snapshots are disabled (snapshots.enabled: false)"
+        try:
+            snap = build_snapshotter(config)
+            snap.store.open(clean=True)
+        except (SnapshotError, OSError) as e:
+            log.warning("snapshots unavailable, every start will be cold: %s", e)
+            return None, f"snapshots unavailable: {e}"
+        return snap, ""
+
+    def identity(self) -> Identity:
+        """What a snapshot taken now depends on, and what a restore must match."""
+        return self.engine_identity if self.engine_identity is not None else self.reader()
+
+    async def _before_start(self) -> None:
+        # Hashing changed weight files can take seconds: never on the event loop.
+        self.engine_identity = await asyncio.to_thread(self.reader)
+        self.drifted = ()
+
+    def _on_ready(self) -> None:
+        if self.watcher is not None and self.engine_identity is not None:
+            self.watcher.rebase(self.engine_identity)
+
+    def _on_drift(self, diffs: list[Difference]) -> None:
+        self.drifted = tuple(sorted({d.field for d in diffs}))
+        self.supervisor.request_drift(describe(diffs))
+
+    async def _control_snapshot(self, body: dict) -> dict:
+        return await self.supervisor.request_snapshot()
+
+    async def _control_status(self, body: dict) -> dict:
+        return self.status.to_json()
+
+    def _snapshot_fields(self) -> dict:
+        if self.snapshotter is None:
+            return {}
+        newest = next((e for e in self.snapshotter.store.entries() if e.manifest), None)
+        if newest is None or newest.manifest is None:
+            return {"stale_reasons": self.full.stale_reasons}
+        return {"snapshot_created": newest.manifest.created_at.timestamp(),
+                "snapshot_bytes": newest.bytes_on_disk, "snapshot_kind": newest.manifest.kind,
+                "stale_reasons": tuple(sorted({*self.full.stale_reasons, *self.drifted}))}
 
     def status_view(self) -> StatusView:
         return StatusView(
@@ -81,7 +156,7 @@ class Agent:
             engine_start_time=self.status.engine_ready_since,
             states=tuple(s.value for s in State), node=self._node,
             front_queue_depth=getattr(self.front, "queue_depth", 0),
-            front_inflight=self.gate.inflight)
+            front_inflight=self.gate.inflight, **self._snapshot_fields())
 
     def _write_status(self) -> None:
         try:
@@ -113,6 +188,7 @@ class Agent:
                 or new.paths != self.config.paths:
             log.warning("reload: front, metrics and paths changes take effect on restart only")
         self.config = new
+        self.reader.config = new
         self.supervisor.apply_config(new)
         log.info("configuration reloaded from %s", self.config_path or "the embedded default")
         self.notifier.reloaded()
@@ -153,8 +229,15 @@ class Agent:
             await self.front.start()
             self.status.front = f"{self.config.front.host}:{self.front.port}"
             log.info("front on http://%s/v1", self.status.front)
+        await self.control.start()
         self._write_status()
         duties = [asyncio.ensure_future(self._reaper()), asyncio.ensure_future(self._watchdog())]
+        if self.snapshotter is not None:
+            self.watcher = DriftWatcher(
+                self.reader, reference=await asyncio.to_thread(self.reader),
+                on_drift=self._on_drift, interval_s=self.config.snapshots.drift_check_interval_s,
+                metrics=self.metrics)
+            duties.append(asyncio.ensure_future(self.watcher.run()))
         try:
             await self.supervisor.run()
         finally:
@@ -162,6 +245,7 @@ class Agent:
                 d.cancel()
             if self.front is not None:
                 await self.front.stop(0)
+            await self.control.stop()
             self._write_status()
         return 0
 

@@ -20,13 +20,16 @@ mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 # the shared libraries that the host's Python (bind-mounted from the host, not installed here)
 # loads for ssl, ctypes, sqlite3, bz2, lzma, readline, uuid and curses.
 base=systemd,systemd-sysv,dbus,procps,iproute2,ca-certificates
-# Debian 13 renamed some of them for the 64-bit time_t transition (libssl3 -> libssl3t64).
+# python3: the interpreter Ansible's modules run on when the Ansible tests use these trees as
+# hosts (the agent itself runs on the host's Python, bind-mounted).
+base+=,python3
+base+=,libffi8,libsqlite3-0,libbz2-1.0,liblzma5,zlib1g,libncursesw6,libuuid1,libexpat1,libnsl2
+base+=,libcrypt1
 case $suite in
-    bookworm|bullseye) t64= ;;
-    *) t64=t64 ;;
+    # Debian 13 renamed these for the 64-bit time_t transition; the sonames stayed.
+    bookworm) base+=,libssl3,libreadline8,libtirpc3 ;;
+    *) base+=,libssl3t64,libreadline8t64,libtirpc3t64 ;;
 esac
-base+=,libssl3$t64,libffi8,libsqlite3-0,libbz2-1.0,liblzma5,zlib1g,libncursesw6,libreadline8$t64
-base+=,libuuid1,libexpat1,libnsl2,libtirpc3$t64,libcrypt1
 packages=$base${extra:+,$extra}
 want="suite=$suite packages=$packages"
 

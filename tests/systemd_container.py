@@ -76,16 +76,31 @@ class SystemdContainer:
             # nothing needs copying (--ephemeral would copy the whole directory on ext4).
             "--volatile=overlay",
             "--private-network",
-            # CRIU's own capability; nspawn leaves it out of its default set.
-            "--capability=CAP_CHECKPOINT_RESTORE,CAP_NET_ADMIN,CAP_IPC_LOCK",
+            # What the agent unit keeps and nspawn leaves out of its default set: CRIU's own
+            # capability, and CAP_SYS_TIME, which a restore needs to set the offsets of the time
+            # namespace it restores into (the engine's monotonic clock goes on unbroken).
+            "--capability=CAP_CHECKPOINT_RESTORE,CAP_NET_ADMIN,CAP_IPC_LOCK,CAP_SYS_TIME",
             "--console=read-only",
             *(b.flag() for b in self.binds),
             "--boot",
+            # PID 1 reads the host's /proc/cmdline, whose "quiet" lowers its log level to
+            # notice. At that level systemd kills a unit's leftover processes by writing
+            # cgroup.kill, which fails here with EIO ("Failed to kill control group ...,
+            # ignoring") and leaves them running; at info it kills them one by one, as a
+            # real host's cgroup.kill would. Info also puts each kill in the journal.
+            "systemd.log_level=info",
         ]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the container
         self._nspawn = subprocess.Popen(
             argv,
+            # nspawn puts the whole container under its own seccomp filter. A process under
+            # seccomp cannot suspend another's (PTRACE_O_SUSPEND_SECCOMP), so CRIU in any unit
+            # of the container could not dump anything. Without it, the only filters in the
+            # container are the ones the units under test ask for, as on a real host.
+            # The unified cgroup hierarchy (cgroup v2 only), as on a Debian 12 host, even though
+            # this machine's own hierarchy is hybrid.
+            env={**os.environ, "SYSTEMD_SECCOMP": "0", "SYSTEMD_NSPAWN_UNIFIED_HIERARCHY": "1"},
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,

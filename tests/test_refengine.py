@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -11,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import openai
 import pytest
 
@@ -225,6 +228,8 @@ def test_prepare_refuses_while_a_request_runs(refengine: Engine) -> None:
         busy = refengine.http().post("/pitstop/prepare", json={"timeout_s": 0})
     assert busy.status_code == 409
     assert "running" in busy.json()["error"]["message"]
+    bad = refengine.http().post("/pitstop/prepare", json={"timeout_s": "soon"})
+    assert bad.status_code == 400 and "timeout_s" in bad.json()["error"]["message"]
     assert refengine.http().get("/pitstop/state").json()["paused"] is False
 
 
@@ -264,16 +269,65 @@ def test_bad_requests_through_the_openai_client(refengine: Engine) -> None:
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
 
 
-def test_engine_refuses_a_missing_model(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "agent.engines.refengine", "--model",
-                        str(tmp_path / "absent"), "--uds", str(tmp_path / "s.sock")],
-                       capture_output=True, text=True, timeout=60)
+def test_engine_refuses_a_missing_model_or_a_too_long_context(tmp_path: Path,
+                                                              tiny_model: Path) -> None:
+    def start(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "agent.engines.refengine", *argv,
+                               "--uds", str(tmp_path / "s.sock")],
+                              capture_output=True, text=True, timeout=60)
+
+    r = start("--model", str(tmp_path / "absent"))
     assert r.returncode == 2
     assert str(tmp_path / "absent") in r.stderr
+    r = start("--model", str(tiny_model), "--max-model-len", "100000")
+    assert r.returncode == 2
+    assert "max_position_embeddings (2048)" in r.stderr
+    assert not (tmp_path / "s.sock").exists()
 
 
-def test_tcp_listener_and_prefill_chunks(tiny_model: Path) -> None:
-    """--prefill-chunk > 1 is the fast path for big prompts; greedy output stays sensible."""
-    with run_engine(tiny_model, "--prefill-chunk", "16", "--kv-slots", "1") as engine:
+def test_tcp_prefill_chunks_and_sigterm_mid_stream(tiny_model: Path) -> None:
+    """--prefill-chunk > 1 is the fast path for long prompts; --host/--port add TCP;
+    SIGTERM ends a running stream with an error event and the engine exits promptly."""
+    with socket.socket() as s:  # a free loopback port (the engine binds it right after)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with run_engine(tiny_model, "--prefill-chunk", "16", "--kv-slots", "1",
+                    "--host", "127.0.0.1", "--port", str(port)) as engine:
         _, ids, text = complete_ids(engine, PROMPTS[1], 16)
+        models = httpx2.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
+        body = {"prompt": "Long", "max_tokens": 2000, "stream": True, "ignore_eos": True}
+        with engine.http() as c, c.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(lines)
+            engine.proc.send_signal(signal.SIGTERM)
+            rest = list(lines)
+        t0 = time.monotonic()
+        assert engine.proc.wait(timeout=30) == 0
+        assert time.monotonic() - t0 < 10
+        assert not engine.socket.exists()
     assert len(ids) == 16 and text
+    assert models["data"][0]["id"] == "tiny"
+    assert any("shutting down" in line for line in rest), rest[-3:]
+
+
+def test_bfloat16_greedy_resume_is_exact(tiny_model: Path) -> None:
+    with run_engine(tiny_model, "--dtype", "bfloat16", "--max-model-len", "256") as engine:
+        assert engine.http().get("/pitstop/state").json()["dtype"] == "bfloat16"
+        for prompt in PROMPTS[:2]:
+            prompt_ids, full, _ = complete_ids(engine, prompt, 32)
+            _, head, _ = complete_ids(engine, prompt, 13)
+            _, tail, _ = complete_ids(engine, prompt_ids + head, 32 - 13)
+            assert head + tail == full, prompt
+
+
+def test_chat_resumes_through_completions_exactly(refengine: Engine) -> None:
+    """A chat stream continues as a completion of prompt ids + ids sent, like the front does."""
+    messages = [{"role": "user", "content": "Tell me about the bridge."}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    with refengine.http() as c:
+        full = c.post("/v1/chat/completions", json=body).json()
+    prompt_ids, ids = full["prompt_token_ids"], full["choices"][0]["token_ids"]
+    k = 9
+    _, tail, _ = complete_ids(refengine, prompt_ids + ids[:k], 24 - k)
+    assert ids[:k] + tail == ids

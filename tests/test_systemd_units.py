@@ -45,7 +45,6 @@ def container(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SystemdConta
     t0 = time.monotonic()
     c.start()
     print(f"\ncontainer {c.name} booted to 'running' in {time.monotonic() - t0:.2f} s")
-    c.host_scratch = scratch  # type: ignore[attr-defined]
     try:
         yield c
     finally:
@@ -144,6 +143,7 @@ def test_hung_agent_is_killed_by_the_watchdog_and_restarted(stand_in: SystemdCon
     c.systemctl("start", AGENT)
     before = c.show(AGENT, "MainPID", "NRestarts")
     assert before["NRestarts"] == "0"
+    engine = next(p for p, e in _events(c) if e == "engine-up")
     c.systemctl("kill", "--kill-who=main", "--signal=SIGSTOP", AGENT)
     t0 = time.monotonic()
     c.wait_for("a restart by the watchdog",
@@ -154,6 +154,8 @@ def test_hung_agent_is_killed_by_the_watchdog_and_restarted(stand_in: SystemdCon
     after = c.show(AGENT, "MainPID")
     assert after["MainPID"] != before["MainPID"]
     assert "Watchdog timeout" in c.journal(AGENT)
+    # KillMode=mixed: the hung agent's engine went with it (SIGKILL to the whole cgroup).
+    assert c.run(["kill", "-0", str(engine)], check=False).returncode != 0
 
 
 def test_stop_lets_the_agent_drain_and_stop_its_engine(stand_in: SystemdContainer) -> None:
@@ -192,3 +194,52 @@ def test_holders_outlive_agent_restarts_and_stops(stand_in: SystemdContainer) ->
     assert c.show(HOLDER, "MainPID", "ActiveState", "NRestarts") == holder
     # And the agent's start pulled in the target every enabled holder hangs off.
     assert c.show("pitstop-holders.target", "ActiveState")["ActiveState"] == "active"
+
+
+def _criu_argv() -> list[str] | None:
+    """CRIU >= 4.1 through the project's wrapper (`make criu`); the container sees the repo."""
+    wrapper = REPO / ".cache" / "criu" / "bin" / "criu"
+    return [str(wrapper)] if wrapper.exists() else None
+
+
+def test_criu_dumps_and_restores_across_invocations_of_the_agent_unit(
+        stand_in: SystemdContainer) -> None:
+    """The hardening of pitstop-agent.service leaves CRIU working, restart after restart."""
+    c = stand_in
+    criu = _criu_argv()
+    require(criu, "no CRIU >= 4.1 at .cache/criu/bin/criu (`make criu` installs it)")
+    prog = SCRATCH / "criu-pitstop"
+    events, count = SCRATCH / "criu-events", SCRATCH / "count"
+    c.write_file(str(prog), "#!/bin/sh\n"
+                 f"exec {REPO}/.venv/bin/python {REPO}/tests/sd_criu_prog.py \"$@\"\n", 0o755)
+    c.write_file(str(SCRATCH / "stand-in.json"), json.dumps(
+        {"criu": criu, "images": str(SCRATCH / "img"), "events": str(events),
+         "count": str(count)}))
+    c.run(["rm", "-rf", str(events), str(count), str(SCRATCH / "img")])
+    _install(c, prog, CONFIG)
+
+    def counted() -> int:
+        text = c.run(["cat", str(count)], check=False).stdout.strip()
+        return int(text) if text.isdigit() else 0
+
+    def last_event() -> str:
+        return c.run(["tail", "-n1", str(events)], check=False).stdout.strip()
+
+    c.systemctl("start", AGENT)
+    engine = last_event().split()[-1]
+    assert last_event() == f"spawned {engine}"
+    for cycle in range(2):
+        c.wait_for("the engine counting", lambda: counted() >= 3, 30)
+        c.systemctl("stop", AGENT)
+        assert last_event() == f"dumped {engine}", c.journal(AGENT)[-2000:]
+        at_dump = counted()
+        c.systemctl("start", AGENT, check=False)
+        assert last_event() == f"restored {engine}", c.journal(AGENT)[-3000:]
+        # The same process, its memory intact: the count goes on from where it stopped (a new
+        # process would start again from 1).
+        c.wait_for("the count to move", lambda n=at_dump: counted() != n, 30)
+        assert at_dump < counted() < at_dump + 100, f"cycle {cycle}: the count restarted"
+        group = c.show(AGENT, "ControlGroup")["ControlGroup"]
+        cgroups = c.run(["cat", f"/proc/{engine}/cgroup"]).stdout
+        assert group in cgroups, f"restored engine outside {group}: {cgroups}"
+

@@ -14,6 +14,9 @@ class ReferenceAdapter:
 
     kind = "reference"
     health_path = "/health"
+    metrics_path = None
+    prepare_path = "/pitstop/prepare"
+    resume_path = "/pitstop/resume"
 
     def __init__(self, config: Config) -> None:
         self._config = config

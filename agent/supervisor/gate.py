@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,9 @@ class EngineGate:
         self._quiet.set()
         self._admitting = True
         self.down_reason = "starting"
+        # When the engine went down (monotonic), so that the front can tell a short restore,
+        # which it hides by holding requests, from a long outage; None while it is up.
+        self.down_since: float | None = time.monotonic()
 
     @property
     def current(self) -> Ready | None:
@@ -52,22 +56,29 @@ class EngineGate:
         self._recovery += 1
         self._ready = Ready(socket=socket, recovery=self._recovery)
         self.down_reason = ""
+        self.down_since = None
         self._wake()
 
     def close(self, reason: str) -> None:
         self._ready = None
         self.down_reason = reason
+        if self.down_since is None:
+            self.down_since = time.monotonic()
         self._wake()
 
     def _wake(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    async def wait_ready(self, timeout: float) -> Ready | None:
-        """The ready engine, waiting up to `timeout` seconds for one; None when none came."""
+    async def wait_ready(self, timeout: float, after: int = 0) -> Ready | None:
+        """The ready engine, waiting up to `timeout` seconds for one; None when none came.
+
+        `after`: only an engine of a later recovery than this will do (the front passes the
+        recovery whose engine it just lost, so that it does not retry a dead one).
+        """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while self.current is None:
+        while self.current is None or self.current.recovery <= after:
             left = deadline - loop.time()
             if left <= 0:
                 return None

@@ -62,6 +62,14 @@ class EngineProbe:
         if status != 200:
             raise EngineError(f"engine {path} answered {status}: {body[:200]!r}")
 
+    async def control(self, path: str, body: dict | None = None,
+                      timeout: float | None = None) -> dict:
+        """POST to one of the engine's control endpoints (prepare/resume for snapshots)."""
+        status, raw = await self._request("POST", path, body or {}, timeout=timeout)
+        if status != 200:
+            raise EngineError(f"engine {path} answered {status}: {raw[:300]!r}")
+        return json.loads(raw)
+
     async def models(self) -> list[str]:
         status, body = await self._request("GET", "/v1/models")
         if status != 200:

@@ -11,9 +11,10 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from agent.config import Config
 from agent.engines.base import EngineAdapter
-from agent.errors import EngineError, StartPathError, VerifyError
+from agent.errors import EngineError, SnapshotError, StartPathError, VerifyError
 from agent.metrics import Metrics
 from agent.supervisor.canary import CanaryBook, CanaryRecord, setup_key
+from agent.supervisor.capture import Capture
 from agent.supervisor.engine import EngineProcess
 from agent.supervisor.gate import EngineGate
 from agent.supervisor.ladder import Attempt, StartPath
@@ -43,7 +44,9 @@ class Supervisor:
     def __init__(self, *, config: Config, adapter: EngineAdapter, paths: Sequence[StartPath],
                  gate: EngineGate, metrics: Metrics, notifier: Notifier, status: AgentStatus,
                  canaries: CanaryBook, on_change: Callable[[], None] = lambda: None,
-                 after_ready: Callable[[EngineProcess, str], Awaitable[None]] | None = None,
+                 capture: Capture | None = None,
+                 before_start: Callable[[], Awaitable[None]] | None = None,
+                 on_ready: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.adapter = adapter
@@ -54,7 +57,9 @@ class Supervisor:
         self.status = status
         self.canaries = canaries
         self._on_change = on_change
-        self._after_ready = after_ready
+        self.capture = capture
+        self._before_start = before_start
+        self._on_ready = on_ready
         self._clock = clock
         self.state = State.STOPPED
         self.engine: EngineProcess | None = None
@@ -62,9 +67,14 @@ class Supervisor:
         self._stop = asyncio.Event()
         self._reset = asyncio.Event()
         self._restart = asyncio.Event()
+        self._wake = asyncio.Event()
         self._failures: collections.deque[float] = collections.deque()
         self._announced_ready = False
         self._cause = "startup"
+        # Set when the engine came up without a usable snapshot: take one per policy.
+        self._snapshot_wanted = ""
+        self._snapshot_requests: list[asyncio.Future[dict]] = []
+        self._verified_canary: CanaryRecord | None = None
 
     # --- control from outside (signals) -------------------------------------------------
     def request_stop(self) -> None:
@@ -82,6 +92,34 @@ class Supervisor:
         self.request_reset()
         if engine_changed and self.state in (State.READY, State.BACKOFF):
             self.request_restart("reload")
+
+    def request_snapshot(self) -> asyncio.Future[dict]:
+        """Take a snapshot at the next quiet moment; the future gets its summary."""
+        if self.capture is None:
+            raise SnapshotError("snapshots are not available on this host: "
+                                "see `pitstop doctor`")
+        fut: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
+        self._snapshot_requests.append(fut)
+        self._wake.set()
+        return fut
+
+    def request_regeneration(self, reason: str) -> None:
+        """The current snapshot went stale (drift): take a fresh one at the next safe point."""
+        if self.capture is not None and self.config.snapshots.regenerate != "manual":
+            self._snapshot_wanted = reason
+            self._wake.set()
+
+    def request_drift(self, summary: str) -> None:
+        """The running engine and its snapshot no longer match the host (weights, driver,
+        engine changed): replace the engine when idle, per snapshots.regenerate."""
+        if self.config.snapshots.regenerate == "manual":
+            log.warning("drift (%s): snapshot stale; regenerate: manual, so the engine keeps "
+                        "running until it is restarted", summary)
+            return
+        log.warning("drift (%s): the engine will be replaced at the next quiet moment and a "
+                    "fresh snapshot taken", summary)
+        if self.state in (State.READY, State.SNAPSHOTTING):
+            self.request_restart("drift")
 
     def request_reset(self) -> None:
         """Clear a crash loop (on reload): the next walk of the ladder starts at once."""
@@ -134,6 +172,9 @@ class Supervisor:
     async def _start(self) -> None:
         attempt = Attempt(cause=self._cause)
         t0 = self._clock()
+        if self._before_start is not None:
+            with attempt.stage("identity"):
+                await self._before_start()
         fallthroughs: list[str] = []
         last_path = "cold"
         for path in self.paths:
@@ -226,21 +267,27 @@ class Supervisor:
                 expected = rec
         if expected is None:
             # First start of this setup: its answer becomes the record later starts must match.
-            self.canaries.save(CanaryRecord(key=key, prompt=canary.prompt,
-                                            max_tokens=canary.max_tokens, text=answer.text,
-                                            token_ids=answer.token_ids))
+            expected = CanaryRecord(key=key, prompt=canary.prompt, max_tokens=canary.max_tokens,
+                                    text=answer.text, token_ids=answer.token_ids)
+            self.canaries.save(expected)
             log.info("canary recorded for this setup: %r", answer.text)
-            return
-        if not expected.matches(answer):
+        elif not expected.matches(answer):
             raise VerifyError(f"canary answered {answer.text!r}, expected the recorded "
                               f"{expected.text!r}: this engine is not the one that was recorded")
+        self._verified_canary = expected
 
     def _ready(self, path: str, attempt: Attempt, duration: float,
                fallthroughs: list[str]) -> None:
         assert self.engine is not None
         self._record(path, "success", attempt, duration, fallthroughs)
         self.status.engine_ready_since = time.time()
-        self.gate.open(self.config.engine_socket)
+        policy = self.config.snapshots.regenerate
+        if self.capture is not None and path in ("cold", "warm") and policy != "manual":
+            self._snapshot_wanted = f"{path} start found no usable snapshot"
+        if not (self._snapshot_wanted and policy == "before-serving"):
+            self.gate.open(self.config.engine_socket)
+        if self._on_ready is not None:
+            self._on_ready()
         self._fire(Event.VERIFIED, f"{path} start in {duration:.2f}s ({attempt.cause})")
         if not self._announced_ready:
             self._announced_ready = True
@@ -265,9 +312,12 @@ class Supervisor:
     async def _serve(self) -> None:
         engine = self.engine
         assert engine is not None
-        if self._after_ready is not None:
-            await self._after_ready(engine, self.status.last_recovery.path
-                                    if self.status.last_recovery else "cold")
+        if self._snapshot_wanted:
+            await self._snapshot(self._snapshot_wanted)
+            if self.state is not State.READY:
+                return
+        if self.gate.current is None:
+            self.gate.open(self.config.engine_socket)
         hc = self.config.health
         misses = 0
         async with EngineProbe(self.config.engine_socket, timeout=hc.timeout_s) as probe:
@@ -275,12 +325,20 @@ class Supervisor:
                 self._beat()
                 stop = asyncio.ensure_future(self._stop.wait())
                 restart = asyncio.ensure_future(self._restart.wait())
-                await asyncio.wait({engine.exited, stop, restart}, timeout=hc.interval_s,
+                wake = asyncio.ensure_future(self._wake.wait())
+                await asyncio.wait({engine.exited, stop, restart, wake}, timeout=hc.interval_s,
                                    return_when=asyncio.FIRST_COMPLETED)
-                stop.cancel()
-                restart.cancel()
+                for f in (stop, restart, wake):
+                    f.cancel()
+                self._wake.clear()
                 if self._stop.is_set():
                     return
+                if (self._snapshot_requests or self._snapshot_wanted) \
+                        and not engine.exited.done():
+                    await self._snapshot(self._snapshot_wanted or "requested")
+                    if self.state is not State.READY:
+                        return
+                    continue
                 if self._restart.is_set():
                     self._restart.clear()
                     await self._replace(engine)
@@ -303,6 +361,42 @@ class Supervisor:
                             f"row ({e})")
                         return
 
+    async def _snapshot(self, why: str) -> None:
+        """Snapshot the serving engine (READY -> SNAPSHOTTING -> READY)."""
+        engine = self.engine
+        waiting, self._snapshot_requests = self._snapshot_requests, []
+        regeneration = bool(self._snapshot_wanted)
+        self._snapshot_wanted = ""
+        assert engine is not None and self.capture is not None
+        if self._verified_canary is None:
+            err = SnapshotError("the engine has no verified canary answer to record")
+            for fut in waiting:
+                fut.set_exception(err)
+            return
+        self._fire(Event.SNAPSHOT, why)
+        try:
+            result = await self.capture.take(engine, self._verified_canary)
+        except SnapshotError as e:
+            log.error("%s", e)
+            if regeneration:
+                self.metrics.regenerations.labels(result="failure").inc()
+            for fut in waiting:
+                fut.set_exception(e)
+            if not engine.alive:
+                await self._engine_failed("crash", f"engine {engine.pid} died during a "
+                                          f"snapshot: {engine.exited.result()}")
+                return
+            self._fire(Event.SNAPSHOT_DONE, f"snapshot failed: {e}"[:300])
+            return
+        if regeneration:
+            self.metrics.regenerations.labels(result="success").inc()
+        summary = {"id": result.info.id, "bytes": result.info.image_bytes,
+                   "duration_s": round(result.duration_s, 3),
+                   "freed_bytes": result.freed_bytes}
+        for fut in waiting:
+            fut.set_result(summary)
+        self._fire(Event.SNAPSHOT_DONE, f"snapshot {result.info.id} published")
+
     async def _engine_failed(self, cause: str, reason: str) -> None:
         self.gate.close(reason)
         engine = self.engine
@@ -320,7 +414,12 @@ class Supervisor:
         self._fire(Event.ENGINE_FAILED, reason)
 
     async def _replace(self, engine: EngineProcess) -> None:
+        if self._cause == "drift":
+            # Not urgent: let the requests in flight finish; new ones wait in the front.
+            self.gate.pause_admission()
+            await self.gate.wait_quiet(self.config.snapshots.quiet_timeout_s)
         self.gate.close(f"restarting: {self._cause}")
+        self.gate.resume_admission()
         exit = await engine.stop(self.config.engine.stop_timeout_s)
         await engine.close()
         log.info("engine %d stopped for a restart (%s): %s", engine.pid, self._cause, exit)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
 import sys
-import warnings
 from pathlib import Path
 
 log = logging.getLogger("refengine")
@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-slots", type=int, default=8, help="requests served at once")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="tokens per request, prompt included (default: min(config, 2048))")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads for torch (default 1: on a small, busy machine OpenMP "
+                        "barriers make a tiny model 10x slower with more)")
     p.add_argument("--prefill-chunk", type=int, default=1,
                    help="prompt tokens per forward call; above 1, a resumed greedy request "
                         "may differ in the last bits from an uninterrupted one")
@@ -40,18 +43,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.uds is None and args.port is None:
         print("refengine: give --uds PATH and/or --host/--port", file=sys.stderr)
         return 2
-    if min(args.kv_slots, args.prefill_chunk) < 1:
-        print("refengine: --kv-slots and --prefill-chunk must be at least 1", file=sys.stderr)
+    if min(args.kv_slots, args.prefill_chunk, args.threads) < 1:
+        print("refengine: --kv-slots, --prefill-chunk and --threads must be at least 1",
+              file=sys.stderr)
         return 2
-    # torch warns at import when numpy is absent; the engine never uses numpy.
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     from agent.errors import ModelError
 
     try:
+        _precheck(args)  # before importing torch: a bad start fails in milliseconds
         return asyncio.run(_serve(args))
     except ModelError as e:
         print(f"refengine: {e}", file=sys.stderr)
         return 2
+
+
+def _precheck(args: argparse.Namespace) -> None:
+    from agent.errors import ModelError
+
+    path = args.model / "config.json"
+    try:
+        positions = int(json.loads(path.read_text()).get("max_position_embeddings", 2048))
+    except (OSError, ValueError, AttributeError) as e:
+        raise ModelError(f"{path}: cannot read the model config ({e}); make a model with "
+                         "`pitstop make-model DIR` or point --model at a Llama directory") from e
+    if args.max_model_len and args.max_model_len > positions:
+        raise ModelError(f"--max-model-len {args.max_model_len} exceeds the model's "
+                         f"max_position_embeddings ({positions}) in {path}; use at most that")
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -64,6 +81,8 @@ async def _serve(args: argparse.Namespace) -> int:
     from agent.engines.refengine.server import EngineApp
     from agent.engines.refengine.tokenizer import Tokenizer
 
+    # Fixed for the life of the process: results must not depend on how busy the host is.
+    torch.set_num_threads(args.threads)
     device_name = args.device
     if device_name == "auto":
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -89,7 +108,7 @@ async def _serve(args: argparse.Namespace) -> int:
     sched.start()
     name = args.served_model_name or args.model.name
     runner = web.AppRunner(EngineApp(model, tokenizer, sched, name, str(args.model)).build(),
-                           access_log=None)
+                           access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     where = []
     if args.uds is not None:
@@ -106,8 +125,10 @@ async def _serve(args: argparse.Namespace) -> int:
              pool.nbytes / 1e6, args.model)
     await done.wait()
     log.info("stopping")
+    # Stop generating first: handlers still streaming get an error and end, so the
+    # runner's cleanup does not wait for them.
+    await asyncio.to_thread(sched.stop)
     await runner.cleanup()
-    sched.stop()
     if args.uds is not None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(args.uds)

@@ -33,7 +33,7 @@ class Output:
     error: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not field equality: two requests may look alike
 class Sequence:
     """A request as the loop sees it. `tokens` is prompt + generated; the KV slot holds
     the first `computed` of them."""
@@ -101,10 +101,16 @@ class Scheduler:
         self._thread.start()
 
     def stop(self) -> None:
+        """End the loop; every request still running or waiting gets an error."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
         self._thread.join(timeout=10)
+        with self._cond:
+            for seq in self._running + list(self._waiting):
+                seq.emit(Output(error="the engine is shutting down"))
+            self._running.clear()
+            self._waiting.clear()
 
     def submit(self, prompt: list[int], params: SamplingParams, detok: Detokenizer,
                loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Output]) -> Sequence:
@@ -122,6 +128,8 @@ class Scheduler:
     def cancel(self, seq: Sequence) -> None:
         with self._cond:
             seq.cancelled = True
+            if seq in self._waiting:
+                self._waiting.remove(seq)
             self._cond.notify_all()
 
     def state(self) -> dict[str, int | bool]:

@@ -101,8 +101,11 @@ class EngineApp:
         })
 
     async def prepare(self, request: web.Request) -> web.Response:
-        body = await request.json() if request.can_read_body else {}
-        timeout = float(body.get("timeout_s", 10.0)) if isinstance(body, dict) else 10.0
+        try:
+            body = await request.json() if request.can_read_body else {}
+            timeout = float(body.get("timeout_s", 10.0))
+        except (ValueError, TypeError, AttributeError):
+            return _error(400, 'body must be empty or a JSON object like {"timeout_s": 10}')
         try:
             freed = await asyncio.to_thread(self.sched.prepare, timeout)
         except EngineBusy as e:

@@ -1,0 +1,139 @@
+"""CUDA checkpoint of a process through the driver API (cuda-bindings), imported lazily."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent.errors import SnapshotError
+
+DEFAULT_LOCK_TIMEOUT_MS = 10_000
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether CUDA checkpoint can be used here, and if not, why and what to do."""
+
+    ok: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class CudaTimings:
+    """Seconds spent in each driver call of a suspend or a resume."""
+
+    first_s: float  # lock, or restore
+    second_s: float  # checkpoint, or unlock
+
+
+def uses_cuda(pid: int, proc_root: Path = Path("/proc")) -> bool:
+    """Whether `pid` has an NVIDIA device open, i.e. a CUDA context to checkpoint."""
+    fd_dir = proc_root / str(pid) / "fd"
+    try:
+        names = os.listdir(fd_dir)
+    except OSError:
+        return False
+    for name in names:
+        try:
+            if os.readlink(fd_dir / name).startswith("/dev/nvidia"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+class CudaCheckpoint:
+    """cuCheckpointProcess{Lock,Checkpoint,Restore,Unlock,GetState} on other processes.
+
+    Example::
+
+        cc = CudaCheckpoint()
+        if cc.available().ok:
+            cc.suspend(pid)   # lock (with a timeout) + checkpoint: GPU memory to host
+            ...               # criu dump
+            cc.resume(pid)    # restore + unlock
+    """
+
+    def __init__(self, lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS) -> None:
+        self._driver: Any = None
+        self.lock_timeout_ms = lock_timeout_ms
+
+    def available(self) -> Availability:
+        try:
+            from cuda.bindings import driver
+        except ImportError:
+            return Availability(
+                False, "cuda-bindings is not installed; pip install 'pitstop[cuda]' on GPU hosts"
+            )
+        if not hasattr(driver, "cuCheckpointProcessLock"):
+            return Availability(
+                False, "this cuda-bindings lacks cuCheckpointProcess*; install cuda-bindings>=12.8"
+            )
+        (err,) = driver.cuInit(0)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            return Availability(False, f"cuInit failed ({err.name}): no NVIDIA GPU or driver here")
+        self._driver = driver
+        return Availability(True, "cuda-bindings driver API with cuCheckpointProcess*")
+
+    def _cu(self) -> Any:
+        if self._driver is None:
+            a = self.available()
+            if not a.ok:
+                raise SnapshotError(f"CUDA checkpoint unavailable: {a.reason}")
+        return self._driver
+
+    def _check(self, result: Any, what: str, pid: int) -> Any:
+        err = result[0] if isinstance(result, tuple) else result
+        if err != self._cu().CUresult.CUDA_SUCCESS:
+            raise SnapshotError(f"{what} of PID {pid} failed: {getattr(err, 'name', err)}")
+        return result
+
+    def state(self, pid: int) -> str:
+        """running, locked, checkpointed or failed (the driver's CUprocessState)."""
+        cu = self._cu()
+        _, st = self._check(cu.cuCheckpointProcessGetState(pid), "cuCheckpointProcessGetState", pid)
+        return st.name.removeprefix("CU_PROCESS_STATE_").lower()
+
+    def suspend(self, pid: int) -> CudaTimings:
+        """Lock (waits for running work, up to the timeout), then checkpoint to host memory."""
+        cu = self._cu()
+        args = cu.CUcheckpointLockArgs()
+        args.timeoutMs = self.lock_timeout_ms
+        t0 = time.monotonic()
+        self._check(cu.cuCheckpointProcessLock(pid, args), "cuCheckpointProcessLock", pid)
+        t1 = time.monotonic()
+        try:
+            self._check(
+                cu.cuCheckpointProcessCheckpoint(pid, cu.CUcheckpointCheckpointArgs()),
+                "cuCheckpointProcessCheckpoint",
+                pid,
+            )
+        except SnapshotError:
+            self._check(
+                cu.cuCheckpointProcessUnlock(pid, cu.CUcheckpointUnlockArgs()),
+                "cuCheckpointProcessUnlock (after a failed checkpoint)",
+                pid,
+            )
+            raise
+        return CudaTimings(t1 - t0, time.monotonic() - t1)
+
+    def resume(self, pid: int) -> CudaTimings:
+        """Restore GPU memory from host memory, then unlock: the process runs CUDA again."""
+        cu = self._cu()
+        t0 = time.monotonic()
+        if self.state(pid) == "checkpointed":
+            self._check(
+                cu.cuCheckpointProcessRestore(pid, cu.CUcheckpointRestoreArgs()),
+                "cuCheckpointProcessRestore",
+                pid,
+            )
+        t1 = time.monotonic()
+        self._check(
+            cu.cuCheckpointProcessUnlock(pid, cu.CUcheckpointUnlockArgs()),
+            "cuCheckpointProcessUnlock",
+            pid,
+        )
+        return CudaTimings(t1 - t0, time.monotonic() - t1)

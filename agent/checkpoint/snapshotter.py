@@ -1,0 +1,239 @@
+"""Take a snapshot of a running engine tree into the store, and restore one."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from agent.checkpoint.criu import CriuBackend, DumpOptions, restore_flags
+from agent.checkpoint.cuda import CudaCheckpoint, uses_cuda
+from agent.errors import SnapshotError
+from agent.identity import Identity
+from agent.proc import descendants, kill_tree
+from agent.store import Canary, Manifest, ProcessTree, SnapshotKind, SnapshotStore
+from agent.store.files import DIR_MODE
+
+LOG_DIR = ".logs"
+# Only the standard streams are re-wired on restore; the supervisor gives the engine
+# stdin /dev/null and stdout/stderr pipes.
+STD_FDS = (1, 2)
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """A published snapshot, as `capture` returns it."""
+
+    id: str
+    path: Path
+    manifest: Manifest
+
+    @property
+    def image_bytes(self) -> int:
+        return self.manifest.image_bytes
+
+
+@dataclass
+class RestoredProcess:
+    """A restored engine tree, running, re-parented to the nearest subreaper (the agent).
+
+    `outputs` maps the engine's fd (1, 2) to the read end of the new pipe wired to it;
+    stdout and stderr share one reader when they shared one pipe at dump time. The
+    caller owns the readers and reaps `pid`.
+    """
+
+    pid: int
+    snapshot_id: str
+    outputs: dict[int, io.FileIO]
+    log_path: Path
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def tree_pids(root: int, proc_root: Path = Path("/proc")) -> tuple[int, ...]:
+    """`root` and all its live descendants."""
+    return (root, *descendants(root, proc_root))
+
+
+def std_pipes(pid: int, proc_root: Path = Path("/proc")) -> dict[str, str]:
+    """{"1": "pipe:[INODE]", ...} for the root's stdout/stderr that are pipes."""
+    pipes = {}
+    for fd in STD_FDS:
+        with contextlib.suppress(OSError):
+            target = os.readlink(proc_root / str(pid) / "fd" / str(fd))
+            if target.startswith("pipe:["):
+                pipes[str(fd)] = target
+    return pipes
+
+
+class Snapshotter:
+    """Captures an engine tree into the store and restores it: the `full` rung's engine.
+
+    Example::
+
+        snap = Snapshotter(store, CriuBackend(locate()), CudaCheckpoint())
+        info = snap.capture(engine_pid, canary=canary, identity=host_identity)
+        ...
+        restored = snap.restore(store.select(host_identity).chosen)
+        restored.pid  # same PID as at dump time; verify the canary, then report ready
+    """
+
+    def __init__(
+        self,
+        store: SnapshotStore,
+        criu: CriuBackend,
+        cuda: CudaCheckpoint | None = None,
+        *,
+        log_dir: Path | None = None,
+        proc_root: Path = Path("/proc"),
+        clock: Callable[[], float] = time.monotonic,
+        keep: int | None = None,
+        budget_bytes: int | None = None,
+    ) -> None:
+        self.store = store
+        self.criu = criu
+        self.cuda = cuda
+        self.log_dir = log_dir or store.root / LOG_DIR
+        self._proc = proc_root
+        self._clock = clock
+        self.keep = keep
+        self.budget_bytes = budget_bytes
+
+    def _log(self, name: str) -> Path:
+        self.log_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        return self.log_dir / name
+
+    def capture(
+        self,
+        pid: int,
+        *,
+        canary: Canary,
+        identity: Identity,
+        kind: SnapshotKind = "full",
+        options: DumpOptions | None = None,
+    ) -> SnapshotInfo:
+        """Dump the tree rooted at `pid` and publish it. The engine must be idle (no
+        requests in flight) and its stdin /dev/null. Without `options.leave_running`
+        CRIU kills the tree after a successful dump. A failed dump leaves the engine
+        running (CUDA restored and unlocked) and publishes nothing."""
+        opts = options or DumpOptions()
+        timings: dict[str, float] = {}
+        created = datetime.now(UTC)
+        pids = tree_pids(pid, self._proc)
+        tree = ProcessTree(
+            root_pid=pid,
+            pids=pids,
+            inherited_pipes=std_pipes(pid, self._proc),
+            cuda_pids=tuple(p for p in pids if uses_cuda(p, self._proc)),
+        )
+        with self.store.begin(kind) as draft:
+            log = self._log(f"{draft.id}-dump.log")
+            self._suspend(tree.cuda_pids, timings)
+            try:
+                dumped = self.criu.dump(pid, draft.dir, log, opts)
+            except SnapshotError as e:
+                self._resume(tree.cuda_pids, timings, cause=e)
+                raise
+            timings["criu_dump"] = dumped.duration_s
+            if opts.leave_running:
+                self._resume(tree.cuda_pids, timings)
+            t0 = self._clock()
+            files = draft.seal()
+            timings["seal"] = self._clock() - t0
+            manifest = Manifest(
+                id=draft.id,
+                kind=kind,
+                created_at=created,
+                identity=identity,
+                process=tree,
+                files=files,
+                timings=timings,
+                canary=canary,
+                chunk_bytes=draft.chunk_bytes,
+                criu_flags=dumped.flags,
+            )
+            path = draft.publish(manifest)
+        if self.keep is not None:
+            # Only now, with the replacement published, may older good ones go.
+            self.store.prune(self.keep, self.budget_bytes or 0)
+        return SnapshotInfo(manifest.id, path, manifest)
+
+    def _cuda(self) -> CudaCheckpoint:
+        if self.cuda is None:
+            raise SnapshotError("the engine uses CUDA but no CUDA checkpoint backend was given")
+        return self.cuda
+
+    def _suspend(self, pids: tuple[int, ...], timings: dict[str, float]) -> None:
+        """CUDA lock + checkpoint of each PID; if one fails, the ones done are resumed."""
+        done: list[int] = []
+        for p in pids:
+            try:
+                t = self._cuda().suspend(p)
+            except SnapshotError as e:
+                self._resume(tuple(done), timings, cause=e)
+                raise
+            done.append(p)
+            timings["cuda_lock"] = timings.get("cuda_lock", 0.0) + t.first_s
+            timings["cuda_checkpoint"] = timings.get("cuda_checkpoint", 0.0) + t.second_s
+
+    def _resume(
+        self, pids: tuple[int, ...], timings: dict[str, float], cause: Exception | None = None
+    ) -> None:
+        """CUDA restore + unlock of each PID. After a failure (`cause`), a failing resume
+        is reported together with the cause: that engine can no longer serve."""
+        for p in pids:
+            try:
+                t = self._cuda().resume(p)
+            except SnapshotError as e:
+                if cause is None:
+                    raise
+                raise SnapshotError(
+                    f"{cause}\nand then CUDA restore/unlock of PID {p} failed too: {e}; "
+                    f"the engine cannot serve: kill it and cold start"
+                ) from e
+            timings["cuda_restore"] = timings.get("cuda_restore", 0.0) + t.first_s
+            timings["cuda_unlock"] = timings.get("cuda_unlock", 0.0) + t.second_s
+
+    def restore(self, manifest: Manifest) -> RestoredProcess:
+        """Restore a snapshot `select` chose. On any failure the restored tree is killed
+        and SnapshotError raised: the caller quarantines it and falls to a cold start."""
+        image_dir = self.store.path(manifest.id)
+        log = self._log(f"{manifest.id}-restore-{int(time.time() * 1000)}.log")
+        flags = restore_flags(manifest.criu_flags)
+        # One new pipe per old pipe inode; the write end goes to CRIU, we keep the read end.
+        readers: dict[str, int] = {}
+        writers: dict[int, str] = {}
+        for what in sorted(set(manifest.process.inherited_pipes.values())):
+            r, w = os.pipe()
+            readers[what] = r
+            writers[w] = what
+        timings: dict[str, float] = {}
+        try:
+            done = self.criu.restore(image_dir, log, flags=flags, inherit_fds=writers)
+        except BaseException:
+            for fd in [*readers.values(), *writers]:
+                os.close(fd)
+            raise
+        for fd in writers:
+            os.close(fd)
+        timings["criu_restore"] = done.duration_s
+        files = {what: os.fdopen(fd, "rb", buffering=0) for what, fd in readers.items()}
+        outputs = {int(n): files[w] for n, w in manifest.process.inherited_pipes.items()}
+        restored = RestoredProcess(done.pid, manifest.id, outputs, log, timings)
+        try:
+            if done.pid != manifest.process.root_pid:
+                raise SnapshotError(
+                    f"snapshot {manifest.id}: restored root PID {done.pid}, "
+                    f"dumped as {manifest.process.root_pid}"
+                )
+            self._resume(manifest.process.cuda_pids, timings)
+        except BaseException:
+            kill_tree(done.pid, proc=self._proc)
+            for f in files.values():
+                f.close()
+            raise
+        return restored

@@ -1,0 +1,166 @@
+"""`pitstop doctor`: can this host take and restore snapshots? Each failing item names a fix."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.config import Config
+from agent.errors import SnapshotError
+
+CAP_SYS_ADMIN = 21
+CAP_CHECKPOINT_RESTORE = 40
+MIN_FREE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class Check:
+    """One doctor item. `needed`: a failure stops snapshots (exit 1); otherwise a warning."""
+
+    name: str
+    ok: bool
+    needed: bool
+    detail: str
+    fix: str | None = None
+
+
+def _criu(config: Config) -> list[Check]:
+    from agent.checkpoint.criu import CriuBackend
+    from agent.checkpoint.criu_locate import locate
+
+    try:
+        binary = locate(config.snapshots.criu)
+    except SnapshotError as e:
+        return [
+            Check("criu", False, True, str(e), "run `make criu` (or install CRIU >= 4.1)"),
+            Check("criu check", False, True, "skipped: no usable CRIU"),
+        ]
+    found = Check("criu", True, True, f"{binary.version} at {binary.path} (from {binary.source})")
+    r = CriuBackend(binary).check()
+    said = (r.stdout + r.stderr).strip().splitlines()
+    last = said[-1] if said else f"exit status {r.returncode}"
+    if r.ok and "Looks good" in r.stdout + r.stderr:
+        return [found, Check("criu check", True, True, last)]
+    return [
+        found,
+        Check("criu check", False, True, last,
+              f"run `{binary.path} check` as root and fix what it names (kernel config)"),
+    ]  # fmt: skip
+
+
+def _caps(proc_root: Path) -> Check:
+    if os.geteuid() == 0:
+        return Check("privileges", True, True, "running as root")
+    eff = 0
+    for line in (proc_root / "self" / "status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            eff = int(line.split()[1], 16)
+    if eff & (1 << CAP_CHECKPOINT_RESTORE) or eff & (1 << CAP_SYS_ADMIN):
+        return Check("privileges", True, True, "CAP_CHECKPOINT_RESTORE or CAP_SYS_ADMIN held")
+    return Check(
+        "privileges", False, True, f"uid {os.geteuid()} without CAP_CHECKPOINT_RESTORE",
+        "run the agent as root (the systemd unit does), or grant "
+        "AmbientCapabilities=CAP_CHECKPOINT_RESTORE CAP_SYS_PTRACE",
+    )  # fmt: skip
+
+
+def _io_uring(config: Config, proc_root: Path) -> Check:
+    # CRIU cannot dump an io_uring instance, and vLLM's API server makes one (LAB.md fact 4).
+    needed = config.engine.kind == "vllm"
+    path = proc_root / "sys" / "kernel" / "io_uring_disabled"
+    try:
+        value = path.read_text().strip()
+    except OSError:
+        return Check("io_uring", not needed, needed, f"{path} is absent (kernel < 6.6)",
+                     None if not needed else "use a kernel >= 6.6 for vLLM snapshots")  # fmt: skip
+    if value == "2":
+        return Check("io_uring", True, needed, "kernel.io_uring_disabled = 2")
+    return Check(
+        "io_uring", False, needed, f"kernel.io_uring_disabled = {value}: engines may create "
+        "io_uring instances, which CRIU cannot dump",
+        "sysctl -w kernel.io_uring_disabled=2 (and persist it in /etc/sysctl.d/)",
+    )  # fmt: skip
+
+
+def _gpu() -> tuple[bool, Check]:
+    """(whether a GPU is present, the persistence mode check)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - any NVML failure means: no usable GPU here
+        return False, Check("persistence mode", True, False, "no NVIDIA GPU or driver: CPU only")
+    try:
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        on = pynvml.nvmlDeviceGetPersistenceMode(h) == pynvml.NVML_FEATURE_ENABLED
+    finally:
+        pynvml.nvmlShutdown()
+    if on:
+        return True, Check("persistence mode", True, True, "enabled on GPU 0")
+    return True, Check(
+        "persistence mode", False, True, "disabled on GPU 0: the driver state is torn down "
+        "between processes", "nvidia-smi -pm 1 (or enable nvidia-persistenced)",
+    )  # fmt: skip
+
+
+def _cuda(gpu: bool) -> Check:
+    from agent.checkpoint.cuda import CudaCheckpoint
+
+    a = CudaCheckpoint().available()
+    if a.ok:
+        return Check("cuda checkpoint", True, gpu, a.reason)
+    if not gpu:
+        return Check("cuda checkpoint", True, False, f"not needed without a GPU ({a.reason})")
+    return Check("cuda checkpoint", False, True, a.reason,
+                 "pip install 'pitstop[cuda]' and use an NVIDIA driver >= 570")  # fmt: skip
+
+
+def _space(config: Config, min_free: int) -> Check:
+    where = config.paths.snapshots
+    probe = where
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    detail = f"{free / 2**30:.1f} GiB free at {probe} (snapshots go to {where})"
+    if free >= min_free:
+        return Check("free space", True, True, detail)
+    return Check("free space", False, True, detail,
+                 f"free at least {min_free / 2**30:.0f} GiB there, or set paths.snapshot_dir "
+                 "to a larger file system; `pitstop snapshot delete` removes old ones")  # fmt: skip
+
+
+def run_checks(
+    config: Config,
+    *,
+    proc_root: Path = Path("/proc"),
+    gpu_probe: Callable[[], tuple[bool, Check]] = _gpu,
+    min_free: int = MIN_FREE_BYTES,
+) -> list[Check]:
+    """Every doctor item, in the order a user fixes them.
+
+    Example::
+
+        bad = [c for c in run_checks(load_config(None)) if c.needed and not c.ok]
+    """
+    gpu, persistence = gpu_probe()
+    return [
+        *_criu(config),
+        _caps(proc_root),
+        _io_uring(config, proc_root),
+        _cuda(gpu),
+        persistence,
+        _space(config, min_free),
+    ]
+
+
+def format_checks(checks: list[Check]) -> str:
+    lines = []
+    for c in checks:
+        mark = "ok  " if c.ok else ("FAIL" if c.needed else "warn")
+        lines.append(f"{mark}  {c.name:<17} {c.detail}")
+        if not c.ok and c.fix:
+            lines.append(f"      {'':<17} fix: {c.fix}")
+    return "\n".join(lines)

@@ -1,0 +1,385 @@
+"""The public OpenAI port: forwards to the engine, holds across restores, resumes streams."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from aiohttp import web
+
+from agent.config import FrontConfig
+from agent.errors import FrontError, FrontRejected
+from agent.front.holding import Holding
+from agent.front.resume import CHAT, COMPLETIONS, Plan, Tracker
+from agent.front.sse import error_body, error_frame
+from agent.front.upstream import LOST, Upstream, forward_headers
+from agent.metrics import Metrics
+from agent.supervisor.gate import EngineGate, Ready
+
+log = logging.getLogger("agent.front")
+
+_ENDPOINTS = (COMPLETIONS, CHAT, "/v1/models")
+_ENGINE = "http://engine"  # the host part is unused: the connector dials the Unix socket
+
+
+def _endpoint(path: str) -> str:
+    """The metrics label: the three known endpoints by name, every other path as 'other'."""
+    return path if path in _ENDPOINTS else "other"
+
+
+def _json_error(status: int, message: str, retry_after: int | None = None,
+                kind: str = "ServiceUnavailableError") -> web.Response:
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return web.json_response(error_body(message, status, kind), status=status, headers=headers)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+class _Failed(Exception):
+    """A request the front gives up on: `reason` is the metric label."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class _ClientGone(Exception):
+    """The client's connection broke while the front wrote to it (not the engine's)."""
+
+
+async def _send(resp: web.StreamResponse, data: bytes) -> None:
+    # A write error is the client's side: it must never read as an engine crash to resume.
+    try:
+        await resp.write(data)
+    except ConnectionError as e:
+        raise _ClientGone(str(e)) from e
+
+
+class Front:
+    """Owns the public TCP port and forwards OpenAI requests to the engine's Unix socket.
+
+    New requests wait (bounded, with a deadline) while the gate is closed; a streaming
+    answer cut by an engine crash is continued on the recovered engine from the last token
+    sent; a non-streaming one is sent again whole. `queue_depth` and `inflight` are read by
+    the metrics collector at scrape time.
+
+    Example::
+
+        front = Front(config.front, gate, metrics)
+        await front.start()          # listening on front.port
+        ...
+        await front.stop(drain_timeout=10)
+    """
+
+    def __init__(self, config: FrontConfig, gate: EngineGate, metrics: Metrics) -> None:
+        self.config = config
+        self.gate = gate
+        self.metrics = metrics
+        self.holding = Holding(gate, config.queue, metrics)
+        self.upstream = Upstream()
+        self.inflight = 0  # requests with an engine request open right now
+        self.port: int | None = None
+        self._active: set[asyncio.Task[Any]] = set()  # handlers of admitted requests
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._shutting_down = False
+        self._ids = itertools.count(1)
+        self._runner: web.AppRunner | None = None
+        self.app = web.Application(client_max_size=config.max_body_bytes)
+        self.app.router.add_get("/health", self._health)
+        self.app.router.add_get("/ready", self._ready)
+        self.app.router.add_route("*", "/v1/{tail:.*}", self._proxy)
+
+    @property
+    def queue_depth(self) -> int:
+        return self.holding.depth
+
+    # --- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        # handler_cancellation: a client that goes away cancels its handler, which closes
+        # the engine request (the engine aborts it) and frees its place at once.
+        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+                               shutdown_timeout=1.0)
+        await runner.setup()
+        site = web.TCPSite(runner, self.config.host, self.config.port)
+        try:
+            await site.start()
+        except OSError as e:
+            await runner.cleanup()
+            raise FrontError(
+                f"cannot listen on {self.config.host}:{self.config.port}: {e.strerror}; is "
+                "another server (vLLM itself?) on that port? Change front.port or stop it"
+            ) from e
+        self._runner = runner
+        self.port = int(runner.addresses[0][1])
+        log.info("front listening on %s:%d", self.config.host, self.port)
+
+    async def stop(self, drain_timeout: float) -> None:
+        """Stop admitting, let requests in flight finish for up to `drain_timeout` s, close.
+
+        Requests still running then get an error event (streams) before the port closes.
+        """
+        if self._runner is None:
+            return
+        self.holding.stop()
+        for site in list(self._runner.sites):
+            await site.stop()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), drain_timeout)
+        if self._active:
+            log.warning("front: %d requests still running after the %.1f s drain; ending them",
+                        len(self._active), drain_timeout)
+            self._shutting_down = True
+            for task in list(self._active):
+                task.cancel()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), 2.0)
+        await self._runner.cleanup()
+        await self.upstream.close()
+        self._runner = None
+
+    @contextlib.contextmanager
+    def _admitted(self) -> Iterator[None]:
+        task = asyncio.current_task()
+        assert task is not None
+        self._active.add(task)
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._active.discard(task)
+            if not self._active:
+                self._idle.set()
+
+    @contextlib.contextmanager
+    def _forwarding(self) -> Iterator[None]:
+        """One engine request: counted for the gauge and on the gate (snapshot quiet)."""
+        self.inflight += 1
+        try:
+            with self.gate.request():
+                yield
+        finally:
+            self.inflight -= 1
+
+    # --- the front's own endpoints ---------------------------------------------------------
+    async def _health(self, request: web.Request) -> web.Response:
+        """200 only while the engine is verified and admitting: vLLM's /health meaning."""
+        ready = self.gate.current
+        if ready is None:
+            return web.json_response(
+                {"status": "down", "reason": self.gate.down_reason or "paused"}, status=503)
+        return web.json_response({"status": "ok", "recovery": ready.recovery})
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        """For load balancers: 200 while a new request would be served or held for a short
+        restore; 503 once the engine has been down longer than the queue deadline, the queue
+        is full, or the front is stopping."""
+        if self.holding.would_admit():
+            return web.json_response({"ready": True, "queue_depth": self.queue_depth})
+        return web.json_response(
+            {"ready": False, "reason": "draining" if self.holding.stopping else
+             (self.gate.down_reason or "queue full")}, status=503,
+            headers={"Retry-After": str(self.config.queue.retry_after_s)})
+
+    # --- forwarding ------------------------------------------------------------------------
+    async def _proxy(self, request: web.Request) -> web.StreamResponse:
+        endpoint = _endpoint(request.path)
+        rid = request.headers.get("X-Request-Id") or f"front-{next(self._ids)}"
+        try:
+            resp = await self._serve(request, rid)
+        except FrontRejected as e:
+            log.info("request %s rejected (%s): %s", rid, e.reason, e)
+            resp = _json_error(503, str(e), retry_after=e.retry_after)
+        except asyncio.CancelledError:
+            if not self._shutting_down:
+                self.metrics.front_failed.labels(reason="client_gone").inc()
+                log.info("request %s: client went away", rid)
+            raise
+        self.metrics.front_requests.labels(endpoint=endpoint, code=str(resp.status)).inc()
+        return resp
+
+    async def _serve(self, request: web.Request, rid: str) -> web.StreamResponse:
+        raw = await request.read()
+        body: dict[str, Any] | None = None
+        if request.method == "POST" and request.path in (COMPLETIONS, CHAT) and raw:
+            with contextlib.suppress(ValueError):
+                parsed = json.loads(raw)
+                body = parsed if isinstance(parsed, dict) else None
+        ready = await self.holding.admit()
+        with self._admitted():
+            if body is not None and body.get("stream"):
+                return await self._stream(request, rid, ready, body)
+            return await self._whole(request, rid, ready, raw)
+
+    async def _recovered(self, rid: str, lost: Ready, why: str) -> Ready:
+        """The next engine after the one that died under request `rid`, or _Failed."""
+        log.warning("request %s: engine of recovery %d lost (%s); waiting for the next one",
+                    rid, lost.recovery, why)
+        ready = await self.holding.resume(lost.recovery, self.config.resume_wait_s)
+        if ready is None:
+            if self.holding.stopping:
+                raise _Failed("draining", "the front is shutting down")
+            raise _Failed("engine_lost", f"the engine died (recovery {lost.recovery}) and no "
+                          f"engine recovered within front.resume_wait_s="
+                          f"{self.config.resume_wait_s:g} s")
+        return ready
+
+    async def _whole(self, request: web.Request, rid: str, ready: Ready,
+                     raw: bytes) -> web.StreamResponse:
+        """A non-streaming request: forwarded, and sent again whole if the engine dies."""
+        endpoint = _endpoint(request.path)
+        headers = forward_headers(request.headers)
+        attempts = 0
+        while True:
+            try:
+                with self._forwarding():
+                    async with self.upstream.session(ready) as s, s.request(
+                            request.method, _ENGINE + request.path_qs, data=raw,
+                            headers=headers) as up:
+                        if up.content_type == "text/event-stream":
+                            return await self._pass_stream(request, rid, up)
+                        data = await up.read()
+                        return web.Response(status=up.status, body=data,
+                                            headers=forward_headers(up.headers.items()))
+            except LOST as e:
+                why = _describe(e)
+            if attempts >= self.config.max_resumes:
+                return self._give_up(rid, "resume_limit",
+                                     f"the engine died {attempts + 1} times under this request "
+                                     f"(front.max_resumes={self.config.max_resumes})")
+            try:
+                new = await self._recovered(rid, ready, why)
+            except _Failed as f:
+                return self._give_up(rid, f.reason, str(f))
+            attempts += 1
+            self.metrics.front_resumed.labels(endpoint=endpoint).inc()
+            log.warning("request %s: sent again whole to recovery %d (lost on recovery %d)",
+                        rid, new.recovery, ready.recovery)
+            ready = new
+
+    def _give_up(self, rid: str, reason: str, message: str) -> web.Response:
+        self.metrics.front_failed.labels(reason=reason).inc()
+        log.error("request %s failed (%s): %s", rid, reason, message)
+        return _json_error(503, message, retry_after=self.config.queue.retry_after_s)
+
+    async def _pass_stream(self, request: web.Request, rid: str,
+                           up: Any) -> web.StreamResponse:
+        """An event stream the front cannot resume (an endpoint it does not know)."""
+        resp = web.StreamResponse(status=up.status, headers=forward_headers(up.headers.items()))
+        await resp.prepare(request)
+        try:
+            async for chunk in up.content.iter_any():
+                await _send(resp, chunk)
+        except _ClientGone:
+            self.metrics.front_failed.labels(reason="client_gone").inc()
+            return resp
+        except LOST as e:
+            self.metrics.front_failed.labels(reason="engine_lost").inc()
+            log.error("request %s: engine lost mid-stream, not resumable: %s", rid, _describe(e))
+            await resp.write(error_frame("the engine died during this answer"))
+        await resp.write_eof()
+        return resp
+
+    async def _stream(self, request: web.Request, rid: str, ready: Ready,
+                      body: dict[str, Any]) -> web.StreamResponse:
+        """A streaming completion: forwarded as it comes, continued across engine deaths."""
+        plan = Plan.of(request.path, body)
+        tracker = Tracker(plan)
+        headers = forward_headers(request.headers)
+        headers["Content-Type"] = "application/json"
+        path, fwd = plan.endpoint, plan.first_body()
+        resp: web.StreamResponse | None = None
+        attempts = 0
+        lost_at: float | None = None
+        try:
+            while True:
+                why = ""
+                try:
+                    with self._forwarding():
+                        async with self.upstream.session(ready) as s, s.post(
+                                _ENGINE + path, data=json.dumps(fwd).encode(),
+                                headers=headers) as up:
+                            if up.status != 200 or up.content_type != "text/event-stream":
+                                # The engine's own answer (a 400 for a bad request): as is.
+                                data = await up.read()
+                                if resp is None:
+                                    return web.Response(
+                                        status=up.status, body=data,
+                                        headers=forward_headers(up.headers.items()))
+                                raise _Failed("engine_error", "the recovered engine refused "
+                                              f"the continuation: {up.status} {data[:500]!r}")
+                            if resp is None:
+                                resp = web.StreamResponse(
+                                    status=200, headers=forward_headers(up.headers.items()))
+                                await resp.prepare(request)
+                            tracker.begin_attempt()
+                            async for chunk in up.content.iter_any():
+                                out = tracker.feed(chunk)
+                                if out:
+                                    if lost_at is not None:
+                                        self.metrics.front_stall.observe(
+                                            time.monotonic() - lost_at)
+                                        lost_at = None
+                                    await _send(resp, out)
+                                if tracker.cut:
+                                    up.close()  # stopped by the front: the engine aborts
+                                    break
+                            if not tracker.done:
+                                why = "the engine's stream ended without [DONE]"
+                except LOST as e:
+                    why = _describe(e)
+                if tracker.done:
+                    assert resp is not None
+                    await resp.write_eof()
+                    return resp
+                # The engine died under this answer.
+                lost_at = lost_at or time.monotonic()
+                if resp is not None and tracker.complete:
+                    await resp.write(tracker.finished_frames())
+                    await resp.write_eof()
+                    return resp
+                not_resumable = tracker.can_resume()
+                if not_resumable:
+                    raise _Failed("not_resumable", f"the engine died during this answer, "
+                                  f"which cannot be resumed: {not_resumable}")
+                if attempts >= self.config.max_resumes:
+                    raise _Failed("resume_limit", f"the engine died {attempts + 1} times under "
+                                  f"this request (front.max_resumes={self.config.max_resumes})")
+                new = await self._recovered(rid, ready, why)
+                path, fwd = tracker.resume_request()
+                attempts += 1
+                self.metrics.front_resumed.labels(endpoint=plan.endpoint).inc()
+                log.warning("request %s: resumed on recovery %d (lost on recovery %d) after "
+                            "%d tokens sent", rid, new.recovery, ready.recovery,
+                            len(tracker.out_ids))
+                ready = new
+        except _ClientGone:
+            self.metrics.front_failed.labels(reason="client_gone").inc()
+            log.info("request %s: client went away", rid)
+            assert resp is not None
+            return resp
+        except _Failed as f:
+            self.metrics.front_failed.labels(reason=f.reason).inc()
+            log.error("request %s failed (%s): %s", rid, f.reason, f)
+            if resp is None:
+                return _json_error(503, str(f), retry_after=self.config.queue.retry_after_s)
+            await resp.write(error_frame(str(f)))
+            await resp.write_eof()
+            return resp
+        except asyncio.CancelledError:
+            if not self._shutting_down or resp is None:
+                raise
+            # Our own stop() ended it after the drain: say so to the client.
+            self.metrics.front_failed.labels(reason="draining").inc()
+            with contextlib.suppress(Exception):
+                await resp.write(error_frame("the front is shutting down"))
+                await resp.write_eof()
+            return resp

@@ -1,0 +1,469 @@
+"""The sent offset: what a streaming answer has delivered, and how to continue it elsewhere."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from agent.front.sse import DONE_FRAME, SSEParser, data_frame
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+# OpenAI's (and vLLM's) max_tokens when a completions request names none.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+# Sampling settings that carry over from a chat request to the completions request that
+# continues it; everything about messages, templates and tools is already in the prompt ids.
+_CARRIED_FROM_CHAT = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "logit_bias", "allowed_token_ids", "bad_words", "user",
+    "priority",
+)
+# Keys the front takes over (stop strings) or that make no sense on a continuation.
+_DROPPED_ON_RESUME = ("stop", "include_stop_str_in_output", "stream_options", "echo", "suffix",
+                      "prompt_logprobs")
+
+# The id lists the front asked for, cut out of an event's bytes without decoding the JSON
+# again: a '"' right after '{' or ',' cannot be inside a JSON string (it would be escaped).
+_ID_KEYS = re.compile(
+    rb',\s*"(?:prompt_)?token_ids"\s*:\s*(?:null|\[[^\]]*\])'
+    rb'|"(?:prompt_)?token_ids"\s*:\s*(?:null|\[[^\]]*\])\s*,?')
+
+
+# The fast path reads an event's delta ids and finish reason with these instead of decoding
+# it (same structural argument: the key's quote follows '{' or ',' directly).
+_DELTA_IDS = re.compile(rb'"token_ids"\s*:\s*\[([^\]]*)\]')
+_FINISH = re.compile(rb'"finish_reason"\s*:\s*(?:null|"([^"\\]*)")')
+
+
+def _key(pattern: re.Pattern[bytes], key: bytes, raw: bytes) -> re.Match[bytes] | None:
+    """`pattern` matched at the last `key` in `raw`, if that is a key of an object."""
+    i = raw.rfind(key)
+    if i <= 0:
+        return None
+    k = i - 1
+    while k > 0 and raw[k] in b" \t\r\n":
+        k -= 1
+    return pattern.match(raw, i) if raw[k] in b",{" else None
+
+
+def strip_ids(raw: bytes) -> bytes:
+    """`raw` without the token id lists the front added to the request."""
+    return _ID_KEYS.sub(b"", raw) if b"token_ids" in raw else raw
+
+
+def _stops(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,) if value else ()
+    if isinstance(value, list):
+        return tuple(s for s in value if isinstance(s, str) and s)
+    return ()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How the front serves one streaming request, decided from the request alone.
+
+    Example::
+
+        plan = Plan.of("/v1/completions", {"model": "m", "prompt": "hi", "stream": True})
+        plan.resumable, plan.first_body()["return_token_ids"]   # True, True
+    """
+
+    endpoint: str
+    body: dict[str, Any]
+    resumable: bool
+    why_not: str = ""
+    client_ids: bool = False
+    stops: tuple[str, ...] = ()
+    include_stop: bool = False
+    min_tokens: int = 0
+    max_tokens: int | None = None
+    include_usage: bool = False
+    continuous_usage: bool = False
+
+    @classmethod
+    def of(cls, endpoint: str, body: dict[str, Any]) -> Plan:
+        why = _why_not_resumable(endpoint, body)
+        opts = body.get("stream_options") or {}
+        if endpoint == CHAT:
+            limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        else:
+            limit = body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
+        return cls(
+            endpoint=endpoint, body=body, resumable=not why, why_not=why,
+            client_ids=bool(body.get("return_token_ids")),
+            stops=_stops(body.get("stop")) if not why else (),
+            include_stop=bool(body.get("include_stop_str_in_output")),
+            min_tokens=int(body.get("min_tokens") or 0),
+            max_tokens=int(limit) if isinstance(limit, int) else None,
+            include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")),
+            continuous_usage=bool(isinstance(opts, dict) and opts.get("continuous_usage_stats")),
+        )
+
+    def first_body(self) -> dict[str, Any]:
+        """The request as first sent to the engine: with token ids asked for, and without the
+        stop strings, which the front applies itself (see StopScanner for why)."""
+        if not self.resumable:
+            return self.body
+        body = dict(self.body)
+        body["return_token_ids"] = True
+        if self.stops:
+            body.pop("stop", None)
+            body.pop("include_stop_str_in_output", None)
+        return body
+
+    @property
+    def rewrites(self) -> bool:
+        """Whether even the first attempt's events must be re-encoded (stop strings)."""
+        return bool(self.stops)
+
+
+def _why_not_resumable(endpoint: str, body: dict[str, Any]) -> str:
+    """Empty when a cut answer can be continued exactly from its token ids; else why not."""
+    if endpoint not in (COMPLETIONS, CHAT):
+        return f"{endpoint} is not resumable"
+    if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1:
+        return "n or best_of > 1"
+    if body.get("use_beam_search"):
+        return "beam search"
+    if body.get("logprobs") or body.get("top_logprobs") or body.get("prompt_logprobs"):
+        return "logprobs"
+    if body.get("tools") or body.get("functions"):
+        return "tools: tool-call parsing lives in the engine's chat layer"
+    fmt = body.get("response_format")
+    if (isinstance(fmt, dict) and fmt.get("type") not in (None, "text")) or any(
+            body.get(k) for k in ("guided_json", "guided_regex", "guided_choice",
+                                  "guided_grammar", "structured_outputs")):
+        return "structured output: the grammar's state cannot be carried over"
+    if endpoint == COMPLETIONS:
+        prompt = body.get("prompt")
+        single = isinstance(prompt, str) or (
+            isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)) or (
+            isinstance(prompt, list) and len(prompt) == 1)
+        if not single or body.get("suffix") or body.get("prompt_embeds"):
+            return "several prompts, a suffix or prompt embeddings"
+    return ""
+
+
+class StopScanner:
+    """Applies stop strings to streamed text the way vLLM does, on the front's side.
+
+    The engine cannot do it across a resume: it holds back text that might begin a stop
+    string while the token ids for it are already out, and a stop string can straddle the
+    cut. So the front strips `stop` from what it forwards, holds back the last
+    len(longest)-1 characters itself, and ends the answer at the first match (in list
+    order, as vLLM checks them) that ends in the newest text, once more than `min_tokens`
+    tokens have come.
+
+    Example::
+
+        s = StopScanner(("\\n\\n",), include=False, min_tokens=0)
+        s.feed("a\\n", 1), s.feed("\\nb", 2)   # ('a', None), ('', '\\n\\n')
+    """
+
+    def __init__(self, stops: tuple[str, ...], include: bool, min_tokens: int) -> None:
+        self._stops = stops
+        self._include = include
+        self._min_tokens = min_tokens
+        self._look = max(len(s) for s in stops) - 1  # how far back a match can begin
+        self._hold = 0 if include else self._look
+        self._pending = ""  # held back: not yet sent
+        self._context = ""  # the last `_look` characters seen, sent or not
+
+    def feed(self, text: str, tokens_so_far: int) -> tuple[str, str | None]:
+        """The text that may go to the client now, and the stop string that matched."""
+        buf = self._pending + text
+        if text and tokens_so_far > self._min_tokens:
+            seen = self._context + text
+            off = len(self._context) - len(self._pending)  # where `buf` begins in `seen`
+            for stop in self._stops:
+                # Only a match ending in the new text counts, as in vLLM's check.
+                i = seen.find(stop, max(0, len(seen) - len(text) - len(stop) + 1))
+                if i >= 0:
+                    self._pending = ""
+                    end = i + len(stop) if self._include else i
+                    return buf[:end - off], stop
+        if self._look:
+            self._context = (self._context + text)[-self._look:]
+        cut = max(0, len(buf) - self._hold)
+        self._pending = buf[cut:]
+        return buf[:cut], None
+
+    def flush(self) -> str:
+        """The held-back text, when the answer ends for another reason."""
+        rest, self._pending = self._pending, ""
+        return rest
+
+
+class Tracker:
+    """Follows one streaming answer: forwards its events and records the sent offset.
+
+    It turns engine bytes into client bytes (`feed`), knows whether the answer is complete
+    (`done`), and builds the request that continues it on another engine (`resume_request`).
+    On the fast path (first attempt, no stop strings) an event's bytes go out as they came,
+    less the id lists the front added; after a resume every event is rebuilt in the
+    client's format with the first attempt's id, created time and model.
+
+    Example::
+
+        t = Tracker(Plan.of("/v1/completions", body))
+        client_bytes = t.feed(engine_bytes)
+        if not t.done and not t.can_resume():
+            path, body = t.resume_request() or (None, None)
+    """
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.prompt_ids: list[int] | None = None
+        self.out_ids: list[int] = []
+        self.header: dict[str, Any] = {}
+        self.finish: str | None = None
+        self.done = False
+        # The front ended the answer (a stop string): the engine's request must be dropped.
+        self.cut = False
+        self.resumes = 0
+        self.engine_error = False
+        # Whether the client has been sent any event of this answer.
+        self.started = False
+        self._has_stop_reason = False
+        self._usage_sent = False
+        self._parser = SSEParser()
+        self._scanner = (StopScanner(plan.stops, plan.include_stop, plan.min_tokens)
+                         if plan.stops else None)
+
+    # --- feeding ------------------------------------------------------------------------
+    def begin_attempt(self) -> None:
+        """A new upstream response starts: a half event from a dead engine is dropped."""
+        self._parser = SSEParser()
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Client bytes for a chunk of engine bytes."""
+        out: list[bytes] = []
+        for ev in self._parser.feed(chunk):
+            if self.done:
+                break
+            out.append(self._event(ev.data, ev.raw))
+        return b"".join(out)
+
+    def _event(self, data: bytes, raw: bytes) -> bytes:
+        if not data:
+            return raw  # a comment or keep-alive
+        if data.strip() == b"[DONE]":
+            self.done = True
+            return self._usage_frame() + DONE_FRAME if self._rebuilding else raw
+        if self._fast and self.prompt_ids is not None and b'"error"' not in data:
+            ids = _key(_DELTA_IDS, b'"token_ids"', raw)
+            fin = _key(_FINISH, b'"finish_reason"', raw)
+            if ids is not None and fin is not None:
+                # The common event, read without decoding it: one choice, its ids, its end.
+                if ids.group(1).strip():
+                    self.out_ids.extend(int(x) for x in ids.group(1).split(b","))
+                if fin.group(1) is not None:
+                    self.finish = fin.group(1).decode()
+                if self.plan.client_ids:
+                    return raw
+                # Cut ', "token_ids": [...]' out: the last key, and the only id list here.
+                head = raw[:ids.start()].rstrip()
+                if head.endswith(b",") and b"token_ids" not in head:
+                    return head[:-1] + raw[ids.end():]
+                return strip_ids(raw)
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            return raw
+        if not isinstance(obj, dict):
+            return raw
+        self.started = True
+        if "error" in obj:
+            # The engine refused or failed this request: its answer, not a crash to hide.
+            self.engine_error = True
+            return raw
+        if not self.header:
+            self.header = {k: obj[k] for k in ("id", "created", "model", "system_fingerprint")
+                           if k in obj}
+        if self.resumes:
+            return self._resumed_event(obj)
+        return self._first_event(obj, raw)
+
+    @property
+    def _fast(self) -> bool:
+        return self.plan.resumable and not self.plan.rewrites and not self.resumes
+
+    @property
+    def _rebuilding(self) -> bool:
+        return self.resumes > 0 or self.plan.rewrites
+
+    def _first_event(self, obj: dict[str, Any], raw: bytes) -> bytes:
+        chat = self.plan.endpoint == CHAT
+        choices = obj.get("choices") or []
+        if chat and self.prompt_ids is None and isinstance(obj.get("prompt_token_ids"), list):
+            self.prompt_ids = obj["prompt_token_ids"]
+        if not choices:
+            if not self.plan.resumable:
+                return raw
+            if obj.get("usage") is not None and self._rebuilding:
+                return self._usage_frame()  # counts are the front's once it applies stops
+            if obj.get("usage") is not None:
+                self._usage_sent = True
+            return strip_ids(raw) if not self.plan.client_ids else raw
+        if not self.plan.resumable:
+            return raw  # only its [DONE] matters: without one, the client gets an error
+        choice = choices[0]
+        if not chat and self.prompt_ids is None and isinstance(
+                choice.get("prompt_token_ids"), list):
+            self.prompt_ids = choice["prompt_token_ids"]
+        self.out_ids.extend(choice.get("token_ids") or ())
+        self._has_stop_reason = self._has_stop_reason or "stop_reason" in choice
+        if self._scanner is None:
+            self.finish = choice.get("finish_reason") or self.finish
+            return raw if self.plan.client_ids else strip_ids(raw)
+        # Stop strings: this event's text is whatever the scanner lets out.
+        delta = choice.get("delta") if chat else None
+        text = (delta or {}).get("content") if chat else choice.get("text")
+        emit, stop, finish = self._scan(text or "", choice.get("finish_reason"))
+        if chat:
+            if emit or (delta and "content" in delta):
+                choice["delta"] = {**(delta or {}), "content": emit}
+        else:
+            choice["text"] = emit
+        choice["finish_reason"] = finish
+        if stop is not None and "stop_reason" in choice:
+            choice["stop_reason"] = stop
+        if not self.plan.client_ids:
+            choice.pop("token_ids", None)
+            choice.pop("prompt_token_ids", None)
+            obj.pop("prompt_token_ids", None)
+        if obj.get("usage") is not None:
+            obj["usage"] = self._usage()
+        frame = data_frame(obj)
+        if stop is not None:
+            self.done = self.cut = True
+            frame += self._usage_frame() + DONE_FRAME
+        return frame
+
+    def _scan(self, text: str, finish: str | None) -> tuple[str, str | None, str | None]:
+        assert self._scanner is not None
+        emit, stop = self._scanner.feed(text, len(self.out_ids))
+        if stop is not None:
+            finish = "stop"
+        elif finish:
+            emit += self._scanner.flush()
+        if finish:
+            self.finish = finish
+        return emit, stop, finish
+
+    def _resumed_event(self, obj: dict[str, Any]) -> bytes:
+        """An event of a continuation (always a completions stream), in the client's format."""
+        choices = obj.get("choices") or []
+        if not choices:
+            return b""  # the engine's usage counts the wrong prompt; ours comes at [DONE]
+        choice = choices[0]
+        ids = list(choice.get("token_ids") or ())
+        self.out_ids.extend(ids)
+        text = choice.get("text") or ""
+        if self._scanner is not None:
+            emit, stop, finish = self._scan(text, choice.get("finish_reason"))
+        else:
+            emit, stop, finish = text, None, choice.get("finish_reason")
+            self.finish = finish or self.finish
+        frame = data_frame(self._chunk(emit, ids, finish,
+                                       stop if stop is not None else choice.get("stop_reason")))
+        if stop is not None:
+            self.done = self.cut = True
+            frame += self._usage_frame() + DONE_FRAME
+        return frame
+
+    # --- building client events --------------------------------------------------------
+    def _chunk(self, text: str, ids: list[int], finish: str | None,
+               stop_reason: Any = None) -> dict[str, Any]:
+        h = self.header
+        if self.plan.endpoint == CHAT:
+            choice: dict[str, Any] = {"index": 0, "delta": {"content": text} if text else {},
+                                      "logprobs": None, "finish_reason": finish}
+            obj: dict[str, Any] = {"id": h.get("id"), "object": "chat.completion.chunk",
+                                   "created": h.get("created"), "model": h.get("model")}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            obj = {"id": h.get("id"), "object": "text_completion",
+                   "created": h.get("created"), "model": h.get("model")}
+        if self._has_stop_reason:
+            choice["stop_reason"] = stop_reason
+        if self.plan.client_ids:
+            choice["token_ids"] = ids
+        obj["choices"] = [choice]
+        if self.plan.continuous_usage:
+            obj["usage"] = self._usage()
+        return obj
+
+    def _usage(self) -> dict[str, int]:
+        prompt = len(self.prompt_ids or ())
+        return {"prompt_tokens": prompt, "completion_tokens": len(self.out_ids),
+                "total_tokens": prompt + len(self.out_ids)}
+
+    def _usage_frame(self) -> bytes:
+        if not self.plan.include_usage or self._usage_sent:
+            return b""
+        self._usage_sent = True
+        h = self.header
+        kind = "chat.completion.chunk" if self.plan.endpoint == CHAT else "text_completion"
+        return data_frame({"id": h.get("id"), "object": kind, "created": h.get("created"),
+                           "model": h.get("model"), "choices": [], "usage": self._usage()})
+
+    # --- continuing ----------------------------------------------------------------------
+    def can_resume(self) -> str:
+        """Empty when a cut answer can be continued; else why not."""
+        if not self.started:
+            return ""  # nothing sent yet: the whole request can simply go again
+        if not self.plan.resumable:
+            return self.plan.why_not
+        if self.engine_error:
+            return "the engine reported an error for this request"
+        if self.prompt_ids is None:
+            return "the engine sent no prompt_token_ids (does it support return_token_ids?)"
+        return ""
+
+    def remaining(self) -> int | None:
+        """Tokens still allowed, or None for 'up to the context length'."""
+        if self.plan.max_tokens is None:
+            return None
+        return self.plan.max_tokens - len(self.out_ids)
+
+    @property
+    def complete(self) -> bool:
+        """Every token of the answer was sent; only its end ([DONE], usage) was lost."""
+        left = self.remaining()
+        return self.started and (self.finish is not None or (left is not None and left <= 0))
+
+    def finished_frames(self) -> bytes:
+        """The end of an answer whose last token was sent before the engine died."""
+        self.done = True
+        frames = b""
+        if self.finish is None:
+            # The limit was reached but the engine died before saying so.
+            self.finish = "length"
+            frames += data_frame(self._chunk(
+                self._scanner.flush() if self._scanner else "", [], "length"))
+        return frames + self._usage_frame() + DONE_FRAME
+
+    def resume_request(self) -> tuple[str, dict[str, Any]]:
+        """(path, body) that continues the answer, once `complete` and `can_resume` said so."""
+        if not self.started:
+            return self.plan.endpoint, self.plan.first_body()
+        left = self.remaining()
+        assert self.prompt_ids is not None and not self.complete
+        body: dict[str, Any]
+        if self.plan.endpoint == CHAT:
+            body = {k: self.plan.body[k] for k in _CARRIED_FROM_CHAT if k in self.plan.body}
+            body["model"] = self.plan.body.get("model")
+        else:
+            body = {k: v for k, v in self.plan.body.items() if k not in _DROPPED_ON_RESUME}
+        body.update(prompt=self.prompt_ids + self.out_ids, stream=True, return_token_ids=True,
+                    max_tokens=left)
+        if self.plan.min_tokens:
+            body["min_tokens"] = max(0, self.plan.min_tokens - len(self.out_ids))
+        self.resumes += 1
+        return COMPLETIONS, body

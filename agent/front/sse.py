@@ -1,0 +1,99 @@
+"""Server-sent events: an incremental parser that keeps each event's bytes, and writers."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, NamedTuple
+
+DONE = b"[DONE]"
+DONE_FRAME = b"data: [DONE]\n\n"
+
+
+class Event(NamedTuple):
+    """One event: its `data` lines joined by newlines, and the exact bytes it came in as."""
+
+    data: bytes
+    raw: bytes
+    event: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.data.strip() == DONE
+
+
+class SSEParser:
+    """Splits a byte stream into events as bytes arrive, in any chunking.
+
+    Follows the WHATWG event-stream rules that matter between an OpenAI server and a proxy:
+    lines end in LF, CRLF or CR; an empty line ends an event; `data:` lines accumulate;
+    comment lines (':') and unknown fields are kept in `raw` but carry no data. An event with
+    no data line (a bare comment, a keep-alive) is returned with empty `data`, so that a
+    proxy can still forward it.
+
+    Example::
+
+        p = SSEParser()
+        p.feed(b'data: {"a"') + p.feed(b': 1}\\n\\n')   # -> [Event(data=b'{"a": 1}', ...)]
+    """
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._skip_lf = False
+
+    @property
+    def pending(self) -> bytes:
+        """Bytes of an event not yet complete."""
+        return self._buf
+
+    def feed(self, chunk: bytes) -> list[Event]:
+        if self._skip_lf and chunk.startswith(b"\n"):
+            chunk = chunk[1:]  # the second half of a CRLF split across two reads
+        self._skip_lf = False
+        if b"\r" in chunk:
+            # Rare (the servers we front write LF): normalise line ends to LF as they come.
+            self._skip_lf = chunk.endswith(b"\r")
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        buf = self._buf + chunk if self._buf else chunk
+        events: list[Event] = []
+        start = 0
+        while (end := buf.find(b"\n\n", start)) >= 0:
+            raw = buf[start:end + 2]
+            # Nearly every event is one 'data: ' line: take its payload without line parsing.
+            if raw.startswith(b"data: ") and raw.find(b"\n", 6) == len(raw) - 2:
+                events.append(Event(data=raw[6:-2], raw=raw))
+            else:
+                events.append(_parse(raw))
+            start = end + 2
+        self._buf = buf[start:]
+        return events
+
+
+def _parse(raw: bytes) -> Event:
+    data: list[bytes] = []
+    event: str | None = None
+    for line in raw.split(b"\n"):
+        if not line or line.startswith(b":"):
+            continue
+        name, _, value = line.partition(b":")
+        if value.startswith(b" "):
+            value = value[1:]
+        if name == b"data":
+            data.append(value)
+        elif name == b"event":
+            event = value.decode("utf-8", "replace")
+    return Event(data=b"\n".join(data), raw=raw, event=event)
+
+
+def data_frame(obj: Any) -> bytes:
+    """One `data:` event carrying `obj` as compact JSON."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def error_body(message: str, code: int, kind: str = "ServiceUnavailableError") -> dict[str, Any]:
+    """The OpenAI error shape, as vLLM writes it."""
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def error_frame(message: str, code: int = 503, kind: str = "ServiceUnavailableError") -> bytes:
+    """An SSE error event followed by [DONE]: the openai client raises APIError on it."""
+    return data_frame(error_body(message, code, kind)) + DONE_FRAME

@@ -1,0 +1,18 @@
+"""The snapshot store: manifest schema, atomic private files, publish/select/prune."""
+
+from agent.store.manifest import Canary, ImageFile, Manifest, ProcessTree, SnapshotKind
+from agent.store.store import Draft, Entry, Selection, Skipped, SnapshotStore, Verdict
+
+__all__ = [
+    "Canary",
+    "Draft",
+    "Entry",
+    "ImageFile",
+    "Manifest",
+    "ProcessTree",
+    "Selection",
+    "Skipped",
+    "SnapshotKind",
+    "SnapshotStore",
+    "Verdict",
+]

@@ -1,0 +1,90 @@
+"""The snapshot manifest: a typed, versioned record of what an image is and depends on."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from agent.identity import Identity
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+# Snapshot ids become directory names: no separators, no leading dot (dot names are
+# the store's own temp and quarantine entries).
+ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+SnapshotKind = Literal["full", "hybrid"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class ImageFile(_Strict):
+    """One file of the image, relative to the snapshot directory, with the sha256 of each
+    of its `Manifest.chunk_bytes`-sized pieces (hashed in parallel; the last may be short)."""
+
+    name: str
+    size: int = Field(ge=0)
+    sha256_chunks: tuple[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")], ...] = Field(
+        min_length=1
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        if "/" in v or v in ("", ".", "..") or v == MANIFEST_NAME:
+            raise ValueError(f"image file name {v!r} must be a plain file name")
+        return v
+
+
+class ProcessTree(_Strict):
+    """The dumped process tree: its root and every PID CRIU will recreate."""
+
+    root_pid: int = Field(gt=0)
+    pids: tuple[int, ...]
+    # fd number -> "pipe:[INODE]" for the root's stdout/stderr when they were pipes to
+    # the agent; restore re-wires each with `criu --inherit-fd` to a new pipe.
+    inherited_pipes: dict[str, str] = Field(default_factory=dict)
+    # The PIDs that held a CUDA context (vLLM's engine core is a child, not the root);
+    # each was CUDA-checkpointed before the dump and is CUDA-restored after a restore.
+    cuda_pids: tuple[int, ...] = ()
+
+
+class Canary(_Strict):
+    """The fixed request and the answer the engine gave just before the dump."""
+
+    prompt: str
+    max_tokens: int = Field(ge=1)
+    text: str
+    token_ids: tuple[int, ...]
+
+
+class Manifest(_Strict):
+    """Everything about one published snapshot.
+
+    Example::
+
+        m = Manifest.model_validate_json(path.read_bytes())
+        m.identity.kernel, m.kind, m.image_bytes
+    """
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    id: str = Field(pattern=ID_PATTERN.pattern)
+    kind: SnapshotKind
+    created_at: datetime
+    identity: Identity
+    process: ProcessTree
+    chunk_bytes: int = Field(gt=0)
+    files: tuple[ImageFile, ...]
+    # stage name ("cuda_lock", "cuda_checkpoint", "criu_dump", "checksum", ...) -> seconds
+    timings: dict[str, float]
+    canary: Canary
+    criu_flags: tuple[str, ...] = ()
+
+    @property
+    def image_bytes(self) -> int:
+        return sum(f.size for f in self.files)

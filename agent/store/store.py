@@ -1,0 +1,352 @@
+"""Snapshot directories under one root: publish atomically, verify, select, quarantine, prune."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import stat
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from agent.drift import compare, describe
+from agent.errors import SnapshotError
+from agent.identity import Identity
+from agent.store.files import (
+    CHUNK_BYTES,
+    DIR_MODE,
+    FILE_MODE,
+    check_private_dir,
+    check_root,
+    chunk_digests,
+    fsync_dir,
+    fsync_file,
+    make_private_dir,
+    read_private,
+    write_private,
+)
+from agent.store.manifest import ID_PATTERN, MANIFEST_NAME, ImageFile, Manifest, SnapshotKind
+
+TMP_PREFIX = ".tmp-"
+# Files CRIU itself writes into an image directory on each restore; not image content.
+RESTORE_LEFTOVERS = frozenset({"stats-restore"})
+QUARANTINE = ".quarantine"
+# Hashing threads: hashlib and pread release the GIL, so these use that many cores.
+HASH_WORKERS = min(8, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The result of checking one snapshot: ok, or every reason it is refused."""
+
+    id: str
+    reasons: tuple[str, ...]
+    manifest: Manifest | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.reasons
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A snapshot `select` passed over, and why."""
+
+    id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What `select` chose (None: nothing usable, cold start) and why it skipped the others."""
+
+    chosen: Manifest | None
+    skipped: tuple[Skipped, ...] = ()
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One published snapshot as `list` shows it, without reading its images."""
+
+    id: str
+    manifest: Manifest | None
+    problem: str | None
+    bytes_on_disk: int
+
+
+@dataclass
+class Draft:
+    """A snapshot being built in `<root>/.tmp-<id>`; invisible until `publish`.
+
+    Example::
+
+        with store.begin("full") as draft:
+            run_criu_dump(into=draft.dir)
+            draft.publish(make_manifest(draft.id, draft.seal()))
+    """
+
+    store: SnapshotStore
+    id: str
+    kind: SnapshotKind
+    dir: Path
+    chunk_bytes: int = CHUNK_BYTES
+    published: bool = field(default=False, init=False)
+
+    def seal(self) -> tuple[ImageFile, ...]:
+        """Make every image file private and durable; return their sizes and checksums."""
+        names = sorted(os.listdir(self.dir))
+        for name in names:
+            path = self.dir / name
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode):
+                raise SnapshotError(f"{path}: the image holds something other than a file")
+            os.chmod(path, FILE_MODE)
+            fsync_file(path)
+        with ThreadPoolExecutor(HASH_WORKERS) as pool:
+            digests = chunk_digests(self.dir, names, pool, self.chunk_bytes)
+        return tuple(
+            ImageFile(name=n, size=size, sha256_chunks=chunks)
+            for n, (size, chunks) in digests.items()
+        )
+
+    def publish(self, manifest: Manifest) -> Path:
+        """Write the manifest, then rename the directory into place: only now is it visible."""
+        if manifest.id != self.id or manifest.kind != self.kind:
+            raise SnapshotError(
+                f"manifest {manifest.id}/{manifest.kind} is not for draft {self.id}"
+            )
+        on_disk = set(os.listdir(self.dir))
+        listed = {f.name for f in manifest.files}
+        if on_disk != listed:
+            raise SnapshotError(
+                f"draft {self.dir}: files {sorted(on_disk ^ listed)} are not both on disk and in "
+                "the manifest; call seal() after the last write"
+            )
+        write_private(self.dir / MANIFEST_NAME, manifest.model_dump_json(indent=1).encode())
+        final = self.store.path(self.id)
+        os.rename(self.dir, final)
+        fsync_dir(self.store.root)
+        self.published = True
+        return final
+
+    def abort(self) -> None:
+        """Remove the draft; the previous snapshots are untouched."""
+        if not self.published:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class SnapshotStore:
+    """One directory per snapshot under `root` (0700, manifest 0600).
+
+    Example::
+
+        store = SnapshotStore(Path("/var/lib/pitstop/snapshots"))
+        store.open(clean=True)            # at agent start: create/check root, drop stale drafts
+        sel = store.select(host_identity)
+        if sel.chosen is None: ...        # cold start; sel.skipped says why each was refused
+    """
+
+    def __init__(self, root: Path, *, clock: Callable[[], float] = time.time) -> None:
+        self.root = Path(root)
+        self._clock = clock
+
+    # --- layout -------------------------------------------------------------------
+
+    def open(self, *, clean: bool = False) -> None:
+        """Create or check the root; with `clean`, remove drafts left by a killed writer
+        (only the one agent that owns the store may do that, at its start)."""
+        make_private_dir(self.root)
+        if clean:
+            for name in os.listdir(self.root):
+                if name.startswith(TMP_PREFIX):
+                    shutil.rmtree(self.root / name, ignore_errors=True)
+
+    def path(self, snapshot_id: str) -> Path:
+        if not ID_PATTERN.match(snapshot_id):
+            raise SnapshotError(
+                f"{snapshot_id!r} is not a snapshot id (see `pitstop snapshot list`)"
+            )
+        return self.root / snapshot_id
+
+    def ids(self) -> list[str]:
+        """Published snapshot ids; drafts and the quarantine (dot names) are never listed.
+        A root that does not exist yet holds none."""
+        if not os.path.lexists(self.root):
+            return []
+        check_root(self.root)
+        return sorted(n for n in os.listdir(self.root) if ID_PATTERN.match(n))
+
+    def new_id(self, kind: SnapshotKind) -> str:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(self._clock()))
+        return f"{stamp}-{kind}-{secrets.token_hex(3)}"
+
+    @contextmanager
+    def begin(self, kind: SnapshotKind) -> Iterator[Draft]:
+        """A draft directory; removed on any exception or when left unpublished."""
+        self.open()
+        snapshot_id = self.new_id(kind)
+        tmp = self.root / f"{TMP_PREFIX}{snapshot_id}"
+        os.mkdir(tmp, DIR_MODE)
+        draft = Draft(self, snapshot_id, kind, tmp)
+        try:
+            yield draft
+        finally:
+            draft.abort()
+
+    # --- reading ------------------------------------------------------------------
+
+    def load(self, snapshot_id: str) -> Manifest:
+        """The parsed manifest, after checking the directory and file are private to us."""
+        d = self.path(snapshot_id)
+        if not os.path.lexists(d):
+            raise SnapshotError(
+                f"no snapshot {snapshot_id} in {self.root}; `pitstop snapshot list` shows them"
+            )
+        problem = check_private_dir(d)
+        if problem:
+            raise SnapshotError(f"snapshot {snapshot_id}: directory {d} {problem}")
+        try:
+            raw = read_private(d / MANIFEST_NAME)
+        except FileNotFoundError as e:
+            raise SnapshotError(f"snapshot {snapshot_id}: no {MANIFEST_NAME}") from e
+        except OSError as e:
+            raise SnapshotError(f"snapshot {snapshot_id}: cannot read manifest: {e}") from e
+        try:
+            m = Manifest.model_validate_json(raw)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "(document)"
+            raise SnapshotError(
+                f"snapshot {snapshot_id}: manifest is invalid or truncated at {where}: "
+                f"{first['msg']}"
+            ) from None
+        if m.id != snapshot_id:
+            raise SnapshotError(f"snapshot {snapshot_id}: manifest names another id ({m.id})")
+        return m
+
+    def entries(self) -> list[Entry]:
+        """Every published snapshot, newest first, with any problem found without hashing."""
+        out = []
+        for sid in self.ids():
+            d = self.root / sid
+            size = sum(p.stat().st_size for p in d.iterdir() if p.is_file() and not p.is_symlink())
+            try:
+                out.append(Entry(sid, self.load(sid), None, size))
+            except SnapshotError as e:
+                out.append(Entry(sid, None, str(e), size))
+        return sorted(out, key=_created, reverse=True)
+
+    def verify(self, snapshot_id: str) -> Verdict:
+        """Check manifest, permissions, and the size and sha256 chunks of every image file."""
+        try:
+            m = self.load(snapshot_id)
+        except SnapshotError as e:
+            return Verdict(snapshot_id, (str(e),))
+        d = self.path(snapshot_id)
+        reasons = []
+        listed = {f.name for f in m.files}
+        for extra in sorted(set(os.listdir(d)) - listed - {MANIFEST_NAME} - RESTORE_LEFTOVERS):
+            reasons.append(f"{d / extra}: not listed in the manifest")
+        to_hash = []
+        for f in m.files:
+            p = d / f.name
+            try:
+                st = os.lstat(p)
+            except FileNotFoundError:
+                reasons.append(f"{p}: missing")
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                reasons.append(f"{p}: not a regular file")
+            elif st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+                reasons.append(f"{p}: not private (uid {st.st_uid}, mode {st.st_mode & 0o777:o})")
+            elif st.st_size != f.size:
+                reasons.append(f"{p}: size {st.st_size}, manifest says {f.size}")
+            else:
+                to_hash.append(f)
+        with ThreadPoolExecutor(HASH_WORKERS) as pool:
+            digests = chunk_digests(d, [f.name for f in to_hash], pool, m.chunk_bytes)
+        for f in to_hash:
+            got = digests[f.name][1]
+            if len(got) != len(f.sha256_chunks):
+                reasons.append(f"{d / f.name}: the manifest's chunk list does not fit its size")
+                continue
+            bad = [i for i, (a, b) in enumerate(zip(got, f.sha256_chunks, strict=True)) if a != b]
+            if bad:
+                at = bad[0] * m.chunk_bytes
+                reasons.append(
+                    f"{d / f.name}: sha256 differs from the manifest in {len(bad)} chunk(s), "
+                    f"the first at byte {at}"
+                )
+        return Verdict(snapshot_id, tuple(reasons), m)
+
+    def select(self, identity: Identity, kind: SnapshotKind | None = None) -> Selection:
+        """The newest snapshot (of `kind`, if given) whose identity equals `identity` and
+        which verifies; every other one is named in `skipped` with its reason."""
+        skipped: list[Skipped] = []
+        chosen: Manifest | None = None
+        for e in self.entries():
+            if e.manifest is None:
+                skipped.append(Skipped(e.id, e.problem or "unreadable"))
+            elif chosen is not None:
+                skipped.append(Skipped(e.id, f"older than the chosen {chosen.id}"))
+            elif kind is not None and e.manifest.kind != kind:
+                skipped.append(Skipped(e.id, f"kind {e.manifest.kind}, wanted {kind}"))
+            elif diffs := compare(e.manifest.identity, identity):
+                skipped.append(Skipped(e.id, f"stale: {describe(diffs)}"))
+            else:
+                v = self.verify(e.id)
+                if v.ok:
+                    chosen = v.manifest
+                else:
+                    skipped.append(Skipped(e.id, "corrupt: " + "; ".join(v.reasons)))
+        return Selection(chosen, tuple(skipped))
+
+    # --- removing -----------------------------------------------------------------
+
+    def quarantine(self, snapshot_id: str, reason: str) -> Path:
+        """Move a snapshot aside for inspection; it is never selected again."""
+        src = self.path(snapshot_id)
+        qdir = self.root / QUARANTINE
+        qdir.mkdir(mode=DIR_MODE, exist_ok=True)
+        dst = qdir / f"{snapshot_id}.{int(self._clock())}"
+        os.rename(src, dst)
+        fsync_dir(self.root)
+        write_private(dst / "QUARANTINED", (reason.rstrip("\n") + "\n").encode())
+        return dst
+
+    def delete(self, snapshot_id: str) -> None:
+        """Remove a snapshot: first renamed to a draft name, so it vanishes atomically."""
+        src = self.path(snapshot_id)
+        if not src.is_dir() or src.is_symlink():
+            raise SnapshotError(f"no snapshot {snapshot_id} in {self.root}")
+        doomed = self.root / f"{TMP_PREFIX}deleted-{snapshot_id}"
+        os.rename(src, doomed)
+        fsync_dir(self.root)
+        shutil.rmtree(doomed)
+
+    def prune(self, keep: int, budget_bytes: int) -> list[str]:
+        """Keep the newest `keep` good snapshots that fit in `budget_bytes`, delete the other
+        good ones; the newest good one is always kept. Broken ones are left to quarantine."""
+        good = [e for e in self.entries() if e.manifest is not None]
+        doomed, kept_bytes = [], 0
+        for i, e in enumerate(good):
+            assert e.manifest is not None
+            size = e.manifest.image_bytes
+            if i == 0 or (i < keep and kept_bytes + size <= budget_bytes):
+                kept_bytes += size
+            else:
+                doomed.append(e.id)
+        for sid in doomed:
+            self.delete(sid)
+        return doomed
+
+
+def _created(e: Entry) -> tuple[float, str]:
+    # Unreadable ones sort oldest; ties (same second) fall back to the id.
+    return (e.manifest.created_at.timestamp() if e.manifest else 0.0, e.id)

@@ -1,0 +1,106 @@
+"""Taking a snapshot of the serving engine: quiet it, shrink it, dump it, serve again."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.checkpoint.criu import DumpOptions
+from agent.checkpoint.snapshotter import SnapshotInfo, Snapshotter
+from agent.engines.base import EngineAdapter
+from agent.errors import EngineError, SnapshotError
+from agent.identity import Identity
+from agent.metrics import Metrics
+from agent.store import Canary
+from agent.supervisor.canary import CanaryRecord
+from agent.supervisor.engine import EngineProcess
+from agent.supervisor.gate import EngineGate
+from agent.supervisor.probe import EngineProbe
+
+log = logging.getLogger("pitstop.capture")
+
+
+@dataclass(frozen=True)
+class CaptureResult:
+    """A published snapshot and what making it cost."""
+
+    info: SnapshotInfo
+    duration_s: float
+    freed_bytes: int
+
+
+class Capture:
+    """Snapshots a ready engine without losing a request.
+
+    New requests are held by the front (admission paused) and the ones in flight finish;
+    the engine drops its KV pool (prepare), CRIU dumps it and leaves it running, the engine
+    rebuilds the pool (resume), and admission resumes. A failed dump publishes nothing and
+    leaves the engine serving.
+
+    Example::
+
+        result = await capture.take(engine, canary_record)
+    """
+
+    def __init__(self, snapshotter: Snapshotter, adapter: EngineAdapter, socket: Path,
+                 gate: EngineGate, metrics: Metrics, identity: Callable[[], Identity],
+                 quiet_timeout_s: float, control_timeout_s: float = 60.0) -> None:
+        self.snapshotter = snapshotter
+        self._adapter = adapter
+        self._socket = socket
+        self._gate = gate
+        self._metrics = metrics
+        self._identity = identity
+        self._quiet_timeout = quiet_timeout_s
+        self._control_timeout = control_timeout_s
+        self.last: SnapshotInfo | None = None
+
+    async def take(self, engine: EngineProcess, canary: CanaryRecord,
+                   kind: str = "full") -> CaptureResult:
+        t0 = time.monotonic()
+        self._gate.pause_admission()
+        try:
+            if not await self._gate.wait_quiet(self._quiet_timeout):
+                raise SnapshotError(
+                    f"{self._gate.inflight} requests still in flight after "
+                    f"{self._quiet_timeout:.0f}s (snapshots.quiet_timeout_s); try again later")
+            result = await self._dump(engine, canary, kind, t0)
+        except (SnapshotError, EngineError) as e:
+            self._metrics.snapshots_created.labels(kind=kind, result="failure").inc()
+            raise SnapshotError(f"snapshot of engine {engine.pid} failed: {e}") from e
+        finally:
+            self._gate.resume_admission()
+        self._metrics.snapshots_created.labels(kind=kind, result="success").inc()
+        self._metrics.snapshot_create_duration.labels(kind=kind).observe(result.duration_s)
+        self.last = result.info
+        return result
+
+    async def _dump(self, engine: EngineProcess, canary: CanaryRecord, kind: str,
+                    t0: float) -> CaptureResult:
+        freed = 0
+        async with EngineProbe(self._socket, timeout=self._control_timeout) as probe:
+            if self._adapter.prepare_path:
+                answer = await probe.control(self._adapter.prepare_path)
+                freed = int(answer.get("freed_bytes", 0))
+            try:
+                info = await asyncio.get_running_loop().run_in_executor(
+                    None, self._capture, engine.pid, canary, kind)
+            finally:
+                if self._adapter.resume_path and engine.alive:
+                    await probe.control(self._adapter.resume_path)
+        duration = time.monotonic() - t0
+        log.info("snapshot %s published: %.1f MB in %.2fs (%s); the engine freed %.1f MB "
+                 "before the dump", info.id, info.image_bytes / 1e6, duration,
+                 ", ".join(f"{k} {v:.2f}s" for k, v in info.manifest.timings.items()),
+                 freed / 1e6)
+        return CaptureResult(info=info, duration_s=duration, freed_bytes=freed)
+
+    def _capture(self, pid: int, canary: CanaryRecord, kind: str) -> SnapshotInfo:
+        return self.snapshotter.capture(
+            pid, canary=Canary(prompt=canary.prompt, max_tokens=canary.max_tokens,
+                               text=canary.text, token_ids=tuple(canary.token_ids)),
+            identity=self._identity(), kind=kind, options=DumpOptions(leave_running=True))

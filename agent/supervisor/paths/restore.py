@@ -1,0 +1,130 @@
+"""Full restore: bring the engine back from the newest matching CRIU (+ CUDA) snapshot."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+
+from agent.checkpoint.snapshotter import Snapshotter
+from agent.engines.base import EngineAdapter
+from agent.errors import EngineError, SnapshotError, StartPathError
+from agent.identity import Identity
+from agent.metrics import Metrics
+from agent.store import Manifest
+from agent.supervisor.canary import CanaryRecord
+from agent.supervisor.engine import EngineProcess
+from agent.supervisor.ladder import Attempt
+from agent.supervisor.probe import EngineProbe
+
+log = logging.getLogger("pitstop.restore")
+
+
+def reason_code(reason: str) -> str:
+    """A low-cardinality label for a refusal reason (the full text goes to the log)."""
+    text = reason.lower()
+    if text.startswith("stale"):
+        return "stale"
+    if text.startswith("corrupt"):
+        return "corrupt"
+    if any(w in text for w in ("mode", "owner", "owned", "symlink", "private")):
+        return "permissions"
+    if "manifest" in text:
+        return "unreadable"
+    return "other"
+
+
+class FullRestore:
+    """Restore the newest snapshot whose identity matches this host and whose files verify."""
+
+    name = "full"
+    kind = "full"
+
+    def __init__(self, snapshotter: Snapshotter | None, unavailable: str, adapter: EngineAdapter,
+                 socket: os.PathLike, identity: Callable[[], Identity], metrics: Metrics,
+                 timeout_s: float) -> None:
+        self._snap = snapshotter
+        self._unavailable = unavailable
+        self._adapter = adapter
+        self._socket = socket
+        self._identity = identity
+        self._metrics = metrics
+        self._timeout = timeout_s
+        self._chosen: Manifest | None = None
+        self.stale_reasons: tuple[str, ...] = ()
+
+    def skip_reason(self) -> str | None:
+        self._chosen = None
+        if self._snap is None:
+            return self._unavailable
+        selection = self._snap.store.select(self._identity(), kind=self.kind)
+        codes = []
+        for s in selection.skipped:
+            log.warning("snapshot %s refused: %s", s.id, s.reason)
+            code = reason_code(s.reason)
+            codes.append(code)
+            self._metrics.snapshots_rejected.labels(reason=code).inc()
+        self.stale_reasons = tuple(sorted(set(codes))) if selection.chosen is None else ()
+        if selection.chosen is None:
+            if selection.skipped:
+                return "no usable snapshot: " + "; ".join(
+                    f"{s.id}: {s.reason}" for s in selection.skipped)
+            return "no snapshot yet"
+        self._chosen = selection.chosen
+        return None
+
+    async def start(self, attempt: Attempt) -> EngineProcess:
+        assert self._snap is not None and self._chosen is not None
+        manifest = self._chosen
+        # The dumped engine re-binds its socket path on restore; a leftover file blocks it.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._socket)
+        loop = asyncio.get_running_loop()
+        try:
+            restored = await loop.run_in_executor(None, self._snap.restore, manifest)
+        except SnapshotError as e:
+            self.failed(str(e))
+            raise StartPathError(f"restore of snapshot {manifest.id} failed: {e}") from e
+        for stage, secs in restored.timings.items():
+            attempt.stages[stage] = attempt.stages.get(stage, 0.0) + secs
+        out = restored.outputs.get(1) or restored.outputs.get(2)
+        fd = os.dup(out.fileno()) if out is not None else None
+        for f in {id(f): f for f in restored.outputs.values()}.values():
+            f.close()
+        engine = EngineProcess.adopt(restored.pid, stdout=fd)
+        log.info("restored snapshot %s as PID %d", manifest.id, restored.pid)
+        if self._adapter.resume_path:
+            with attempt.stage("resume"):
+                try:
+                    async with EngineProbe(self._socket, timeout=self._timeout) as probe:
+                        await probe.control(self._adapter.resume_path)
+                except EngineError as e:
+                    await engine.kill()
+                    await engine.close()
+                    self.failed(f"resume after restore failed: {e}")
+                    raise StartPathError(f"restored engine did not resume: {e}") from e
+        return engine
+
+    def expected_canary(self) -> CanaryRecord | None:
+        if self._chosen is None:
+            return None
+        c = self._chosen.canary
+        return CanaryRecord(key="snapshot:" + self._chosen.id, prompt=c.prompt,
+                            max_tokens=c.max_tokens, text=c.text, token_ids=c.token_ids)
+
+    async def after_verified(self, engine: EngineProcess) -> None:
+        return None
+
+    def failed(self, reason: str) -> None:
+        if self._snap is None or self._chosen is None:
+            return
+        try:
+            where = self._snap.store.quarantine(self._chosen.id, reason)
+            log.error("snapshot %s quarantined (%s): %s", self._chosen.id, where, reason)
+        except (OSError, SnapshotError) as e:
+            log.error("snapshot %s failed (%s) and could not be quarantined: %s",
+                      self._chosen.id, reason, e)
+        self._metrics.snapshots_rejected.labels(reason="restore_failed").inc()
+        self._chosen = None

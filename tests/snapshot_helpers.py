@@ -1,0 +1,127 @@
+"""Helpers for the snapshot tests: real CRIU, a real counter server, a real store."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from agent import proc
+from agent.checkpoint.criu import CriuBackend
+from agent.checkpoint.criu_locate import CriuBinary, locate
+from agent.checkpoint.snapshotter import Snapshotter
+from agent.errors import SnapshotError
+from agent.identity import Identity, collect
+from agent.store import Canary, Manifest, ProcessTree, SnapshotStore
+from tests.prereq import require
+
+REPO = Path(__file__).resolve().parent.parent
+COUNTER = REPO / "tests" / "workloads" / "counter.py"
+CANARY = Canary(prompt="inc", max_tokens=1, text="1", token_ids=(1,))
+
+
+T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+IDENT = collect(engine_kind="counter", engine_version="1", criu="4.1.1")
+
+
+def publish(
+    store: SnapshotStore, size: int = 1000, *, minutes: int = 0, ident=IDENT, chunk: int = 0
+) -> Manifest:
+    """A snapshot with two image files of real bytes (the store does not care who wrote them)."""
+    with store.begin("full") as d:
+        d.chunk_bytes = chunk or d.chunk_bytes
+        (d.dir / "pages-1.img").write_bytes(os.urandom(size))
+        (d.dir / "core-1.img").write_bytes(b"core")
+        m = Manifest(
+            id=d.id, kind="full", created_at=T0 + timedelta(minutes=minutes), identity=ident,
+            process=ProcessTree(root_pid=4242, pids=(4242,)), files=d.seal(),
+            chunk_bytes=d.chunk_bytes, timings={"criu_dump": 0.1}, canary=CANARY,
+        )  # fmt: skip
+        d.publish(m)
+    return m
+
+
+def criu() -> CriuBinary:
+    """The CRIU `make criu` installed; fails under CI=true, skips elsewhere, when missing."""
+    try:
+        return locate()
+    except SnapshotError as e:
+        require(False, f"CRIU >= 4.1 is needed (run `make criu`): {e}")
+        raise
+
+
+def identity(criu_version: str = "4.1.1") -> Identity:
+    return collect(engine_kind="counter", engine_version="1", criu=criu_version)
+
+
+def snapshotter(root: Path, logs: Path) -> Snapshotter:
+    return Snapshotter(SnapshotStore(root), CriuBackend(criu()), None, log_dir=logs)
+
+
+class Counter:
+    """tests/workloads/counter.py started as the supervisor starts an engine: its own
+    session, stdin /dev/null, stdout and stderr one pipe to us."""
+
+    def __init__(self, sock: Path, ballast_mib: int = 0, *extra: str) -> None:
+        self.sock = sock
+        with proc.spawn_lock():
+            self.popen = subprocess.Popen(
+                [sys.executable, str(COUNTER), str(sock), str(ballast_mib), *extra],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            proc.own(self.popen.pid)
+        assert self.popen.stdout is not None
+        line = self.popen.stdout.readline()
+        assert line.startswith(b"ready"), line
+        self.pid = self.popen.pid
+
+    def inc(self) -> int:
+        return inc(self.sock)
+
+    def read_line(self) -> bytes:
+        assert self.popen.stdout is not None
+        return self.popen.stdout.readline()
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.popen.kill()
+        self.popen.wait(timeout=30)
+        proc.disown(self.pid)
+        if self.popen.stdout:
+            self.popen.stdout.close()
+
+
+def inc(sock: Path) -> int:
+    """One request: the counter's new value."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(str(sock))
+        s.sendall(b"inc\n")
+        return int(s.recv(64).split()[0])
+
+
+def kill_and_reap(pid: int, timeout_s: float = 30) -> None:
+    """SIGKILL a restored process (re-parented to us, the subreaper) and reap it, so its
+    PID is free for the next restore (LAB.md fact 5)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, 9)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            got, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            if not proc.pid_alive(pid):
+                return
+            got = 0
+        if got == pid:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"PID {pid} was not reaped within {timeout_s} s")

@@ -1,0 +1,58 @@
+"""Finding CRIU: explicit paths win, old versions are refused, `make criu`'s wrapper works."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from agent.checkpoint.criu_locate import locate
+from agent.errors import SnapshotError
+from tests.snapshot_helpers import REPO, criu
+
+
+def _fake(tmp_path: Path, version: str) -> Path:
+    # A stand-in that prints a version: the thing under test is locate's choice, not CRIU.
+    p = tmp_path / f"criu-{version}"
+    p.write_text(f"#!/bin/sh\necho 'Version: {version}'\n")
+    p.chmod(0o755)
+    return p
+
+
+def test_the_installed_criu_is_at_least_4_1():
+    c = criu()
+    major, minor = (int(x) for x in c.version.split(".")[:2])
+    assert (major, minor) >= (4, 1)
+
+
+def test_an_old_criu_is_refused_with_the_fix(tmp_path: Path):
+    old = _fake(tmp_path, "3.17.1")
+    with pytest.raises(SnapshotError, match=r"is 3\.17\.1; Pitstop needs >= 4\.1.*make criu"):
+        locate(old)
+    with pytest.raises(SnapshotError, match=r"from \$PITSTOP_CRIU"):
+        locate(environ={"PITSTOP_CRIU": str(old)})
+
+
+def test_config_beats_env_beats_the_wrapper_beats_path(tmp_path: Path):
+    a, b = _fake(tmp_path, "4.1.1"), _fake(tmp_path, "4.2.0")
+    assert locate(a, environ={"PITSTOP_CRIU": str(b)}).path == a
+    got = locate(environ={"PITSTOP_CRIU": str(b)})
+    assert (got.path, got.version, got.source) == (b, "4.2.0", "$PITSTOP_CRIU")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "criu").symlink_to(b)
+    got = locate(environ={"PATH": str(bindir)}, repo_wrapper=tmp_path / "none", sbin_dirs=())
+    assert got.path == bindir / "criu" and got.source == "PATH"
+    with pytest.raises(SnapshotError, match="no CRIU found"):
+        locate(environ={"PATH": str(tmp_path / "e")}, repo_wrapper=tmp_path / "none", sbin_dirs=())
+
+
+def test_the_bundle_for_gpu_hosts_runs_on_its_own(tmp_path: Path):
+    criu()
+    out = tmp_path / "bundle"
+    subprocess.run([str(REPO / "scripts" / "install-criu.sh"), "bundle", str(out)], check=True,
+                   capture_output=True, timeout=600)  # fmt: skip
+    r = subprocess.run([str(out / "bin" / "criu"), "--version"], capture_output=True, text=True)
+    assert r.returncode == 0 and "Version: 4." in r.stdout
+    assert (out / "lib" / "ld-linux-x86-64.so.2").exists()

@@ -1,0 +1,96 @@
+"""`pitstop snapshot list|inspect|verify|delete` and `pitstop doctor`, through the real CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from agent.cli import main
+from agent.store import SnapshotStore
+from tests.snapshot_helpers import criu, publish
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> tuple[Path, SnapshotStore]:
+    cfg = tmp_path / "pitstop.yaml"
+    root = tmp_path / "snaps"
+    cfg.write_text(yaml.safe_dump({
+        "engine": {"kind": "reference", "model": str(tmp_path / "model")},
+        "paths": {"state_dir": str(tmp_path / "state"), "snapshot_dir": str(root)},
+    }))  # fmt: skip
+    store = SnapshotStore(root)
+    store.open()
+    return cfg, store
+
+
+def _json(capsys: pytest.CaptureFixture[str]) -> object:
+    return json.loads(capsys.readouterr().out)
+
+
+def test_list_inspect_verify_delete(setup, capsys):
+    cfg, store = setup
+    a, b = publish(store, minutes=0), publish(store, minutes=1)
+    assert main(["snapshot", "list", "--config", str(cfg), "--json"]) == 0
+    listed = _json(capsys)
+    assert [e["id"] for e in listed] == [b.id, a.id] and listed[0]["problem"] is None
+    assert main(["snapshot", "list", "--config", str(cfg)]) == 0
+    assert b.id in capsys.readouterr().out
+
+    assert main(["snapshot", "inspect", b.id, "--config", str(cfg), "--json"]) == 0
+    assert _json(capsys)["identity"]["kernel"] == b.identity.kernel
+    assert main(["snapshot", "inspect", b.id, "--config", str(cfg)]) == 0
+    assert "kernel" in capsys.readouterr().out
+
+    assert main(["snapshot", "verify", "--config", str(cfg)]) == 0
+    capsys.readouterr()
+    with open(store.path(a.id) / "pages-1.img", "r+b") as f:
+        f.write(b"\x00\x01")
+    assert main(["snapshot", "verify", "--config", str(cfg), "--json"]) == 1
+    verdicts = {v["id"]: v for v in _json(capsys)}
+    assert verdicts[b.id]["ok"] and not verdicts[a.id]["ok"]
+    assert "sha256" in verdicts[a.id]["reasons"][0]
+
+    assert main(["snapshot", "delete", a.id, "--config", str(cfg)]) == 0
+    assert store.ids() == [b.id]
+    capsys.readouterr()
+    assert main(["snapshot", "inspect", a.id, "--config", str(cfg)]) == 1
+    assert f"no snapshot {a.id}" in capsys.readouterr().err
+
+
+def test_doctor_reports_each_item_and_its_exit_status(setup, capsys):
+    cfg, _ = setup
+    criu()  # `make criu` is a prerequisite of a passing doctor
+    rc = main(["doctor", "--config", str(cfg), "--json"])
+    checks = {c["name"]: c for c in _json(capsys)}
+    assert set(checks) == {"criu", "criu check", "privileges", "io_uring", "cuda checkpoint",
+                           "persistence mode", "free space"}  # fmt: skip
+    assert checks["criu"]["ok"] and checks["criu check"]["ok"]
+    assert all(c["fix"] for c in checks.values() if not c["ok"])
+    assert rc == (1 if any(c["needed"] and not c["ok"] for c in checks.values()) else 0)
+
+
+def test_doctor_fails_with_a_fix_when_criu_is_missing(tmp_path: Path, capsys):
+    cfg = tmp_path / "pitstop.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "engine": {"kind": "reference", "model": str(tmp_path / "model")},
+        "paths": {"state_dir": str(tmp_path / "state")},
+        "snapshots": {"criu": str(tmp_path / "no-criu")},
+    }))  # fmt: skip
+    assert main(["doctor", "--config", str(cfg)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  criu" in out and "fix: run `make criu`" in out
+
+
+def test_build_snapshotter_follows_the_config(setup):
+    from agent.checkpoint import build_snapshotter
+    from agent.config import load_config
+
+    cfg, store = setup
+    criu()
+    snap = build_snapshotter(load_config(cfg))
+    assert snap.store.root == store.root
+    assert snap.keep == 2 and snap.budget_bytes == 64 << 30
+    assert snap.criu.version.startswith("4.")

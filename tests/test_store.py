@@ -1,0 +1,195 @@
+"""The snapshot store on a real file system: publish, verify, select, quarantine, prune."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from agent.errors import SnapshotError
+from agent.store import Manifest, ProcessTree, SnapshotStore
+from tests.prereq import require
+from tests.snapshot_helpers import CANARY, IDENT, REPO, publish
+
+T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> SnapshotStore:
+    s = SnapshotStore(tmp_path / "snaps")
+    s.open(clean=True)
+    return s
+
+
+def test_published_snapshot_is_private_and_selected(store: SnapshotStore):
+    m = publish(store)
+    d = store.path(m.id)
+    assert os.stat(store.root).st_mode & 0o777 == 0o700
+    assert os.stat(d).st_mode & 0o777 == 0o700
+    assert os.stat(d / "manifest.json").st_mode & 0o777 == 0o600
+    assert os.stat(d / "pages-1.img").st_mode & 0o777 == 0o600
+    sel = store.select(IDENT)
+    assert sel.chosen == m and sel.skipped == ()
+    assert store.load(m.id) == m
+    assert m.image_bytes == 1004
+
+
+def test_select_prefers_the_newest_and_names_the_older(store: SnapshotStore):
+    old, new = publish(store, minutes=0), publish(store, minutes=5)
+    sel = store.select(IDENT)
+    assert sel.chosen is not None and sel.chosen.id == new.id
+    assert [(s.id, s.reason) for s in sel.skipped] == [(old.id, f"older than the chosen {new.id}")]
+
+
+def test_a_flipped_byte_is_refused_with_the_reason(store: SnapshotStore):
+    good, bad = publish(store, minutes=0), publish(store, 1000, minutes=5, chunk=256)
+    assert len(bad.files[1].sha256_chunks) == 4  # pages-1.img, 1000 bytes in 256-byte chunks
+    path = store.path(bad.id) / "pages-1.img"
+    data = bytearray(path.read_bytes())
+    data[600] ^= 0x01
+    path.write_bytes(bytes(data))
+    v = store.verify(bad.id)
+    assert not v.ok
+    assert v.reasons == (f"{path}: sha256 differs from the manifest in 1 chunk(s), the first at "
+                         "byte 512",)  # fmt: skip
+    sel = store.select(IDENT)
+    assert sel.chosen is not None and sel.chosen.id == good.id
+    assert sel.skipped[0].id == bad.id and sel.skipped[0].reason.startswith("corrupt: ")
+    assert "sha256" in sel.skipped[0].reason
+
+
+def test_a_truncated_manifest_is_refused(store: SnapshotStore):
+    m = publish(store)
+    mf = store.path(m.id) / "manifest.json"
+    os.truncate(mf, mf.stat().st_size // 2)
+    sel = store.select(IDENT)
+    assert sel.chosen is None
+    assert "manifest is invalid or truncated" in sel.skipped[0].reason
+    assert [e.problem is not None for e in store.entries()] == [True]
+
+
+def test_a_manifest_from_another_host_is_stale_and_names_each_field(store: SnapshotStore):
+    foreign = IDENT.model_copy(update={"kernel": "5.15.0", "gpu_uuid": "GPU-other"})
+    publish(store, ident=foreign)
+    sel = store.select(IDENT)
+    assert sel.chosen is None
+    reason = sel.skipped[0].reason
+    assert reason.startswith("stale: ")
+    assert f"kernel: '5.15.0' -> {IDENT.kernel!r}" in reason
+    assert "gpu_uuid: 'GPU-other' -> None" in reason
+
+
+def test_wrong_permissions_are_refused(store: SnapshotStore, tmp_path: Path):
+    m = publish(store)
+    os.chmod(store.path(m.id), 0o755)
+    sel = store.select(IDENT)
+    assert sel.chosen is None and "mode 755 is looser than 700" in sel.skipped[0].reason
+    os.chmod(store.path(m.id), 0o700)
+    os.chmod(store.path(m.id) / "manifest.json", 0o644)
+    assert "mode 644" in store.select(IDENT).skipped[0].reason
+    os.chmod(store.path(m.id) / "manifest.json", 0o600)
+    os.chmod(store.path(m.id) / "core-1.img", 0o644)
+    assert "core-1.img: not private" in store.select(IDENT).skipped[0].reason
+
+    os.chmod(store.root, 0o770)
+    with pytest.raises(SnapshotError, match="group- or world-writable"):
+        store.select(IDENT)
+    os.chmod(store.root, 0o700)
+    link = tmp_path / "link"
+    link.symlink_to(store.root)
+    with pytest.raises(SnapshotError, match="is a symlink"):
+        SnapshotStore(link).select(IDENT)
+
+
+def test_a_foreign_owner_is_refused(store: SnapshotStore):
+    require(os.geteuid() == 0, "chown to another uid needs root")
+    m = publish(store)
+    os.chown(store.path(m.id), 12345, 12345)
+    assert "owned by uid 12345" in store.select(IDENT).skipped[0].reason
+    os.chown(store.root, 12345, 12345)
+    with pytest.raises(SnapshotError, match="owned by uid 12345"):
+        store.select(IDENT)
+
+
+def test_unpublished_drafts_are_invisible_and_cleaned_at_start(store: SnapshotStore):
+    with pytest.raises(RuntimeError), store.begin("full") as d:
+        (d.dir / "pages-1.img").write_bytes(b"x")
+        raise RuntimeError("dump failed")
+    assert os.listdir(store.root) == []  # an exception removes the draft
+    stale = store.root / ".tmp-20260101T000000Z-full-abcdef"
+    stale.mkdir()
+    (stale / "pages-1.img").write_bytes(b"x")
+    assert store.entries() == [] and store.select(IDENT).chosen is None
+    store.open(clean=True)
+    assert not stale.exists()
+
+
+def test_killing_the_writer_mid_publish_keeps_the_previous_good_one(store: SnapshotStore):
+    good = publish(store)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys, time
+            from pathlib import Path
+            from agent.store import SnapshotStore
+            with SnapshotStore(Path({str(store.root)!r})).begin("full") as d:
+                (d.dir / "pages-1.img").write_bytes(b"x" * 100000)
+                print("writing", flush=True)
+                time.sleep(60)
+        """)],
+        cwd=REPO, stdout=subprocess.PIPE,
+    )  # fmt: skip
+    assert writer.stdout is not None and writer.stdout.readline() == b"writing\n"
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    writer.stdout.close()
+    assert any(n.startswith(".tmp-") for n in os.listdir(store.root))
+    sel = store.select(IDENT)
+    assert sel.chosen is not None and sel.chosen.id == good.id and sel.skipped == ()
+
+
+def test_publish_refuses_files_missing_from_the_manifest(store: SnapshotStore):
+    with store.begin("full") as d:
+        (d.dir / "a.img").write_bytes(b"a")
+        files = d.seal()
+        (d.dir / "late.img").write_bytes(b"late")
+        m = Manifest(
+            id=d.id, kind="full", created_at=T0, identity=IDENT,
+            process=ProcessTree(root_pid=1, pids=(1,)), files=files, timings={}, canary=CANARY,
+            chunk_bytes=d.chunk_bytes,
+        )  # fmt: skip
+        with pytest.raises(SnapshotError, match="late.img"):
+            d.publish(m)
+    assert os.listdir(store.root) == []
+
+
+def test_quarantine_moves_it_aside_for_good(store: SnapshotStore):
+    m = publish(store)
+    q = store.quarantine(m.id, "canary answered 'x', expected '1'")
+    assert store.entries() == [] and store.select(IDENT).chosen is None
+    assert (q / "QUARANTINED").read_text() == "canary answered 'x', expected '1'\n"
+    assert (q / "manifest.json").exists()
+
+
+def test_delete_and_bad_ids(store: SnapshotStore):
+    m = publish(store)
+    store.delete(m.id)
+    assert os.listdir(store.root) == []
+    with pytest.raises(SnapshotError, match="no snapshot"):
+        store.delete(m.id)
+    with pytest.raises(SnapshotError, match="is not a snapshot id"):
+        store.delete("../etc")
+
+
+def test_prune_keeps_the_newest_n_within_the_budget(store: SnapshotStore):
+    a, b, c = (publish(store, 1000, minutes=i) for i in range(3))
+    assert store.prune(keep=2, budget_bytes=10_000) == [a.id]
+    assert [e.id for e in store.entries()] == [c.id, b.id]
+    # Over budget, the newest good one still stays.
+    assert store.prune(keep=2, budget_bytes=10) == [b.id]
+    assert [e.id for e in store.entries()] == [c.id]
