@@ -123,14 +123,14 @@ def base_vars(scratch: Path) -> dict[str, object]:
         "pitstop_config": {
             "engine": {"kind": "reference", "model": "/var/lib/pitstop/models/tiny-llama",
                        "served_model_name": "tiny-llama", "device": "cpu"},
-            # The front lands with its own branch; the engine's canary is checked by the agent.
-            "front": {"enabled": False},
+            # Each container has its own network namespace: the same port on every host.
+            "front": {"host": "127.0.0.1", "port": 8000},
             "paths": {"state_dir": "/var/lib/pitstop", "run_dir": "/run/pitstop"},
             "metrics": {"host": "127.0.0.1", "port": 9410},
         },
-        # This branch's agent takes no snapshots yet and has no front to send the canary to.
-        "pitstop_rollout_require_snapshot": False,
-        "pitstop_rollout_verify_canary": False,
+        # A rollout waits for the snapshot taken after the drift and checks the canary.
+        "pitstop_rollout_require_snapshot": True,
+        "pitstop_rollout_verify_canary": True,
     }
 
 

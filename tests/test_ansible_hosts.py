@@ -141,15 +141,33 @@ def test_the_pins_are_in_effect(fleet: Fleet) -> None:
         assert kernel_pkg in c.run(["apt-mark", "showhold"]).stdout.split(), name
 
 
+def _drifted_config(fleet: Fleet) -> dict:
+    """The agent's configuration with other engine arguments: a drift the snapshot identity
+    sees (the stand-in driver package is not in it, a real driver is), so every host's
+    snapshot goes stale and the agent must take a new one after its upgrade."""
+    config = base_vars(fleet.scratch)["pitstop_config"]
+    return {**config, "engine": {**config["engine"], "args": ["--kv-slots", "4"]}}
+
+
+def _snapshots(c: SystemdContainer) -> list[str]:
+    r = c.run(["sh", "-c", "ls /var/lib/pitstop/snapshots/*/manifest.json"], check=False)
+    return r.stdout.split()
+
+
 def test_rollout_upgrades_one_host_at_a_time(fleet: Fleet) -> None:
     new = DRIVER_VERSIONS[1]
-    fleet.write_inventory(nvidia_driver_version=new)
+    old_snapshots = {name: _snapshots(c) for name, c in fleet.hosts.items()}
+    fleet.write_inventory(nvidia_driver_version=new, pitstop_config=_drifted_config(fleet))
     rc, out = _playbook(fleet, "rollout.yml")
     assert rc == 0, out[-6000:]
     first, second = fleet.hosts["deb12"], fleet.hosts["deb13"]
     for name, c in fleet.hosts.items():
         assert installed_version(c, DRIVER) == new, name
         assert agent_status(c)["state"] == "ready", name
+        # The rollout waited for a snapshot taken after the drift, and checked the canary.
+        assert set(_snapshots(c)) - set(old_snapshots[name]), (name, _snapshots(c))
+    assert "Wait for a snapshot taken after this host's upgrade began" in out
+    assert "Check that the engine gives the recorded answer" in out
     # serial: 1 — the second host's upgrade began after the first host was ready again.
     t1, t2 = dpkg_installed_at(first, DRIVER, new), dpkg_installed_at(second, DRIVER, new)
     assert t1 and t2 and t1 < t2, (t1, t2)
@@ -160,7 +178,8 @@ def test_rollout_stops_at_the_first_failing_host(fleet: Fleet) -> None:
     first, second = fleet.hosts["deb12"], fleet.hosts["deb13"]
     first.run(["touch", FAIL_MARKER])
     before = DRIVER_VERSIONS[1]
-    fleet.write_inventory(nvidia_driver_version=DRIVER_VERSIONS[2])
+    fleet.write_inventory(nvidia_driver_version=DRIVER_VERSIONS[2],
+                          pitstop_config=_drifted_config(fleet))
     rc, out = _playbook(fleet, "rollout.yml")
     assert rc != 0, out[-6000:]
     assert "this host is marked to fail" in out, out[-6000:]
@@ -187,3 +206,4 @@ def test_report_names_the_hosts_off_the_pins(fleet: Fleet) -> None:
     assert deb13["kernel"] == os.uname().release == deb13["kernel_pin"]
     assert deb13["agent_state"] == "ready" and deb13["agent_version"]
     assert deb13["engine_kind"] == "reference"
+    assert deb13["snapshots"] >= 1 and deb13["snapshot_age_s"] is not None
