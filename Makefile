@@ -6,7 +6,8 @@ CACHE ?= .cache
 MODEL ?= $(HOME)/.cache/pitstop/tiny-llama
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: run test lint venv vllm model criu criu-bundle clean prometheus docs-images
+.PHONY: run test lint venv vllm model criu criu-bundle clean prometheus docs-images rootfs \
+	rootfs-trixie ansible ansible-hosts
 
 venv: $(VENV)/.installed
 
@@ -34,6 +35,17 @@ $(CACHE)/criu/.installed: scripts/install-criu.sh
 criu-bundle: criu
 	scripts/install-criu.sh bundle .gpu/criu
 
+# Ansible and ansible-lint in their own venv: ansible-core pins its own jinja2 and
+# resolvelib, and the `ansible` package (which bundles the collections) is ~0.5 GB
+# that the agent never needs.
+ANSIBLE_VENV ?= .venv-ansible
+ansible: $(ANSIBLE_VENV)/.installed
+
+$(ANSIBLE_VENV)/.installed: requirements-ansible.txt
+	test -x $(ANSIBLE_VENV)/bin/python || $(PYTHON) -m venv $(ANSIBLE_VENV)
+	$(ANSIBLE_VENV)/bin/pip install -q -r requirements-ansible.txt
+	touch $@
+
 model: venv
 	$(BIN)/pitstop make-model $(MODEL)
 
@@ -42,6 +54,25 @@ run: venv model criu
 
 lint: venv
 	$(BIN)/ruff check agent tests bench scripts
+
+# A Debian 12 rootfs booted by systemd-nspawn: the real systemd the unit tests drive (LAB.md
+# fact 8). The script returns at once when its stamp matches. Debian 13 boots the same way
+# (rootfs-trixie; not needed by the tests).
+rootfs:
+	scripts/make-rootfs.sh bookworm $(CACHE)/rootfs/bookworm
+
+rootfs-trixie:
+	scripts/make-rootfs.sh trixie $(CACHE)/rootfs/trixie
+
+# The Ansible tests' hosts: Debian 12 and 13 roots with what Ansible needs on a host
+# (apt bindings for Python, venv) and dpkg-dev for the test's local apt repository; Debian
+# 13's criu 4.1 comes from the distribution, as on a real host. Plus a wheelhouse of the
+# agent and its dependencies: the containers have no network, as hosts behind a mirror.
+ANSIBLE_HOST_PACKAGES := python3-apt,python3-venv,python3-pip,dpkg-dev
+ansible-hosts: ansible
+	scripts/make-rootfs.sh bookworm $(CACHE)/rootfs/ansible-bookworm $(ANSIBLE_HOST_PACKAGES)
+	scripts/make-rootfs.sh trixie $(CACHE)/rootfs/ansible-trixie $(ANSIBLE_HOST_PACKAGES),criu
+	scripts/ansible-wheelhouse.sh $(CACHE)/ansible-wheelhouse
 
 # promtool and the Prometheus server, from Debian's package: the rule and alert tests.
 prometheus:
@@ -52,9 +83,9 @@ docs-images: venv prometheus model
 	$(BIN)/pip install -q -e '.[docs]'
 	$(BIN)/python scripts/render_dashboards.py --model $(MODEL) --out docs/img
 
-test: venv criu prometheus vllm
+test: venv criu prometheus vllm rootfs ansible-hosts
 	$(BIN)/ruff check agent tests bench scripts
 	$(BIN)/python -m pytest -q -ra
 
 clean:
-	rm -rf $(VENV) $(CACHE)
+	rm -rf $(VENV) $(ANSIBLE_VENV) $(CACHE)

@@ -67,6 +67,29 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK if data["state"] == "ready" else EXIT_FAIL
 
 
+def _cmd_install_units(args: argparse.Namespace) -> int:
+    from agent import units
+
+    if args.holder and not args.enable:
+        print("pitstop: --holder only makes sense with --enable", file=sys.stderr)
+        return EXIT_USAGE
+    pitstop = args.pitstop_bin or units.default_pitstop_bin()
+    paths = units.paths_for(pitstop.absolute(), args.config.absolute())
+    if not args.config.exists():
+        print(f"pitstop: note: {args.config} does not exist yet; the tmpfiles snippet uses the "
+              "default directories", file=sys.stderr)
+    for f in units.install(args.prefix, paths):
+        print(f"installed {f}")
+    if args.no_reload:
+        return EXIT_OK
+    done, warnings = units.activate(args.prefix, args.enable, args.holder)
+    for c in done:
+        print(f"ran: {c}")
+    for w in warnings:
+        print(f"pitstop: warning: {w}", file=sys.stderr)
+    return EXIT_OK
+
+
 def format_status(data: dict) -> str:
     import time
 
@@ -296,6 +319,22 @@ def build_parser() -> argparse.ArgumentParser:
                     "the cache (and refresh it)")
     dg.add_argument("--model", type=Path, help="another model directory than engine.model")
     dg.set_defaults(func=_cmd_digest)
+
+    u = sub.add_parser("install-units",
+                       help="install the systemd units, sysctl and tmpfiles snippets")
+    u.add_argument("--prefix", type=Path, default=Path("/"),
+                   help="root to install under (default /: the live system)")
+    u.add_argument("--pitstop-bin", type=Path,
+                   help="the pitstop command the units run (default: the one beside this Python)")
+    u.add_argument("--config", type=Path, default=Path("/etc/pitstop/pitstop.yaml"),
+                   help="the configuration the agent reads (default /etc/pitstop/pitstop.yaml)")
+    u.add_argument("--enable", action="store_true",
+                   help="enable pitstop-agent.service and the holders (not start them)")
+    u.add_argument("--holder", action="append", default=[], metavar="GPU_UUID",
+                   help="a GPU to enable a holder for, with --enable (repeatable)")
+    u.add_argument("--no-reload", action="store_true",
+                   help="only write the files: no daemon-reload, tmpfiles, sysctl or enabling")
+    u.set_defaults(func=_cmd_install_units)
 
     h = sub.add_parser("holder", help="the per-GPU memory holder: serve (default), status, "
                        "release")

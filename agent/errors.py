@@ -87,3 +87,7 @@ class FrontRejected(FrontError):
         super().__init__(message)
         self.reason = reason
         self.retry_after = retry_after
+
+
+class UnitsError(PitstopError):
+    """The systemd units could not be rendered, installed or enabled."""

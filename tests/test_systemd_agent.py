@@ -1,0 +1,183 @@
+"""The real agent (`pitstop run`, reference engine on CPU) under the shipped unit, in systemd.
+
+One container and one agent service for the module; the tests run in order and each leaves
+the service active for the next (a failing one is reported, the next starts it again).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import cached_model
+from tests.prereq import require
+from tests.systemd_container import (
+    REPO,
+    SCRATCH,
+    SystemdContainer,
+    container_prerequisites,
+    make_container,
+)
+
+pytestmark = pytest.mark.integration
+
+AGENT = "pitstop-agent.service"
+PITSTOP = str(REPO / ".venv" / "bin" / "pitstop")
+CONFIG = SCRATCH / "pitstop.yaml"
+STATE = Path("/var/lib/pitstop-test")
+STATUS = STATE / "run" / "status.json"
+# Short enough to keep the hang test quick, long enough that a busy 2-CPU machine does not
+# starve a healthy agent past it; the shipped unit says 30 s and 15 s.
+TEST_OVERRIDES = "[Service]\nWatchdogSec=8s\nTimeoutAbortSec=3s\n"
+
+
+def _config(model: Path) -> dict:
+    return {
+        "engine": {"kind": "reference", "model": str(model), "device": "cpu"},
+        "paths": {"state_dir": str(STATE)},
+        # The front is the lead's part; the unit mechanics need none.
+        "front": {"enabled": False},
+        "metrics": {"enabled": False},
+        "health": {"interval_s": 0.5, "timeout_s": 2.0, "start_timeout_s": 180},
+        "restart": {"backoff_initial_s": 0.2, "backoff_max_s": 1.0},
+    }
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SystemdContainer]:
+    missing = container_prerequisites()
+    require(not missing, "cannot boot a systemd container: missing " + "; ".join(missing))
+    model = cached_model("tiny")  # under the repo, which the container sees read-only
+    c = make_container(tmp_path_factory.mktemp("sd-agent"),
+                       tmp_path_factory.mktemp("sd-agent-logs") / "boot.log")
+    c.start()
+    try:
+        c.write_file(str(CONFIG), yaml.safe_dump(_config(model)))
+        c.run([PITSTOP, "install-units", "--config", str(CONFIG)])
+        c.write_file(f"/etc/systemd/system/{AGENT}.d/test.conf", TEST_OVERRIDES)
+        c.systemctl("daemon-reload")
+        yield c
+    finally:
+        try:
+            print(f"\n--- journal of {AGENT} (tail) ---\n" + c.journal(AGENT)[-3000:])
+            c.systemctl("stop", AGENT, check=False, timeout=150)
+        finally:
+            c.stop()
+
+
+def _status(c: SystemdContainer) -> dict:
+    r = c.run(["cat", str(STATUS)], check=False)
+    try:
+        return json.loads(r.stdout)
+    except ValueError:
+        return {}
+
+
+def _active(c: SystemdContainer) -> bool:
+    return c.show(AGENT, "ActiveState")["ActiveState"] == "active"
+
+
+def _ensure_started(c: SystemdContainer) -> None:
+    if not _active(c):
+        c.systemctl("reset-failed", AGENT, check=False)
+        c.systemctl("start", AGENT, timeout=300)
+
+
+def test_the_agent_is_active_only_after_ready_and_the_canary(agent: SystemdContainer) -> None:
+    c = agent
+    t0 = time.monotonic()
+    c.systemctl("start", "--no-block", AGENT)
+    states: set[str] = set()
+    canary_at_active: list[bool] = []
+
+    def seen_active() -> bool:
+        s = c.show(AGENT, "ActiveState")["ActiveState"]
+        states.add(s)
+        if s == "active":
+            # READY=1 may only come after the canary was answered and recorded.
+            canary_at_active.append(c.run(["test", "-s", str(STATE / "canary.json")],
+                                          check=False).returncode == 0)
+            return True
+        assert s == "activating", f"{AGENT} went {s}:\n{c.journal(AGENT)[-3000:]}"
+        return False
+
+    c.wait_for(f"{AGENT} active", seen_active, 240, interval_s=0.2)
+    print(f"\nagent: cold start, time to READY {time.monotonic() - t0:.2f} s")
+    assert "activating" in states
+    assert canary_at_active == [True]
+    status = _status(c)
+    assert status["state"] == "ready" and status["engine_pid"]
+    assert "canary recorded" in c.journal(AGENT)
+    assert c.run([PITSTOP, "status", "--config", str(CONFIG)], check=False).returncode == 0
+
+
+def test_a_killed_engine_is_recovered_without_a_systemd_restart(agent: SystemdContainer) -> None:
+    c = agent
+    _ensure_started(c)
+    before = c.show(AGENT, "MainPID", "NRestarts")
+    engine = _status(c)["engine_pid"]
+    c.run(["kill", "-KILL", str(engine)])
+    c.wait_for("a new engine, ready",
+               lambda: _status(c).get("state") == "ready"
+               and _status(c).get("engine_pid") not in (None, engine), 240, interval_s=0.2)
+    assert c.show(AGENT, "MainPID", "NRestarts") == before, c.journal(AGENT)[-3000:]
+
+
+def test_a_reload_with_a_broken_config_keeps_the_agent_running(agent: SystemdContainer) -> None:
+    c = agent
+    _ensure_started(c)
+    pid = c.show(AGENT, "MainPID")["MainPID"]
+    good = c.run(["cat", str(CONFIG)]).stdout
+    try:
+        c.write_file(str(CONFIG), good + "\nno_such_key: 1\n")
+        c.systemctl("reload", AGENT)
+        c.wait_for("the refusal in the journal",
+                   lambda: "reload refused" in c.journal(AGENT), 30)
+        assert _active(c)
+        assert c.show(AGENT, "MainPID")["MainPID"] == pid
+        assert "reload refused" in c.show(AGENT, "StatusText")["StatusText"]
+    finally:
+        c.write_file(str(CONFIG), good)
+    c.systemctl("reload", AGENT)
+    c.wait_for("the reload", lambda: "configuration reloaded" in c.journal(AGENT), 30)
+    assert c.show(AGENT, "MainPID")["MainPID"] == pid
+
+
+def test_systemctl_restart_comes_back_and_the_time_to_ready_is_recorded(
+        agent: SystemdContainer) -> None:
+    c = agent
+    _ensure_started(c)
+    old = c.show(AGENT, "MainPID")["MainPID"]
+    t0 = time.monotonic()
+    # systemctl blocks until the new agent sent READY=1, i.e. until the canary passed.
+    c.systemctl("restart", AGENT, timeout=300)
+    took = time.monotonic() - t0
+    last = _status(c).get("last_recovery") or {}
+    print(f"\nagent: systemctl restart -> READY in {took:.2f} s "
+          f"(path {last.get('path')}, {last.get('duration_s')})")
+    assert _active(c) and c.show(AGENT, "MainPID")["MainPID"] != old
+    assert _status(c)["state"] == "ready"
+
+
+def test_a_hung_agent_is_restarted_by_the_watchdog(agent: SystemdContainer) -> None:
+    c = agent
+    _ensure_started(c)
+    before = c.show(AGENT, "MainPID", "NRestarts")
+    engine = _status(c)["engine_pid"]
+    c.systemctl("kill", "--kill-who=main", "--signal=SIGSTOP", AGENT)
+    t0 = time.monotonic()
+    c.wait_for("a restart by the watchdog",
+               lambda: int(c.show(AGENT, "NRestarts")["NRestarts"]) > int(before["NRestarts"]),
+               60)
+    c.wait_for("active again", lambda: _active(c), 240, interval_s=0.2)
+    print(f"\nagent: hung (SIGSTOP) -> watchdog -> READY again in {time.monotonic() - t0:.2f} s")
+    assert c.show(AGENT, "MainPID")["MainPID"] != before["MainPID"]
+    assert "Watchdog timeout" in c.journal(AGENT)
+    # The hung agent's engine was killed with it, not left running beside the new one.
+    assert c.run(["kill", "-0", str(engine)], check=False).returncode != 0
+    assert _status(c)["engine_pid"] != engine
