@@ -6,7 +6,7 @@ CACHE ?= .cache
 MODEL ?= $(HOME)/.cache/pitstop/tiny-llama
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: run test lint venv model criu criu-bundle clean
+.PHONY: run test lint venv model criu criu-bundle clean bench-front
 
 venv: $(VENV)/.installed
 
@@ -41,6 +41,12 @@ lint: venv
 test: venv criu
 	$(BIN)/ruff check agent tests bench
 	$(BIN)/python -m pytest -q -ra
+
+# The front against direct engine access, then a chaos run (engine SIGKILLed every 20 s);
+# writes bench/results/<date>-front-cpu.md. FRONT_BENCH_ARGS to change durations.
+FRONT_BENCH_ARGS ?= --seconds 10 --rounds 3 --chaos 180 --kill-every 20
+bench-front: venv model
+	$(BIN)/python bench/front_bench.py --model $(MODEL) $(FRONT_BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(CACHE)
