@@ -15,6 +15,7 @@ import asyncio
 import datetime
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -113,7 +114,8 @@ async def run(args: argparse.Namespace) -> str:
                 s.get(f"http://{_status(status_path)['metrics']}/metrics") as r:
             metrics = [line for line in (await r.text()).splitlines()
                        if line.startswith(("pitstop_front_resumed", "pitstop_front_failed",
-                                           "pitstop_recoveries_total"))]
+                                           "pitstop_recoveries_total"))
+                       and "_created" not in line]
     finally:
         agent.send_signal(signal.SIGTERM)
         try:
@@ -122,6 +124,7 @@ async def run(args: argparse.Namespace) -> str:
             agent.kill()
             agent.wait()
         log.close()
+        shutil.rmtree(work, ignore_errors=True)
     now = datetime.datetime.now(datetime.UTC)
     lines = [
         "", f"## Chaos through the real agent ({now:%Y-%m-%d %H:%M} UTC)", "",
