@@ -6,7 +6,7 @@ CACHE ?= .cache
 MODEL ?= $(HOME)/.cache/pitstop/tiny-llama
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: run test lint venv model criu criu-bundle clean bench-front
+.PHONY: run test lint venv vllm model criu criu-bundle clean prometheus docs-images bench-front
 
 venv: $(VENV)/.installed
 
@@ -17,6 +17,11 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --find-links /opt/wheels 'torch==2.13.0'
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
+
+# Real vLLM (CPU build) in a venv of its own, for tests/test_vllm_engine.py; cached by a stamp
+# under $(CACHE), about 2 min the first time (LAB.md fact 7).
+vllm:
+	scripts/install-vllm.sh
 
 # CRIU >= 4.1 at $(CACHE)/criu/bin/criu (LAB.md fact 2); the script is idempotent.
 criu: $(CACHE)/criu/.installed
@@ -36,10 +41,19 @@ run: venv model criu
 	$(BIN)/pitstop run
 
 lint: venv
-	$(BIN)/ruff check agent tests bench
+	$(BIN)/ruff check agent tests bench scripts
 
-test: venv criu
-	$(BIN)/ruff check agent tests bench
+# promtool and the Prometheus server, from Debian's package: the rule and alert tests.
+prometheus:
+	bash scripts/install-prometheus.sh
+
+# The dashboard pictures in docs/img/, from a short real run (matplotlib: the docs extra).
+docs-images: venv prometheus model
+	$(BIN)/pip install -q -e '.[docs]'
+	$(BIN)/python scripts/render_dashboards.py --model $(MODEL) --out docs/img
+
+test: venv criu prometheus vllm
+	$(BIN)/ruff check agent tests bench scripts
 	$(BIN)/python -m pytest -q -ra
 
 # The front against direct engine access, then a chaos run (engine SIGKILLed every 20 s);

@@ -89,6 +89,33 @@ def format_status(data: dict) -> str:
     return "\n".join(lines)
 
 
+def _cmd_holder(args: argparse.Namespace) -> int:
+    gpu = args.gpu or ("cpu" if args.backend == "cpu" else None)
+    if gpu is None:
+        print("pitstop: holder: --gpu UUID is required with --backend cuda "
+              "(nvidia-smi -L lists the UUIDs)", file=sys.stderr)
+        return EXIT_USAGE
+    if args.action == "serve":
+        import logging
+
+        from agent.holder.server import run_holder
+
+        logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        if args.names or args.all:
+            print("pitstop: holder: names and --all go with `release`", file=sys.stderr)
+            return EXIT_USAGE
+        return run_holder(args.backend, gpu, args.dir, max_bytes=args.max_bytes)
+    from agent.holder.cli import holder_release, holder_status
+
+    if args.action == "status":
+        return holder_status(args.dir, gpu, as_json=args.json)
+    if not args.names and not args.all:
+        print("pitstop: holder release: name the regions, or --all", file=sys.stderr)
+        return EXIT_USAGE
+    return holder_release(args.dir, gpu, args.names, release_all=args.all)
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     import dataclasses
     import json
@@ -143,6 +170,66 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_drift(args: argparse.Namespace) -> int:
+    import json
+
+    from agent.checkpoint.criu_locate import locate
+    from agent.config import load_config
+    from agent.drift import compare
+    from agent.drift_watch import build_reader
+    from agent.engines import build_adapter
+    from agent.errors import SnapshotError
+    from agent.store import SnapshotStore
+
+    cfg = load_config(args.config)
+    store = SnapshotStore(cfg.paths.snapshots)
+    try:
+        if args.snapshot:
+            manifest = store.load(args.snapshot)
+        else:
+            manifest = next((e.manifest for e in store.entries() if e.manifest), None)
+    except SnapshotError as e:
+        print(f"pitstop: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if manifest is None:
+        print(f"pitstop: no readable snapshot in {cfg.paths.snapshots} to compare with; "
+              "`pitstop snapshot list` shows them", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        criu = locate(cfg.snapshots.criu).version
+    except SnapshotError:
+        criu = None  # as the agent records it when it has no CRIU
+    now = build_reader(cfg, build_adapter(cfg), criu)()
+    diffs = compare(manifest.identity, now)
+    if args.json:
+        print(json.dumps({"snapshot": manifest.id, "drift": bool(diffs), "differences": [
+            {"field": d.field, "old": d.old, "new": d.new} for d in diffs]}, indent=1))
+    elif diffs:
+        print("\n".join(str(d) for d in diffs))
+    else:
+        print(f"snapshot {manifest.id} matches this host")
+    return EXIT_FAIL if diffs else EXIT_OK
+
+
+def _cmd_digest(args: argparse.Namespace) -> int:
+    import json
+
+    from agent.config import load_config
+    from agent.weights import WeightsDigester, cache_path_for
+
+    cfg = load_config(args.config)
+    model = args.model or cfg.engine.model
+    d = WeightsDigester(cache_path_for(cfg.paths.state_dir)).digest(model, rehash=args.rehash)
+    if args.json:
+        print(json.dumps({"model": str(d.model), "digest": d.digest, "bytes_read": d.bytes_read,
+                          "files_hashed": d.files_hashed, "seconds": round(d.seconds, 3),
+                          "files": [vars(f) for f in d.files]}, indent=1))
+    else:
+        print(f"{d.digest}  {d.model}\n{len(d.files)} files, {d.files_hashed} hashed, "
+              f"{d.bytes_read} bytes read in {d.seconds:.2f}s")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pitstop", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -194,6 +281,35 @@ def build_parser() -> argparse.ArgumentParser:
         elif name == "delete":
             a.add_argument("ids", nargs="+", metavar="ID")
     sn.set_defaults(func=_cmd_snapshot)
+
+    dr = sub.add_parser("drift", help="compare a snapshot's identity with this host's "
+                        "(exit 1 when a field differs)")
+    dr.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
+    dr.add_argument("--json", action="store_true")
+    dr.add_argument("--snapshot", metavar="ID", help="default: the newest snapshot")
+    dr.set_defaults(func=_cmd_drift)
+
+    dg = sub.add_parser("digest", help="the weights digest of engine.model (cached by stat)")
+    dg.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
+    dg.add_argument("--json", action="store_true")
+    dg.add_argument("--rehash", action="store_true", help="read every file again, ignoring "
+                    "the cache (and refresh it)")
+    dg.add_argument("--model", type=Path, help="another model directory than engine.model")
+    dg.set_defaults(func=_cmd_digest)
+
+    h = sub.add_parser("holder", help="the per-GPU memory holder: serve (default), status, "
+                       "release")
+    h.add_argument("action", nargs="?", choices=["serve", "status", "release"], default="serve")
+    h.add_argument("names", nargs="*", help="regions to release")
+    h.add_argument("--backend", choices=["cpu", "cuda"], default="cpu")
+    h.add_argument("--gpu", help="the GPU's UUID (GPU-...), or 'cpu' with --backend cpu")
+    h.add_argument("--dir", type=Path, default=Path("/run/pitstop/holder"),
+                   help="the socket is DIR/<gpu>/holder.sock (default /run/pitstop/holder)")
+    h.add_argument("--max-bytes", type=int, help="refuse regions beyond this many bytes held")
+    h.add_argument("--all", action="store_true", help="release: every committed region")
+    h.add_argument("--json", action="store_true", help="status: print JSON")
+    h.add_argument("-v", "--verbose", action="store_true")
+    h.set_defaults(func=_cmd_holder)
     return p
 
 

@@ -109,6 +109,9 @@ class SnapshotsConfig(_Strict):
     regenerate: Literal["before-serving", "after-serving", "manual"] = "after-serving"
     # How long a snapshot waits for requests in flight to finish (new ones are held).
     quiet_timeout_s: float = Field(30.0, gt=0)
+    # How often the running agent recomputes the host identity (weights by stat, re-hashing
+    # only changed files) to notice drift; 0 turns the watcher off.
+    drift_check_interval_s: float = Field(30.0, ge=0)
     criu: Path | None = None
     keep: int = Field(2, ge=1)
     disk_budget_gib: float = Field(64.0, gt=0)
@@ -118,6 +121,14 @@ class SnapshotsConfig(_Strict):
     @classmethod
     def _expand_paths(cls, v: Any) -> Any:
         return _expand(v) if isinstance(v, str) else v
+
+    @field_validator("drift_check_interval_s")
+    @classmethod
+    def _off_or_calm(cls, v: float) -> float:
+        # Each check stats every model file and queries NVML: not a busy loop.
+        if 0 < v < 1:
+            raise ValueError("must be 0 (off) or at least 1 second")
+        return v
 
 
 class HealthConfig(_Strict):

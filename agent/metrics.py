@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -24,6 +24,12 @@ STAGE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 6
 STALL_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
 RECOVERY_PATHS = ("hybrid", "full", "warm", "cold")
+RESULTS = ("success", "failure")
+# What makes the supervisor walk the ladder, and the failures it did not ask for.
+RECOVERY_CAUSES = ("startup", "crash", "exit", "hang", "reload", "reset")
+FAILURE_CAUSES = ("crash", "exit", "hang")
+FALLTHROUGH_REASONS = ("skipped", "start_failed", "verify_failed")
+SNAPSHOT_KINDS = ("hybrid", "full")
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,8 @@ class NodeInfo:
     engine_version: str = ""
     weights_digest: str = ""
     gpu_name: str = ""
+    # The served model name: the dashboards' `model` variable selects hosts by it.
+    model: str = ""
 
 
 @dataclass(frozen=True)
@@ -134,7 +142,27 @@ class Metrics:
             "Requests the front could not finish, by reason (deadline, queue_full, draining, "
             "resume_limit, not_resumable, engine_lost, engine_error, client_gone).",
             ["reason"], registry=registry)
+        self._initialise_known_labels()
         registry.register(StatusCollector(status))
+
+    def _initialise_known_labels(self) -> None:
+        """Export 0 for every known label set before its first event.
+
+        A counter series that first appears at 1 has no `increase()`: without this, the
+        dashboards would miss every host's first crash, first hang, first fall-through.
+        """
+        for path in RECOVERY_PATHS:
+            for result in RESULTS:
+                for cause in RECOVERY_CAUSES:
+                    self.recoveries.labels(path=path, result=result, cause=cause)
+            for reason in FALLTHROUGH_REASONS:
+                self.ladder_fallthroughs.labels(path=path, reason=reason)
+        for cause in FAILURE_CAUSES:
+            self.engine_failures.labels(cause=cause)
+        for result in RESULTS:
+            self.regenerations.labels(result=result)
+            for kind in SNAPSHOT_KINDS:
+                self.snapshots_created.labels(kind=kind, result=result)
 
 
 class StatusCollector(Collector):
@@ -163,42 +191,45 @@ class StatusCollector(Collector):
         for name in s.states:
             state.add_metric([name], 1.0 if name == s.state else 0.0)
         yield state
+        # Families whose value is unknown are still yielded, without a sample: the name is
+        # always in the exposition (dashboards and rules can be checked against it), and
+        # "no sample" keeps meaning "not known here" rather than a misleading zero.
+        st = GaugeMetricFamily(
+            "pitstop_engine_start_time_seconds",
+            "Unix time at which the current engine became ready.")
         if s.engine_start_time is not None:
-            st = GaugeMetricFamily(
-                "pitstop_engine_start_time_seconds",
-                "Unix time at which the current engine became ready.")
             st.add_metric([], s.engine_start_time)
-            yield st
+        yield st
         present = GaugeMetricFamily(
             "pitstop_snapshot_present", "1 when a usable snapshot exists for this host.",
             labels=["kind"])
         present.add_metric([s.snapshot_kind or "none"], 1.0 if s.snapshot_created else 0.0)
         yield present
+        age = GaugeMetricFamily(
+            "pitstop_snapshot_age_seconds", "Age of the newest usable snapshot.")
         if s.snapshot_created is not None:
-            age = GaugeMetricFamily(
-                "pitstop_snapshot_age_seconds", "Age of the newest usable snapshot.")
             age.add_metric([], max(0.0, self._clock() - s.snapshot_created))
-            yield age
+        yield age
+        size = GaugeMetricFamily(
+            "pitstop_snapshot_size_bytes", "Size on disk of the newest usable snapshot.")
         if s.snapshot_bytes is not None:
-            size = GaugeMetricFamily(
-                "pitstop_snapshot_size_bytes", "Size on disk of the newest usable snapshot.")
             size.add_metric([], float(s.snapshot_bytes))
-            yield size
+        yield size
         stale = GaugeMetricFamily(
             "pitstop_snapshot_stale", "1 per reason the newest snapshot cannot be restored.",
             labels=["reason"])
         for reason in s.stale_reasons:
             stale.add_metric([reason], 1.0)
         yield stale
+        hu = GaugeMetricFamily("pitstop_holder_up", "1 when the GPU memory holder answers.")
         if s.holder_up is not None:
-            hu = GaugeMetricFamily("pitstop_holder_up", "1 when the GPU memory holder answers.")
             hu.add_metric([], 1.0 if s.holder_up else 0.0)
-            yield hu
+        yield hu
+        hb = GaugeMetricFamily(
+            "pitstop_holder_bytes", "Bytes of model memory held outside the engine.")
         if s.holder_bytes is not None:
-            hb = GaugeMetricFamily(
-                "pitstop_holder_bytes", "Bytes of model memory held outside the engine.")
             hb.add_metric([], float(s.holder_bytes))
-            yield hb
+        yield hb
         qd = GaugeMetricFamily(
             "pitstop_front_queue_depth", "Requests waiting in the front for a ready engine.")
         qd.add_metric([], float(s.front_queue_depth))
@@ -211,4 +242,7 @@ class StatusCollector(Collector):
 
 def new_registry() -> CollectorRegistry:
     """A fresh registry; status is only read at scrape time, never at registration."""
+    # `_created` companions would double every counter's and histogram's series for a value
+    # no dashboard or rule reads; the switch is process-wide in prometheus_client.
+    disable_created_metrics()
     return CollectorRegistry(auto_describe=False)

@@ -312,9 +312,13 @@ def _tensor(name: str, shape: tuple[int, ...], spec: ModelSpec) -> Any:
     # One generator per tensor, seeded from (seed, name): each tensor is the same whatever
     # else the model holds, and tensors can be made one at a time.
     digest = hashlib.sha256(f"{spec.seed}:{name}".encode()).digest()
-    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    # Benchmarks on a GPU host make tens of GiB: the GPU draws them ~50x faster than the
+    # CPU. Other values than the CPU's, so the bench opts in (PITSTOP_MODELGEN_DEVICE).
+    device = os.environ.get("PITSTOP_MODELGEN_DEVICE", "cpu")
+    gen = torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
     std = 1.0 if name == "model.embed_tokens.weight" else spec.init_std
-    return (torch.randn(shape, generator=gen, dtype=torch.float32) * std).to(dtype)
+    t = torch.randn(shape, generator=gen, dtype=torch.float32, device=device) * std
+    return t.to(dtype).cpu()
 
 
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
@@ -353,7 +357,7 @@ def _write_safetensors(
 
     The format is an 8-byte little-endian header length, a JSON header naming each
     tensor's dtype, shape and byte range, then the raw bytes (safetensors' own writer
-    needs numpy and the whole dict in memory).
+    wants every tensor of the file in memory at once).
     """
     st_dtype = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[spec.dtype]
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}

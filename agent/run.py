@@ -18,10 +18,12 @@ from agent.checkpoint import build_snapshotter
 from agent.checkpoint.snapshotter import Snapshotter
 from agent.config import Config, load_config
 from agent.control import ControlServer
+from agent.drift import Difference, describe
+from agent.drift_watch import DriftWatcher, build_reader
 from agent.engines import build_adapter
 from agent.errors import ConfigError, ModelError, SnapshotError
 from agent.fsutil import private_dir
-from agent.identity import Identity, collect
+from agent.identity import Identity
 from agent.metrics import Metrics, NodeInfo, StatusView, new_registry
 from agent.supervisor.canary import CanaryBook
 from agent.supervisor.capture import Capture
@@ -67,7 +69,8 @@ class Agent:
         private_dir(config.paths.run)
         self.status_file = StatusFile(config.paths.run / "status.json")
         self._node = NodeInfo(kernel=os.uname().release, engine_kind=config.engine.kind,
-                              engine_version=self.adapter.version())
+                              engine_version=self.adapter.version(),
+                              model=config.engine.model_name)
         self.registry = new_registry()
         self.metrics = Metrics(self.registry, self.status_view)
         self.front = None
@@ -76,6 +79,12 @@ class Agent:
 
             self.front = Front(config.front, self.gate, self.metrics)
         self.snapshotter, unavailable = self._snapshotter(config)
+        criu = self.snapshotter.criu.binary.version if self.snapshotter is not None else None
+        self.reader = build_reader(config, self.adapter, criu)
+        # The identity of the engine now serving (taken just before it started): what its
+        # snapshot is tagged with, and what the drift watcher compares the host against.
+        self.engine_identity: Identity | None = None
+        self.drifted: tuple[str, ...] = ()
         self.capture = None
         if self.snapshotter is not None:
             self.capture = Capture(self.snapshotter, self.adapter, config.engine_socket,
@@ -88,7 +97,9 @@ class Agent:
             config=config, adapter=self.adapter, paths=[self.full, ColdStart(self.adapter)],
             gate=self.gate, metrics=self.metrics, notifier=notifier, status=self.status,
             canaries=CanaryBook(config.paths.state_dir / "canary.json"),
-            capture=self.capture, on_change=self._write_status)
+            capture=self.capture, on_change=self._write_status,
+            before_start=self._before_start, on_ready=self._on_ready)
+        self.watcher: DriftWatcher | None = None
         self.control = ControlServer(config.paths.run / "control.sock",
                                      {"snapshot": self._control_snapshot,
                                       "status": self._control_status})
@@ -108,10 +119,20 @@ class Agent:
 
     def identity(self) -> Identity:
         """What a snapshot taken now depends on, and what a restore must match."""
-        criu = self.snapshotter.criu.binary.version if self.snapshotter is not None else None
-        return collect(engine_kind=self.config.engine.kind,
-                       engine_version=self.adapter.version(), criu=criu,
-                       engine_args=self.config.engine.args)
+        return self.engine_identity if self.engine_identity is not None else self.reader()
+
+    async def _before_start(self) -> None:
+        # Hashing changed weight files can take seconds: never on the event loop.
+        self.engine_identity = await asyncio.to_thread(self.reader)
+        self.drifted = ()
+
+    def _on_ready(self) -> None:
+        if self.watcher is not None and self.engine_identity is not None:
+            self.watcher.rebase(self.engine_identity)
+
+    def _on_drift(self, diffs: list[Difference]) -> None:
+        self.drifted = tuple(sorted({d.field for d in diffs}))
+        self.supervisor.request_drift(describe(diffs))
 
     async def _control_snapshot(self, body: dict) -> dict:
         return await self.supervisor.request_snapshot()
@@ -127,7 +148,7 @@ class Agent:
             return {"stale_reasons": self.full.stale_reasons}
         return {"snapshot_created": newest.manifest.created_at.timestamp(),
                 "snapshot_bytes": newest.bytes_on_disk, "snapshot_kind": newest.manifest.kind,
-                "stale_reasons": self.full.stale_reasons}
+                "stale_reasons": tuple(sorted({*self.full.stale_reasons, *self.drifted}))}
 
     def status_view(self) -> StatusView:
         return StatusView(
@@ -158,15 +179,24 @@ class Agent:
         self.notifier.reloading()
         try:
             new = load_config(self.config_path)
+            if new.engine.kind == self.config.engine.kind:
+                self.adapter.reconfigure(new)
         except ConfigError as e:
             log.error("reload refused, keeping the running configuration: %s", e)
             self.notifier.reloaded()
             self.notifier.status(f"{self.supervisor.state}: reload refused: {e}"[:200])
             return
+        if new.engine.kind != self.config.engine.kind:
+            log.error("reload refused: engine.kind %s -> %s needs a restart of the agent "
+                      "(systemctl restart pitstop-agent)", self.config.engine.kind,
+                      new.engine.kind)
+            self.notifier.reloaded()
+            return
         if new.front != self.config.front or new.metrics != self.config.metrics \
                 or new.paths != self.config.paths:
             log.warning("reload: front, metrics and paths changes take effect on restart only")
         self.config = new
+        self.reader.config = new
         self.supervisor.apply_config(new)
         log.info("configuration reloaded from %s", self.config_path or "the embedded default")
         self.notifier.reloaded()
@@ -210,6 +240,12 @@ class Agent:
         await self.control.start()
         self._write_status()
         duties = [asyncio.ensure_future(self._reaper()), asyncio.ensure_future(self._watchdog())]
+        if self.snapshotter is not None:
+            self.watcher = DriftWatcher(
+                self.reader, reference=await asyncio.to_thread(self.reader),
+                on_drift=self._on_drift, interval_s=self.config.snapshots.drift_check_interval_s,
+                metrics=self.metrics)
+            duties.append(asyncio.ensure_future(self.watcher.run()))
         try:
             await self.supervisor.run()
         finally:

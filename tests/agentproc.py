@@ -77,6 +77,15 @@ class RunningAgent:
             lambda s: s.get("state") == "ready" and s.get("engine_pid")
             and s.get("engine_pid") != after_pid, timeout, "ready")
 
+    def wait_recovered(self, restarts: int, timeout: float = 120) -> dict:
+        """Ready again after the `restarts`-th engine failure (a restore keeps the PID)."""
+        return self.wait_for(lambda s: s.get("restarts") == restarts
+                             and s.get("state") == "ready", timeout, f"recovery {restarts}")
+
+    def status_model(self) -> str:
+        return self.config["engine"].get("served_model_name") or \
+            Path(self.config["engine"]["model"]).name
+
     @property
     def front_url(self) -> str:
         return f"http://{self.status()['front']}/v1"

@@ -9,7 +9,6 @@ import sys
 import time
 import urllib.request
 
-import httpx
 import openai
 import pytest
 
@@ -20,7 +19,10 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def agent(tmp_path, tiny_model):
-    a = RunningAgent(tmp_path, agent_config(tmp_path, tiny_model))
+    # Snapshots off: these tests pin the supervisor and the cold rung; the restore rungs
+    # have tests of their own.
+    a = RunningAgent(tmp_path, agent_config(tmp_path, tiny_model,
+                                            snapshots={"enabled": False}))
     a.wait_ready()
     yield a
     a.stop()
@@ -28,7 +30,7 @@ def agent(tmp_path, tiny_model):
 
 def _client(agent: RunningAgent) -> openai.OpenAI:
     return openai.OpenAI(base_url=agent.front_url, api_key="unused", max_retries=0,
-                         timeout=60, http_client=httpx.Client(trust_env=False))
+                         timeout=60)
 
 
 def _greedy(client: openai.OpenAI, model: str, prompt: str = "Once upon a time") -> str:
@@ -59,12 +61,10 @@ def test_a_killed_engine_comes_back_and_serves_the_same_answers(agent):
     client = _client(agent)
     model = client.models.list().data[0].id
     before = _greedy(client, model)
-    old = agent.status()["engine_pid"]
-    os.kill(old, signal.SIGKILL)
-    st = agent.wait_ready(after_pid=old)
+    os.kill(agent.status()["engine_pid"], signal.SIGKILL)
+    st = agent.wait_recovered(1)
     assert st["last_recovery"]["cause"] == "crash"
     assert st["last_recovery"]["path"] == "cold"
-    assert st["restarts"] == 1
     assert _greedy(client, model) == before
     assert "killed by SIGKILL" in agent.log()
 
@@ -72,12 +72,10 @@ def test_a_killed_engine_comes_back_and_serves_the_same_answers(agent):
 def test_a_stopped_engine_is_detected_as_hung_and_replaced(agent):
     old = agent.status()["engine_pid"]
     os.kill(old, signal.SIGSTOP)
-    st = agent.wait_ready(after_pid=old, timeout=60)
+    st = agent.wait_recovered(1, timeout=90)
     assert st["last_recovery"]["cause"] == "hang"
     assert "failed 3 health checks in a row" in agent.log()
-    from agent import proc
-
-    assert not proc.pid_alive(old)
+    assert f"engine failed (hang): engine {old} failed 3 health checks" in agent.log()
 
 
 def test_status_reports_state_pid_uptime_and_last_recovery(agent):

@@ -14,10 +14,14 @@ class ReferenceAdapter:
 
     kind = "reference"
     health_path = "/health"
+    metrics_path = None
     prepare_path = "/pitstop/prepare"
     resume_path = "/pitstop/resume"
 
     def __init__(self, config: Config) -> None:
+        self._config = config
+
+    def reconfigure(self, config: Config) -> None:
         self._config = config
 
     def launch_spec(self) -> LaunchSpec:

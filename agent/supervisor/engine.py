@@ -128,21 +128,36 @@ class EngineProcess:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(self._pidfd, sig)
 
+    def _kill_group(self) -> None:
+        """SIGKILL the engine's process group and whatever descends from its root.
+
+        The engine leads its own session and group, so the group also holds children that
+        outlived their parent and were re-parented to us (vLLM's engine core after its API
+        server died): walking the tree from the root alone would miss them.
+        """
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        proc.kill_tree(self.pid, signal.SIGKILL)
+
     async def kill(self) -> Exit:
         """SIGKILL the whole tree, then reap the root."""
         self._stopping = True
-        if self.alive:
-            proc.kill_tree(self.pid, signal.SIGKILL)
+        self._kill_group()
         return await self.wait()
 
     async def stop(self, timeout: float) -> Exit:
-        """SIGTERM, wait up to `timeout`, then SIGKILL the tree."""
+        """SIGTERM the root (the engine drains its own children), wait, then SIGKILL all."""
         self._stopping = True
         if self.alive:
-            proc.kill_tree(self.pid, signal.SIGTERM)
-            with contextlib.suppress(TimeoutError):
-                return await asyncio.wait_for(self.wait(), timeout)
-            log.warning("engine %d did not stop within %.0fs; killing it", self.pid, timeout)
+            self.signal(signal.SIGTERM)
+            self.signal(signal.SIGCONT)  # a stopped engine must run to see the SIGTERM
+            try:
+                exit = await asyncio.wait_for(self.wait(), timeout)
+            except TimeoutError:
+                log.warning("engine %d did not stop within %.0fs; killing it", self.pid, timeout)
+            else:
+                self._kill_group()  # leftovers of a tree whose root already exited
+                return exit
         return await self.kill()
 
     async def close(self) -> None:

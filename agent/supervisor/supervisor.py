@@ -7,7 +7,7 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from agent.config import Config
 from agent.engines.base import EngineAdapter
@@ -45,6 +45,8 @@ class Supervisor:
                  gate: EngineGate, metrics: Metrics, notifier: Notifier, status: AgentStatus,
                  canaries: CanaryBook, on_change: Callable[[], None] = lambda: None,
                  capture: Capture | None = None,
+                 before_start: Callable[[], Awaitable[None]] | None = None,
+                 on_ready: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.adapter = adapter
@@ -56,6 +58,8 @@ class Supervisor:
         self.canaries = canaries
         self._on_change = on_change
         self.capture = capture
+        self._before_start = before_start
+        self._on_ready = on_ready
         self._clock = clock
         self.state = State.STOPPED
         self.engine: EngineProcess | None = None
@@ -104,6 +108,18 @@ class Supervisor:
         if self.capture is not None and self.config.snapshots.regenerate != "manual":
             self._snapshot_wanted = reason
             self._wake.set()
+
+    def request_drift(self, summary: str) -> None:
+        """The running engine and its snapshot no longer match the host (weights, driver,
+        engine changed): replace the engine when idle, per snapshots.regenerate."""
+        if self.config.snapshots.regenerate == "manual":
+            log.warning("drift (%s): snapshot stale; regenerate: manual, so the engine keeps "
+                        "running until it is restarted", summary)
+            return
+        log.warning("drift (%s): the engine will be replaced at the next quiet moment and a "
+                    "fresh snapshot taken", summary)
+        if self.state in (State.READY, State.SNAPSHOTTING):
+            self.request_restart("drift")
 
     def request_reset(self) -> None:
         """Clear a crash loop (on reload): the next walk of the ladder starts at once."""
@@ -156,6 +172,9 @@ class Supervisor:
     async def _start(self) -> None:
         attempt = Attempt(cause=self._cause)
         t0 = self._clock()
+        if self._before_start is not None:
+            with attempt.stage("identity"):
+                await self._before_start()
         fallthroughs: list[str] = []
         last_path = "cold"
         for path in self.paths:
@@ -267,6 +286,8 @@ class Supervisor:
             self._snapshot_wanted = f"{path} start found no usable snapshot"
         if not (self._snapshot_wanted and policy == "before-serving"):
             self.gate.open(self.config.engine_socket)
+        if self._on_ready is not None:
+            self._on_ready()
         self._fire(Event.VERIFIED, f"{path} start in {duration:.2f}s ({attempt.cause})")
         if not self._announced_ready:
             self._announced_ready = True
@@ -393,7 +414,12 @@ class Supervisor:
         self._fire(Event.ENGINE_FAILED, reason)
 
     async def _replace(self, engine: EngineProcess) -> None:
+        if self._cause == "drift":
+            # Not urgent: let the requests in flight finish; new ones wait in the front.
+            self.gate.pause_admission()
+            await self.gate.wait_quiet(self.config.snapshots.quiet_timeout_s)
         self.gate.close(f"restarting: {self._cause}")
+        self.gate.resume_admission()
         exit = await engine.stop(self.config.engine.stop_timeout_s)
         await engine.close()
         log.info("engine %d stopped for a restart (%s): %s", engine.pid, self._cause, exit)

@@ -25,12 +25,14 @@ log = logging.getLogger("pitstop.restore")
 def reason_code(reason: str) -> str:
     """A low-cardinality label for a refusal reason (the full text goes to the log)."""
     text = reason.lower()
-    for code, words in (("stale", ("differs", "->", "identity")),
-                        ("corrupt", ("checksum", "sha256", "byte", "truncated", "size")),
-                        ("unreadable", ("manifest", "parse", "json", "schema")),
-                        ("permissions", ("mode", "owner", "permission", "symlink"))):
-        if any(w in text for w in words):
-            return code
+    if text.startswith("stale"):
+        return "stale"
+    if text.startswith("corrupt"):
+        return "corrupt"
+    if any(w in text for w in ("mode", "owner", "owned", "symlink", "private")):
+        return "permissions"
+    if "manifest" in text:
+        return "unreadable"
     return "other"
 
 

