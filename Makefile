@@ -7,7 +7,7 @@ MODEL ?= $(HOME)/.cache/pitstop/tiny-llama
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: run test lint venv vllm model criu criu-bundle clean prometheus docs-images rootfs \
-	rootfs-trixie ansible ansible-hosts
+	rootfs-trixie ansible ansible-hosts bench-front
 
 venv: $(VENV)/.installed
 
@@ -86,6 +86,12 @@ docs-images: venv prometheus model
 test: venv criu prometheus vllm rootfs ansible-hosts
 	$(BIN)/ruff check agent tests bench scripts
 	$(BIN)/python -m pytest -q -ra
+
+# The front against direct engine access, then a chaos run (engine SIGKILLed every 20 s);
+# writes bench/results/<date>-front-cpu.md. FRONT_BENCH_ARGS to change durations.
+FRONT_BENCH_ARGS ?= --seconds 10 --rounds 3 --chaos 180 --kill-every 20
+bench-front: venv model
+	$(BIN)/python bench/front_bench.py --model $(MODEL) $(FRONT_BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(ANSIBLE_VENV) $(CACHE)
