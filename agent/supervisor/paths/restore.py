@@ -43,9 +43,9 @@ class FullRestore:
     name = "full"
     kind = "full"
 
-    def __init__(self, snapshotter: Snapshotter | None, unavailable: str, adapter: EngineAdapter,
-                 socket: os.PathLike, identity: Callable[[], Identity], metrics: Metrics,
-                 timeout_s: float) -> None:
+    def __init__(self, *, snapshotter: Snapshotter | None, unavailable: str,
+                 adapter: EngineAdapter, socket: os.PathLike, identity: Callable[[], Identity],
+                 metrics: Metrics, timeout_s: float) -> None:
         self._snap = snapshotter
         self._unavailable = unavailable
         self._adapter = adapter
