@@ -176,11 +176,23 @@ class Agent:
         except HolderError:
             return {"holder_up": False}
 
+    def _node_info(self) -> NodeInfo:
+        """The node's versions as the running engine's identity saw them at its start."""
+        ident = self.engine_identity
+        if ident is None:
+            return self._node
+        return NodeInfo(driver_version=ident.driver_version or "",
+                        cuda_driver_version=ident.cuda_driver_version or "",
+                        kernel=ident.kernel, engine_kind=ident.engine_kind,
+                        engine_version=ident.engine_version,
+                        weights_digest=ident.weights_digest or "",
+                        gpu_name=ident.gpu_name or "", model=self.config.engine.model_name)
+
     def status_view(self) -> StatusView:
         return StatusView(
             state=self.status.state, engine_up=self.status.state == State.READY.value,
             engine_start_time=self.status.engine_ready_since,
-            states=tuple(s.value for s in State), node=self._node,
+            states=tuple(s.value for s in State), node=self._node_info(),
             front_queue_depth=getattr(self.front, "queue_depth", 0),
             front_inflight=self.gate.inflight, **self._snapshot_fields(),
             **self._holder_fields())
