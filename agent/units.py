@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from agent.config import Config, PathsConfig, load_config
+from agent.config import PathsConfig, load_config
 from agent.errors import UnitsError
 
 AGENT_UNIT = "pitstop-agent.service"
@@ -24,7 +24,6 @@ TMPFILES_FILE = "pitstop.conf"
 UNIT_DIR = Path("etc/systemd/system")
 SYSCTL_DIR = Path("etc/sysctl.d")
 TMPFILES_DIR = Path("etc/tmpfiles.d")
-DEFAULT_CONFIG = Path("/etc/pitstop/pitstop.yaml")
 
 _PLACEHOLDER = re.compile(r"@([A-Z_]+)@")
 # A GPU UUID as nvidia-smi prints it (GPU-8b3c...), or any plain instance name for tests.
@@ -51,14 +50,6 @@ class UnitPaths:
             "SNAPSHOT_DIR": tmpfiles_path(self.snapshot_dir),
             "RUN_DIR": tmpfiles_path(self.run_dir),
         }
-
-
-@dataclass(frozen=True)
-class Installed:
-    """The files `install` wrote, and what it ran afterwards."""
-
-    files: tuple[Path, ...]
-    commands: tuple[str, ...]
 
 
 def systemd_quote(path: Path) -> str:
@@ -112,13 +103,9 @@ def default_pitstop_bin() -> Path:
 
 def paths_for(pitstop: Path, config_path: Path) -> UnitPaths:
     """Directories come from the configuration when it exists, else from its defaults."""
-    paths = _config(config_path).paths if config_path.exists() else PathsConfig()
+    paths = load_config(config_path).paths if config_path.exists() else PathsConfig()
     return UnitPaths(pitstop=pitstop, config=config_path, state_dir=paths.state_dir,
                      snapshot_dir=paths.snapshots, run_dir=paths.run)
-
-
-def _config(path: Path) -> Config:
-    return load_config(path)
 
 
 def install(prefix: Path, paths: UnitPaths) -> tuple[Path, ...]:
