@@ -112,6 +112,33 @@ def format_status(data: dict) -> str:
     return "\n".join(lines)
 
 
+def _cmd_holder(args: argparse.Namespace) -> int:
+    gpu = args.gpu or ("cpu" if args.backend == "cpu" else None)
+    if gpu is None:
+        print("pitstop: holder: --gpu UUID is required with --backend cuda "
+              "(nvidia-smi -L lists the UUIDs)", file=sys.stderr)
+        return EXIT_USAGE
+    if args.action == "serve":
+        import logging
+
+        from agent.holder.server import run_holder
+
+        logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        if args.names or args.all:
+            print("pitstop: holder: names and --all go with `release`", file=sys.stderr)
+            return EXIT_USAGE
+        return run_holder(args.backend, gpu, args.dir, max_bytes=args.max_bytes)
+    from agent.holder.cli import holder_release, holder_status
+
+    if args.action == "status":
+        return holder_status(args.dir, gpu, as_json=args.json)
+    if not args.names and not args.all:
+        print("pitstop: holder release: name the regions, or --all", file=sys.stderr)
+        return EXIT_USAGE
+    return holder_release(args.dir, gpu, args.names, release_all=args.all)
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     import dataclasses
     import json
@@ -292,6 +319,20 @@ def build_parser() -> argparse.ArgumentParser:
                     "the cache (and refresh it)")
     dg.add_argument("--model", type=Path, help="another model directory than engine.model")
     dg.set_defaults(func=_cmd_digest)
+
+    h = sub.add_parser("holder", help="the per-GPU memory holder: serve (default), status, "
+                       "release")
+    h.add_argument("action", nargs="?", choices=["serve", "status", "release"], default="serve")
+    h.add_argument("names", nargs="*", help="regions to release")
+    h.add_argument("--backend", choices=["cpu", "cuda"], default="cpu")
+    h.add_argument("--gpu", help="the GPU's UUID (GPU-...), or 'cpu' with --backend cpu")
+    h.add_argument("--dir", type=Path, default=Path("/run/pitstop/holder"),
+                   help="the socket is DIR/<gpu>/holder.sock (default /run/pitstop/holder)")
+    h.add_argument("--max-bytes", type=int, help="refuse regions beyond this many bytes held")
+    h.add_argument("--all", action="store_true", help="release: every committed region")
+    h.add_argument("--json", action="store_true", help="status: print JSON")
+    h.add_argument("-v", "--verbose", action="store_true")
+    h.set_defaults(func=_cmd_holder)
 
     u = sub.add_parser("install-units",
                        help="install the systemd units, sysctl and tmpfiles snippets")

@@ -37,6 +37,30 @@ class StatusError(PitstopError):
     """The agent's status could not be read."""
 
 
+class HolderError(PitstopError):
+    """The memory holder refused a request, or cannot be reached."""
+
+
+class HolderUnavailableError(HolderError):
+    """No holder answers on the socket: it is not running, or the socket is not ours."""
+
+
+class HolderRefusedError(HolderError):
+    """The holder answered a request with an error; `code` says which (not_found, busy...)."""
+
+    def __init__(self, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class HolderInvariantError(HolderError):
+    """The holder's own bookkeeping broke; the holder stops rather than serve bad memory."""
+
+
+class MappingError(HolderError):
+    """Held memory could not be mapped, detached or re-attached in the tenant."""
+
+
 class IdentityError(PitstopError):
     """A fact of the host's identity (GPU, engine packages, ...) could not be read."""
 

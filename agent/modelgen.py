@@ -312,9 +312,13 @@ def _tensor(name: str, shape: tuple[int, ...], spec: ModelSpec) -> Any:
     # One generator per tensor, seeded from (seed, name): each tensor is the same whatever
     # else the model holds, and tensors can be made one at a time.
     digest = hashlib.sha256(f"{spec.seed}:{name}".encode()).digest()
-    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    # Benchmarks on a GPU host make tens of GiB: the GPU draws them ~50x faster than the
+    # CPU. Other values than the CPU's, so the bench opts in (PITSTOP_MODELGEN_DEVICE).
+    device = os.environ.get("PITSTOP_MODELGEN_DEVICE", "cpu")
+    gen = torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
     std = 1.0 if name == "model.embed_tokens.weight" else spec.init_std
-    return (torch.randn(shape, generator=gen, dtype=torch.float32) * std).to(dtype)
+    t = torch.randn(shape, generator=gen, dtype=torch.float32, device=device) * std
+    return t.to(dtype).cpu()
 
 
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:

@@ -179,10 +179,18 @@ class Agent:
         self.notifier.reloading()
         try:
             new = load_config(self.config_path)
+            if new.engine.kind == self.config.engine.kind:
+                self.adapter.reconfigure(new)
         except ConfigError as e:
             log.error("reload refused, keeping the running configuration: %s", e)
             self.notifier.reloaded()
             self.notifier.status(f"{self.supervisor.state}: reload refused: {e}"[:200])
+            return
+        if new.engine.kind != self.config.engine.kind:
+            log.error("reload refused: engine.kind %s -> %s needs a restart of the agent "
+                      "(systemctl restart pitstop-agent)", self.config.engine.kind,
+                      new.engine.kind)
+            self.notifier.reloaded()
             return
         if new.front != self.config.front or new.metrics != self.config.metrics \
                 or new.paths != self.config.paths:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.holder_proc import Holder
 from tests.refengine_proc import REPO, Engine, run_engine
 
 MODEL_CACHE = REPO / ".cache" / "models"
@@ -36,3 +37,14 @@ def refengine(tiny_model: Path) -> Iterator[Engine]:
     """One engine for the session; 4 KV slots so that 8 concurrent requests must queue."""
     with run_engine(tiny_model, "--kv-slots", "4", "--max-model-len", "512") as engine:
         yield engine
+
+
+@pytest.fixture
+def holder(tmp_path: Path) -> Iterator[Holder]:
+    """A `pitstop holder --backend cpu` on a private directory; must stop cleanly (exit 0)."""
+    h = Holder(tmp_path / "holder")
+    try:
+        yield h
+    finally:
+        rc = h.stop()
+        assert rc == 0, h.log.read_text()

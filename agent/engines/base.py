@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from agent.config import Config
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,10 @@ class EngineAdapter(Protocol):
     # in a snapshot, such as the KV pool; None when the engine has none.
     prepare_path: str | None
     resume_path: str | None
+
+    def reconfigure(self, config: Config) -> None:
+        """Take a reloaded configuration of the same engine kind."""
+        ...
 
     def launch_spec(self) -> LaunchSpec:
         """The command line and environment of a cold start."""

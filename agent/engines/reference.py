@@ -21,6 +21,9 @@ class ReferenceAdapter:
     def __init__(self, config: Config) -> None:
         self._config = config
 
+    def reconfigure(self, config: Config) -> None:
+        self._config = config
+
     def launch_spec(self) -> LaunchSpec:
         eng = self._config.engine
         python = str(eng.python) if eng.python else sys.executable

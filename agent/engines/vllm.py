@@ -59,8 +59,12 @@ class VllmAdapter:
     resume_path = None
 
     def __init__(self, config: Config) -> None:
-        self._config = config
         _check_args(config)
+        self._config = config
+
+    def reconfigure(self, config: Config) -> None:
+        _check_args(config)
+        self._config = config
 
     def launch_spec(self) -> LaunchSpec:
         eng = self._config.engine

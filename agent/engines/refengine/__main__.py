@@ -11,6 +11,10 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agent.holder.weights import HeldWeights
 
 log = logging.getLogger("refengine")
 
@@ -33,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=1,
                    help="prompt tokens per forward call; above 1, a resumed greedy request "
                         "may differ in the last bits from an uninterrupted one")
+    p.add_argument("--holder", type=Path, metavar="SOCK",
+                   help="keep the weights in the holder at SOCK: attach them when held "
+                        "(a warm start), else load them from disk into it and commit")
+    p.add_argument("--weights-digest", metavar="DIGEST",
+                   help="the weights' digest, as the agent computed it; without it the "
+                        "engine hashes every weight file (reading them all)")
     return p
 
 
@@ -47,12 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         print("refengine: --kv-slots, --prefill-chunk and --threads must be at least 1",
               file=sys.stderr)
         return 2
-    from agent.errors import ModelError
+    from agent.errors import HolderError, ModelError
 
     try:
         _precheck(args)  # before importing torch: a bad start fails in milliseconds
         return asyncio.run(_serve(args))
-    except ModelError as e:
+    except (ModelError, HolderError) as e:
         print(f"refengine: {e}", file=sys.stderr)
         return 2
 
@@ -87,7 +97,9 @@ async def _serve(args: argparse.Namespace) -> int:
     if device_name == "auto":
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device_name)
-    model = Llama.load(args.model, device, None if args.dtype == "auto" else args.dtype)
+    held = _held_weights(args, device) if args.holder is not None else None
+    model = Llama.load(args.model, device, None if args.dtype == "auto" else args.dtype,
+                       held=held.tensors if held is not None else None)
     tokenizer = Tokenizer(args.model)
     cfg = model.config
     max_len = min(args.max_model_len or 2048, cfg.max_position_embeddings)
@@ -107,8 +119,8 @@ async def _serve(args: argparse.Namespace) -> int:
     sched = Scheduler(model, pool, eos, args.prefill_chunk, on_fatal)
     sched.start()
     name = args.served_model_name or args.model.name
-    runner = web.AppRunner(EngineApp(model, tokenizer, sched, name, str(args.model)).build(),
-                           access_log=None, shutdown_timeout=5.0)
+    app = EngineApp(model, tokenizer, sched, name, str(args.model), held=held)
+    runner = web.AppRunner(app.build(), access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     where = []
     if args.uds is not None:
@@ -133,6 +145,30 @@ async def _serve(args: argparse.Namespace) -> int:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(args.uds)
     return 1 if failure else 0
+
+
+def _held_weights(args: argparse.Namespace, device: object) -> HeldWeights | None:
+    """The weights in the holder; None (load privately) when another engine is loading
+    the same weights into it right now. A holder that is down is an error: the agent
+    asked for a warm start and falls to a cold one."""
+    from agent.engines.refengine.model import weight_files
+    from agent.errors import HolderRefusedError
+    from agent.holder.weights import HeldWeights
+    from agent.weights import WeightsDigester
+
+    files = weight_files(args.model)
+    digest = args.weights_digest
+    if digest is None:
+        # The agent's own digest, computed the agent's way (uncached: every file is read).
+        log.warning("no --weights-digest: hashing %s to name the held regions", args.model)
+        digest = WeightsDigester(None).digest(args.model).digest
+    try:
+        return HeldWeights.open(args.holder, files, digest, device)
+    except HolderRefusedError as e:
+        if e.code != "busy":
+            raise
+        log.warning("%s; loading the weights privately this time", e)
+        return None
 
 
 if __name__ == "__main__":

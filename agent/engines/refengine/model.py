@@ -89,6 +89,30 @@ def load_weights(directory: Path, device: torch.device, dtype: torch.dtype) -> d
     return weights
 
 
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of the model in `directory`."""
+    return _weight_files(directory)
+
+
+def weights_from_held(held: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """Held tensors used in place; one of another dtype is converted into the engine's own
+    memory (correct, but then its bytes are in a snapshot image again)."""
+    out, converted = {}, []
+    for name, t in held.items():
+        if t.dtype == dtype:
+            out[name] = t
+        else:
+            out[name] = t.to(dtype)
+            converted.append(name)
+    if converted:
+        import logging
+
+        logging.getLogger("refengine").warning(
+            "%d held tensors are not %s and were copied (e.g. %s); run with --dtype matching "
+            "the files to use the held memory in place", len(converted), dtype, converted[0])
+    return out
+
+
 class Llama:
     """The model: `forward` runs tokens at given positions of one KV slot, returns logits.
 
@@ -114,12 +138,17 @@ class Llama:
         self._sin = angles.sin().to(device=device, dtype=torch.float32)
 
     @classmethod
-    def load(cls, directory: Path, device: torch.device, dtype: str | None) -> Llama:
+    def load(cls, directory: Path, device: torch.device, dtype: str | None,
+             held: dict[str, Any] | None = None) -> Llama:
+        """Read the weights from `directory`, or use `held` (tensors over memory the holder
+        keeps, already on `device`) when given."""
         config = LlamaConfig.from_dir(directory)
         name = dtype or config.dtype
         if name not in DTYPES:
             raise ModelError(f"dtype {name!r} is not supported; use one of {', '.join(DTYPES)}")
-        return cls(config, load_weights(directory, device, DTYPES[name]), device)
+        if held is None:
+            return cls(config, load_weights(directory, device, DTYPES[name]), device)
+        return cls(config, weights_from_held(held, DTYPES[name]), device)
 
     @property
     def weight_bytes(self) -> int:

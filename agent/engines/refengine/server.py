@@ -9,7 +9,7 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -22,6 +22,10 @@ from agent.engines.refengine.model import Llama
 from agent.engines.refengine.sampling import SamplingParams
 from agent.engines.refengine.scheduler import EngineBusy, Output, Scheduler, Sequence
 from agent.engines.refengine.tokenizer import ChatTemplateError, Tokenizer
+from agent.errors import HolderError
+
+if TYPE_CHECKING:
+    from agent.holder.weights import HeldWeights
 
 log = logging.getLogger("refengine")
 
@@ -52,8 +56,10 @@ class EngineApp:
     """
 
     def __init__(self, model: Llama, tokenizer: Tokenizer, scheduler: Scheduler,
-                 served_name: str, model_dir: str) -> None:
+                 served_name: str, model_dir: str, held: HeldWeights | None = None) -> None:
         self.model, self.tok, self.sched = model, tokenizer, scheduler
+        # Weights in the holder's memory (--holder): detached by prepare, back by resume.
+        self.held = held
         self.served_name, self.model_dir = served_name, model_dir
         self.max_model_len = scheduler.pool.max_len
         self.requests: Counter[tuple[str, int]] = Counter()
@@ -98,7 +104,16 @@ class EngineApp:
             **self.sched.state(), "model": self.served_name, "pid": os.getpid(),
             "device": str(self.model.device), "dtype": str(self.model.dtype).removeprefix("torch."),
             "max_model_len": self.max_model_len, "weight_bytes": self.model.weight_bytes,
+            **self._held_state(),
         })
+
+    def _held_state(self) -> dict[str, Any]:
+        if self.held is None:
+            return {"weights_source": "disk", "held": None}
+        return {"weights_source": self.held.source,
+                "held": {"socket": str(self.held.socket), "digest": self.held.digest,
+                         "attached": self.held.attached, "bytes": self.held.nbytes,
+                         "regions": self.held.identity}}
 
     async def prepare(self, request: web.Request) -> web.Response:
         try:
@@ -112,12 +127,30 @@ class EngineApp:
             return _error(409, f"{e}; retry when they finish, or pass a longer timeout_s",
                           "ConflictError")
         log.info("prepare: KV pool freed (%d bytes); new requests wait for resume", freed)
-        return web.json_response({"freed_bytes": freed, **self.sched.state()})
+        if self.held is not None:
+            # Nothing runs now (the scheduler is paused with no request in flight), so
+            # no kernel or thread reads the weights while they are unmapped.
+            await asyncio.to_thread(self.held.detach)
+            log.info("prepare: held weights detached (%d bytes, address range kept)",
+                     self.held.nbytes)
+        return web.json_response({"freed_bytes": freed, **self.sched.state(),
+                                  **self._held_state()})
 
     async def resume(self, request: web.Request) -> web.Response:
+        if self.held is not None:
+            try:
+                await asyncio.to_thread(self.held.reattach)
+            except HolderError as e:
+                # The engine stays paused: serving without its weights is impossible, and
+                # serving other bytes at those addresses would be wrong. The agent kills
+                # it and falls to the next rung.
+                log.error("resume: held weights cannot be re-attached: %s", e)
+                return _error(409, f"held weights cannot be re-attached: {e}", "ConflictError")
+            log.info("resume: held weights re-attached at the same addresses")
         allocated = await asyncio.to_thread(self.sched.resume)
         log.info("resume: KV pool rebuilt (%d bytes)", allocated)
-        return web.json_response({"allocated_bytes": allocated, **self.sched.state()})
+        return web.json_response({"allocated_bytes": allocated, **self.sched.state(),
+                                  **self._held_state()})
 
     # --- generation -----------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:

@@ -1,0 +1,189 @@
+"""The tenant's side of the holder protocol: connect, create/commit/attach/release, list."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+from agent.errors import HolderRefusedError, HolderUnavailableError
+from agent.holder import protocol as p
+
+
+@dataclass
+class Grant:
+    """A region and its fds, now owned by the caller: map them, then `close()`."""
+
+    region: p.RegionInfo
+    fds: list[int] = field(default_factory=list)
+
+    def close(self) -> None:
+        while self.fds:
+            with contextlib.suppress(OSError):
+                os.close(self.fds.pop())
+
+    def __enter__(self) -> Grant:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class HolderClient:
+    """One session with the holder; a writer keeps it open until it commits.
+
+    Example::
+
+        with HolderClient.for_gpu(Path("/run/pitstop/holder"), "cpu") as h:
+            if not h.has_committed(digest):
+                with h.create(f"{digest}/model.safetensors", size, digest) as g:
+                    ...                                   # map g.fds, fill
+                h.commit(f"{digest}/model.safetensors")
+            with h.attach(f"{digest}/model.safetensors") as g:
+                ...                                       # map g.fds
+    """
+
+    def __init__(self, path: Path | str, timeout: float = 30.0) -> None:
+        self.path = Path(path)
+        self.timeout = timeout
+        self._sock: socket.socket | None = None
+
+    @classmethod
+    def for_gpu(cls, base: Path | str, gpu: str, timeout: float = 30.0) -> HolderClient:
+        return cls(p.socket_path(str(base), gpu), timeout=timeout)
+
+    def __enter__(self) -> HolderClient:
+        return self
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _connect(self) -> socket.socket:
+        if self._sock is not None:
+            return self._sock
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        s.settimeout(self.timeout)
+        try:
+            s.connect(str(self.path))
+        except OSError as e:
+            s.close()
+            raise HolderUnavailableError(
+                f"no holder answers at {self.path} ({e.strerror}); start it with "
+                f"`pitstop holder --backend cpu|cuda --gpu UUID --dir {self.path.parent.parent}`"
+                " (or its systemd unit)") from e
+        self._sock = s
+        return s
+
+    def _call(self, req: p.AnyRequest) -> tuple[p.Reply, list[int]]:
+        s = self._connect()
+        try:
+            p.send(s, req)
+            data, fds = p.receive(s)
+        except (OSError, p.ProtocolError) as e:
+            self.close()
+            raise HolderUnavailableError(f"the holder at {self.path} stopped answering "
+                                         f"({e}); is it still running?") from e
+        if not data:
+            self.close()
+            raise HolderUnavailableError(f"the holder at {self.path} closed the session "
+                                         "(it stopped, or refused this process)")
+        reply = p.parse_reply(data)
+        if not reply.ok:
+            for fd in fds:
+                os.close(fd)
+            assert reply.error is not None
+            if reply.error.code == p.ErrorCode.FORBIDDEN:
+                self.close()
+            raise HolderRefusedError(f"holder at {self.path}: {reply.error.message}",
+                                     code=reply.error.code.value)
+        return reply, fds
+
+    def _grant(self, req: p.CreateRequest | p.NameRequest) -> Grant:
+        reply, fds = self._call(req)
+        assert reply.region is not None
+        g = Grant(region=reply.region, fds=fds)
+        if len(fds) != len(reply.region.chunks):
+            g.close()
+            raise HolderRefusedError(f"holder at {self.path} sent {len(fds)} fds for "
+                                     f"{len(reply.region.chunks)} chunks of {req.name!r}")
+        return g
+
+    def create(self, name: str, size: int, digest: str, parts: int = 1) -> Grant:
+        """A new, uncommitted region; invisible to others until `commit`, freed if we die."""
+        return self._grant(p.CreateRequest(name=name, size=size, digest=digest, parts=parts))
+
+    def commit(self, name: str) -> p.RegionInfo:
+        reply, _ = self._call(p.NameRequest(op="commit", name=name))
+        assert reply.region is not None
+        return reply.region
+
+    def attach(self, name: str) -> Grant:
+        return self._grant(p.NameRequest(op="attach", name=name))
+
+    def release(self, name: str) -> p.RegionInfo:
+        reply, _ = self._call(p.NameRequest(op="release", name=name))
+        assert reply.region is not None
+        return reply.region
+
+    def list(self, digest: str | None = None) -> list[p.RegionInfo]:
+        """Every region (committed and being written), or only those of `digest`."""
+        reply, _ = self._call(p.ListRequest(digest=digest))
+        return list(reply.regions or [])
+
+    def stats(self) -> p.Stats:
+        reply, _ = self._call(p.StatsRequest())
+        assert reply.stats is not None
+        return reply.stats
+
+    def committed_set(self, digest: str) -> list[p.RegionInfo] | None:
+        """The committed regions of `digest` when all `parts` of them are there, else None."""
+        regions = [r for r in self.list(digest) if r.committed]
+        if not regions or any(r.parts != len(regions) for r in regions):
+            return None
+        return sorted(regions, key=lambda r: r.name)
+
+    def has_committed(self, digest: str) -> bool:
+        """Whether the whole weight set of `digest` is held and committed."""
+        return self.committed_set(digest) is not None
+
+
+def holder_available(path: Path | str, timeout: float = 2.0) -> str | None:
+    """None when a holder answers at `path`; otherwise why not, for a ladder's skip reason."""
+    try:
+        with HolderClient(path, timeout=timeout) as h:
+            h.stats()
+    except (HolderUnavailableError, HolderRefusedError) as e:
+        return str(e)
+    return None
+
+
+def stale_reason(client: HolderClient, expected: dict[str, dict[str, object]]) -> str | None:
+    """Why held memory no longer matches what an image was taken against, or None.
+
+    `expected` is the `held.regions` an engine reported at prepare time (name -> holder_id,
+    epoch, digest, chunks). A hybrid restore is worth trying only when every region is
+    still committed in this very holder at the same epoch: the skip reason otherwise.
+    """
+    try:
+        now = {r.name: r for r in client.list() if r.committed}
+    except (HolderUnavailableError, HolderRefusedError) as e:
+        return f"holder unavailable: {e}"
+    for name, want in sorted(expected.items()):
+        r = now.get(name)
+        if r is None:
+            return f"held region {name} is gone (released, or the holder restarted)"
+        got = {"holder_id": r.holder_id, "epoch": r.epoch, "digest": r.digest,
+               "chunks": r.chunks}
+        diffs = [f"{k} {want.get(k)!r} -> {v!r}" for k, v in got.items() if want.get(k) != v]
+        if diffs:
+            return f"held region {name} changed since the image was taken: {'; '.join(diffs)}"
+    return None

@@ -1,0 +1,118 @@
+"""GPU address space for the cuda backend: reserve once, import and map held fds, unmap."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agent.errors import MappingError
+from agent.holder.backends import BackendError
+from agent.holder.backends.cuda import check
+
+
+def _ck(result: Any, what: str) -> Any:
+    try:
+        return check(result, what)
+    except BackendError as e:
+        raise MappingError(str(e)) from e
+
+
+class CudaSpace:
+    """A VA range reserved with cuMemAddressReserve; held allocations are imported into it.
+
+    Detach unmaps and releases the imported handles but keeps the reservation: LAB fact 12,
+    imported memory still mapped at checkpoint time makes the restore fail for good, and
+    the same addresses must come back so tensors and captured CUDA graphs stay valid.
+    Every call binds the device's primary context (the one torch uses) first.
+
+    Example::
+
+        space = CudaSpace(total, align=granularity, device=torch.cuda.current_device())
+        space.map(0, grant.fds, grant.region.chunks)
+        w = space.tensor(0, grant.region.size)
+    """
+
+    def __init__(self, size: int, align: int, device: int) -> None:
+        from cuda.bindings import driver as cu
+
+        self._cu = cu
+        self.align = align
+        self.size = -(-size // align) * align
+        self.device = device
+        self._handles: dict[int, tuple[Any, int]] = {}  # offset of a chunk -> its imported handle
+        # The device's primary context: the one torch uses. Calls may come from another
+        # thread (the engine's prepare/resume run off its event loop), where no context is
+        # current, so every call binds it first.
+        _ck(cu.cuInit(0), "cuInit")
+        dev = _ck(cu.cuDeviceGet(device), f"cuDeviceGet({device})")
+        self._dev = dev
+        self._ctx = _ck(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+        self._bind()
+        self.base = int(_ck(cu.cuMemAddressReserve(self.size, align, 0, 0),
+                            f"cuMemAddressReserve({self.size})"))
+        acc = cu.CUmemAccessDesc()
+        acc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        acc.location.id = device
+        acc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._access = acc
+
+    def _bind(self) -> None:
+        _ck(self._cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+
+    def map(self, offset: int, fds: list[int], chunks: list[int]) -> None:
+        cu = self._cu
+        self._bind()
+        kind = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        at = offset
+        for fd, length in zip(fds, chunks, strict=True):
+            if at < 0 or at + length > self.size or at % self.align:
+                raise MappingError(f"{length} bytes at offset {at} do not fit the reserved "
+                                   f"{self.size} bytes at {self.base:#x}")
+            # The import takes its own reference; the fd itself can be closed right after.
+            h = _ck(cu.cuMemImportFromShareableHandle(fd, kind),
+                    "cuMemImportFromShareableHandle")
+            try:
+                _ck(cu.cuMemMap(self.base + at, length, 0, h, 0), "cuMemMap")
+            except MappingError:
+                _ck(cu.cuMemRelease(h), "cuMemRelease")
+                raise
+            self._handles[at] = (h, length)
+            _ck(cu.cuMemSetAccess(self.base + at, length, [self._access], 1), "cuMemSetAccess")
+            at += length
+
+    def unmap(self, offset: int, length: int) -> None:
+        cu = self._cu
+        self._bind()
+        # Kernels still reading the weights must finish before the pages go.
+        _ck(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+        for at in sorted(a for a in self._handles if offset <= a < offset + length):
+            h, size = self._handles.pop(at)
+            _ck(cu.cuMemUnmap(self.base + at, size), "cuMemUnmap")
+            _ck(cu.cuMemRelease(h), "cuMemRelease")
+
+    def tensor(self, offset: int, length: int) -> Any:
+        import torch
+
+        ptr = self.base + offset
+
+        class _View:
+            __cuda_array_interface__ = {"shape": (length,), "typestr": "|u1",
+                                        "data": (ptr, False), "version": 3}
+
+        return torch.as_tensor(_View(), device=f"cuda:{self.device}")
+
+    def close(self) -> None:
+        if not self.size:
+            return
+        self.unmap(0, self.size)
+        _ck(self._cu.cuMemAddressFree(self.base, self.size), "cuMemAddressFree")
+        self.size = 0
+        _ck(self._cu.cuDevicePrimaryCtxRelease(self._dev), "cuDevicePrimaryCtxRelease")
+
+
+def cuda_space_factory(device: int) -> Any:
+    """A `make_space(total, align)` for HeldSet that reserves on `device`."""
+
+    def make(total: int, align: int) -> CudaSpace:
+        return CudaSpace(total, align=align, device=device)
+
+    return make

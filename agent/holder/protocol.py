@@ -1,0 +1,198 @@
+"""The holder's wire protocol: versioned JSON messages and fds over a SOCK_SEQPACKET socket."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+VERSION = 1
+# One message is one datagram; a SEQPACKET datagram must fit the socket's send buffer.
+MAX_MESSAGE = 64 * 1024
+# The most fds one answer carries (one per chunk of a region).
+MAX_FDS = 253
+SOCKET_NAME = "holder.sock"
+LOCK_NAME = "holder.lock"
+# Region names become parts of memfd names and log lines: keep them plain.
+NAME_PATTERN = r"^[A-Za-z0-9._:/+=-]{1,200}$"
+DIGEST_PATTERN = r"^[A-Za-z0-9._:+=-]{1,128}$"
+
+
+class ErrorCode(StrEnum):
+    """Why a request was refused; the session goes on after any of these."""
+
+    BAD_REQUEST = "bad_request"      # not JSON, unknown op, a field out of range
+    VERSION = "version"              # the client speaks another protocol version
+    FORBIDDEN = "forbidden"          # the peer's uid is not allowed (the connection closes)
+    NOT_FOUND = "not_found"          # no region of that name
+    NOT_COMMITTED = "not_committed"  # the region exists but its writer has not committed
+    BUSY = "busy"                    # another session is writing a region of that name
+    NOT_OWNER = "not_owner"          # commit/abort of a region this session did not create
+    NO_MEMORY = "no_memory"          # the backend could not allocate, or --max-bytes is reached
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Req(_Msg):
+    v: Literal[1] = VERSION
+
+
+class CreateRequest(_Req):
+    """Allocate a region for writing; the answer carries its fds. Replaces on commit."""
+
+    op: Literal["create"] = "create"
+    name: str = Field(pattern=NAME_PATTERN)
+    size: int = Field(gt=0, le=1 << 44)
+    digest: str = Field(pattern=DIGEST_PATTERN)
+    # How many regions share this digest; a set is complete when that many are committed.
+    parts: int = Field(1, ge=1, le=100_000)
+
+
+class NameRequest(_Req):
+    """commit / attach / release of one named region."""
+
+    op: Literal["commit", "attach", "release"]
+    name: str = Field(pattern=NAME_PATTERN)
+
+
+class ListRequest(_Req):
+    """Every region, or only those of one digest (what a tenant asks about its weights)."""
+
+    op: Literal["list"] = "list"
+    digest: str | None = Field(None, pattern=DIGEST_PATTERN)
+
+
+class StatsRequest(_Req):
+    op: Literal["stats"] = "stats"
+
+
+AnyRequest = CreateRequest | NameRequest | ListRequest | StatsRequest
+Request = Annotated[AnyRequest, Field(discriminator="op")]
+_request_adapter: TypeAdapter[AnyRequest] = TypeAdapter(Request)
+
+
+class RegionInfo(_Msg):
+    """One region as the holder reports it. `chunks` are the sizes of its fds, in order."""
+
+    name: str
+    size: int
+    digest: str
+    parts: int
+    epoch: int
+    holder_id: str
+    committed: bool
+    chunks: list[int]
+    align: int
+
+    @property
+    def mapped_size(self) -> int:
+        """Bytes of address space the region takes when its chunks are mapped back to back."""
+        return sum(self.chunks)
+
+
+class Stats(_Msg):
+    """What the holder holds, in bytes, and who it is."""
+
+    holder_id: str
+    pid: int
+    backend: str
+    gpu: str
+    bytes_committed: int
+    bytes_pending: int
+    regions_committed: int
+    regions_pending: int
+    sessions: int
+
+    @property
+    def bytes_held(self) -> int:
+        return self.bytes_committed + self.bytes_pending
+
+
+class ErrorInfo(_Msg):
+    code: ErrorCode
+    message: str
+
+
+class Reply(_Msg):
+    """Every answer: ok with at most one payload, or an error."""
+
+    v: Literal[1] = VERSION
+    ok: bool
+    error: ErrorInfo | None = None
+    region: RegionInfo | None = None
+    regions: list[RegionInfo] | None = None
+    stats: Stats | None = None
+
+
+class ProtocolError(ValueError):
+    """A message that does not parse; carries the code the answer should have."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def parse_request(data: bytes) -> AnyRequest:
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"not a JSON message: {e}") from None
+    if not isinstance(raw, dict):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "a request is a JSON object")
+    if raw.get("v") != VERSION:
+        raise ProtocolError(
+            ErrorCode.VERSION,
+            f"protocol version {raw.get('v')!r} is not spoken here (holder speaks {VERSION}); "
+            "upgrade the client or the holder so they match")
+    try:
+        return _request_adapter.validate_python(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(message)"
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}: {first['msg']}") from None
+
+
+def parse_reply(data: bytes) -> Reply:
+    return Reply.model_validate_json(data)
+
+
+def encode(msg: _Msg) -> bytes:
+    data = msg.model_dump_json(exclude_none=True).encode()
+    if len(data) > MAX_MESSAGE:
+        raise ValueError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE}")
+    return data
+
+
+def send(sock: socket.socket, msg: _Msg, fds: list[int] | None = None) -> None:
+    data = encode(msg)
+    if fds:
+        socket.send_fds(sock, [data], fds)
+    else:
+        sock.send(data)
+
+
+def receive(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """One datagram and the fds that came with it; b'' at end of stream."""
+    data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS)
+    if flags & socket.MSG_CTRUNC:
+        for fd in fds:
+            _close_quietly(fd)
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "fds were truncated in transit")
+    return data, list(fds)
+
+
+def _close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def socket_path(base: str, gpu: str) -> str:
+    """`<base>/<gpu uuid or 'cpu'>/holder.sock`, the one place both sides derive it from."""
+    return os.path.join(base, gpu, SOCKET_NAME)

@@ -1,0 +1,298 @@
+"""The holder process: one per GPU, serving its region table on a private Unix socket."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import selectors
+import signal
+import socket
+import stat
+import struct
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.errors import HolderError, HolderInvariantError
+from agent.holder import protocol as p
+from agent.holder.backends import Backend, GpuFaultError
+from agent.holder.regions import RegionTable, RequestRefused
+
+log = logging.getLogger("pitstop.holder")
+
+# Exit statuses of `pitstop holder`, so the unit and the agent can tell why it stopped.
+EXIT_STOPPED = 0
+EXIT_INVARIANT = 70   # EX_SOFTWARE: its books broke; held memory was dropped on purpose
+EXIT_GPU_FAULT = 74   # EX_IOERR: the GPU faulted; held memory is not to be trusted
+
+
+@dataclass(eq=False)
+class Session:
+    conn: socket.socket
+    pid: int
+    uid: int
+
+    @property
+    def allowed(self) -> bool:
+        return self.uid in (os.getuid(), 0)
+
+
+def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process that connected, as the kernel recorded it."""
+    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid
+
+
+def prepare_directory(base: Path, gpu: str) -> Path:
+    """`base/gpu`, made 0700 and checked: ours, a real directory, parents not writable by others."""
+    if "/" in gpu or gpu in ("", ".", ".."):
+        raise HolderError(f"--gpu {gpu!r} is not a GPU UUID or 'cpu'")
+    d = base / gpu
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for path in (d, *[q for q in d.parents if q.is_relative_to(base)]):
+        st = path.lstat()
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+            raise HolderError(f"{path} is not a directory (a symlink?); remove it")
+        if st.st_uid not in (os.getuid(), 0):
+            raise HolderError(f"{path} is owned by uid {st.st_uid}; it must be ours or root's")
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise HolderError(f"{path} is writable by others (mode {st.st_mode & 0o777:o}); "
+                              "chmod go-w it")
+    os.chmod(d, 0o700)
+    return d
+
+
+class HolderServer:
+    """Serves one backend's memory to tenants of the same uid (or root).
+
+    Example::
+
+        server = HolderServer(make_backend("cpu", "cpu"), Path("/run/pitstop/holder"))
+        server.bind()
+        raise SystemExit(server.serve())   # until SIGTERM
+    """
+
+    def __init__(self, backend: Backend, base: Path, max_bytes: int | None = None) -> None:
+        self.backend = backend
+        self.holder_id = uuid.uuid4().hex
+        self.table = RegionTable(backend, self.holder_id, max_bytes=max_bytes)
+        self.directory = prepare_directory(base, backend.gpu)
+        self.path = self.directory / p.SOCKET_NAME
+        self._sel = selectors.DefaultSelector()
+        self._sessions: dict[int, Session] = {}
+        self._listener: socket.socket | None = None
+        self._lock_fd: int | None = None
+        self._stop = False
+        self._closed = False
+        self._wake_r, self._wake_w = socket.socketpair()
+
+    def bind(self) -> None:
+        """Take the per-GPU lock, then the socket; a second holder for the GPU is refused."""
+        lock = self.directory / p.LOCK_NAME
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise HolderError(f"another holder (pid {other}) already serves {self.path}; "
+                              "stop it first") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+        # We hold the lock, so a socket file left here belongs to a dead holder.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        old = os.umask(0o177)
+        try:
+            s.bind(str(self.path))
+        finally:
+            os.umask(old)
+        s.listen(64)
+        s.setblocking(False)
+        self._listener = s
+        self._sel.register(s, selectors.EVENT_READ, self._accept)
+        log.info("holder %s serving %s (backend %s, gpu %s)", self.holder_id, self.path,
+                 self.backend.name, self.backend.gpu)
+
+    def serve(self) -> int:
+        """Run until SIGTERM/SIGINT; returns the exit status."""
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        old_fd = signal.set_wakeup_fd(self._wake_w.fileno())
+        old = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self._sel.register(self._wake_r, selectors.EVENT_READ, self._on_signal)
+        try:
+            while not self._stop:
+                for key, _ in self._sel.select():
+                    key.data(key.fileobj)
+            return EXIT_STOPPED
+        except HolderInvariantError as e:
+            log.critical("%s; stopping and dropping all held memory", e)
+            return EXIT_INVARIANT
+        except GpuFaultError as e:
+            log.critical("%s; stopping and dropping all held memory", e)
+            return EXIT_GPU_FAULT
+        finally:
+            signal.set_wakeup_fd(old_fd)
+            for sig, h in old.items():
+                signal.signal(sig, h)
+            self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for sid in list(self._sessions):
+            self._drop(sid)
+        freed = self.table.free_all()
+        if self._listener is not None:
+            self._sel.unregister(self._listener)
+            self._listener.close()
+            self._listener = None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        self.backend.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        self._sel.close()
+        self._wake_r.close()
+        self._wake_w.close()
+        log.info("holder stopped; freed %d bytes", freed)
+
+    def _on_signal(self, sock: socket.socket) -> None:
+        with contextlib.suppress(BlockingIOError):
+            for signum in sock.recv(64):
+                log.info("got %s; stopping", signal.Signals(signum).name)
+                self._stop = True
+
+    def _accept(self, listener: socket.socket) -> None:
+        try:
+            conn, _ = listener.accept()
+        except BlockingIOError:
+            return
+        pid, uid, _gid = peer_credentials(conn)
+        conn.setblocking(False)
+        s = Session(conn=conn, pid=pid, uid=uid)
+        if not s.allowed:
+            # Answered (FORBIDDEN) and closed at its first request: closing now, with the
+            # request unread, would reset the connection before the stranger reads why.
+            log.warning("refused pid %d of uid %d: only uid %d and root may use this holder",
+                        pid, uid, os.getuid())
+        self._sessions[id(s)] = s
+        self._sel.register(conn, selectors.EVENT_READ, lambda _c, s=s: self._on_readable(s))
+        log.debug("session of pid %d opened", pid)
+
+    def _drop(self, sid: int) -> None:
+        s = self._sessions.pop(sid)
+        self._sel.unregister(s.conn)
+        s.conn.close()
+        dropped = self.table.session_closed(s)
+        if dropped:
+            log.warning("pid %d went away before committing %s; freed", s.pid, ", ".join(dropped))
+
+    def _on_readable(self, s: Session) -> None:
+        try:
+            data, fds = p.receive(s.conn)
+        except BlockingIOError:
+            return
+        except p.ProtocolError as e:
+            self._answer(s, _error(e.code, str(e)))
+            return
+        except OSError:
+            self._drop(id(s))
+            return
+        if not data and not fds:
+            self._drop(id(s))  # end of stream: the tenant closed or died
+            return
+        for fd in fds:  # tenants never send fds; don't keep what they did send
+            os.close(fd)
+        if not s.allowed:
+            self._answer(s, _error(p.ErrorCode.FORBIDDEN,
+                                   f"uid {s.uid} may not use this holder (it serves uid "
+                                   f"{os.getuid()} and root)"))
+            if id(s) in self._sessions:
+                self._drop(id(s))
+            return
+        reply, out_fds = self._handle(s, data)
+        self._answer(s, reply, out_fds)
+        self.table.check({sid for sid in self._sessions})
+
+    def _answer(self, s: Session, reply: p.Reply, fds: list[int] | None = None) -> None:
+        try:
+            data = p.encode(reply)
+        except ValueError as e:
+            # Too many regions for one datagram: the client can narrow its question.
+            reply = _error(p.ErrorCode.BAD_REQUEST, f"{e}; ask for one digest's regions "
+                           '({"op": "list", "digest": ...})')
+            data, fds = p.encode(reply), None
+        try:
+            if fds:
+                socket.send_fds(s.conn, [data], fds)
+            else:
+                s.conn.send(data)
+        except (BlockingIOError, OSError) as e:
+            # A tenant that stopped reading or went away loses its session (and with
+            # it anything it had not committed).
+            log.warning("cannot answer pid %d (%s); closing its session", s.pid, e)
+            self._drop(id(s))
+
+    def _handle(self, s: Session, data: bytes) -> tuple[p.Reply, list[int]]:
+        try:
+            req = p.parse_request(data)
+            t = self.table
+            if isinstance(req, p.CreateRequest):
+                r = t.create(s, req.name, req.size, req.digest, req.parts)
+                return p.Reply(ok=True, region=t.info(r)), list(r.allocation.fds)
+            if isinstance(req, p.ListRequest):
+                regions = [t.info(r) for r in (*t.committed.values(), *t.pending.values())
+                           if req.digest is None or r.digest == req.digest]
+                return p.Reply(ok=True, regions=regions), []
+            if isinstance(req, p.StatsRequest):
+                return p.Reply(ok=True, stats=self._stats()), []
+            if req.op == "commit":
+                return p.Reply(ok=True, region=t.info(t.commit(s, req.name))), []
+            if req.op == "attach":
+                r = t.attach(req.name)
+                return p.Reply(ok=True, region=t.info(r)), list(r.allocation.fds)
+            return p.Reply(ok=True, region=t.info(t.release(s, req.name))), []
+        except p.ProtocolError as e:
+            return _error(e.code, str(e)), []
+        except RequestRefused as e:
+            return _error(e.code, str(e)), []
+
+    def _stats(self) -> p.Stats:
+        t = self.table
+        return p.Stats(holder_id=self.holder_id, pid=os.getpid(), backend=self.backend.name,
+                       gpu=self.backend.gpu, bytes_committed=t.bytes_committed,
+                       bytes_pending=t.bytes_pending, regions_committed=len(t.committed),
+                       regions_pending=len(t.pending), sessions=len(self._sessions))
+
+
+def _error(code: p.ErrorCode, message: str) -> p.Reply:
+    return p.Reply(ok=False, error=p.ErrorInfo(code=code, message=message))
+
+
+def run_holder(backend_kind: str, gpu: str, base: Path, max_bytes: int | None = None) -> int:
+    """`pitstop holder`: build the backend, bind, tell systemd, serve until told to stop."""
+    from agent.holder.backends import BackendError, make_backend
+    from agent.systemd import Notifier
+
+    try:
+        backend = make_backend(backend_kind, gpu)
+    except BackendError as e:
+        raise HolderError(f"holder for {gpu}: {e}") from e
+    server = HolderServer(backend, base, max_bytes=max_bytes)
+    try:
+        server.bind()
+    except BaseException:
+        server.close()
+        raise
+    notifier = Notifier()
+    notifier.ready(f"holding for {gpu} at {server.path}")
+    return server.serve()

@@ -1,0 +1,192 @@
+"""Recovery paths of the real agent on a GPU: cold start vs restore, stage by stage.
+
+Runs `pitstop run` with the reference engine on CUDA over a model of --gib GiB made
+with `pitstop make-model`, kills the engine again and again, and reads what each
+recovery took from the agent's own status (`status.json`: path, duration, stages).
+Not part of `make test` (no GPU on CI). On the GPU host, from the repository root:
+
+    PITSTOP_CRIU=$PWD/.gpu/criu/bin/criu python3 bench/gpu_recovery_bench.py OUT --gib 8
+
+Writes OUT/recovery-<gib>gib.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def log(*a: object) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+class Agent:
+    def __init__(self, cfg: dict, workdir: Path) -> None:
+        self.cfg = cfg
+        self.path = workdir / "pitstop.yaml"
+        self.path.write_text(yaml.safe_dump(cfg))
+        self.status_path = Path(cfg["paths"]["state_dir"]) / "run" / "status.json"
+        self.status_path.unlink(missing_ok=True)
+        self.logf = open(workdir / "agent.log", "ab")  # noqa: SIM115
+        self.p = subprocess.Popen([sys.executable, "-m", "agent", "run", "--config",
+                                   str(self.path)], cwd=REPO, stdout=self.logf,
+                                  stderr=subprocess.STDOUT)
+
+    def status(self) -> dict:
+        try:
+            return json.loads(self.status_path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def wait(self, pred, timeout: float, what: str) -> dict:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            st = self.status()
+            if st and pred(st):
+                return st
+            if st.get("state") == "failed":
+                self.stop()
+                raise SystemExit(f"agent failed waiting for {what}: {st.get('reason')}")
+            if self.p.poll() is not None:
+                raise SystemExit(f"agent exited waiting for {what}")
+            time.sleep(0.05)
+        raise SystemExit(f"timed out waiting for {what}: {self.status()}")
+
+    def stop(self) -> None:
+        self.p.send_signal(signal.SIGTERM)
+        try:
+            self.p.wait(120)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+
+
+def kv_args(model: Path, kv_gib: float, max_len: int) -> list[str]:
+    c = json.loads((model / "config.json").read_text())
+    max_len = min(max_len, c["max_position_embeddings"])
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    per_token = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim * 2
+    slots = max(1, int(kv_gib * 2**30) // (per_token * max_len))
+    return ["--kv-slots", str(slots), "--max-model-len", str(max_len), "--dtype", "bfloat16"]
+
+
+def snapshots(cfg_path: Path) -> list[dict]:
+    out = subprocess.run([sys.executable, "-m", "agent", "snapshot", "list", "--json",
+                          "--config", str(cfg_path)], cwd=REPO, capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def manifest(cfg_path: Path, sid: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "agent", "snapshot", "inspect", sid, "--json",
+                          "--config", str(cfg_path)], cwd=REPO, capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def recover(agent: Agent, n: int) -> dict:
+    pid = agent.status()["engine_pid"]
+    os.kill(pid, signal.SIGKILL)
+    st = agent.wait(lambda s: s.get("restarts") == n and s.get("state") == "ready", 900,
+                    f"recovery {n}")
+    rec = st["last_recovery"]
+    log(f"recovery {n}: {rec['path']} in {rec['duration_s']:.2f}s {rec['stages']}")
+    return rec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--gib", type=float, required=True)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--kv-gib", type=float, default=4.0)
+    ap.add_argument("--max-len", type=int, default=4096)
+    ap.add_argument("--models", type=Path, default=Path("/dev/shm/pitstop-models"))
+    ap.add_argument("--work", type=Path, default=Path("/root/pitstop-bench"))
+    ap.add_argument("--snapshot-dir", type=Path, default=None,
+                    help="default: on disk under --work")
+    ap.add_argument("--paths", default="full,cold")
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script")
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    tag = f"{a.gib:g}gib"
+    result: dict = {"gib": a.gib, "runs": a.runs, "host": os.uname().nodename}
+
+    model = a.models / tag
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-m", "agent", "make-model", str(model), "--target-gib",
+                    str(a.gib)], cwd=REPO, check=True,
+                   env={**os.environ, "PITSTOP_MODELGEN_DEVICE": a.device})
+    result["make_model_s"] = round(time.monotonic() - t0, 2)
+    result["weights_bytes"] = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    log(f"model {model}: {result['weights_bytes'] / 1e9:.2f} GB in {result['make_model_s']}s")
+
+    work = a.work / tag
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    cfg = {
+        "engine": {"kind": "reference", "model": str(model), "device": a.device,
+                   "args": kv_args(model, a.kv_gib, a.max_len), "stop_timeout_s": 30},
+        "paths": {"state_dir": str(work / "state")},
+        "front": {"enabled": False},
+        "metrics": {"port": 0},
+        "health": {"start_timeout_s": 900, "timeout_s": 5},
+        "snapshots": {"drift_check_interval_s": 0, "quiet_timeout_s": 60},
+    }
+    if a.snapshot_dir:
+        shutil.rmtree(a.snapshot_dir, ignore_errors=True)
+        cfg["paths"]["snapshot_dir"] = str(a.snapshot_dir)
+    paths = a.paths.split(",")
+
+    if "full" in paths:
+        agent = Agent(cfg, work)
+        try:
+            st = agent.wait(lambda s: s.get("state") == "ready", 900, "first start")
+            result["first_cold"] = st["last_recovery"]
+            log(f"cold start {st['last_recovery']['duration_s']:.2f}s")
+            agent.wait(lambda s: "published" in s.get("reason", "")
+                       or "failed" in s.get("reason", ""), 900, "snapshot")
+            snaps = snapshots(agent.path)
+            if not snaps:
+                raise SystemExit("no snapshot was published; see agent.log")
+            m = manifest(agent.path, snaps[0]["id"])
+            result["snapshot"] = {"id": m["id"], "image_bytes": sum(f["size"] for f in
+                                                                    m["files"]),
+                                  "timings": m["timings"]}
+            log(f"snapshot {result['snapshot']}")
+            result["full"] = [recover(agent, n) for n in range(1, a.runs + 1)]
+        finally:
+            agent.stop()
+        log_text = (work / "agent.log").read_text(errors="replace")
+        result["freed_lines"] = [x for x in log_text.splitlines() if "freed" in x][-2:]
+
+    if "cold" in paths:
+        cfg["snapshots"]["enabled"] = False
+        agent = Agent(cfg, work)
+        try:
+            st = agent.wait(lambda s: s.get("state") == "ready", 900, "cold start")
+            colds = [st["last_recovery"]]
+            colds += [recover(agent, n) for n in range(1, a.runs)]
+            result["cold"] = colds
+        finally:
+            agent.stop()
+
+    shutil.copy(work / "agent.log", a.out / f"agent-{tag}.log")
+    result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    (a.out / f"recovery-{tag}.json").write_text(json.dumps(result, indent=1))
+    log("wrote", a.out / f"recovery-{tag}.json")
+
+
+if __name__ == "__main__":
+    main()
