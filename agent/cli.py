@@ -74,7 +74,7 @@ def _cmd_install_units(args: argparse.Namespace) -> int:
         print("pitstop: --holder only makes sense with --enable", file=sys.stderr)
         return EXIT_USAGE
     pitstop = args.pitstop_bin or units.default_pitstop_bin()
-    paths = units.paths_for(pitstop.absolute(), args.config.absolute())
+    paths = units.paths_for(pitstop.absolute(), args.config.absolute(), args.holder_backend)
     if not args.config.exists():
         print(f"pitstop: note: {args.config} does not exist yet; the tmpfiles snippet uses the "
               "default directories", file=sys.stderr)
@@ -346,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="enable pitstop-agent.service and the holders (not start them)")
     u.add_argument("--holder", action="append", default=[], metavar="GPU_UUID",
                    help="a GPU to enable a holder for, with --enable (repeatable)")
+    u.add_argument("--holder-backend", choices=["cuda", "cpu"], default="cuda",
+                   help="what the holders hold memory with (default cuda; cpu: memfd, no GPU)")
     u.add_argument("--no-reload", action="store_true",
                    help="only write the files: no daemon-reload, tmpfiles, sysctl or enabling")
     u.set_defaults(func=_cmd_install_units)

@@ -19,6 +19,7 @@ HOLDER_TEMPLATE = "pitstop-holder@.service"
 HOLDERS_TARGET = "pitstop-holders.target"
 UNIT_FILES = (AGENT_UNIT, HOLDER_TEMPLATE, HOLDERS_TARGET)
 SYSCTL_FILE = "99-pitstop.conf"
+HOLDER_BACKENDS = ("cuda", "cpu")
 TMPFILES_FILE = "pitstop.conf"
 
 UNIT_DIR = Path("etc/systemd/system")
@@ -41,11 +42,16 @@ class UnitPaths:
     state_dir: Path
     snapshot_dir: Path
     run_dir: Path
+    holder_backend: str = "cuda"
 
     def values(self) -> dict[str, str]:
+        if self.holder_backend not in HOLDER_BACKENDS:
+            raise UnitsError(f"holder backend {self.holder_backend!r}: use one of "
+                             f"{', '.join(HOLDER_BACKENDS)}")
         return {
             "PITSTOP": systemd_quote(self.pitstop),
             "CONFIG": systemd_quote(self.config),
+            "HOLDER_BACKEND": self.holder_backend,
             "STATE_DIR": tmpfiles_path(self.state_dir),
             "SNAPSHOT_DIR": tmpfiles_path(self.snapshot_dir),
             "RUN_DIR": tmpfiles_path(self.run_dir),
@@ -101,11 +107,12 @@ def default_pitstop_bin() -> Path:
     return candidate.absolute()
 
 
-def paths_for(pitstop: Path, config_path: Path) -> UnitPaths:
+def paths_for(pitstop: Path, config_path: Path, holder_backend: str = "cuda") -> UnitPaths:
     """Directories come from the configuration when it exists, else from its defaults."""
     paths = load_config(config_path).paths if config_path.exists() else PathsConfig()
     return UnitPaths(pitstop=pitstop, config=config_path, state_dir=paths.state_dir,
-                     snapshot_dir=paths.snapshots, run_dir=paths.run)
+                     snapshot_dir=paths.snapshots, run_dir=paths.run,
+                     holder_backend=holder_backend)
 
 
 def install(prefix: Path, paths: UnitPaths) -> tuple[Path, ...]:

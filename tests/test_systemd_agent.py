@@ -30,6 +30,7 @@ from tests.systemd_container import (
 pytestmark = pytest.mark.integration
 
 AGENT = "pitstop-agent.service"
+HOLDER = "pitstop-holder@GPU-test-0.service"
 PITSTOP = str(REPO / ".venv" / "bin" / "pitstop")
 CONFIG = SCRATCH / "pitstop.yaml"
 STATE = Path("/var/lib/pitstop-test")
@@ -62,7 +63,8 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SystemdContainer
     c.start()
     try:
         c.write_file(str(CONFIG), yaml.safe_dump(_config(model)))
-        c.run([PITSTOP, "install-units", "--config", str(CONFIG)])
+        # The real holder, on its CPU (memfd) backend: no GPU here.
+        c.run([PITSTOP, "install-units", "--config", str(CONFIG), "--holder-backend", "cpu"])
         c.write_file(f"/etc/systemd/system/{AGENT}.d/test.conf", TEST_OVERRIDES)
         c.systemctl("daemon-reload")
         yield c
@@ -216,3 +218,22 @@ def test_a_hung_agent_is_restarted_by_the_watchdog(agent: SystemdContainer) -> N
     # The hung agent's engine was killed with it (a restore needs its PID free), and the
     # restored one belongs to the new agent.
     _engine_is_the_agents_child(c)
+
+
+def test_the_real_holder_outlives_agent_restarts_and_stops(agent: SystemdContainer) -> None:
+    c = agent
+    _ensure_started(c)
+    c.systemctl("start", HOLDER)
+    holder = c.show(HOLDER, "MainPID", "ActiveState", "NRestarts")
+    assert holder["ActiveState"] == "active"
+    assert "holding for GPU-test-0" in c.show(HOLDER, "StatusText")["StatusText"]
+    c.systemctl("restart", AGENT, timeout=300)
+    c.systemctl("stop", AGENT, timeout=300)
+    assert c.show(HOLDER, "MainPID", "ActiveState", "NRestarts") == holder
+    c.systemctl("start", AGENT, timeout=300)
+    assert c.show(HOLDER, "MainPID", "ActiveState", "NRestarts") == holder
+    r = c.run([PITSTOP, "holder", "status", "--backend", "cpu", "--gpu", "GPU-test-0",
+               "--dir", "/run/pitstop/holder"], check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    mode = c.run(["stat", "-c", "%a", "/run/pitstop/holder"]).stdout.strip()
+    assert mode == "700"
