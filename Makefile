@@ -7,7 +7,7 @@ MODEL ?= $(HOME)/.cache/pitstop/tiny-llama
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: run test lint venv vllm model criu criu-bundle clean prometheus docs-images rootfs \
-	rootfs-trixie
+	rootfs-trixie ansible ansible-hosts bench-front
 
 venv: $(VENV)/.installed
 
@@ -35,6 +35,17 @@ $(CACHE)/criu/.installed: scripts/install-criu.sh
 criu-bundle: criu
 	scripts/install-criu.sh bundle .gpu/criu
 
+# Ansible and ansible-lint in their own venv: ansible-core pins its own jinja2 and
+# resolvelib, and the `ansible` package (which bundles the collections) is ~0.5 GB
+# that the agent never needs.
+ANSIBLE_VENV ?= .venv-ansible
+ansible: $(ANSIBLE_VENV)/.installed
+
+$(ANSIBLE_VENV)/.installed: requirements-ansible.txt
+	test -x $(ANSIBLE_VENV)/bin/python || $(PYTHON) -m venv $(ANSIBLE_VENV)
+	$(ANSIBLE_VENV)/bin/pip install -q -r requirements-ansible.txt
+	touch $@
+
 model: venv
 	$(BIN)/pitstop make-model $(MODEL)
 
@@ -53,6 +64,16 @@ rootfs:
 rootfs-trixie:
 	scripts/make-rootfs.sh trixie $(CACHE)/rootfs/trixie
 
+# The Ansible tests' hosts: Debian 12 and 13 roots with what Ansible needs on a host
+# (apt bindings for Python, venv) and dpkg-dev for the test's local apt repository; Debian
+# 13's criu 4.1 comes from the distribution, as on a real host. Plus a wheelhouse of the
+# agent and its dependencies: the containers have no network, as hosts behind a mirror.
+ANSIBLE_HOST_PACKAGES := python3-apt,python3-venv,python3-pip,dpkg-dev
+ansible-hosts: ansible
+	scripts/make-rootfs.sh bookworm $(CACHE)/rootfs/ansible-bookworm $(ANSIBLE_HOST_PACKAGES)
+	scripts/make-rootfs.sh trixie $(CACHE)/rootfs/ansible-trixie $(ANSIBLE_HOST_PACKAGES),criu
+	scripts/ansible-wheelhouse.sh $(CACHE)/ansible-wheelhouse
+
 # promtool and the Prometheus server, from Debian's package: the rule and alert tests.
 prometheus:
 	bash scripts/install-prometheus.sh
@@ -62,9 +83,15 @@ docs-images: venv prometheus model
 	$(BIN)/pip install -q -e '.[docs]'
 	$(BIN)/python scripts/render_dashboards.py --model $(MODEL) --out docs/img
 
-test: venv criu prometheus vllm rootfs
+test: venv criu prometheus vllm rootfs ansible-hosts
 	$(BIN)/ruff check agent tests bench scripts
 	$(BIN)/python -m pytest -q -ra
 
+# The front against direct engine access, then a chaos run (engine SIGKILLed every 20 s);
+# writes bench/results/<date>-front-cpu.md. FRONT_BENCH_ARGS to change durations.
+FRONT_BENCH_ARGS ?= --seconds 10 --rounds 3 --chaos 180 --kill-every 20
+bench-front: venv model
+	$(BIN)/python bench/front_bench.py --model $(MODEL) $(FRONT_BENCH_ARGS)
+
 clean:
-	rm -rf $(VENV) $(CACHE)
+	rm -rf $(VENV) $(ANSIBLE_VENV) $(CACHE)

@@ -131,6 +131,22 @@ class SnapshotsConfig(_Strict):
         return v
 
 
+class HolderConfig(_Strict):
+    """The per-GPU memory holder the engine keeps its weights in (docs/holder.md)."""
+
+    enabled: bool = False
+    # Where `pitstop holder --dir` serves: <dir>/<gpu>/holder.sock. Default <run_dir>/holder.
+    dir: Path | None = None
+    # The holder's id: a GPU UUID, or "cpu" for the memfd backend; auto picks the GPU's
+    # UUID when the host has one, else "cpu".
+    gpu: str = "auto"
+
+    @field_validator("dir", mode="before")
+    @classmethod
+    def _expand_paths(cls, v: Any) -> Any:
+        return _expand(v) if isinstance(v, str) else v
+
+
 class HealthConfig(_Strict):
     """How the supervisor decides the engine is alive."""
 
@@ -181,6 +197,7 @@ class Config(_Strict):
     restart: RestartConfig = Field(default_factory=RestartConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     snapshots: SnapshotsConfig = Field(default_factory=SnapshotsConfig)
+    holder: HolderConfig = Field(default_factory=HolderConfig)
 
     @property
     def engine_socket(self) -> Path:

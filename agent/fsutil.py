@@ -7,12 +7,20 @@ import os
 from pathlib import Path
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def _fsync(path: Path, flags: int) -> None:
+    fd = os.open(path, os.O_RDONLY | flags)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    _fsync(path, os.O_DIRECTORY)
+
+
+def fsync_file(path: Path) -> None:
+    _fsync(path, os.O_NOFOLLOW)
 
 
 def write_private(path: Path, data: bytes, mode: int = 0o600) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.errors import ModelError
+from agent.fsutil import fsync_dir
 
 GENERATOR = "pitstop-modelgen"
 GENERATOR_VERSION = 1
@@ -189,7 +190,7 @@ def _publish(tmp: Path, directory: Path) -> None:
         old = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old-", dir=directory.parent))
         os.rename(directory, old / "model")
     os.rename(tmp, directory)
-    _fsync_dir(directory.parent)
+    fsync_dir(directory.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -211,14 +212,6 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _train_tokenizer() -> Any:

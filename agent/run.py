@@ -21,14 +21,16 @@ from agent.control import ControlServer
 from agent.drift import Difference, describe
 from agent.drift_watch import DriftWatcher, build_reader
 from agent.engines import build_adapter
-from agent.errors import ConfigError, ModelError, SnapshotError
+from agent.errors import ConfigError, HolderError, ModelError, SnapshotError
 from agent.fsutil import private_dir
+from agent.holder.client import HolderClient
 from agent.identity import Identity
 from agent.metrics import Metrics, NodeInfo, StatusView, new_registry
 from agent.supervisor.canary import CanaryBook
 from agent.supervisor.capture import Capture
 from agent.supervisor.gate import EngineGate
 from agent.supervisor.paths.cold import ColdStart
+from agent.supervisor.paths.holder import HolderLink, HybridRestore, WarmStart
 from agent.supervisor.paths.restore import FullRestore
 from agent.supervisor.states import State
 from agent.supervisor.status import AgentStatus, StatusFile
@@ -90,11 +92,18 @@ class Agent:
             self.capture = Capture(self.snapshotter, self.adapter, config.engine_socket,
                                    self.gate, self.metrics, self.identity,
                                    config.snapshots.quiet_timeout_s)
-        self.full = FullRestore(self.snapshotter, unavailable, self.adapter,
-                                config.engine_socket, self.identity, self.metrics,
-                                config.health.timeout_s * 10)
+        restore = dict(snapshotter=self.snapshotter, unavailable=unavailable,
+                       adapter=self.adapter, socket=config.engine_socket,
+                       identity=self.identity, metrics=self.metrics,
+                       timeout_s=config.health.timeout_s * 10)
+        self.full = FullRestore(**restore)
+        self.holder = HolderLink(config.holder, config.paths.run, gpu=self._gpu_uuid,
+                                 digest=self._weights_digest)
+        self.hybrid = HybridRestore(self.holder, **restore)
+        ladder = [self.hybrid, self.full, WarmStart(self.adapter, self.holder),
+                  ColdStart(self.adapter, extra_args=self.holder.engine_args)]
         self.supervisor = Supervisor(
-            config=config, adapter=self.adapter, paths=[self.full, ColdStart(self.adapter)],
+            config=config, adapter=self.adapter, paths=ladder,
             gate=self.gate, metrics=self.metrics, notifier=notifier, status=self.status,
             canaries=CanaryBook(config.paths.state_dir / "canary.json"),
             capture=self.capture, on_change=self._write_status,
@@ -120,6 +129,13 @@ class Agent:
     def identity(self) -> Identity:
         """What a snapshot taken now depends on, and what a restore must match."""
         return self.engine_identity if self.engine_identity is not None else self.reader()
+
+    def _gpu_uuid(self) -> str | None:
+        return self.engine_identity.gpu_uuid if self.engine_identity is not None else None
+
+    def _weights_digest(self) -> str | None:
+        ident = self.engine_identity
+        return ident.weights_digest if ident is not None else None
 
     async def _before_start(self) -> None:
         # Hashing changed weight files can take seconds: never on the event loop.
@@ -148,7 +164,17 @@ class Agent:
             return {"stale_reasons": self.full.stale_reasons}
         return {"snapshot_created": newest.manifest.created_at.timestamp(),
                 "snapshot_bytes": newest.bytes_on_disk, "snapshot_kind": newest.manifest.kind,
-                "stale_reasons": tuple(sorted({*self.full.stale_reasons, *self.drifted}))}
+                "stale_reasons": tuple(sorted({*self.full.stale_reasons,
+                                               *self.hybrid.stale_reasons, *self.drifted}))}
+
+    def _holder_fields(self) -> dict:
+        if not self.config.holder.enabled:
+            return {}
+        try:
+            with HolderClient(self.holder.path, timeout=2) as c:
+                return {"holder_up": True, "holder_bytes": c.stats().bytes_held}
+        except HolderError:
+            return {"holder_up": False}
 
     def status_view(self) -> StatusView:
         return StatusView(
@@ -156,7 +182,8 @@ class Agent:
             engine_start_time=self.status.engine_ready_since,
             states=tuple(s.value for s in State), node=self._node,
             front_queue_depth=getattr(self.front, "queue_depth", 0),
-            front_inflight=self.gate.inflight, **self._snapshot_fields())
+            front_inflight=self.gate.inflight, **self._snapshot_fields(),
+            **self._holder_fields())
 
     def _write_status(self) -> None:
         try:

@@ -312,13 +312,16 @@ async def run(args: argparse.Namespace) -> str:
     engine = Engine(args.model, sock, work / "engine.log", args.slots)
     engine.start()
     await engine.ready()
-    front = subprocess.Popen([sys.executable, __file__, "_front", "--sock", str(sock)],
+    front = subprocess.Popen([sys.executable, __file__, "_front", "--sock", str(sock),
+                              "--loop", args.front_loop],
                              stdout=subprocess.PIPE, cwd=ROOT)
     assert front.stdout is not None
     port = int(front.stdout.readline())
     rows = []
     try:
         for load in loads():
+            if args.only and args.only not in load.name:
+                continue
             runs: dict[str, list[Result]] = {"direct": [], "front": []}
             for _ in range(args.rounds):
                 for target in ("direct", "front"):
@@ -380,6 +383,7 @@ def report(args: argparse.Namespace, rows: list[Any], chaos_out: dict[str, Any] 
         f"Python {platform.python_version()}; load average at start "
         f"{os.getloadavg()[0]:.1f} (a machine shared with other work)",
         f"- command: `{' '.join(['python', 'bench/front_bench.py', *sys.argv[1:]])}`",
+        f"- front's event loop: {args.front_loop}",
         f"- engine: the reference engine on CPU, tiny model, {args.slots} KV slots, greedy; "
         f"each load {args.seconds:g} s per target per round, {args.rounds} rounds, "
         "direct and front alternating",
@@ -441,6 +445,9 @@ def main() -> int:
     p.add_argument("--chaos", type=float, default=0.0, help="seconds of chaos run (0: none)")
     p.add_argument("--kill-every", type=float, default=20.0)
     p.add_argument("--chaos-clients", type=int, default=8)
+    p.add_argument("--front-loop", choices=["asyncio", "uvloop"], default="asyncio",
+                   help="the front process's event loop (uvloop must be installed)")
+    p.add_argument("--only", default="", help="run only the loads whose name has this")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if args.cmd == "_front":

@@ -334,3 +334,38 @@ def test_stop_past_the_drain_ends_streams_with_an_error(engine: Engine) -> None:
                 await task
             assert "shutting down" in str(e.value)
     asyncio.run(main())
+
+
+def test_sampled_stream_continues_with_exact_counts(engine: Engine) -> None:
+    """Best effort for sampling: the text after the cut differs, but the client still gets
+    exactly max_tokens tokens, the uninterrupted prefix, one id, and true usage."""
+    async def main() -> None:
+        await engine.wait_ready()
+        path, body = spec(1, 150, temperature=1.0, seed=7)
+        (want,) = await references(engine, [(path, body)])
+        async with front_on(engine) as h:
+            c = client(h)
+            stream = await c.chat.completions.create(
+                stream=True, stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True, "seed": 7},
+                **{k: v for k, v in body.items() if k in ("model", "messages", "max_tokens",
+                                                          "temperature")})
+            parts, ids, usage, n = [], set(), None, 0
+            async for chunk in stream:
+                ids.add(chunk.id)
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                for ch in chunk.choices:
+                    parts.append(ch.delta.content or "")
+                n += 1
+                if n == 20:
+                    await h.restart()
+            text = "".join(parts)
+            assert usage is not None and usage.completion_tokens == 150
+            direct = await engine.direct(path, body)
+            assert usage.prompt_tokens == direct["usage"]["prompt_tokens"]
+            assert len(ids) == 1
+            cut = len("".join(parts[:19]))
+            assert text[:cut] == want[:cut]
+            assert h.sample("pitstop_front_resumed_requests_total", endpoint=CHAT) == 1
+    asyncio.run(main())

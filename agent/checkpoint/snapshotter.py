@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from agent.checkpoint.criu import CriuBackend, DumpOptions, restore_flags
 from agent.checkpoint.cuda import CudaCheckpoint, uses_cuda
@@ -115,6 +116,7 @@ class Snapshotter:
         identity: Identity,
         kind: SnapshotKind = "full",
         options: DumpOptions | None = None,
+        held: dict[str, dict[str, Any]] | None = None,
     ) -> SnapshotInfo:
         """Dump the tree rooted at `pid` and publish it. The engine must be idle (no
         requests in flight) and its stdin /dev/null. Without `options.leave_running`
@@ -155,6 +157,7 @@ class Snapshotter:
                 canary=canary,
                 chunk_bytes=draft.chunk_bytes,
                 criu_flags=dumped.flags,
+                held=held,
             )
             path = draft.publish(manifest)
         if self.keep is not None:

@@ -54,8 +54,10 @@ class Upstream:
         if s is None:
             # limit=0: the engine schedules its own batch; the proxy must not queue for it.
             conn = aiohttp.UnixConnector(path=str(ready.socket), limit=0)
+            # DummyCookieJar: a proxy must not keep one client's cookies for the next.
             s = aiohttp.ClientSession(connector=conn, timeout=self._timeout,
-                                      auto_decompress=False, skip_auto_headers=("User-Agent",))
+                                      auto_decompress=False, skip_auto_headers=("User-Agent",),
+                                      cookie_jar=aiohttp.DummyCookieJar())
             self._sessions[ready.recovery] = s
             self._users[ready.recovery] = 0
         return s

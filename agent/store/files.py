@@ -13,18 +13,11 @@ from agent.errors import SnapshotError
 
 # Re-exported: the store writes only through this module.
 from agent.fsutil import fsync_dir as fsync_dir
+from agent.fsutil import fsync_file as fsync_file
 from agent.fsutil import write_private as write_private
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_private(path: Path, limit: int = 16 << 20) -> bytes:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -84,6 +84,9 @@ class Manifest(_Strict):
     timings: dict[str, float]
     canary: Canary
     criu_flags: tuple[str, ...] = ()
+    # A hybrid image's held regions at dump time (name -> holder_id, epoch, digest,
+    # chunks): a restore is tried only while the holder still has exactly these.
+    held: dict[str, dict[str, Any]] | None = None
 
     @property
     def image_bytes(self) -> int:

@@ -59,16 +59,18 @@ class Capture:
         self._control_timeout = control_timeout_s
         self.last: SnapshotInfo | None = None
 
-    async def take(self, engine: EngineProcess, canary: CanaryRecord,
-                   kind: str = "full") -> CaptureResult:
+    async def take(self, engine: EngineProcess, canary: CanaryRecord) -> CaptureResult:
+        """A `hybrid` snapshot when the engine's weights live in the holder, else `full`."""
         t0 = time.monotonic()
+        kind = "full"
         self._gate.pause_admission()
         try:
             if not await self._gate.wait_quiet(self._quiet_timeout):
                 raise SnapshotError(
                     f"{self._gate.inflight} requests still in flight after "
                     f"{self._quiet_timeout:.0f}s (snapshots.quiet_timeout_s); try again later")
-            result = await self._dump(engine, canary, kind, t0)
+            result = await self._dump(engine, canary, t0)
+            kind = result.info.manifest.kind
         except (SnapshotError, EngineError) as e:
             self._metrics.snapshots_created.labels(kind=kind, result="failure").inc()
             raise SnapshotError(f"snapshot of engine {engine.pid} failed: {e}") from e
@@ -79,16 +81,21 @@ class Capture:
         self.last = result.info
         return result
 
-    async def _dump(self, engine: EngineProcess, canary: CanaryRecord, kind: str,
+    async def _dump(self, engine: EngineProcess, canary: CanaryRecord,
                     t0: float) -> CaptureResult:
         freed = 0
+        held = None
         async with EngineProbe(self._socket, timeout=self._control_timeout) as probe:
             if self._adapter.prepare_path:
                 answer = await probe.control(self._adapter.prepare_path)
                 freed = int(answer.get("freed_bytes", 0))
+                # Weights the engine maps from the holder were detached by prepare: the
+                # image leaves them out, and records what a restore must find held.
+                held = (answer.get("held") or {}).get("regions") or None
+            kind = "hybrid" if held else "full"
             try:
                 info = await asyncio.get_running_loop().run_in_executor(
-                    None, self._capture, engine.pid, canary, kind)
+                    None, self._capture, engine.pid, canary, kind, held)
             finally:
                 if self._adapter.resume_path and engine.alive:
                     await probe.control(self._adapter.resume_path)
@@ -99,8 +106,10 @@ class Capture:
                  freed / 1e6)
         return CaptureResult(info=info, duration_s=duration, freed_bytes=freed)
 
-    def _capture(self, pid: int, canary: CanaryRecord, kind: str) -> SnapshotInfo:
+    def _capture(self, pid: int, canary: CanaryRecord, kind: str,
+                 held: dict | None) -> SnapshotInfo:
         return self.snapshotter.capture(
             pid, canary=Canary(prompt=canary.prompt, max_tokens=canary.max_tokens,
                                text=canary.text, token_ids=tuple(canary.token_ids)),
-            identity=self._identity(), kind=kind, options=DumpOptions(leave_running=True))
+            identity=self._identity(), kind=kind, options=DumpOptions(leave_running=True),
+            held=held)

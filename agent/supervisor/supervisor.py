@@ -216,7 +216,9 @@ class Supervisor:
         self._fire(Event.START_FAILED, f"every start path failed: {'; '.join(fallthroughs)}")
 
     def _fall(self, path: str, kind: str, reason: str, fallthroughs: list[str]) -> None:
-        log.warning("ladder: %s %s: %s", path, kind.replace("_", " "), reason)
+        # A rung that cannot apply (no snapshot yet) is routine; one that broke is not.
+        level = logging.INFO if kind == "skipped" else logging.WARNING
+        log.log(level, "ladder: %s %s: %s", path, kind.replace("_", " "), reason)
         fallthroughs.append(f"{path} {kind.replace('_', ' ')}: {reason}")
         self.metrics.ladder_fallthroughs.labels(path=path, reason=kind).inc()
 

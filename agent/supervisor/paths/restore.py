@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable
 
 from agent.checkpoint.snapshotter import Snapshotter
@@ -42,9 +43,9 @@ class FullRestore:
     name = "full"
     kind = "full"
 
-    def __init__(self, snapshotter: Snapshotter | None, unavailable: str, adapter: EngineAdapter,
-                 socket: os.PathLike, identity: Callable[[], Identity], metrics: Metrics,
-                 timeout_s: float) -> None:
+    def __init__(self, *, snapshotter: Snapshotter | None, unavailable: str,
+                 adapter: EngineAdapter, socket: os.PathLike, identity: Callable[[], Identity],
+                 metrics: Metrics, timeout_s: float) -> None:
         self._snap = snapshotter
         self._unavailable = unavailable
         self._adapter = adapter
@@ -53,13 +54,17 @@ class FullRestore:
         self._metrics = metrics
         self._timeout = timeout_s
         self._chosen: Manifest | None = None
+        self._select_s = 0.0
         self.stale_reasons: tuple[str, ...] = ()
 
     def skip_reason(self) -> str | None:
         self._chosen = None
         if self._snap is None:
             return self._unavailable
+        t0 = time.monotonic()
         selection = self._snap.store.select(self._identity(), kind=self.kind)
+        # Verifying every chunk of a multi-GB image is part of the restore's cost.
+        self._select_s = time.monotonic() - t0
         codes = []
         for s in selection.skipped:
             log.warning("snapshot %s refused: %s", s.id, s.reason)
@@ -78,6 +83,7 @@ class FullRestore:
     async def start(self, attempt: Attempt) -> EngineProcess:
         assert self._snap is not None and self._chosen is not None
         manifest = self._chosen
+        attempt.stages["select"] = self._select_s
         # The dumped engine re-binds its socket path on restore; a leftover file blocks it.
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._socket)

@@ -1,0 +1,109 @@
+"""The rungs that use the GPU memory holder: hybrid restore and warm start."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from agent.config import HolderConfig
+from agent.engines.base import EngineAdapter
+from agent.holder.client import HolderClient, holder_available, stale_reason
+from agent.holder.protocol import socket_path
+from agent.supervisor.paths.cold import ColdStart
+from agent.supervisor.paths.restore import FullRestore
+
+log = logging.getLogger("pitstop.holder")
+
+
+class HolderLink:
+    """Where the holder for this engine's GPU listens, and whether it holds our weights.
+
+    Example::
+
+        link = HolderLink(config.holder, config.paths.run, gpu=lambda: "cpu", digest=...)
+        link.unavailable()  # None, or why the holder rungs are skipped
+    """
+
+    def __init__(self, config: HolderConfig, run_dir: Path, gpu: Callable[[], str | None],
+                 digest: Callable[[], str | None]) -> None:
+        self.config = config
+        self._run_dir = run_dir
+        self._gpu = gpu
+        self._digest = digest
+
+    @property
+    def path(self) -> Path:
+        gpu = self.config.gpu if self.config.gpu != "auto" else (self._gpu() or "cpu")
+        return Path(socket_path(str(self.config.dir or self._run_dir / "holder"), gpu))
+
+    def unavailable(self) -> str | None:
+        if not self.config.enabled:
+            return "no holder configured (holder.enabled: false)"
+        if not self._digest():
+            return "no weights digest to name the held regions by"
+        reason = holder_available(self.path)
+        return f"holder at {self.path} does not answer: {reason}" if reason else None
+
+    def engine_args(self) -> list[str]:
+        """The engine's holder flags when a holder answers; none (load from disk) otherwise."""
+        if self.unavailable() is not None:
+            return []
+        return ["--holder", str(self.path), "--weights-digest", str(self._digest())]
+
+    def holds_weights(self) -> bool:
+        with HolderClient(self.path) as c:
+            return c.has_committed(str(self._digest()))
+
+    def stale_reason(self, held: dict) -> str | None:
+        with HolderClient(self.path) as c:
+            return stale_reason(c, held)
+
+
+class WarmStart(ColdStart):
+    """Start the engine fresh, mapping weights the holder already has instead of reading disk."""
+
+    name = "warm"
+
+    def __init__(self, adapter: EngineAdapter, link: HolderLink) -> None:
+        super().__init__(adapter, extra_args=link.engine_args)
+        self._link = link
+
+    def skip_reason(self) -> str | None:
+        reason = self._link.unavailable()
+        if reason is None and not self._link.holds_weights():
+            reason = "the holder holds no committed weights of this model yet"
+        return reason
+
+
+class HybridRestore(FullRestore):
+    """Restore a small image taken with the weights detached, then map the held weights again.
+
+    LAB.md facts 10-12: the image holds the engine, not its weights, so its restore takes
+    about a second whatever the model's size; the engine re-attaches the holder's regions
+    at the addresses it had (POST /pitstop/resume).
+    """
+
+    name = "hybrid"
+    kind = "hybrid"
+
+    def __init__(self, link: HolderLink, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self._link = link
+
+    def skip_reason(self) -> str | None:
+        reason = self._link.unavailable()
+        if reason is not None:
+            return reason
+        reason = super().skip_reason()
+        if reason is not None or self._chosen is None:
+            return reason
+        held = self._chosen.held
+        if not held:
+            self._chosen = None
+            return "the newest hybrid snapshot records no held regions"
+        stale = self._link.stale_reason(held)
+        if stale is not None:
+            self._chosen = None
+            return stale
+        return None

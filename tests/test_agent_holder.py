@@ -1,0 +1,93 @@
+"""The holder rungs through the real agent: hybrid restore, and the ladder without a holder."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.agentproc import REPO, RunningAgent, agent_config
+from tests.holder_proc import Holder
+from tests.test_agent_snapshots import _complete, _criu  # noqa: F401 - the CRIU prerequisite
+
+pytestmark = pytest.mark.integration
+
+
+def _snapshots(a: RunningAgent) -> list[dict]:
+    r = subprocess.run([sys.executable, "-m", "agent", "snapshot", "list", "--json", "--config",
+                        str(a.config_path)], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.fixture
+def held(tmp_path, tiny_model):
+    """A cpu-backend holder and an agent whose engine keeps its weights in it."""
+    holder = Holder(tmp_path / "holder")
+    a = RunningAgent(tmp_path, agent_config(
+        tmp_path, tiny_model, holder={"enabled": True, "dir": str(tmp_path / "holder"),
+                                      "gpu": "cpu"}))
+    try:
+        a.wait_ready()
+        a.wait_for(lambda s: "published" in s.get("reason", ""), 120, "the first snapshot")
+        yield a, holder
+    finally:
+        a.stop()
+        holder.stop()
+
+
+def test_a_cold_start_fills_the_holder_and_a_crash_comes_back_through_a_hybrid_restore(held):
+    a, holder = held
+    before = _complete(a)
+    assert holder.stats().bytes_held > 0
+    [snap] = _snapshots(a)
+    assert snap["kind"] == "hybrid"
+    os.kill(a.status()["engine_pid"], signal.SIGKILL)
+    st = a.wait_recovered(1)
+    rec = st["last_recovery"]
+    assert rec["path"] == "hybrid", (rec, a.log()[-3000:])
+    assert "criu_restore" in rec["stages"] and "resume" in rec["stages"]
+    assert _complete(a) == before
+    assert "held weights re-attached at the same addresses" in a.log()
+
+
+def test_without_the_holder_the_ladder_falls_through_with_its_reasons(held):
+    a, holder = held
+    holder.stop()
+    os.kill(a.status()["engine_pid"], signal.SIGKILL)
+    st = a.wait_recovered(1)
+    rec = st["last_recovery"]
+    assert rec["path"] == "cold", rec
+    falls = " | ".join(rec["fallthroughs"])
+    assert "hybrid skipped: holder at" in falls and "does not answer" in falls
+    assert "warm skipped: holder at" in falls
+    assert _complete(a)
+
+
+def test_a_restarted_holder_makes_the_hybrid_image_stale_and_a_warm_start_refills_it(
+        held, tmp_path):
+    a, holder = held
+    holder.stop()
+    fresh = Holder(tmp_path / "holder")  # a new holder: another id, nothing held
+    try:
+        os.kill(a.status()["engine_pid"], signal.SIGKILL)
+        st = a.wait_recovered(1)
+        rec = st["last_recovery"]
+        falls = " | ".join(rec["fallthroughs"])
+        assert "hybrid skipped" in falls and "gone" in falls, rec
+        assert "warm skipped: the holder holds no committed weights" in falls
+        # The cold rung starts the engine with the holder, which it fills; then a fresh
+        # hybrid snapshot is taken against the new holder's regions.
+        assert rec["path"] == "cold"
+        assert fresh.stats().bytes_held > 0
+        st = a.wait_for(lambda s: s["restarts"] == 1 and "published" in s.get("reason", ""),
+                        120, "the fresh snapshot")
+        os.kill(st["engine_pid"], signal.SIGKILL)
+        st = a.wait_recovered(2)
+        assert st["last_recovery"]["path"] == "hybrid", st["last_recovery"]
+    finally:
+        fresh.stop()

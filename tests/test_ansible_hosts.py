@@ -1,0 +1,209 @@
+"""The playbooks against real hosts: Debian 12 and 13 booted under systemd-nspawn, reached
+through Ansible's community.docker.nsenter connection, in the order an operator works:
+site.yml, site.yml again (no change), the pins in effect, a rollout of a new pin one host at a
+time, and a rollout that stops at a failing host."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.ansible_env import ANSIBLE_BIN, ROOT, run_ansible
+from tests.ansible_hosts import (
+    DRIVER,
+    DRIVER_VERSIONS,
+    FAIL_MARKER,
+    ROOTFS,
+    WHEELHOUSE,
+    Fleet,
+    agent_status,
+    base_vars,
+    container_binds,
+    dpkg_installed_at,
+    installed_version,
+    make_apt_repo,
+    make_criu_bundle,
+    recap,
+    use_local_repo,
+)
+from tests.prereq import require
+from tests.systemd_container import SystemdContainer, container_prerequisites
+
+pytestmark = pytest.mark.integration
+
+
+def _playbook(fleet: Fleet, name: str, *extra: str) -> tuple[int, str]:
+    r = run_ansible("ansible-playbook", "-i", str(fleet.inventory), *extra,
+                    str(ROOT / "playbooks" / name), timeout=1500)
+    out = r.stdout + r.stderr
+    (fleet.scratch / f"{name}.log").open("a").write(out)
+    return r.returncode, out
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    for rootfs in ROOTFS.values():
+        missing = container_prerequisites(rootfs)
+        require(not missing, f"cannot boot the test hosts: {', '.join(missing)}; run `make test`")
+    require((ANSIBLE_BIN / "ansible-playbook").exists(), "no .venv-ansible: run `make ansible`")
+    require((WHEELHOUSE / ".stamp").exists(), "no wheelhouse: run `make ansible-hosts`")
+    scratch = Path(tempfile.mkdtemp(prefix="pitstop-ansible-", dir="/var/tmp"))
+    hosts: dict[str, SystemdContainer] = {}
+    try:
+        make_apt_repo(scratch / "apt", os.uname().release)
+        make_criu_bundle(scratch / "criu-bundle")
+        for name, rootfs in ROOTFS.items():
+            c = SystemdContainer(rootfs=rootfs, binds=container_binds(scratch, name),
+                                 log_path=scratch / f"{name}.boot.log", name=f"ansible-{name}")
+            hosts[name] = c
+            c.start()
+            use_local_repo(c)
+        f = Fleet(hosts=hosts, inventory=scratch / "inventory.yml", scratch=scratch)
+        f.write_inventory()
+        yield f
+    finally:
+        for c in hosts.values():
+            with contextlib.suppress(Exception):
+                c.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def test_site_brings_the_agent_up_under_systemd(fleet: Fleet) -> None:
+    rc, out = _playbook(fleet, "site.yml")
+    assert rc == 0, out[-6000:]
+    for name, c in fleet.hosts.items():
+        assert c.systemctl("is-active", "pitstop-agent.service", check=False).strip() == "active", \
+            f"{name}: {c.journal('pitstop-agent.service')[-3000:]}"
+        assert agent_status(c)["state"] == "ready", name
+        # CRIU >= 4.1: Debian 13's own, Debian 12 through the private prefix.
+        version = c.run(["/usr/local/sbin/criu", "--version"]).stdout
+        assert "Version: 4." in version, (name, version)
+        assert c.run(["cat", "/etc/sysctl.d/90-pitstop-criu.conf"]).stdout.strip() \
+            .endswith("kernel.io_uring_disabled=2")
+    assert c.run(["readlink", "/usr/local/sbin/criu"], check=False).stdout.strip() \
+        == "/usr/sbin/criu", "Debian 13 should use its distribution's criu"
+    deb12 = fleet.hosts["deb12"]
+    assert "/opt/pitstop/criu" in deb12.run(["cat", "/usr/local/sbin/criu"]).stdout
+
+
+def test_site_again_changes_nothing(fleet: Fleet) -> None:
+    rc, out = _playbook(fleet, "site.yml")
+    assert rc == 0, out[-6000:]
+    counts = recap(out)
+    assert set(counts) == set(fleet.hosts), out[-3000:]
+    for host, c in counts.items():
+        assert c["changed"] == 0 and c["failed"] == 0, (host, c, out[-6000:])
+
+
+def test_a_bad_config_is_refused_and_the_running_one_kept(fleet: Fleet) -> None:
+    c = fleet.hosts["deb12"]
+    before = c.run(["cat", "/etc/pitstop/pitstop.yaml"]).stdout
+    bad = base_vars(fleet.scratch)["pitstop_config"]
+    fleet.write_inventory(pitstop_config={**bad, "health": {"intervl_s": 1}})
+    try:
+        rc, out = _playbook(fleet, "site.yml", "--limit", "deb12")
+    finally:
+        fleet.write_inventory()
+    assert rc != 0, out[-4000:]
+    # The agent's own message, from `pitstop check-config` run by the template's validate:.
+    assert "health.intervl_s: unknown key" in out, out[-4000:]
+    assert c.run(["cat", "/etc/pitstop/pitstop.yaml"]).stdout == before
+    assert c.systemctl("is-active", "pitstop-agent.service", check=False).strip() == "active"
+    assert agent_status(c)["state"] == "ready"
+
+
+def test_the_pins_are_in_effect(fleet: Fleet) -> None:
+    kernel_pkg = f"linux-image-{os.uname().release}"
+    for name, c in fleet.hosts.items():
+        held = c.run(["apt-mark", "showhold"]).stdout.split()
+        assert DRIVER in held, (name, held)
+        policy = c.run(["apt-cache", "policy", DRIVER]).stdout
+        assert f"Installed: {DRIVER_VERSIONS[0]}" in policy, policy
+        # The pin makes the pinned version the candidate although newer ones are offered.
+        assert f"Candidate: {DRIVER_VERSIONS[0]}" in policy, policy
+        assert f"*** {DRIVER_VERSIONS[0]} 1001" in policy, policy
+        assert "1001" in c.run(["cat", "/etc/apt/preferences.d/pitstop-nvidia-driver.pref"]).stdout
+        # An upgrade does not move a held, pinned package.
+        c.run(["apt-get", "-y", "-q", "upgrade"])
+        assert installed_version(c, DRIVER) == DRIVER_VERSIONS[0], name
+        # The kernel role keeps the running kernel and holds its package, once one is installed.
+        c.run(["apt-get", "install", "-y", "-q", kernel_pkg])
+    rc, out = _playbook(fleet, "pin.yml")
+    assert rc == 0, out[-6000:]
+    for name, c in fleet.hosts.items():
+        assert kernel_pkg in c.run(["apt-mark", "showhold"]).stdout.split(), name
+
+
+def _drifted_config(fleet: Fleet) -> dict:
+    """The agent's configuration with other engine arguments: a drift the snapshot identity
+    sees (the stand-in driver package is not in it, a real driver is), so every host's
+    snapshot goes stale and the agent must take a new one after its upgrade."""
+    config = base_vars(fleet.scratch)["pitstop_config"]
+    return {**config, "engine": {**config["engine"], "args": ["--kv-slots", "4"]}}
+
+
+def _snapshots(c: SystemdContainer) -> list[str]:
+    r = c.run(["sh", "-c", "ls /var/lib/pitstop/snapshots/*/manifest.json"], check=False)
+    return r.stdout.split()
+
+
+def test_rollout_upgrades_one_host_at_a_time(fleet: Fleet) -> None:
+    new = DRIVER_VERSIONS[1]
+    old_snapshots = {name: _snapshots(c) for name, c in fleet.hosts.items()}
+    fleet.write_inventory(nvidia_driver_version=new, pitstop_config=_drifted_config(fleet))
+    rc, out = _playbook(fleet, "rollout.yml")
+    assert rc == 0, out[-6000:]
+    first, second = fleet.hosts["deb12"], fleet.hosts["deb13"]
+    for name, c in fleet.hosts.items():
+        assert installed_version(c, DRIVER) == new, name
+        assert agent_status(c)["state"] == "ready", name
+        # The rollout waited for a snapshot taken after the drift, and checked the canary.
+        assert set(_snapshots(c)) - set(old_snapshots[name]), (name, _snapshots(c))
+    assert "Wait for a snapshot taken after this host's upgrade began" in out
+    assert "Check that the engine gives the recorded answer" in out
+    # serial: 1 — the second host's upgrade began after the first host was ready again.
+    t1, t2 = dpkg_installed_at(first, DRIVER, new), dpkg_installed_at(second, DRIVER, new)
+    assert t1 and t2 and t1 < t2, (t1, t2)
+    assert out.count("PLAY [Roll the pinned versions and the agent out]") == 2, out[-3000:]
+
+
+def test_rollout_stops_at_the_first_failing_host(fleet: Fleet) -> None:
+    first, second = fleet.hosts["deb12"], fleet.hosts["deb13"]
+    first.run(["touch", FAIL_MARKER])
+    before = DRIVER_VERSIONS[1]
+    fleet.write_inventory(nvidia_driver_version=DRIVER_VERSIONS[2],
+                          pitstop_config=_drifted_config(fleet))
+    rc, out = _playbook(fleet, "rollout.yml")
+    assert rc != 0, out[-6000:]
+    assert "this host is marked to fail" in out, out[-6000:]
+    # The second host was never touched: old pin, agent still ready.
+    assert installed_version(second, DRIVER) == before
+    assert agent_status(second)["state"] == "ready"
+    assert recap(out).get("deb13") is None or recap(out)["deb13"]["changed"] == 0, out[-3000:]
+
+
+def test_report_names_the_hosts_off_the_pins(fleet: Fleet) -> None:
+    # After the stopped rollout the inventory pins the third version; deb13 still has the second.
+    report = fleet.scratch / "report.json"
+    r = run_ansible("ansible-playbook", "-i", str(fleet.inventory), "-e",
+                    f"pitstop_report_file={report}", str(ROOT / "playbooks" / "report.yml"),
+                    timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    data = json.loads(report.read_text())
+    hosts = {h["host"]: h for h in data["hosts"]}
+    assert set(hosts) == set(fleet.hosts)
+    assert "deb13" in data["differing"], data
+    deb13 = hosts["deb13"]
+    assert deb13["driver_packages"] == {DRIVER: DRIVER_VERSIONS[1]}
+    assert deb13["driver_pin"] == DRIVER_VERSIONS[2]
+    assert deb13["kernel"] == os.uname().release == deb13["kernel_pin"]
+    assert deb13["agent_state"] == "ready" and deb13["agent_version"]
+    assert deb13["engine_kind"] == "reference"
+    assert deb13["snapshots"] >= 1 and deb13["snapshot_age_s"] is not None
