@@ -74,7 +74,7 @@ def _cmd_install_units(args: argparse.Namespace) -> int:
         print("pitstop: --holder only makes sense with --enable", file=sys.stderr)
         return EXIT_USAGE
     pitstop = args.pitstop_bin or units.default_pitstop_bin()
-    paths = units.paths_for(pitstop.absolute(), args.config.absolute())
+    paths = units.paths_for(pitstop.absolute(), args.config.absolute(), args.holder_backend)
     if not args.config.exists():
         print(f"pitstop: note: {args.config} does not exist yet; the tmpfiles snippet uses the "
               "default directories", file=sys.stderr)
@@ -320,22 +320,6 @@ def build_parser() -> argparse.ArgumentParser:
     dg.add_argument("--model", type=Path, help="another model directory than engine.model")
     dg.set_defaults(func=_cmd_digest)
 
-    u = sub.add_parser("install-units",
-                       help="install the systemd units, sysctl and tmpfiles snippets")
-    u.add_argument("--prefix", type=Path, default=Path("/"),
-                   help="root to install under (default /: the live system)")
-    u.add_argument("--pitstop-bin", type=Path,
-                   help="the pitstop command the units run (default: the one beside this Python)")
-    u.add_argument("--config", type=Path, default=Path("/etc/pitstop/pitstop.yaml"),
-                   help="the configuration the agent reads (default /etc/pitstop/pitstop.yaml)")
-    u.add_argument("--enable", action="store_true",
-                   help="enable pitstop-agent.service and the holders (not start them)")
-    u.add_argument("--holder", action="append", default=[], metavar="GPU_UUID",
-                   help="a GPU to enable a holder for, with --enable (repeatable)")
-    u.add_argument("--no-reload", action="store_true",
-                   help="only write the files: no daemon-reload, tmpfiles, sysctl or enabling")
-    u.set_defaults(func=_cmd_install_units)
-
     h = sub.add_parser("holder", help="the per-GPU memory holder: serve (default), status, "
                        "release")
     h.add_argument("action", nargs="?", choices=["serve", "status", "release"], default="serve")
@@ -349,6 +333,24 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--json", action="store_true", help="status: print JSON")
     h.add_argument("-v", "--verbose", action="store_true")
     h.set_defaults(func=_cmd_holder)
+
+    u = sub.add_parser("install-units",
+                       help="install the systemd units, sysctl and tmpfiles snippets")
+    u.add_argument("--prefix", type=Path, default=Path("/"),
+                   help="root to install under (default /: the live system)")
+    u.add_argument("--pitstop-bin", type=Path,
+                   help="the pitstop command the units run (default: the one beside this Python)")
+    u.add_argument("--config", type=Path, default=Path("/etc/pitstop/pitstop.yaml"),
+                   help="the configuration the agent reads (default /etc/pitstop/pitstop.yaml)")
+    u.add_argument("--enable", action="store_true",
+                   help="enable pitstop-agent.service and the holders (not start them)")
+    u.add_argument("--holder", action="append", default=[], metavar="GPU_UUID",
+                   help="a GPU to enable a holder for, with --enable (repeatable)")
+    u.add_argument("--holder-backend", choices=["cuda", "cpu"], default="cuda",
+                   help="what the holders hold memory with (default cuda; cpu: memfd, no GPU)")
+    u.add_argument("--no-reload", action="store_true",
+                   help="only write the files: no daemon-reload, tmpfiles, sysctl or enabling")
+    u.set_defaults(func=_cmd_install_units)
     return p
 
 

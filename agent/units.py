@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from agent.config import Config, PathsConfig, load_config
+from agent.config import PathsConfig, load_config
 from agent.errors import UnitsError
 
 AGENT_UNIT = "pitstop-agent.service"
@@ -19,12 +19,12 @@ HOLDER_TEMPLATE = "pitstop-holder@.service"
 HOLDERS_TARGET = "pitstop-holders.target"
 UNIT_FILES = (AGENT_UNIT, HOLDER_TEMPLATE, HOLDERS_TARGET)
 SYSCTL_FILE = "99-pitstop.conf"
+HOLDER_BACKENDS = ("cuda", "cpu")
 TMPFILES_FILE = "pitstop.conf"
 
 UNIT_DIR = Path("etc/systemd/system")
 SYSCTL_DIR = Path("etc/sysctl.d")
 TMPFILES_DIR = Path("etc/tmpfiles.d")
-DEFAULT_CONFIG = Path("/etc/pitstop/pitstop.yaml")
 
 _PLACEHOLDER = re.compile(r"@([A-Z_]+)@")
 # A GPU UUID as nvidia-smi prints it (GPU-8b3c...), or any plain instance name for tests.
@@ -42,23 +42,20 @@ class UnitPaths:
     state_dir: Path
     snapshot_dir: Path
     run_dir: Path
+    holder_backend: str = "cuda"
 
     def values(self) -> dict[str, str]:
+        if self.holder_backend not in HOLDER_BACKENDS:
+            raise UnitsError(f"holder backend {self.holder_backend!r}: use one of "
+                             f"{', '.join(HOLDER_BACKENDS)}")
         return {
             "PITSTOP": systemd_quote(self.pitstop),
             "CONFIG": systemd_quote(self.config),
+            "HOLDER_BACKEND": self.holder_backend,
             "STATE_DIR": tmpfiles_path(self.state_dir),
             "SNAPSHOT_DIR": tmpfiles_path(self.snapshot_dir),
             "RUN_DIR": tmpfiles_path(self.run_dir),
         }
-
-
-@dataclass(frozen=True)
-class Installed:
-    """The files `install` wrote, and what it ran afterwards."""
-
-    files: tuple[Path, ...]
-    commands: tuple[str, ...]
 
 
 def systemd_quote(path: Path) -> str:
@@ -110,15 +107,12 @@ def default_pitstop_bin() -> Path:
     return candidate.absolute()
 
 
-def paths_for(pitstop: Path, config_path: Path) -> UnitPaths:
+def paths_for(pitstop: Path, config_path: Path, holder_backend: str = "cuda") -> UnitPaths:
     """Directories come from the configuration when it exists, else from its defaults."""
-    paths = _config(config_path).paths if config_path.exists() else PathsConfig()
+    paths = load_config(config_path).paths if config_path.exists() else PathsConfig()
     return UnitPaths(pitstop=pitstop, config=config_path, state_dir=paths.state_dir,
-                     snapshot_dir=paths.snapshots, run_dir=paths.run)
-
-
-def _config(path: Path) -> Config:
-    return load_config(path)
+                     snapshot_dir=paths.snapshots, run_dir=paths.run,
+                     holder_backend=holder_backend)
 
 
 def install(prefix: Path, paths: UnitPaths) -> tuple[Path, ...]:

@@ -36,22 +36,23 @@ while True:
 
 def main(argv: list[str]) -> int:
     mode = argv[0]
+    notifier = sdnotify.SystemdNotifier()
+    if mode == "holder":
+        print(f"sd_notify_prog holder: holding {argv[argv.index('--gpu') + 1]}", file=sys.stderr)
+        notifier.notify("READY=1\nSTATUS=holding")
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        signal.sigwait({signal.SIGTERM})
+        return 0
+
     config = Path(argv[argv.index("--config") + 1])
     cfg = json.loads((config.parent / "stand-in.json").read_text())
     events = cfg.get("events")
-    notifier = sdnotify.SystemdNotifier()
 
     def note(what: str) -> None:
         print(f"sd_notify_prog {mode}: {what}", file=sys.stderr, flush=True)
-        if events and mode == "run":
+        if events:
             with open(events, "a") as f:
                 f.write(f"{os.getpid()} {what}\n")
-
-    if mode == "holder":
-        note(f"holding {argv[argv.index('--gpu') + 1]}")
-        notifier.notify("READY=1\nSTATUS=holding")
-        signal.sigwait({signal.SIGTERM})
-        return 0
 
     note("start")
     engine = subprocess.Popen([sys.executable, "-c", ENGINE, events or "/dev/null"])

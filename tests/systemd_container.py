@@ -58,6 +58,7 @@ class SystemdContainer:
     name: str = field(default_factory=lambda: f"pitstop-test-{uuid.uuid4().hex[:8]}")
     _nspawn: subprocess.Popen[bytes] | None = None
     _log: object | None = None
+    _cgroups: list[Path] = field(default_factory=list)
     leader_pid: int | None = None
 
     # -- life cycle -------------------------------------------------------------------------
@@ -83,17 +84,22 @@ class SystemdContainer:
             "--console=read-only",
             *(b.flag() for b in self.binds),
             "--boot",
-            # PID 1 reads the host's /proc/cmdline, whose "quiet" lowers its log level to
-            # notice. At that level systemd kills a unit's leftover processes by writing
-            # cgroup.kill, which fails here with EIO ("Failed to kill control group ...,
-            # ignoring") and leaves them running; at info it kills them one by one, as a
-            # real host's cgroup.kill would. Info also puts each kill in the journal.
+            # PID 1 reads the host's /proc/cmdline, whose "quiet" would lower its log level to
+            # notice; at info the journal names every process systemd kills.
             "systemd.log_level=info",
         ]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the container
+        # With --keep-unit the container's cgroup tree is rooted at nspawn's own cgroup. This
+        # host has no systemd, so that is the root cgroup, shared by every container on the
+        # machine: two containers would both manage /system.slice/pitstop-agent.service, see
+        # each other's processes there as PID 0 (not in their PID namespace), and systemd's
+        # kill of that cgroup would fail with EIO. So nspawn starts in a cgroup of its own.
+        self._cgroups = _private_cgroups(self.name)
+        enter = "".join(f'mkdir -p {shlex.quote(str(d))} && echo $$ > '
+                        f'{shlex.quote(str(d / "cgroup.procs"))} && ' for d in self._cgroups)
         self._nspawn = subprocess.Popen(
-            argv,
+            ["sh", "-c", f'{enter}exec "$@"', "sh", *argv],
             # nspawn puts the whole container under its own seccomp filter. A process under
             # seccomp cannot suspend another's (PTRACE_O_SUSPEND_SECCOMP), so CRIU in any unit
             # of the container could not dump anything. Without it, the only filters in the
@@ -129,6 +135,9 @@ class SystemdContainer:
                 if self.leader_pid is not None:
                     _kill_quietly(self.leader_pid)
                 proc.wait(10)
+        for d in reversed(self._cgroups):
+            _remove_cgroup(d)
+        self._cgroups = []
         if self._log is not None:
             self._log.close()  # type: ignore[attr-defined]
             self._log = None
@@ -262,6 +271,47 @@ def python_binds(executable: str = sys.executable) -> list[Bind]:
     if base not in real.parents and real.parent != base:
         binds.append(Bind(real.parent))
     return binds
+
+
+def _private_cgroups(name: str) -> list[Path]:
+    """A cgroup `name` below our own, in cgroup v2 and in v1's name=systemd hierarchy.
+
+    Those are the hierarchies nspawn and the container's systemd use; on a pure cgroup v2
+    host the list has one entry.
+    """
+    own: dict[str, str] = {}
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        own[controllers] = path
+    dirs = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        sep = fields.index("-")
+        mount, fstype, options = Path(fields[4]), fields[sep + 1], fields[sep + 3].split(",")
+        if fstype == "cgroup2" and "" in own:
+            dirs.append(mount / own[""].lstrip("/") / name)
+        elif fstype == "cgroup" and "name=systemd" in options and "name=systemd" in own:
+            dirs.append(mount / own["name=systemd"].lstrip("/") / name)
+    return dirs
+
+
+def _remove_cgroup(top: Path) -> None:
+    """Kill whatever is left below `top` (nothing, normally), then remove the whole subtree."""
+    if not top.exists():
+        return
+    for procs in top.rglob("cgroup.procs"):
+        with contextlib.suppress(OSError, ValueError):
+            for pid in procs.read_text().split():
+                _kill_quietly(int(pid))
+    deadline = time.monotonic() + 10
+    while top.exists() and time.monotonic() < deadline:
+        for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        with contextlib.suppress(OSError):
+            top.rmdir()
+        if top.exists():
+            time.sleep(0.1)
 
 
 def _descendants(pid: int) -> Iterable[int]:

@@ -1,7 +1,9 @@
 """The real agent (`pitstop run`, reference engine on CPU) under the shipped unit, in systemd.
 
 One container and one agent service for the module; the tests run in order and each leaves
-the service active for the next (a failing one is reported, the next starts it again).
+the service active for the next (a failing one is reported, the next starts it again). The
+agent finds the project's CRIU (`make criu`) in the repository, which the container sees, so
+after its cold start it takes a snapshot, and later starts come back through a full restore.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from agent.checkpoint.criu_locate import REPO_WRAPPER
 from tests.conftest import cached_model
 from tests.prereq import require
 from tests.systemd_container import (
@@ -27,6 +30,7 @@ from tests.systemd_container import (
 pytestmark = pytest.mark.integration
 
 AGENT = "pitstop-agent.service"
+HOLDER = "pitstop-holder@GPU-test-0.service"
 PITSTOP = str(REPO / ".venv" / "bin" / "pitstop")
 CONFIG = SCRATCH / "pitstop.yaml"
 STATE = Path("/var/lib/pitstop-test")
@@ -52,13 +56,15 @@ def _config(model: Path) -> dict:
 def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SystemdContainer]:
     missing = container_prerequisites()
     require(not missing, "cannot boot a systemd container: missing " + "; ".join(missing))
+    require(REPO_WRAPPER.exists(), f"no CRIU at {REPO_WRAPPER}: run `make criu`")
     model = cached_model("tiny")  # under the repo, which the container sees read-only
     c = make_container(tmp_path_factory.mktemp("sd-agent"),
                        tmp_path_factory.mktemp("sd-agent-logs") / "boot.log")
     c.start()
     try:
         c.write_file(str(CONFIG), yaml.safe_dump(_config(model)))
-        c.run([PITSTOP, "install-units", "--config", str(CONFIG)])
+        # The real holder, on its CPU (memfd) backend: no GPU here.
+        c.run([PITSTOP, "install-units", "--config", str(CONFIG), "--holder-backend", "cpu"])
         c.write_file(f"/etc/systemd/system/{AGENT}.d/test.conf", TEST_OVERRIDES)
         c.systemctl("daemon-reload")
         yield c
@@ -80,6 +86,17 @@ def _status(c: SystemdContainer) -> dict:
 
 def _active(c: SystemdContainer) -> bool:
     return c.show(AGENT, "ActiveState")["ActiveState"] == "active"
+
+
+def _recovery(c: SystemdContainer) -> dict:
+    return _status(c).get("last_recovery") or {}
+
+
+def _engine_is_the_agents_child(c: SystemdContainer) -> None:
+    """The engine runs under the current agent: not an orphan of an earlier one."""
+    engine = _status(c)["engine_pid"]
+    ppid = c.run(["ps", "-o", "ppid=", "-p", str(engine)]).stdout.strip()
+    assert ppid == c.show(AGENT, "MainPID")["MainPID"], f"engine {engine} has parent {ppid}"
 
 
 def _ensure_started(c: SystemdContainer) -> None:
@@ -111,21 +128,38 @@ def test_the_agent_is_active_only_after_ready_and_the_canary(agent: SystemdConta
     assert "activating" in states
     assert canary_at_active == [True]
     status = _status(c)
-    assert status["state"] == "ready" and status["engine_pid"]
+    # Serving; right after a cold start it may already be taking the snapshot it lacked.
+    assert status["state"] in ("ready", "snapshotting") and status["engine_pid"]
     assert "canary recorded" in c.journal(AGENT)
-    assert c.run([PITSTOP, "status", "--config", str(CONFIG)], check=False).returncode == 0
+    out = c.run([PITSTOP, "status", "--config", str(CONFIG)], check=False).stdout
+    assert "last recovery: cold (startup) success" in out, out
+
+
+def test_the_agent_snapshots_its_engine_under_the_unit(agent: SystemdContainer) -> None:
+    c = agent
+    _ensure_started(c)
+    c.wait_for("the first snapshot", lambda: "published" in _status(c).get("reason", ""), 240,
+               interval_s=0.5)
+    r = c.run([PITSTOP, "snapshot", "list", "--json", "--config", str(CONFIG)])
+    assert [s["kind"] for s in json.loads(r.stdout)] == ["full"]
 
 
 def test_a_killed_engine_is_recovered_without_a_systemd_restart(agent: SystemdContainer) -> None:
     c = agent
     _ensure_started(c)
     before = c.show(AGENT, "MainPID", "NRestarts")
-    engine = _status(c)["engine_pid"]
-    c.run(["kill", "-KILL", str(engine)])
-    c.wait_for("a new engine, ready",
+    restarts = _status(c).get("restarts", 0)
+    c.run(["kill", "-KILL", str(_status(c)["engine_pid"])])
+    # The status file may say ready a moment before it names the recovery: wait for both.
+    c.wait_for("the engine recovered",
                lambda: _status(c).get("state") == "ready"
-               and _status(c).get("engine_pid") not in (None, engine), 240, interval_s=0.2)
+               and _status(c).get("restarts") == restarts + 1
+               and _recovery(c).get("cause") == "crash", 240, interval_s=0.2)
+    print(f"\nagent: engine SIGKILLed, recovered via {_recovery(c).get('path')} in "
+          f"{_recovery(c).get('duration_s')} s")
+    assert _recovery(c)["path"] == "full", _recovery(c)
     assert c.show(AGENT, "MainPID", "NRestarts") == before, c.journal(AGENT)[-3000:]
+    _engine_is_the_agents_child(c)
 
 
 def test_a_reload_with_a_broken_config_keeps_the_agent_running(agent: SystemdContainer) -> None:
@@ -148,7 +182,7 @@ def test_a_reload_with_a_broken_config_keeps_the_agent_running(agent: SystemdCon
     assert c.show(AGENT, "MainPID")["MainPID"] == pid
 
 
-def test_systemctl_restart_comes_back_and_the_time_to_ready_is_recorded(
+def test_systemctl_restart_comes_back_through_a_restore_and_the_time_is_recorded(
         agent: SystemdContainer) -> None:
     c = agent
     _ensure_started(c)
@@ -157,27 +191,49 @@ def test_systemctl_restart_comes_back_and_the_time_to_ready_is_recorded(
     # systemctl blocks until the new agent sent READY=1, i.e. until the canary passed.
     c.systemctl("restart", AGENT, timeout=300)
     took = time.monotonic() - t0
-    last = _status(c).get("last_recovery") or {}
+    last = _recovery(c)
     print(f"\nagent: systemctl restart -> READY in {took:.2f} s "
-          f"(path {last.get('path')}, {last.get('duration_s')})")
+          f"(path {last.get('path')}, {last.get('duration_s')} s; stages {last.get('stages')})")
     assert _active(c) and c.show(AGENT, "MainPID")["MainPID"] != old
     assert _status(c)["state"] == "ready"
+    assert last["path"] == "full", last
+    _engine_is_the_agents_child(c)
 
 
 def test_a_hung_agent_is_restarted_by_the_watchdog(agent: SystemdContainer) -> None:
     c = agent
     _ensure_started(c)
     before = c.show(AGENT, "MainPID", "NRestarts")
-    engine = _status(c)["engine_pid"]
     c.systemctl("kill", "--kill-who=main", "--signal=SIGSTOP", AGENT)
     t0 = time.monotonic()
     c.wait_for("a restart by the watchdog",
                lambda: int(c.show(AGENT, "NRestarts")["NRestarts"]) > int(before["NRestarts"]),
                60)
     c.wait_for("active again", lambda: _active(c), 240, interval_s=0.2)
-    print(f"\nagent: hung (SIGSTOP) -> watchdog -> READY again in {time.monotonic() - t0:.2f} s")
+    print(f"\nagent: hung (SIGSTOP) -> watchdog -> READY again in {time.monotonic() - t0:.2f} s"
+          f" via {_recovery(c).get('path')}")
     assert c.show(AGENT, "MainPID")["MainPID"] != before["MainPID"]
     assert "Watchdog timeout" in c.journal(AGENT)
-    # The hung agent's engine was killed with it, not left running beside the new one.
-    assert c.run(["kill", "-0", str(engine)], check=False).returncode != 0
-    assert _status(c)["engine_pid"] != engine
+    assert _recovery(c)["path"] == "full", _recovery(c)
+    # The hung agent's engine was killed with it (a restore needs its PID free), and the
+    # restored one belongs to the new agent.
+    _engine_is_the_agents_child(c)
+
+
+def test_the_real_holder_outlives_agent_restarts_and_stops(agent: SystemdContainer) -> None:
+    c = agent
+    _ensure_started(c)
+    c.systemctl("start", HOLDER)
+    holder = c.show(HOLDER, "MainPID", "ActiveState", "NRestarts")
+    assert holder["ActiveState"] == "active"
+    assert "holding for GPU-test-0" in c.show(HOLDER, "StatusText")["StatusText"]
+    c.systemctl("restart", AGENT, timeout=300)
+    c.systemctl("stop", AGENT, timeout=300)
+    assert c.show(HOLDER, "MainPID", "ActiveState", "NRestarts") == holder
+    c.systemctl("start", AGENT, timeout=300)
+    assert c.show(HOLDER, "MainPID", "ActiveState", "NRestarts") == holder
+    r = c.run([PITSTOP, "holder", "status", "--backend", "cpu", "--gpu", "GPU-test-0",
+               "--dir", "/run/pitstop/holder"], check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    mode = c.run(["stat", "-c", "%a", "/run/pitstop/holder"]).stdout.strip()
+    assert mode == "700"

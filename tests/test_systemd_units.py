@@ -219,8 +219,13 @@ def test_criu_dumps_and_restores_across_invocations_of_the_agent_unit(
     _install(c, prog, CONFIG)
 
     def counted() -> int:
-        text = c.run(["cat", str(count)], check=False).stdout.strip()
-        return int(text) if text.isdigit() else 0
+        # The loop rewrites the file (truncate, write): an empty read is retried.
+        for _ in range(50):
+            text = c.run(["cat", str(count)], check=False).stdout.strip()
+            if text.isdigit():
+                return int(text)
+            time.sleep(0.02)
+        return 0
 
     def last_event() -> str:
         return c.run(["tail", "-n1", str(events)], check=False).stdout.strip()
@@ -237,8 +242,10 @@ def test_criu_dumps_and_restores_across_invocations_of_the_agent_unit(
         assert last_event() == f"restored {engine}", c.journal(AGENT)[-3000:]
         # The same process, its memory intact: the count goes on from where it stopped (a new
         # process would start again from 1).
-        c.wait_for("the count to move", lambda n=at_dump: counted() != n, 30)
-        assert at_dump < counted() < at_dump + 100, f"cycle {cycle}: the count restarted"
+        seen: list[int] = []
+        c.wait_for("the count to move",
+                   lambda n=at_dump, seen=seen: seen.append(counted()) or seen[-1] != n, 30)
+        assert at_dump < seen[-1] < at_dump + 100, f"cycle {cycle}: the count restarted"
         group = c.show(AGENT, "ControlGroup")["ControlGroup"]
         cgroups = c.run(["cat", f"/proc/{engine}/cgroup"]).stdout
         assert group in cgroups, f"restored engine outside {group}: {cgroups}"
