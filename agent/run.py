@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
@@ -299,6 +300,8 @@ class Agent:
 
 def run_agent(config_path: Path | None, verbose: bool = False) -> int:
     setup_logging(verbose)
+    # The watchdog's SIGABRT then prints where a stuck agent was stuck, to the journal.
+    faulthandler.enable()
     config = load_config(config_path)
     agent = Agent(config, config_path, Notifier())
     with contextlib.suppress(KeyboardInterrupt):

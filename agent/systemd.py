@@ -35,7 +35,8 @@ class Notifier:
         self._send("READY=1" + (f"\nSTATUS={status}" if status else ""))
 
     def status(self, text: str) -> None:
-        self._send(f"STATUS={text}")
+        # One line: sd_notify ends a field at the newline, and systemctl would show a stub.
+        self._send(f"STATUS={' '.join(text.split())}")
 
     def watchdog(self) -> None:
         if self.watchdog_s is not None:
