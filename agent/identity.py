@@ -329,6 +329,12 @@ def engine_env(spec_env: Mapping[str, str], environ: Mapping[str, str]) -> dict[
 # --- the entry point --------------------------------------------------------------------
 
 
+def _gpu_fields(gpu: GpuFacts | None) -> dict[str, Any]:
+    """The Identity's GPU fields; all None on a host without a GPU (a valid identity)."""
+    names = ("driver_version", "cuda_driver_version", "gpu_name", "gpu_uuid", "gpu_memory_bytes")
+    return {n: getattr(gpu, n) if gpu else None for n in names}
+
+
 def host_identity(
     config: Config,
     adapter: EngineAdapter,
@@ -368,11 +374,7 @@ def host_identity(
     rt = read_engine_runtime(python, {**env, **spec.env})
     dist, version = engine_version(config.engine.kind, rt, python)
     return Identity(
-        driver_version=gpu.driver_version if gpu else None,
-        cuda_driver_version=gpu.cuda_driver_version if gpu else None,
-        gpu_name=gpu.gpu_name if gpu else None,
-        gpu_uuid=gpu.gpu_uuid if gpu else None,
-        gpu_memory_bytes=gpu.gpu_memory_bytes if gpu else None,
+        **_gpu_fields(gpu),
         kernel=read_kernel(),
         engine_kind=config.engine.kind,
         engine_distribution=dist,
@@ -444,11 +446,7 @@ def collect(
     except metadata.PackageNotFoundError:
         torch = None
     return Identity(
-        driver_version=gpu.driver_version if gpu else None,
-        cuda_driver_version=gpu.cuda_driver_version if gpu else None,
-        gpu_name=gpu.gpu_name if gpu else None,
-        gpu_uuid=gpu.gpu_uuid if gpu else None,
-        gpu_memory_bytes=gpu.gpu_memory_bytes if gpu else None,
+        **_gpu_fields(gpu),
         kernel=read_kernel(),
         engine_kind=engine_kind,
         engine_version=engine_version,

@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 
-from tests.agentproc import REPO, RunningAgent, agent_config
+from tests.agentproc import RunningAgent, agent_config
 from tests.holder_proc import Holder
-from tests.test_agent_snapshots import _complete, _criu  # noqa: F401 - the CRIU prerequisite
+from tests.test_agent_snapshots import _complete, _criu, _snapshots  # noqa: F401 - _criu: CRIU
 
 pytestmark = pytest.mark.integration
-
-
-def _snapshots(a: RunningAgent) -> list[dict]:
-    r = subprocess.run([sys.executable, "-m", "agent", "snapshot", "list", "--json", "--config",
-                        str(a.config_path)], capture_output=True, text=True, cwd=REPO)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
 
 
 @pytest.fixture
