@@ -17,9 +17,11 @@ With `cpu` instead of `cuda` the same path runs on CPU (a dry run of this script
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -41,18 +43,35 @@ PROMPT = "Pitstop canary: the quick brown fox"
 DIGEST = "sha256-smoke"
 
 
-def http(sock: Path, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
-    import httpx2
+class _UnixHTTP(http.client.HTTPConnection):
+    """The standard library's HTTP client over a Unix socket: nothing to carry to the host."""
 
-    with httpx2.Client(transport=httpx2.HTTPTransport(uds=str(sock)),
-                       base_url="http://localhost", timeout=120) as c:
-        r = c.request(method, path, json=body)
-        is_json = r.headers.get("content-type", "").startswith("application/json")
-        return r.status_code, r.json() if is_json else {"text": r.text}
+    def __init__(self, path: Path, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = str(path)
+
+    def connect(self) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        s.connect(self._path)
+        self.sock = s
+
+
+def call(sock: Path, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    c = _UnixHTTP(sock, timeout=120)
+    try:
+        c.request(method, path, body=None if body is None else json.dumps(body),
+                  headers={"content-type": "application/json"})
+        r = c.getresponse()
+        raw = r.read()
+        is_json = (r.getheader("content-type") or "").startswith("application/json")
+        return r.status, json.loads(raw) if is_json else {"text": raw.decode()}
+    finally:
+        c.close()
 
 
 def canary(sock: Path) -> str:
-    code, body = http(sock, "POST", "/v1/completions",
+    code, body = call(sock, "POST", "/v1/completions",
                       {"model": "smoke", "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
     assert code == 200, body
     return body["choices"][0]["text"]
@@ -85,8 +104,9 @@ def wait_healthy(sock: Path, p: subprocess.Popen | None, timeout: float = 600) -
         if p is not None and p.poll() is not None:
             log = (sock.parent / "engine.log").read_text()[-3000:]
             raise SystemExit(f"engine exited {p.returncode}: {log}")
-        with contextlib.suppress(Exception):
-            if http(sock, "GET", "/health")[0] == 200:
+        # Only "not up yet" is expected here; anything else must surface, not spin.
+        with contextlib.suppress(OSError, http.client.HTTPException):
+            if call(sock, "GET", "/health")[0] == 200:
                 return
         time.sleep(0.05)
     raise SystemExit("engine not healthy in time")
@@ -128,7 +148,7 @@ def main() -> int:
             p = start_engine(model, sock, device, hsock)
             wait_healthy(sock, p)
             answer = canary(sock)
-            st = http(sock, "GET", "/pitstop/state")[1]
+            st = call(sock, "GET", "/pitstop/state")[1]
             result[what] = {"to_first_answer_s": time.monotonic() - t0, "answer": answer,
                             "weights_source": st["weights_source"]}
             print(what, result[what], flush=True)
@@ -141,7 +161,7 @@ def main() -> int:
         snap = Snapshotter(SnapshotStore(out / "snapshots"), CriuBackend(locate()), cuda,
                            log_dir=out / "logs")
         t0 = time.monotonic()
-        code, body = http(sock, "POST", "/pitstop/prepare", {"timeout_s": 30})
+        code, body = call(sock, "POST", "/pitstop/prepare", {"timeout_s": 30})
         assert code == 200 and not body["held"]["attached"], body
         result["prepare_s"] = time.monotonic() - t0
         ident = collect(engine_kind="reference", engine_version="smoke",
@@ -159,7 +179,7 @@ def main() -> int:
             t0 = time.monotonic()
             r = snap.restore(info.manifest)
             t1 = time.monotonic()
-            code, body = http(sock, "POST", "/pitstop/resume")
+            code, body = call(sock, "POST", "/pitstop/resume")
             t2 = time.monotonic()
             answer = canary(sock)
             t3 = time.monotonic()
