@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -43,6 +43,8 @@ class UnitPaths:
     snapshot_dir: Path
     run_dir: Path
     holder_backend: str = "cuda"
+    # The venv that installs the units is the one they run (or a wrapper execs).
+    python: Path = field(default_factory=lambda: Path(sys.executable))
 
     def values(self) -> dict[str, str]:
         if self.holder_backend not in HOLDER_BACKENDS:
@@ -55,7 +57,14 @@ class UnitPaths:
             "STATE_DIR": tmpfiles_path(self.state_dir),
             "SNAPSHOT_DIR": tmpfiles_path(self.snapshot_dir),
             "RUN_DIR": tmpfiles_path(self.run_dir),
+            "PRIVATE_TMP": "no" if self.under_tmp() else "yes",
         }
+
+    def under_tmp(self) -> bool:
+        """Whether the holder needs the host's /tmp: PrivateTmp would hide an install there."""
+        tmps = (Path("/tmp"), Path("/var/tmp"))
+        return any(t == p or t in p.parents
+                   for p in (self.pitstop, self.config, self.python) for t in tmps)
 
 
 def systemd_quote(path: Path) -> str:
