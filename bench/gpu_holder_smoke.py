@@ -192,6 +192,10 @@ def main() -> int:
             for f in set(r.outputs.values()):
                 f.close()
     finally:
+        # An engine left by a failed step must not outlive the run (it holds the GPU).
+        for pid in proc.children_of(os.getpid()):
+            if pid != holder.pid:
+                kill(pid)
         holder.send_signal(signal.SIGTERM)
         holder.wait(60)
         (out / "result.json").write_text(json.dumps(result, indent=1))
