@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+
+import pytest
 
 from agent import proc
 from agent.checkpoint.criu import CriuBackend
@@ -125,3 +129,12 @@ def kill_and_reap(pid: int, timeout_s: float = 30) -> None:
             return
         time.sleep(0.02)
     raise AssertionError(f"PID {pid} was not reaped within {timeout_s} s")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def subreaper() -> Iterator[None]:
+    """Restored trees re-parent to the nearest subreaper: this test process."""
+    proc.become_subreaper()
+    yield
+    proc.reap_orphans()
+    ctypes.CDLL(None).prctl(proc.PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,18 +24,10 @@ from tests.snapshot_helpers import (
     inc,
     kill_and_reap,
     snapshotter,
+    subreaper,  # noqa: F401 - autouse: this process reaps restored trees
 )
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(autouse=True, scope="module")
-def subreaper() -> Iterator[None]:
-    """Restored trees re-parent to the nearest subreaper: this test process."""
-    proc.become_subreaper()
-    yield
-    proc.reap_orphans()
-    ctypes.CDLL(None).prctl(proc.PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
 def test_restore_one_image_three_times_state_continues_same_pid_pipe_rewired(tmp_path: Path):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
 import json
 import signal
@@ -22,21 +21,12 @@ from agent.identity import collect
 from agent.store import Canary, SnapshotStore
 from tests.holder_proc import Holder
 from tests.refengine_proc import REPO, Engine
-from tests.snapshot_helpers import criu, kill_and_reap
+from tests.snapshot_helpers import criu, kill_and_reap, subreaper  # noqa: F401 - autouse
 from tests.test_holder_engine import PROMPT, complete, held_maps, post, state
 
 pytestmark = pytest.mark.integration
 
 WEIGHTS_GIB = 1 / 16  # 64 MiB of bf16 weights: big enough to see in an image's size
-
-
-@pytest.fixture(autouse=True, scope="module")
-def subreaper() -> Iterator[None]:
-    """Restored trees re-parent to the nearest subreaper: this test process."""
-    proc.become_subreaper()
-    yield
-    proc.reap_orphans()
-    ctypes.CDLL(None).prctl(proc.PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
 @pytest.fixture(scope="module")
