@@ -7,6 +7,10 @@ Not part of `make test` (no GPU on CI). On the GPU host, from the repository roo
 
     PITSTOP_CRIU=$PWD/.gpu/criu/bin/criu python3 bench/gpu_recovery_bench.py OUT --gib 8
 
+`--paths` picks the recoveries: full and cold (no holder), hybrid and warm (the agent with
+`holder.enabled`, over a `pitstop holder` this script starts for GPU 0: the first start
+fills the holder, a hybrid snapshot is taken, the engine is killed `--runs` times; then
+the agent is restarted with snapshots off and every start attaches the held weights).
 Writes OUT/recovery-<gib>gib.json.
 """
 
@@ -105,6 +109,41 @@ def recover(agent: Agent, n: int) -> dict:
     return rec
 
 
+def gpu_id(device: str) -> str:
+    if device != "cuda":
+        return "cpu"
+    out = subprocess.run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader", "-i", "0"],
+                         capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def start_holder(gpu: str, holder_dir: Path, workdir: Path) -> subprocess.Popen:
+    backend = "cpu" if gpu == "cpu" else "cuda"
+    p = subprocess.Popen([sys.executable, "-m", "agent", "holder", "--backend", backend,
+                          "--gpu", gpu, "--dir", str(holder_dir)], cwd=REPO,
+                         stdout=(workdir / "holder.log").open("ab"), stderr=subprocess.STDOUT)
+    sock = holder_dir / gpu / "holder.sock"
+    end = time.monotonic() + 60
+    while not sock.exists():
+        if p.poll() is not None or time.monotonic() > end:
+            raise SystemExit(f"holder did not start: {(workdir / 'holder.log').read_text()}")
+        time.sleep(0.1)
+    return p
+
+
+def first_snapshot(agent: Agent) -> dict:
+    agent.wait(lambda s: "published" in s.get("reason", "")
+               or "failed" in s.get("reason", ""), 900, "snapshot")
+    snaps = snapshots(agent.path)
+    if not snaps:
+        raise SystemExit("no snapshot was published; see agent.log")
+    m = manifest(agent.path, snaps[0]["id"])
+    snap = {"id": m["id"], "kind": m.get("kind"),
+            "image_bytes": sum(f["size"] for f in m["files"]), "timings": m["timings"]}
+    log(f"snapshot {snap}")
+    return snap
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
@@ -155,16 +194,7 @@ def main() -> None:
             st = agent.wait(lambda s: s.get("state") == "ready", 900, "first start")
             result["first_cold"] = st["last_recovery"]
             log(f"cold start {st['last_recovery']['duration_s']:.2f}s")
-            agent.wait(lambda s: "published" in s.get("reason", "")
-                       or "failed" in s.get("reason", ""), 900, "snapshot")
-            snaps = snapshots(agent.path)
-            if not snaps:
-                raise SystemExit("no snapshot was published; see agent.log")
-            m = manifest(agent.path, snaps[0]["id"])
-            result["snapshot"] = {"id": m["id"], "image_bytes": sum(f["size"] for f in
-                                                                    m["files"]),
-                                  "timings": m["timings"]}
-            log(f"snapshot {result['snapshot']}")
+            result["snapshot"] = first_snapshot(agent)
             result["full"] = [recover(agent, n) for n in range(1, a.runs + 1)]
         finally:
             agent.stop()
@@ -181,6 +211,40 @@ def main() -> None:
             result["cold"] = colds
         finally:
             agent.stop()
+
+    if "hybrid" in paths or "warm" in paths:
+        gpu = gpu_id(a.device)
+        holder_dir = work / "holder"
+        holder = start_holder(gpu, holder_dir, work)
+        hcfg = {**cfg, "holder": {"enabled": True, "dir": str(holder_dir), "gpu": gpu},
+                "paths": {"state_dir": str(work / "state-holder")},
+                "snapshots": {**cfg["snapshots"], "enabled": "hybrid" in paths}}
+        try:
+            agent = Agent(hcfg, work)
+            try:
+                st = agent.wait(lambda s: s.get("state") == "ready", 900, "first start")
+                result["holder_first"] = st["last_recovery"]
+                log(f"first start (fills the holder) {st['last_recovery']}")
+                if "hybrid" in paths:
+                    result["hybrid_snapshot"] = first_snapshot(agent)
+                    result["hybrid"] = [recover(agent, n) for n in range(1, a.runs + 1)]
+            finally:
+                agent.stop()
+            if "warm" in paths:
+                hcfg["snapshots"]["enabled"] = False
+                agent = Agent(hcfg, work)
+                try:
+                    st = agent.wait(lambda s: s.get("state") == "ready", 900, "warm start")
+                    warms = [st["last_recovery"]]
+                    log(f"warm start {st['last_recovery']}")
+                    warms += [recover(agent, n) for n in range(1, a.runs)]
+                    result["warm"] = warms
+                finally:
+                    agent.stop()
+        finally:
+            holder.send_signal(signal.SIGTERM)
+            holder.wait(120)
+        shutil.copy(work / "holder.log", a.out / f"holder-{tag}.log")
 
     shutil.copy(work / "agent.log", a.out / f"agent-{tag}.log")
     result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
