@@ -99,8 +99,9 @@ def make_private_dir(path: Path) -> None:
 
 
 # Images are hashed in chunks so that one 14 GB pages file is checked by many cores at
-# once (one sha256 stream runs at about 2 GB/s: as slow as the restore it guards).
-CHUNK_BYTES = 64 << 20
+# once (one sha256 stream runs at about 2 GB/s: as slow as the restore it guards); 16 MiB
+# keeps even a 1.5 GB hybrid image spread over 16 cores (about 0.2 s at 64 MiB, measured).
+CHUNK_BYTES = 16 << 20
 _READ_BYTES = 4 << 20
 
 

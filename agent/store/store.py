@@ -38,7 +38,7 @@ TMP_PREFIX = ".tmp-"
 RESTORE_LEFTOVERS = frozenset({"stats-restore"})
 QUARANTINE = ".quarantine"
 # Hashing threads: hashlib and pread release the GIL, so these use that many cores.
-HASH_WORKERS = min(8, os.cpu_count() or 1)
+HASH_WORKERS = min(32, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=1,
                    help="prompt tokens per forward call; above 1, a resumed greedy request "
                         "may differ in the last bits from an uninterrupted one")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="on a GPU, replay one-token steps from CUDA graphs (default on)")
     p.add_argument("--holder", type=Path, metavar="SOCK",
                    help="keep the weights in the holder at SOCK: attach them when held "
                         "(a warm start), else load them from disk into it and commit")
@@ -99,7 +101,8 @@ async def _serve(args: argparse.Namespace) -> int:
     device = torch.device(device_name)
     held = _held_weights(args, device) if args.holder is not None else None
     model = Llama.load(args.model, device, None if args.dtype == "auto" else args.dtype,
-                       held=held.tensors if held is not None else None)
+                       held=held.tensors if held is not None else None,
+                       cuda_graphs=args.cuda_graphs)
     tokenizer = Tokenizer(args.model)
     cfg = model.config
     max_len = min(args.max_model_len or 2048, cfg.max_position_embeddings)

@@ -50,10 +50,20 @@ class KVPool:
         """Make the pool tensor; returns its size in bytes (0 when it already existed)."""
         if self._tensor is not None:
             return 0
-        # empty, not zeros: attention reads only positions a request wrote, and untouched
-        # CPU pages stay out of a checkpoint image.
-        self._tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        if self.device.type == "cuda":
+            # Zeros on the GPU: a graph step attends over a whole span, positions not yet
+            # written masked; a NaN left there by the allocator would still poison 0 * V.
+            self._tensor = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        else:
+            # empty, not zeros: eager attention reads only positions a request wrote, and
+            # untouched CPU pages stay out of a checkpoint image.
+            self._tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         return self.nbytes
+
+    @property
+    def address(self) -> int:
+        """Where the pool's memory starts (0 while freed): captured graphs point into it."""
+        return 0 if self._tensor is None else self._tensor.data_ptr()
 
     def free(self) -> int:
         """Drop the pool tensor; returns the bytes freed. Only legal with no slot in use."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,7 +124,8 @@ class Llama:
         logits = model.forward([0, 17, 42], start=0, kv=pool.slot_views(0))
     """
 
-    def __init__(self, config: LlamaConfig, weights: dict[str, Any], device: torch.device) -> None:
+    def __init__(self, config: LlamaConfig, weights: dict[str, Any], device: torch.device,
+                 cuda_graphs: bool = False) -> None:
         self.config = config
         self.device = device
         self.dtype = weights["model.embed_tokens.weight"].dtype
@@ -136,19 +138,37 @@ class Llama:
         angles = torch.cat([angles, angles], dim=-1)  # HF's rotate_half layout
         self._cos = angles.cos().to(device=device, dtype=torch.float32)
         self._sin = angles.sin().to(device=device, dtype=torch.float32)
+        self._graphs = None
+        if cuda_graphs and device.type == "cuda":
+            from agent.engines.refengine.graphs import GraphSteps
+
+            self._graphs = GraphSteps(self.step_static, device)
+
+    @property
+    def graphs(self) -> int | None:
+        """How many step graphs are captured; None when steps run eagerly."""
+        return None if self._graphs is None else len(self._graphs)
+
+    def forget_graphs(self) -> None:
+        """Drop captured graphs (the KV pool moved: they would write to the old addresses)."""
+        if self._graphs is not None:
+            self._graphs.clear()
 
     @classmethod
     def load(cls, directory: Path, device: torch.device, dtype: str | None,
-             held: dict[str, Any] | None = None) -> Llama:
+             held: dict[str, Any] | None = None, cuda_graphs: bool = False) -> Llama:
         """Read the weights from `directory`, or use `held` (tensors over memory the holder
-        keeps, already on `device`) when given."""
+        keeps, already on `device`) when given. `cuda_graphs` replays one-token steps from
+        CUDA graphs on a GPU (graphs.py)."""
         config = LlamaConfig.from_dir(directory)
         name = dtype or config.dtype
         if name not in DTYPES:
             raise ModelError(f"dtype {name!r} is not supported; use one of {', '.join(DTYPES)}")
         if held is None:
-            return cls(config, load_weights(directory, device, DTYPES[name]), device)
-        return cls(config, weights_from_held(held, DTYPES[name]), device)
+            weights = load_weights(directory, device, DTYPES[name])
+        else:
+            weights = weights_from_held(held, DTYPES[name])
+        return cls(config, weights, device, cuda_graphs)
 
     @property
     def weight_bytes(self) -> int:
@@ -186,16 +206,47 @@ class Llama:
                 ) -> torch.Tensor:
         """Logits (float32, on CPU) of the token after `tokens`, which sit at positions
         `start..start+T-1` of the slot whose per-layer (K, V) views are `kv`."""
+        if self._graphs is not None and len(tokens) == 1:
+            return self._graphs.run(tokens[0], start, kv).float().cpu()
         c = self.config
         t = len(tokens)
         end = start + t
         pos = torch.arange(start, end, device=self.device)
         x = self._w["model.embed_tokens.weight"][torch.tensor(tokens, device=self.device)]
-        group = c.num_heads // c.num_kv_heads
         mask = None
         if t > 1:  # causal mask within the chunk; earlier positions are all visible
-            q_pos = pos.view(-1, 1).repeat(group, 1)
+            q_pos = pos.view(-1, 1).repeat(c.num_heads // c.num_kv_heads, 1)
             mask = torch.arange(end, device=self.device).view(1, -1) > q_pos
+
+        def write(cache: torch.Tensor, values: torch.Tensor) -> None:
+            cache[:, start:end] = values
+
+        return self._layers(x, pos, kv, end, mask, write)[0].float().cpu()
+
+    @torch.inference_mode()
+    def step_static(self, token: torch.Tensor, position: torch.Tensor,
+                    kv: list[tuple[torch.Tensor, torch.Tensor]], span: int) -> torch.Tensor:
+        """Logits (model dtype, on the device) of one token whose id and position are
+        1-element device tensors; attention runs over the first `span` positions of the
+        slot, later ones masked. No host synchronisation: CUDA graphs capture it."""
+        x = self._w["model.embed_tokens.weight"][token]
+        mask = (torch.arange(span, device=self.device) > position).view(1, span)
+
+        def write(cache: torch.Tensor, values: torch.Tensor) -> None:
+            cache.index_copy_(1, position, values)
+
+        return self._layers(x, position, kv, span, mask, write)[0]
+
+    def _layers(self, x: torch.Tensor, pos: torch.Tensor,
+                kv: list[tuple[torch.Tensor, torch.Tensor]], span: int,
+                mask: torch.Tensor | None,
+                write: Callable[[torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+        """Every layer over `x` (T, hidden) at positions `pos`, then the head of the last
+        token: logits (1, vocab). Attention reads positions below `span`; `mask` hides
+        those a query must not see."""
+        c = self.config
+        t = x.shape[0]
+        group = c.num_heads // c.num_kv_heads
         for i, (k_cache, v_cache) in enumerate(kv):
             p = f"model.layers.{i}."
             h = self._rms_norm(x, p + "input_layernorm.weight")
@@ -204,15 +255,15 @@ class Llama:
             v = F.linear(h, self._w[p + "self_attn.v_proj.weight"])
             q = self._rope(q.view(t, c.num_heads, c.head_dim).transpose(0, 1), pos)
             k = self._rope(k.view(t, c.num_kv_heads, c.head_dim).transpose(0, 1), pos)
-            k_cache[:, start:end] = k
-            v_cache[:, start:end] = v.view(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
+            write(k_cache, k)
+            write(v_cache, v.view(t, c.num_kv_heads, c.head_dim).transpose(0, 1))
             # GQA: query head h reads KV head h // group, as HF's repeat_kv does.
             q = q.reshape(c.num_kv_heads, group * t, c.head_dim)
-            scores = (q @ k_cache[:, :end].transpose(1, 2)).float() * c.head_dim**-0.5
+            scores = (q @ k_cache[:, :span].transpose(1, 2)).float() * c.head_dim**-0.5
             if mask is not None:
                 scores = scores.masked_fill(mask, float("-inf"))
             probs = scores.softmax(-1).to(x.dtype)
-            attn = (probs @ v_cache[:, :end]).view(c.num_heads, t, c.head_dim)
+            attn = (probs @ v_cache[:, :span]).view(c.num_heads, t, c.head_dim)
             attn = attn.transpose(0, 1).reshape(t, c.num_heads * c.head_dim)
             x = x + F.linear(attn, self._w[p + "self_attn.o_proj.weight"])
             h = self._rms_norm(x, p + "post_attention_layernorm.weight")
@@ -220,4 +271,4 @@ class Llama:
             up = F.linear(h, self._w[p + "mlp.up_proj.weight"])
             x = x + F.linear(gate * up, self._w[p + "mlp.down_proj.weight"])
         last = self._rms_norm(x[-1:], "model.norm.weight")
-        return F.linear(last, self._w["lm_head.weight"])[0].float().cpu()
+        return F.linear(last, self._w["lm_head.weight"])

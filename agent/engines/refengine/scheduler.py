@@ -87,6 +87,7 @@ class Scheduler:
         self.eos_ids = eos_ids
         self.prefill_chunk = max(1, prefill_chunk)
         self.counters = Counters()
+        self._kv_address = 0
         self._on_fatal = on_fatal
         self._cond = threading.Condition()
         self._waiting: deque[Sequence] = deque()
@@ -158,12 +159,17 @@ class Scheduler:
                     self._cond.notify_all()
                     raise EngineBusy(f"{len(self._running)} requests still running")
                 self._cond.wait(left)
+            self._kv_address = self.pool.address
             return self.pool.free()
 
     def resume(self) -> int:
         """Rebuild the KV pool and admit waiting requests again; returns bytes allocated."""
         with self._cond:
             n = self.pool.allocate()
+            if n and self.pool.address != self._kv_address and self.model.graphs:
+                log.info("resume: the KV pool came back at another address; %d step graphs "
+                         "dropped (captured again on use)", self.model.graphs)
+                self.model.forget_graphs()
             self._paused = False
             self._cond.notify_all()
             return n

@@ -1,0 +1,66 @@
+"""The reference engine's CUDA graph steps on a real GPU: the same greedy tokens as the eager
+steps, spans crossed, and graphs kept or dropped correctly when the KV pool is rebuilt (as a
+snapshot's prepare/resume does). Run on the device machine: `pytest -m gpu tests/gpu`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agent.engines.refengine.graphs import MIN_SPAN, span_for
+from agent.engines.refengine.kvpool import KVPool
+from agent.engines.refengine.model import Llama
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    # Skipped, not failed, without a GPU even under CI=true: the `gpu` marker keeps these
+    # out of `make test`, and CI has no GPU by design.
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device here")
+    return torch.device("cuda")
+
+
+def greedy(model: Llama, pool: KVPool, prompt: list[int], n: int) -> list[int]:
+    slot = pool.acquire()
+    assert slot is not None
+    try:
+        kv = pool.slot_views(slot)
+        tokens = list(prompt)
+        for i in range(len(prompt) + n - 1):
+            logits = model.forward([tokens[i]], i, kv)
+            if i >= len(prompt) - 1:
+                tokens.append(int(logits.argmax()))
+        return tokens[len(prompt):]
+    finally:
+        pool.release(slot)
+
+
+def test_graph_steps_match_eager_steps_across_spans(tiny_model, cuda):
+    eager = Llama.load(tiny_model, cuda, "float32")
+    graphed = Llama.load(tiny_model, cuda, "float32", cuda_graphs=True)
+    prompt = [1, 17, 42, 99, 7]
+    n = MIN_SPAN + 20  # crosses from the first span into the second
+    assert span_for(len(prompt) + n, 4096) == 2 * MIN_SPAN
+    pools = [KVPool(m.config, 2, 512, cuda, torch.float32) for m in (eager, graphed)]
+    for p in pools:
+        p.allocate()
+    want = greedy(eager, pools[0], prompt, n)
+    got = greedy(graphed, pools[1], prompt, n)
+    assert got == want
+    assert graphed.graphs == 2  # one slot, two spans
+
+
+def test_graphs_survive_a_rebuilt_pool_at_the_same_address_or_are_dropped(tiny_model, cuda):
+    model = Llama.load(tiny_model, cuda, "float32", cuda_graphs=True)
+    pool = KVPool(model.config, 2, 256, cuda, torch.float32)
+    pool.allocate()
+    first = greedy(model, pool, [3, 5, 8], 12)
+    before = pool.address
+    pool.free()
+    pool.allocate()
+    if pool.address != before:
+        model.forget_graphs()
+    assert greedy(model, pool, [3, 5, 8], 12) == first
