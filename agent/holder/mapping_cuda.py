@@ -79,6 +79,24 @@ class CudaSpace:
             _ck(cu.cuMemSetAccess(self.base + at, length, [self._access], 1), "cuMemSetAccess")
             at += length
 
+    def create(self, offset: int, length: int) -> None:
+        """Back [offset, offset + length) with new memory of this process's own (no handle
+        to share): memory that can be dropped before a checkpoint and made again at the
+        same addresses after it, e.g. a KV pool that captured CUDA graphs point into."""
+        cu = self._cu
+        self._bind()
+        if offset < 0 or offset + length > self.size or offset % self.align or length % self.align:
+            raise MappingError(f"{length} bytes at offset {offset} do not fit the reserved "
+                               f"{self.size} bytes at {self.base:#x} in {self.align}-byte units")
+        h = _ck(cu.cuMemCreate(length, local_prop(self.device), 0), f"cuMemCreate({length})")
+        try:
+            _ck(cu.cuMemMap(self.base + offset, length, 0, h, 0), "cuMemMap")
+        except MappingError:
+            _ck(cu.cuMemRelease(h), "cuMemRelease")
+            raise
+        self._handles[offset] = (h, length)
+        _ck(cu.cuMemSetAccess(self.base + offset, length, [self._access], 1), "cuMemSetAccess")
+
     def unmap(self, offset: int, length: int) -> None:
         cu = self._cu
         self._bind()
@@ -107,6 +125,26 @@ class CudaSpace:
         _ck(self._cu.cuMemAddressFree(self.base, self.size), "cuMemAddressFree")
         self.size = 0
         _ck(self._cu.cuDevicePrimaryCtxRelease(self._dev), "cuDevicePrimaryCtxRelease")
+
+
+def local_prop(device: int) -> Any:
+    """Allocation properties of plain device memory on `device`, shared with nobody."""
+    from cuda.bindings import driver as cu
+
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = device
+    return prop
+
+
+def local_granularity(device: int) -> int:
+    from cuda.bindings import driver as cu
+
+    _ck(cu.cuInit(0), "cuInit")
+    flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+    return int(_ck(cu.cuMemGetAllocationGranularity(local_prop(device), flag),
+                   "cuMemGetAllocationGranularity"))
 
 
 def cuda_space_factory(device: int) -> Any:

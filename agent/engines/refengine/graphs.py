@@ -5,8 +5,9 @@ roughly 0.6 ms a layer whatever the GPU (13 ms a token at 8 GiB, 52 ms at 32 GiB
 H200, measured): the canary after a restore paid more for that than for the restore
 itself. A captured step launches as one graph. Graphs bake in the addresses of the
 weights and the KV pool; both stay put across a hybrid restore (the holder's regions
-are mapped back at the same addresses, and `KVPool.allocate` is checked for it), so
-graphs captured before a snapshot replay after it (LAB.md fact 12).
+are mapped back at the same addresses, and the KV pool is made again in the VA range it
+keeps for the life of the process), so graphs captured before a snapshot replay after it
+(LAB.md fact 12).
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ class GraphSteps:
 
     def clear(self) -> None:
         self._graphs.clear()
+        # The old pool dies with its last graph; capturing into its handle again trips an
+        # assertion in torch's caching allocator (seen on torch 2.11).
+        self._pool = torch.cuda.graph_pool_handle()
 
     def run(self, token: int, position: int,
             kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from agent.engines.refengine.model import LlamaConfig
@@ -30,6 +32,15 @@ class KVPool:
         self.dtype = dtype
         self._tensor: torch.Tensor | None = None
         self._free = list(range(slots - 1, -1, -1))
+        self._space: Any = None
+        if device.type == "cuda":
+            # On a GPU the pool lives in a VA range reserved for the life of the process:
+            # freed before a checkpoint and made again at the same addresses after it, so
+            # CUDA graphs captured over it stay valid (graphs.py).
+            from agent.holder.mapping_cuda import CudaSpace, local_granularity
+
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            self._space = CudaSpace(self.nbytes, local_granularity(index), index)
 
     @property
     def nbytes(self) -> int:
@@ -50,10 +61,12 @@ class KVPool:
         """Make the pool tensor; returns its size in bytes (0 when it already existed)."""
         if self._tensor is not None:
             return 0
-        if self.device.type == "cuda":
+        if self._space is not None:
+            self._space.create(0, self._space.size)
+            raw = self._space.tensor(0, self.nbytes)
             # Zeros on the GPU: a graph step attends over a whole span, positions not yet
-            # written masked; a NaN left there by the allocator would still poison 0 * V.
-            self._tensor = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            # written masked; a NaN in fresh memory would still poison 0 * V.
+            self._tensor = raw.view(self.dtype).view(self.shape).zero_()
         else:
             # empty, not zeros: eager attention reads only positions a request wrote, and
             # untouched CPU pages stay out of a checkpoint image.
@@ -72,8 +85,9 @@ class KVPool:
         if self._tensor is None:
             return 0
         self._tensor = None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # give the memory back to the driver, not just the cache
+        if self._space is not None:
+            self._space.unmap(0, self._space.size)  # back to the driver; the range is kept
+            torch.cuda.empty_cache()  # and the allocator's cached activations with it
         return self.nbytes
 
     def acquire(self) -> int | None:
