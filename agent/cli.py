@@ -94,7 +94,10 @@ def format_status(data: dict) -> str:
     import time
 
     lines = [f"state:    {data['state']}" + (f" ({data['reason']})" if data.get("reason") else "")]
-    lines.append(f"engine:   {data.get('engine_kind', '?')}, pid {data.get('engine_pid') or '-'}")
+    version = " ".join(v for v in (data.get("engine_distribution"), data.get("engine_version"))
+                       if v)
+    lines.append(f"engine:   {data.get('engine_kind', '?')}" + (f" ({version})" if version else "")
+                 + f", pid {data.get('engine_pid') or '-'}")
     since = data.get("engine_ready_since")
     if since and data.get("engine_pid"):
         lines.append(f"uptime:   {time.time() - since:.0f}s")
@@ -105,6 +108,8 @@ def format_status(data: dict) -> str:
         for f in rec.get("fallthroughs", []):
             lines.append(f"  fell through: {f}")
     lines.append(f"restarts: {data.get('restarts', 0)}")
+    if data.get("snapshot_error"):
+        lines.append(f"snapshot: {data['snapshot_error']}")
     if data.get("front"):
         lines.append(f"front:    http://{data['front']}/v1")
     if data.get("metrics"):

@@ -262,13 +262,20 @@ def vllm_package(rt: EngineRuntime, python: str) -> tuple[str, str]:
     if not rt.vllm:
         raise IdentityError(
             f"no installed distribution provides the 'vllm' package for {python}; install vLLM "
-            "there or point engine.python at its virtualenv")
+            "there (scripts/install-vllm.sh does it for CPU) or point engine.python at its "
+            "virtualenv")
     if len({v for _, v in rt.vllm}) > 1:
         listed = ", ".join(f"{n} {v}" for n, v in rt.vllm)
         raise IdentityError(
             f"{python} has several distributions providing 'vllm' ({listed}); uninstall all but "
             "one so the engine's version is known")
     return rt.vllm[0]
+
+
+def read_vllm_package(python: str, env: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """(distribution, version) of vLLM in the interpreter `python` run with `env`: the one
+    lookup that the vLLM adapter and the identity (hence drift) both use, cached by stat."""
+    return vllm_package(read_engine_runtime(python, env), python)
 
 
 def engine_version(kind: str, rt: EngineRuntime, python: str) -> tuple[str, str]:

@@ -80,7 +80,8 @@ class Agent:
         if config.front.enabled:
             from agent.front.proxy import Front
 
-            self.front = Front(config.front, self.gate, self.metrics)
+            self.front = Front(config.front, self.gate, self.metrics,
+                               engine_metrics_path=self.adapter.metrics_path)
         self.snapshotter, unavailable = self._snapshotter(config)
         criu = self.snapshotter.criu.binary.version if self.snapshotter is not None else None
         self.reader = build_reader(config, self.adapter, criu)
@@ -96,7 +97,8 @@ class Agent:
         restore = dict(snapshotter=self.snapshotter, unavailable=unavailable,
                        adapter=self.adapter, socket=config.engine_socket,
                        identity=self.identity, metrics=self.metrics,
-                       timeout_s=config.health.timeout_s * 10)
+                       timeout_s=config.health.timeout_s * 10,
+                       capture_failure=lambda: self.capture.failure if self.capture else "")
         self.full = FullRestore(**restore)
         self.holder = HolderLink(config.holder, config.paths.run, gpu=self._gpu_uuid,
                                  digest=self._weights_digest)
@@ -142,6 +144,8 @@ class Agent:
         # Hashing changed weight files can take seconds: never on the event loop.
         self.engine_identity = await asyncio.to_thread(self.reader)
         self.drifted = ()
+        self.status.engine_distribution = self.engine_identity.engine_distribution or ""
+        self.status.engine_version = self.engine_identity.engine_version
 
     def _on_ready(self) -> None:
         if self.watcher is not None and self.engine_identity is not None:

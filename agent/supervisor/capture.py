@@ -24,6 +24,31 @@ from agent.supervisor.probe import EngineProbe
 log = logging.getLogger("pitstop.capture")
 
 
+class _DumpFailed(SnapshotError):
+    """The checkpoint itself failed (not the quiet wait, not the engine's prepare)."""
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+# Known CRIU refusals, by a piece of their first error line, and what they mean to the user.
+_HINTS = (
+    # getsockopt(SO_PASSCRED) on an AF_INET socket: EOPNOTSUPP on these kernels (LAB.md 3).
+    ("Can't get 1:34 opt", "the engine holds TCP sockets, which CRIU cannot dump on this "
+     "kernel (vLLM's workers always do)"),
+    ("io_uring", "the engine uses io_uring, which CRIU refuses; set "
+     "kernel.io_uring_disabled=2 before the engine starts"),
+)
+
+
+def dump_failure(kind: str, e: BaseException) -> str:
+    """One line for the status and the ladder: CRIU could not dump the engine, and why."""
+    line = _first_line(e)
+    hint = next((h for key, h in _HINTS if key in str(e)), None)
+    return f"CRIU could not dump the {kind} engine: {line}" + (f" ({hint})" if hint else "")
+
+
 @dataclass(frozen=True)
 class CaptureResult:
     """A published snapshot and what making it cost."""
@@ -58,6 +83,9 @@ class Capture:
         self._quiet_timeout = quiet_timeout_s
         self._control_timeout = control_timeout_s
         self.last: SnapshotInfo | None = None
+        # Why the last attempt failed, one line; "" once one succeeds. The restore rungs give
+        # it as their reason to skip, and `pitstop status` shows it (snapshot_error).
+        self.failure = ""
 
     async def take(self, engine: EngineProcess, canary: CanaryRecord) -> CaptureResult:
         """A `hybrid` snapshot when the engine's weights live in the holder, else `full`."""
@@ -73,9 +101,12 @@ class Capture:
             kind = result.info.manifest.kind
         except (SnapshotError, EngineError) as e:
             self._metrics.snapshots_created.labels(kind=kind, result="failure").inc()
+            if not isinstance(e, _DumpFailed):
+                self.failure = f"the last snapshot attempt failed: {_first_line(e)}"
             raise SnapshotError(f"snapshot of engine {engine.pid} failed: {e}") from e
         finally:
             self._gate.resume_admission()
+        self.failure = ""
         self._metrics.snapshots_created.labels(kind=kind, result="success").inc()
         self._metrics.snapshot_create_duration.labels(kind=kind).observe(result.duration_s)
         self.last = result.info
@@ -96,6 +127,9 @@ class Capture:
             try:
                 info = await asyncio.get_running_loop().run_in_executor(
                     None, self._capture, engine.pid, canary, kind, held)
+            except SnapshotError as e:
+                self.failure = dump_failure(self._adapter.kind, e)
+                raise _DumpFailed(str(e)) from e
             finally:
                 if self._adapter.resume_path and engine.alive:
                     await probe.control(self._adapter.resume_path)

@@ -35,12 +35,17 @@ class AgentStatus:
     state_since: float = field(default_factory=time.time)
     reason: str = ""
     engine_kind: str = ""
+    # The engine's distribution and version, from its interpreter's package metadata.
+    engine_distribution: str = ""
+    engine_version: str = ""
     engine_pid: int | None = None
     engine_ready_since: float | None = None
     front: str = ""
     metrics: str = ""
     restarts: int = 0
     last_recovery: Recovery | None = None
+    # Why the last snapshot attempt failed; "" when it succeeded or none was tried.
+    snapshot_error: str = ""
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -380,6 +380,7 @@ class Supervisor:
             result = await self.capture.take(engine, self._verified_canary)
         except SnapshotError as e:
             log.error("%s", e)
+            self.status.snapshot_error = self.capture.failure
             if regeneration:
                 self.metrics.regenerations.labels(result="failure").inc()
             for fut in waiting:
@@ -390,6 +391,7 @@ class Supervisor:
                 return
             self._fire(Event.SNAPSHOT_DONE, f"snapshot failed: {e}"[:300])
             return
+        self.status.snapshot_error = ""
         if regeneration:
             self.metrics.regenerations.labels(result="success").inc()
         summary = {"id": result.info.id, "bytes": result.info.image_bytes,

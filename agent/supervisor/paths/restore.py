@@ -45,8 +45,12 @@ class FullRestore:
 
     def __init__(self, *, snapshotter: Snapshotter | None, unavailable: str,
                  adapter: EngineAdapter, socket: os.PathLike, identity: Callable[[], Identity],
-                 metrics: Metrics, timeout_s: float) -> None:
+                 metrics: Metrics, timeout_s: float,
+                 capture_failure: Callable[[], str] = lambda: "") -> None:
         self._snap = snapshotter
+        # Why the last attempt to take a snapshot failed ("" if none did): when there is no
+        # snapshot, that is the reason worth telling (CRIU cannot dump this engine, say).
+        self._capture_failure = capture_failure
         self._unavailable = unavailable
         self._adapter = adapter
         self._socket = socket
@@ -76,7 +80,8 @@ class FullRestore:
             if selection.skipped:
                 return "no usable snapshot: " + "; ".join(
                     f"{s.id}: {s.reason}" for s in selection.skipped)
-            return "no snapshot yet"
+            failure = self._capture_failure()
+            return f"no snapshot: {failure}" if failure else "no snapshot yet"
         self._chosen = selection.chosen
         return None
 
