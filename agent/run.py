@@ -81,7 +81,8 @@ class Agent:
             from agent.front.proxy import Front
 
             self.front = Front(config.front, self.gate, self.metrics,
-                               engine_metrics_path=self.adapter.metrics_path)
+                               engine_metrics_path=self.adapter.metrics_path,
+                               engine_dead_marker=self.adapter.dead_marker)
         self.snapshotter, unavailable = self._snapshotter(config)
         criu = self.snapshotter.criu.binary.version if self.snapshotter is not None else None
         self.reader = build_reader(config, self.adapter, criu)

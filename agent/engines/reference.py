@@ -15,6 +15,7 @@ class ReferenceAdapter:
     kind = "reference"
     health_path = "/health"
     metrics_path = None
+    dead_marker = None
     prepare_path = "/pitstop/prepare"
     resume_path = "/pitstop/resume"
 

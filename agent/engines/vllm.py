@@ -44,6 +44,9 @@ class VllmAdapter:
     health_path = "/health"
     # vLLM serves its own Prometheus exposition on the same socket; the front passes it through.
     metrics_path = "/metrics"
+    # vLLM's EngineDeadError (vllm/v1/engine/exceptions.py, 0.32): between its engine core's
+    # death and its own exit, the API server answers requests 500 with this message.
+    dead_marker = b"EngineCore encountered an issue"
     # vLLM has no endpoints that drop and rebuild what a snapshot need not hold (its sleep mode
     # needs VLLM_SERVER_DEV_MODE and CUDA); snapshots of vLLM are not possible here anyway.
     prepare_path = None

@@ -54,6 +54,10 @@ class _Failed(Exception):
         self.reason = reason
 
 
+class _EngineDead(Exception):
+    """The engine answered with an error that says it is dead (vLLM's EngineDeadError)."""
+
+
 class _ClientGone(Exception):
     """The client's connection broke while the front wrote to it (not the engine's)."""
 
@@ -83,8 +87,12 @@ class Front:
     """
 
     def __init__(self, config: FrontConfig, gate: EngineGate, metrics: Metrics,
-                 engine_metrics_path: str | None = None) -> None:
+                 engine_metrics_path: str | None = None,
+                 engine_dead_marker: bytes | None = None) -> None:
         self.config = config
+        # In an engine's 5xx answer: the engine is dead (EngineAdapter.dead_marker), so the
+        # request is lost like one cut by a crash, not the client's error to see.
+        self._dead_marker = engine_dead_marker
         # The engine's own Prometheus exposition (vLLM's /metrics), served at the front's
         # /metrics; None when the engine has none.
         self._engine_metrics_path = engine_metrics_path
@@ -275,9 +283,10 @@ class Front:
                         if up.content_type == "text/event-stream":
                             return await self._pass_stream(request, rid, up)
                         data = await up.read()
+                        self._check_alive(up.status, data)
                         return web.Response(status=up.status, body=data,
                                             headers=forward_headers(up.headers.items()))
-            except LOST as e:
+            except (*LOST, _EngineDead) as e:
                 why = _describe(e)
             if attempts >= self.config.max_resumes:
                 return self._give_up(rid, "resume_limit",
@@ -292,6 +301,11 @@ class Front:
             log.warning("request %s: sent again whole to recovery %d (lost on recovery %d)",
                         rid, new.recovery, ready.recovery)
             ready = new
+
+    def _check_alive(self, status: int, body: bytes) -> None:
+        if self._dead_marker is not None and status >= 500 and self._dead_marker in body:
+            raise _EngineDead(f"the engine answered {status} and says it is dead: "
+                              f"{body[:200].decode(errors='replace')}")
 
     def _give_up(self, rid: str, reason: str, message: str) -> web.Response:
         self.metrics.front_failed.labels(reason=reason).inc()
@@ -338,6 +352,7 @@ class Front:
                             if up.status != 200 or up.content_type != "text/event-stream":
                                 # The engine's own answer (a 400 for a bad request): as is.
                                 data = await up.read()
+                                self._check_alive(up.status, data)
                                 if resp is None:
                                     return web.Response(
                                         status=up.status, body=data,
@@ -362,7 +377,7 @@ class Front:
                                     break
                             if not tracker.done:
                                 why = "the engine's stream ended without [DONE]"
-                except LOST as e:
+                except (*LOST, _EngineDead) as e:
                     why = _describe(e)
                 if tracker.done:
                     assert resp is not None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,18 +35,21 @@ def _first_line(e: BaseException) -> str:
 
 # Known CRIU refusals, by a piece of their first error line, and what they mean to the user.
 _HINTS = (
-    # getsockopt(SO_PASSCRED) on an AF_INET socket: EOPNOTSUPP on these kernels (LAB.md 3).
-    ("Can't get 1:34 opt", "the engine holds TCP sockets, which CRIU cannot dump on this "
+    # getsockopt(SO_PASSCRED, SO_PASSSEC) on an AF_INET socket: EOPNOTSUPP on some kernels
+    # (LAB.md fact 3); CRIU says "sockets: Can't get 1:16 opt: Operation not supported".
+    ("sockets: Can't get 1:", "the engine holds TCP sockets, which CRIU cannot dump on this "
      "kernel (vLLM's workers always do)"),
-    ("io_uring", "the engine uses io_uring, which CRIU refuses; set "
-     "kernel.io_uring_disabled=2 before the engine starts"),
+    # vLLM's API server opens one unless kernel.io_uring_disabled=2 (LAB.md fact 4).
+    ("anon_inode:[io_uring]", "the engine uses io_uring, which CRIU refuses; set "
+     "sysctl kernel.io_uring_disabled=2 before the engine starts"),
 )
 
 
 def dump_failure(kind: str, e: BaseException) -> str:
     """One line for the status and the ladder: CRIU could not dump the engine, and why."""
-    line = _first_line(e)
-    hint = next((h for key, h in _HINTS if key in str(e)), None)
+    # CRIU stamps its log lines with seconds since it started: noise in a status line.
+    line = re.sub(r"\(\d+\.\d+\) ", "", _first_line(e))
+    hint = next((h for key, h in _HINTS if key in line), None)
     return f"CRIU could not dump the {kind} engine: {line}" + (f" ({hint})" if hint else "")
 
 
