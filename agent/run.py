@@ -33,6 +33,7 @@ from agent.supervisor.gate import EngineGate
 from agent.supervisor.paths.cold import ColdStart
 from agent.supervisor.paths.holder import HolderLink, HybridRestore, WarmStart
 from agent.supervisor.paths.restore import FullRestore
+from agent.supervisor.paths.vllm import vllm_rungs
 from agent.supervisor.states import State
 from agent.supervisor.status import AgentStatus, StatusFile
 from agent.supervisor.supervisor import Supervisor
@@ -101,7 +102,10 @@ class Agent:
         self.holder = HolderLink(config.holder, config.paths.run, gpu=self._gpu_uuid,
                                  digest=self._weights_digest)
         self.hybrid = HybridRestore(self.holder, **restore)
-        ladder = [self.hybrid, self.full, WarmStart(self.adapter, self.holder),
+        # vLLM's own paths (docs/vllm.md): `vllm snapshot` first, `vllm preload` above cold.
+        criu_path = self.snapshotter.criu.binary.path if self.snapshotter is not None else None
+        first, warm = vllm_rungs(config, self.adapter, self.identity, criu_path)
+        ladder = [*first, self.hybrid, self.full, WarmStart(self.adapter, self.holder), *warm,
                   ColdStart(self.adapter, extra_args=self.holder.engine_args)]
         self.supervisor = Supervisor(
             config=config, adapter=self.adapter, paths=ladder,
