@@ -37,11 +37,13 @@ def host_unfit(features: VllmFeatures, has_gpu: bool, what: str) -> str | None:
     present = features.snapshot if what == "snapshot" else features.preload
     if not present:
         return f"the installed vLLM ({features.describe()}) has no `vllm {what}`"
+    missing = []
     if not features.cuda_build:
-        return (f"the installed vLLM ({features.describe()}) is not a CUDA build; "
-                f"`vllm {what}` needs CUDA")
+        missing.append(f"the installed vLLM ({features.describe()}) is not a CUDA build")
     if not has_gpu:
-        return f"no NVIDIA GPU on this host; `vllm {what}` needs CUDA"
+        missing.append("this host has no NVIDIA GPU")
+    if missing:
+        return f"{' and '.join(missing)}; `vllm {what}` needs CUDA"
     return None
 
 
