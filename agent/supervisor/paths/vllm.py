@@ -102,9 +102,16 @@ class VllmSnapshotRestore:
         if (m.model, m.model_revision) != (b.model, b.revision):
             return (f"stale: it holds {m.model}@{m.model_revision[:12]}, vllm.snapshot asks for "
                     f"{b.model}@{b.revision[:12]}")
-        if m.engine_argv != b.expected_argv():
-            return (f"stale: engine_args: {list(m.engine_argv)!r} -> {list(b.expected_argv())!r}"
-                    " (engine.args or served_model_name changed)")
+        want = b.expected_argv()
+        if m.engine_argv != want:
+            # Positions shift when a flag is added; naming the words on either side reads best.
+            old = [a for a in m.engine_argv if a not in want]
+            new = [a for a in want if a not in m.engine_argv]
+            parts = ([f"only the snapshot has {old}"] if old else []) + \
+                ([f"only the configuration has {new}"] if new else [])
+            said = " and ".join(parts) or "same words, another order"
+            return (f"stale: engine_args differ: {said} (engine.args or "
+                    "engine.served_model_name changed)")
         diffs = precheck(m, host)
         return f"stale: {describe(diffs)}" if diffs else None
 
