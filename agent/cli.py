@@ -70,8 +70,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _cmd_install_units(args: argparse.Namespace) -> int:
     from agent import units
 
-    if args.holder and not args.enable:
-        print("pitstop: --holder only makes sense with --enable", file=sys.stderr)
+    if (args.holder or args.vllm_preload) and not args.enable:
+        print("pitstop: --holder and --vllm-preload only make sense with --enable",
+              file=sys.stderr)
         return EXIT_USAGE
     pitstop = args.pitstop_bin or units.default_pitstop_bin()
     paths = units.paths_for(pitstop.absolute(), args.config.absolute(), args.holder_backend)
@@ -82,7 +83,8 @@ def _cmd_install_units(args: argparse.Namespace) -> int:
         print(f"installed {f}")
     if args.no_reload:
         return EXIT_OK
-    done, warnings = units.activate(args.prefix, args.enable, args.holder)
+    done, warnings = units.activate(args.prefix, args.enable, args.holder,
+                                    preloads=args.vllm_preload)
     for c in done:
         print(f"ran: {c}")
     for w in warnings:
@@ -142,6 +144,63 @@ def _cmd_holder(args: argparse.Namespace) -> int:
         print("pitstop: holder release: name the regions, or --all", file=sys.stderr)
         return EXIT_USAGE
     return holder_release(args.dir, gpu, args.names, release_all=args.all)
+
+
+def _cmd_vllm_preload(args: argparse.Namespace) -> int:
+    import logging
+
+    from agent.config import load_config
+    from agent.engines.vllm_preload import run_daemon
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
+    cfg = load_config(args.config)
+    if cfg.engine.kind != "vllm":
+        print(f"pitstop: vllm-preload: engine.kind is {cfg.engine.kind} in {args.config}; the "
+              "weight-cache daemon serves vLLM engines only", file=sys.stderr)
+        return EXIT_USAGE
+    python = str(cfg.engine.python) if cfg.engine.python else sys.executable
+    return run_daemon(cfg, python, args.gpu)
+
+
+def _cmd_vllm_snapshot(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from agent.checkpoint.criu_locate import locate
+    from agent.config import load_config
+    from agent.engines.vllm_snapshot import VllmSnapshotBackend
+    from agent.errors import SnapshotError, VllmSnapshotError
+
+    cfg = load_config(args.config)
+    python = str(cfg.engine.python) if cfg.engine.python else sys.executable
+    try:
+        criu = locate(cfg.snapshots.criu).path
+    except SnapshotError:
+        criu = None  # vLLM then looks for `criu` on PATH and says so when it is not there
+    backend = VllmSnapshotBackend.from_config(cfg, python=python, criu=criu)
+    if args.action == "create":
+        m = backend.create()
+    elif args.action == "inspect":
+        m = backend.inspect(Path(args.id) if "/" in args.id else backend.root / args.id)
+    else:
+        rows = []
+        for path in backend.candidates():
+            try:
+                m = backend.inspect(path)
+                rows.append({"id": m.id, "created": m.created_at, "model": m.model,
+                             "bytes": m.artifact_bytes})
+            except VllmSnapshotError as e:
+                rows.append({"id": path.name, "error": str(e)})
+        print(json.dumps(rows, indent=1) if args.json else "\n".join(
+            f"{r['id']}  " + (r.get("error") or f"{r['model']}  {r['bytes'] / 1e9:.2f} GB  "
+                              f"{r['created']}") for r in rows) or "no vLLM snapshots")
+        return EXIT_OK
+    if args.json:
+        print(json.dumps(vars(m), default=str, indent=1))
+    else:
+        print(f"{m.id}: {m.model}@{m.model_revision[:12]}, {m.artifact_bytes / 1e9:.2f} GB, "
+              f"taken {m.created_at} on {m.identity['gpu_name']} ({m.identity['gpu_uuid']})")
+    return EXIT_OK
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
@@ -339,6 +398,29 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("-v", "--verbose", action="store_true")
     h.set_defaults(func=_cmd_holder)
 
+    vp = sub.add_parser("vllm-preload", help="run vLLM's weight-cache daemon for one GPU in the "
+                        "foreground (what pitstop-vllm-preload@GPU.service runs)")
+    vp.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
+    vp.add_argument("--gpu", required=True,
+                    help="the GPU: an index or a UUID (becomes CUDA_VISIBLE_DEVICES)")
+    vp.set_defaults(func=_cmd_vllm_preload)
+
+    vs = sub.add_parser("vllm-snapshot", help="vLLM's own snapshots (`vllm snapshot`): create, "
+                        "inspect, list")
+    vssub = vs.add_subparsers(dest="action", required=True, metavar="ACTION")
+    for name, text in (
+        ("create", "run `vllm snapshot create` for vllm.snapshot.model (needs CUDA and GPU "
+                   "memory for a second engine)"),
+        ("inspect", "one snapshot's manifest, as `vllm snapshot inspect` reads it"),
+        ("list", "every vLLM snapshot, newest first"),
+    ):
+        a = vssub.add_parser(name, help=text)
+        a.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
+        a.add_argument("--json", action="store_true")
+        if name == "inspect":
+            a.add_argument("id", help="a snapshot id, or a directory path")
+    vs.set_defaults(func=_cmd_vllm_snapshot)
+
     u = sub.add_parser("install-units",
                        help="install the systemd units, sysctl and tmpfiles snippets")
     u.add_argument("--prefix", type=Path, default=Path("/"),
@@ -351,6 +433,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="enable pitstop-agent.service and the holders (not start them)")
     u.add_argument("--holder", action="append", default=[], metavar="GPU_UUID",
                    help="a GPU to enable a holder for, with --enable (repeatable)")
+    u.add_argument("--vllm-preload", action="append", default=[], metavar="GPU",
+                   help="a GPU (index or UUID) to enable vLLM's weight-cache daemon for, with "
+                   "--enable (repeatable; needs vllm.preload.enabled)")
     u.add_argument("--holder-backend", choices=["cuda", "cpu"], default="cuda",
                    help="what the holders hold memory with (default cuda; cpu: memfd, no GPU)")
     u.add_argument("--no-reload", action="store_true",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -104,6 +105,10 @@ class SnapshotsConfig(_Strict):
     """Where CRIU is and how many snapshots to keep (the directory is paths.snapshots)."""
 
     enabled: bool = True
+    # Who takes and restores vLLM snapshots: Pitstop's CRIU backend, vLLM's own `vllm snapshot`
+    # (settings under vllm.snapshot), or auto: vLLM's when the engine is vLLM, vllm.snapshot is
+    # set, the installed vLLM has the subcommand and the host has CUDA; else Pitstop's.
+    backend: Literal["auto", "pitstop", "vllm"] = "auto"
     # When a start found no usable snapshot: take one before the gate opens, at the first
     # quiet moment after it opens, or only on `pitstop snapshot create`.
     regenerate: Literal["before-serving", "after-serving", "manual"] = "after-serving"
@@ -145,6 +150,88 @@ class HolderConfig(_Strict):
     @classmethod
     def _expand_paths(cls, v: Any) -> Any:
         return _expand(v) if isinstance(v, str) else v
+
+
+_HEX40 = re.compile(r"^[0-9a-fA-F]{40}$")
+
+
+class VllmSnapshotConfig(_Strict):
+    """vLLM's own snapshots (`vllm snapshot create|restore`), when snapshots.backend picks them.
+
+    `vllm snapshot create` refuses a local model directory: it snapshots a Hugging Face repo
+    id at an immutable commit, which is why these are separate from engine.model.
+    """
+
+    model: str | None = None
+    revision: str | None = None
+    # `vllm snapshot restore` serves on TCP only; the agent relays engine.socket to this port.
+    port: int = Field(8001, ge=1, le=65535)
+    # Where CRIU's CUDA plugin (cuda_plugin.so) is: vLLM reads CRIU_CUDA_PLUGIN_DIR.
+    cuda_plugin_dir: Path | None = None
+    # vLLM's own limit for each step of a create or restore (VLLM_SNAPSHOT_TIMEOUT_S).
+    timeout_s: float = Field(900.0, gt=0)
+
+    @field_validator("cuda_plugin_dir", mode="before")
+    @classmethod
+    def _expand_paths(cls, v: Any) -> Any:
+        return _expand(v) if isinstance(v, str) else v
+
+    @field_validator("model")
+    @classmethod
+    def _remote(cls, v: str | None) -> str | None:
+        if v is not None and (v.startswith(("/", ".", "~")) or v.count("/") != 1):
+            raise ValueError("must be a Hugging Face repo id like Qwen/Qwen3-0.6B: `vllm "
+                             "snapshot create` refuses a local model directory")
+        return v
+
+    @field_validator("revision")
+    @classmethod
+    def _commit(cls, v: str | None) -> str | None:
+        if v is not None and not _HEX40.match(v):
+            raise ValueError("must be the model's 40-character commit hash (vLLM snapshots "
+                             "an immutable revision, not a branch or tag)")
+        return v
+
+
+class VllmPreloadConfig(_Strict):
+    """vLLM's weight-cache daemon (`vllm preload`, one per GPU; docs/vllm.md)."""
+
+    enabled: bool = False
+    # Where the daemons put their Unix sockets (--weight-cache-socket-dir); private, root's.
+    socket_dir: Path = Path("/run/pitstop/vllm-preload")
+    # The daemon for GPU index i answers GET /health on 127.0.0.1:(health_port + i).
+    health_port: int = Field(8470, ge=1, le=65000)
+    # Extra daemon arguments, after the weight-defining ones copied from engine.args.
+    args: list[str] = Field(default_factory=list)
+
+    @field_validator("socket_dir", mode="before")
+    @classmethod
+    def _expand_paths(cls, v: Any) -> Any:
+        return _expand(v) if isinstance(v, str) else v
+
+
+class VllmConfig(_Strict):
+    """vLLM-only paths: its own snapshots and its weight-cache daemon."""
+
+    snapshot: VllmSnapshotConfig = Field(default_factory=VllmSnapshotConfig)
+    preload: VllmPreloadConfig = Field(default_factory=VllmPreloadConfig)
+
+
+# engine.args that would contradict the preload path (Pitstop sets the first two; vLLM's
+# zero-copy IPC loader must not be combined with sleep mode, which offloads weights).
+PRELOAD_OWNED_ENGINE_FLAGS = ("--load-format", "--model-loader-extra-config",
+                              "--enable-sleep-mode")
+# vllm.preload.args that Pitstop sets itself.
+PRELOAD_OWNED_DAEMON_FLAGS = ("--model", "--weight-cache-socket-dir", "--weight-cache-health-port",
+                              "--weight-cache-health-host", "--load-format")
+
+
+def _flag_index(args: list[str], flags: tuple[str, ...]) -> tuple[int, str] | None:
+    for i, arg in enumerate(args):
+        flag = arg.split("=", 1)[0]
+        if flag in flags:
+            return i, flag
+    return None
 
 
 class HealthConfig(_Strict):
@@ -198,6 +285,40 @@ class Config(_Strict):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     snapshots: SnapshotsConfig = Field(default_factory=SnapshotsConfig)
     holder: HolderConfig = Field(default_factory=HolderConfig)
+    vllm: VllmConfig = Field(default_factory=VllmConfig)
+
+    @model_validator(mode="after")
+    def _vllm_paths(self) -> Config:
+        # Errors start with the key they are about: _describe prints them as they are.
+        vllm_engine = self.engine.kind == "vllm"
+        if self.snapshots.backend == "vllm":
+            if not vllm_engine:
+                raise ValueError("snapshots.backend: vllm needs engine.kind: vllm (got "
+                                 f"{self.engine.kind}); use pitstop or auto")
+            snap = self.vllm.snapshot
+            if snap.model is None or snap.revision is None:
+                raise ValueError(
+                    "snapshots.backend: vllm needs vllm.snapshot.model and vllm.snapshot.revision "
+                    "(`vllm snapshot create` wants a Hugging Face repo id and its 40-character "
+                    "commit, not a local directory)")
+        pre = self.vllm.preload
+        if pre.enabled:
+            if not vllm_engine:
+                raise ValueError("vllm.preload.enabled: the weight-cache daemon serves vLLM "
+                                 f"engines only, and engine.kind is {self.engine.kind}")
+            hit = _flag_index(self.engine.args, PRELOAD_OWNED_ENGINE_FLAGS)
+            if hit is not None:
+                raise ValueError(
+                    f"engine.args[{hit[0]}]: {hit[1]} conflicts with vllm.preload.enabled: "
+                    "Pitstop starts the preload rung with --load-format ipc_cache and "
+                    "--model-loader-extra-config, and vLLM's zero-copy loader cannot be "
+                    "combined with sleep mode; remove it, or turn vllm.preload off")
+            hit = _flag_index(pre.args, PRELOAD_OWNED_DAEMON_FLAGS)
+            if hit is not None:
+                raise ValueError(
+                    f"vllm.preload.args[{hit[0]}]: {hit[1]} is set by Pitstop from engine.model "
+                    "and vllm.preload.socket_dir/health_port; remove it")
+        return self
 
     @property
     def engine_socket(self) -> Path:
@@ -211,6 +332,9 @@ def _describe(err: dict[str, Any]) -> str:
         return f"{key}: unknown key; remove it or check its spelling against docs/configuration.md"
     if kind == "missing":
         return f"{key}: required key is missing"
+    if kind == "value_error" and not err["loc"]:
+        # A check across sections names its keys itself; the whole input would only blur it.
+        return str(err["ctx"]["error"])
     return f"{key}: {err['msg']} (got {err.get('input')!r})"
 
 

@@ -146,7 +146,7 @@ def run_checks(
         bad = [c for c in run_checks(load_config(None)) if c.needed and not c.ok]
     """
     gpu, persistence = gpu_probe()
-    return [
+    checks = [
         *_criu(config),
         _caps(proc_root),
         _io_uring(config, proc_root),
@@ -154,6 +154,11 @@ def run_checks(
         persistence,
         _space(config, min_free),
     ]
+    if config.engine.kind == "vllm":
+        from agent.doctor_vllm import vllm_checks
+
+        checks += vllm_checks(config)
+    return checks
 
 
 def format_checks(checks: list[Check]) -> str:

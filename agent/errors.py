@@ -91,3 +91,15 @@ class FrontRejected(FrontError):
 
 class UnitsError(PitstopError):
     """The systemd units could not be rendered, installed or enabled."""
+
+
+class VllmSnapshotError(SnapshotError):
+    """`vllm snapshot create|inspect|restore` failed; `code` says how (stale, canary...)."""
+
+    def __init__(self, message: str, code: str = "failed") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class VllmPreloadError(EngineError):
+    """vLLM's weight-cache daemon (`vllm preload`) could not be started or is not healthy."""

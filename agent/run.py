@@ -33,6 +33,7 @@ from agent.supervisor.gate import EngineGate
 from agent.supervisor.paths.cold import ColdStart
 from agent.supervisor.paths.holder import HolderLink, HybridRestore, WarmStart
 from agent.supervisor.paths.restore import FullRestore
+from agent.supervisor.paths.vllm import vllm_rungs
 from agent.supervisor.states import State
 from agent.supervisor.status import AgentStatus, StatusFile
 from agent.supervisor.supervisor import Supervisor
@@ -84,6 +85,13 @@ class Agent:
                                engine_metrics_path=self.adapter.metrics_path,
                                engine_dead_marker=self.adapter.dead_marker)
         self.snapshotter, unavailable = self._snapshotter(config)
+        # vLLM's own paths (docs/vllm.md): `vllm snapshot` first, `vllm preload` above cold.
+        criu_path = self.snapshotter.criu.binary.path if self.snapshotter is not None else None
+        vllm_first, vllm_warm = vllm_rungs(config, self.adapter, self.identity, criu_path)
+        if vllm_first:
+            # The configuration chose vLLM's snapshots: Pitstop's CRIU backend takes none.
+            self.snapshotter = None
+            unavailable = "snapshots.backend is vllm: vLLM's own snapshots are used instead"
         criu = self.snapshotter.criu.binary.version if self.snapshotter is not None else None
         self.reader = build_reader(config, self.adapter, criu)
         # The identity of the engine now serving (taken just before it started): what its
@@ -104,8 +112,8 @@ class Agent:
         self.holder = HolderLink(config.holder, config.paths.run, gpu=self._gpu_uuid,
                                  digest=self._weights_digest)
         self.hybrid = HybridRestore(self.holder, **restore)
-        ladder = [self.hybrid, self.full, WarmStart(self.adapter, self.holder),
-                  ColdStart(self.adapter, extra_args=self.holder.engine_args)]
+        ladder = [*vllm_first, self.hybrid, self.full, WarmStart(self.adapter, self.holder),
+                  *vllm_warm, ColdStart(self.adapter, extra_args=self.holder.engine_args)]
         self.supervisor = Supervisor(
             config=config, adapter=self.adapter, paths=ladder,
             gate=self.gate, metrics=self.metrics, notifier=notifier, status=self.status,

@@ -17,7 +17,8 @@ from agent.errors import UnitsError
 AGENT_UNIT = "pitstop-agent.service"
 HOLDER_TEMPLATE = "pitstop-holder@.service"
 HOLDERS_TARGET = "pitstop-holders.target"
-UNIT_FILES = (AGENT_UNIT, HOLDER_TEMPLATE, HOLDERS_TARGET)
+PRELOAD_TEMPLATE = "pitstop-vllm-preload@.service"
+UNIT_FILES = (AGENT_UNIT, HOLDER_TEMPLATE, HOLDERS_TARGET, PRELOAD_TEMPLATE)
 SYSCTL_FILE = "99-pitstop.conf"
 HOLDER_BACKENDS = ("cuda", "cpu")
 TMPFILES_FILE = "pitstop.conf"
@@ -168,8 +169,12 @@ def _check(r: subprocess.CompletedProcess[str], what: str) -> None:
 
 
 def activate(prefix: Path, enable: bool, holders: Sequence[str],
-             run: Runner = _run) -> tuple[tuple[str, ...], tuple[str, ...]]:
+             run: Runner = _run, preloads: Sequence[str] = ()) -> tuple[tuple[str, ...],
+                                                                        tuple[str, ...]]:
     """Make the installed files take effect; return (commands run, warnings).
+
+    `preloads`: GPUs (index or UUID) whose `vllm preload` daemon is enabled; each becomes a
+    want of the agent (the template's WantedBy=pitstop-agent.service).
 
     On the live system (prefix /): daemon-reload, create the tmpfiles directories, apply the
     sysctl. Under another prefix only `systemctl --root` enabling is possible, which is offline.
@@ -177,6 +182,10 @@ def activate(prefix: Path, enable: bool, holders: Sequence[str],
     for h in holders:
         if not _INSTANCE.match(h):
             raise UnitsError(f"--holder {h!r}: not a GPU UUID (expected e.g. GPU-8b3c2f1e-...)")
+    for g in preloads:
+        if not _INSTANCE.match(g):
+            raise UnitsError(f"--vllm-preload {g!r}: not a GPU index or UUID (e.g. 0 or "
+                             "GPU-8b3c2f1e-...)")
     live = prefix.resolve() == Path("/")
     done: list[str] = []
     warnings: list[str] = []
@@ -200,5 +209,6 @@ def activate(prefix: Path, enable: bool, holders: Sequence[str],
     if enable:
         root = [] if live else [f"--root={prefix}"]
         units = [AGENT_UNIT, HOLDERS_TARGET] + [f"pitstop-holder@{h}.service" for h in holders]
+        units += [f"pitstop-vllm-preload@{g}.service" for g in preloads]
         go(["systemctl", *root, "enable", *units], "enable the units")
     return tuple(done), tuple(warnings)

@@ -35,7 +35,7 @@ def test_install_renders_every_placeholder_with_this_installation(tmp_path: Path
     cfg.write_text("engine: {model: /m}\npaths: {state_dir: /srv/ps, run_dir: /run/ps}\n")
     paths = units.paths_for(Path("/opt/pitstop venv/bin/pitstop"), cfg)
     written = units.install(tmp_path / "root", paths)
-    assert len(written) == 5
+    assert len(written) == 6
     for f in written:
         text = f.read_text()
         assert not re.search(r"@[A-Z_]+@", text), f

