@@ -117,6 +117,9 @@ class SnapshotsConfig(_Strict):
     # How often the running agent recomputes the host identity (weights by stat, re-hashing
     # only changed files) to notice drift; 0 turns the watcher off.
     drift_check_interval_s: float = Field(30.0, ge=0)
+    # Before a restore: hash only image files changed since they were sealed (inode, size,
+    # mtime or ctime differ), or hash every file every time.
+    verify: Literal["changed", "always"] = "changed"
     criu: Path | None = None
     keep: int = Field(2, ge=1)
     disk_budget_gib: float = Field(64.0, gt=0)

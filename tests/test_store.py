@@ -64,6 +64,47 @@ def test_a_flipped_byte_is_refused_with_the_reason(store: SnapshotStore):
     assert "sha256" in sel.skipped[0].reason
 
 
+def test_unchanged_files_are_trusted_without_reading_them_again(store: SnapshotStore):
+    m = publish(store, 5000)
+    assert store.verify(m.id, full=False).hashed_bytes == 0
+    assert store.verify(m.id).hashed_bytes == m.image_bytes  # `pitstop snapshot verify`
+    assert store.select(IDENT).chosen == m
+
+
+def test_a_byte_flipped_in_place_is_caught_even_when_unchanged_files_are_trusted(
+        store: SnapshotStore):
+    m = publish(store, 1000, chunk=256)
+    path = store.path(m.id) / "pages-1.img"
+    with open(path, "r+b") as f:  # same inode and size: only mtime and ctime move
+        f.seek(600)
+        byte = f.read(1)
+        f.seek(600)
+        f.write(bytes([byte[0] ^ 1]))
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns - 10**9))  # mtime can be set back...
+    v = store.verify(m.id, full=False)  # ...ctime cannot
+    assert not v.ok and v.hashed_bytes == 1000
+    assert "sha256 differs" in v.reasons[0]
+    assert store.select(IDENT).chosen is None
+
+
+def test_a_broken_sealed_record_means_hashing_everything(store: SnapshotStore):
+    m = publish(store, 3000)
+    (store.path(m.id) / "sealed.json").write_text("{not json")
+    v = store.verify(m.id, full=False)
+    assert v.ok and v.hashed_bytes == m.image_bytes
+
+
+def test_snapshots_verify_always_hashes_at_every_select(tmp_path: Path):
+    store = SnapshotStore(tmp_path / "snaps", trust_sealed=False)
+    m = publish(store, 3000)
+    calls = []
+    real = store.verify
+    store.verify = lambda sid, full=True: calls.append(full) or real(sid, full=full)  # type: ignore[method-assign]
+    assert store.select(IDENT).chosen == m
+    assert calls == [True]
+
+
 def test_a_truncated_manifest_is_refused(store: SnapshotStore):
     m = publish(store)
     mf = store.path(m.id) / "manifest.json"

@@ -24,7 +24,8 @@ def build_snapshotter(config: Config) -> Snapshotter:
     from agent.checkpoint.snapshotter import Snapshotter
     from agent.store import SnapshotStore
 
-    store = SnapshotStore(config.paths.snapshots)
+    store = SnapshotStore(config.paths.snapshots,
+                          trust_sealed=config.snapshots.verify == "changed")
     return Snapshotter(
         store,
         CriuBackend(locate(config.snapshots.criu)),

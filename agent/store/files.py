@@ -105,6 +105,12 @@ CHUNK_BYTES = 16 << 20
 _READ_BYTES = 4 << 20
 
 
+def stat_key(st: os.stat_result) -> list[int]:
+    """What changes whenever a file's content is written through the kernel: ctime cannot
+    be set back by anyone, so a file with the same key was not written since."""
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
 def _hash_range(fd: int, offset: int, length: int) -> str:
     h = hashlib.sha256()
     pos, end = offset, offset + length

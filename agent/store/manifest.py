@@ -12,6 +12,8 @@ from agent.identity import Identity
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+# What every image file looked like (inode, size, mtime, ctime) when it was hashed at seal.
+SEALED_NAME = "sealed.json"
 # Snapshot ids become directory names: no separators, no leading dot (dot names are
 # the store's own temp and quarantine entries).
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -36,7 +38,7 @@ class ImageFile(_Strict):
     @field_validator("name")
     @classmethod
     def _plain_name(cls, v: str) -> str:
-        if "/" in v or v in ("", ".", "..") or v == MANIFEST_NAME:
+        if "/" in v or v in ("", ".", "..") or v in (MANIFEST_NAME, SEALED_NAME):
             raise ValueError(f"image file name {v!r} must be a plain file name")
         return v
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -29,9 +30,17 @@ from agent.store.files import (
     fsync_file,
     make_private_dir,
     read_private,
+    stat_key,
     write_private,
 )
-from agent.store.manifest import ID_PATTERN, MANIFEST_NAME, ImageFile, Manifest, SnapshotKind
+from agent.store.manifest import (
+    ID_PATTERN,
+    MANIFEST_NAME,
+    SEALED_NAME,
+    ImageFile,
+    Manifest,
+    SnapshotKind,
+)
 
 TMP_PREFIX = ".tmp-"
 # Files CRIU itself writes into an image directory on each restore; not image content.
@@ -48,6 +57,8 @@ class Verdict:
     id: str
     reasons: tuple[str, ...]
     manifest: Manifest | None = None
+    # Bytes read and hashed; less than the image when unchanged files were trusted.
+    hashed_bytes: int = 0
 
     @property
     def ok(self) -> bool:
@@ -129,6 +140,10 @@ class Draft:
                 "the manifest; call seal() after the last write"
             )
         write_private(self.dir / MANIFEST_NAME, manifest.model_dump_json(indent=1).encode())
+        # The files as seal() hashed them: a later verify may trust a file that still has
+        # the same inode, size, mtime and ctime (any write through the kernel changes ctime).
+        sealed = {f.name: stat_key(os.lstat(self.dir / f.name)) for f in manifest.files}
+        write_private(self.dir / SEALED_NAME, json.dumps(sealed).encode())
         final = self.store.path(self.id)
         os.rename(self.dir, final)
         fsync_dir(self.store.root)
@@ -152,9 +167,12 @@ class SnapshotStore:
         if sel.chosen is None: ...        # cold start; sel.skipped says why each was refused
     """
 
-    def __init__(self, root: Path, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, root: Path, *, clock: Callable[[], float] = time.time,
+                 trust_sealed: bool = True) -> None:
         self.root = Path(root)
         self._clock = clock
+        # select(): skip hashing files unchanged since seal (snapshots.verify: changed).
+        self.trust_sealed = trust_sealed
 
     # --- layout -------------------------------------------------------------------
 
@@ -242,8 +260,10 @@ class SnapshotStore:
                 out.append(Entry(sid, None, str(e), size))
         return sorted(out, key=_created, reverse=True)
 
-    def verify(self, snapshot_id: str) -> Verdict:
-        """Check manifest, permissions, and the size and sha256 chunks of every image file."""
+    def verify(self, snapshot_id: str, *, full: bool = True) -> Verdict:
+        """Check manifest, permissions, and the size and sha256 chunks of every image file.
+        With `full=False`, a file whose inode, size, mtime and ctime are still those it had
+        when it was hashed at seal is trusted without being read again."""
         try:
             m = self.load(snapshot_id)
         except SnapshotError as e:
@@ -251,8 +271,10 @@ class SnapshotStore:
         d = self.path(snapshot_id)
         reasons = []
         listed = {f.name for f in m.files}
-        for extra in sorted(set(os.listdir(d)) - listed - {MANIFEST_NAME} - RESTORE_LEFTOVERS):
+        known = listed | {MANIFEST_NAME, SEALED_NAME} | RESTORE_LEFTOVERS
+        for extra in sorted(set(os.listdir(d)) - known):
             reasons.append(f"{d / extra}: not listed in the manifest")
+        sealed = {} if full else self._sealed(d)
         to_hash = []
         for f in m.files:
             p = d / f.name
@@ -267,7 +289,7 @@ class SnapshotStore:
                 reasons.append(f"{p}: not private (uid {st.st_uid}, mode {st.st_mode & 0o777:o})")
             elif st.st_size != f.size:
                 reasons.append(f"{p}: size {st.st_size}, manifest says {f.size}")
-            else:
+            elif sealed.get(f.name) != stat_key(st):
                 to_hash.append(f)
         with ThreadPoolExecutor(HASH_WORKERS) as pool:
             digests = chunk_digests(d, [f.name for f in to_hash], pool, m.chunk_bytes)
@@ -283,7 +305,15 @@ class SnapshotStore:
                     f"{d / f.name}: sha256 differs from the manifest in {len(bad)} chunk(s), "
                     f"the first at byte {at}"
                 )
-        return Verdict(snapshot_id, tuple(reasons), m)
+        return Verdict(snapshot_id, tuple(reasons), m, sum(f.size for f in to_hash))
+
+    def _sealed(self, d: Path) -> dict[str, list[int]]:
+        # Missing or unreadable (a snapshot from before sealed.json, a bad file): hash all.
+        try:
+            raw = json.loads(read_private(d / SEALED_NAME))
+        except (OSError, ValueError):
+            return {}
+        return raw if isinstance(raw, dict) else {}
 
     def select(self, identity: Identity, kind: SnapshotKind | None = None) -> Selection:
         """The newest snapshot (of `kind`, if given) whose identity equals `identity` and
@@ -300,7 +330,7 @@ class SnapshotStore:
             elif diffs := compare(e.manifest.identity, identity):
                 skipped.append(Skipped(e.id, f"stale: {describe(diffs)}"))
             else:
-                v = self.verify(e.id)
+                v = self.verify(e.id, full=not self.trust_sealed)
                 if v.ok:
                     chosen = v.manifest
                 else:
