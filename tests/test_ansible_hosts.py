@@ -139,6 +139,9 @@ def test_the_pins_are_in_effect(fleet: Fleet) -> None:
     assert rc == 0, out[-6000:]
     for name, c in fleet.hosts.items():
         assert kernel_pkg in c.run(["apt-mark", "showhold"]).stdout.split(), name
+        # Huge pages at every boot (the container's /sys is read-only: set at its next boot).
+        thp = c.run(["cat", "/etc/tmpfiles.d/pitstop-thp.conf"]).stdout
+        assert "w /sys/kernel/mm/transparent_hugepage/enabled - - - - always" in thp, thp
 
 
 def _drifted_config(fleet: Fleet) -> dict:
