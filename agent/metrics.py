@@ -23,7 +23,8 @@ RECOVERY_BUCKETS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 2
 STAGE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 STALL_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
-RECOVERY_PATHS = ("hybrid", "full", "warm", "cold")
+# Every rung a ladder may hold (agent/supervisor/paths/*: each class's `name`), fastest first.
+RECOVERY_PATHS = ("vllm-snapshot", "hybrid", "full", "warm", "vllm-preload", "cold")
 RESULTS = ("success", "failure")
 # What makes the supervisor walk the ladder, and the failures it did not ask for.
 RECOVERY_CAUSES = ("startup", "crash", "exit", "hang", "reload", "reset")
