@@ -12,22 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from agent.checkpoint.criu_locate import locate
-from agent.errors import SnapshotError
 from tests.agentproc import REPO, RunningAgent, agent_config
-from tests.prereq import require
+from tests.snapshot_helpers import criu
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _criu():
-    try:
-        locate()
-        found = True
-    except SnapshotError:
-        found = False
-    require(found, "CRIU >= 4.1 is not installed: run `make criu`")
+    criu()
 
 
 def _generated_tokens(agent: RunningAgent) -> float:

@@ -35,6 +35,7 @@ from agent.identity import host_identity, read_vllm_package
 from agent.supervisor.capture import dump_failure
 from tests.agentproc import REPO, RunningAgent, agent_config
 from tests.prereq import require
+from tests.snapshot_helpers import criu
 from tests.vllmproc import CPU_ARGS, VLLM_PYTHON
 
 pytestmark = pytest.mark.integration
@@ -47,12 +48,7 @@ PROMPT = "Once upon a time"
 def _prerequisites() -> None:
     require(os.access(VLLM_PYTHON, os.X_OK),
             f"no vLLM interpreter at {VLLM_PYTHON}; run `make vllm` (scripts/install-vllm.sh)")
-    try:
-        locate()
-        found = True
-    except SnapshotError:
-        found = False
-    require(found, "CRIU >= 4.1 is not installed: run `make criu`")
+    criu()
 
 
 def _session_pids(sid: int) -> list[int]:

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from agent.checkpoint.criu_locate import locate
 from agent.engines.vllm import VllmAdapter
 from agent.engines.vllm_preload import daemon_argv, engine_args, run_daemon
 from agent.engines.vllm_snapshot import VllmSnapshotBackend
-from agent.errors import SnapshotError, VllmSnapshotError
-from tests.prereq import require
+from agent.errors import VllmSnapshotError
+from tests.snapshot_helpers import criu
 from tests.vllm_paths_kit import REVISION, vllm_config, vllm_parse, vllm_python
 
 ENGINE_ARGS = ["--enforce-eager", "--max-model-len", "512", "--dtype=float32",
@@ -84,11 +83,8 @@ def test_every_command_line_parses_with_the_real_vllm(tmp_path: Path, py: Path) 
 
 def test_real_vllm_snapshot_failures_on_this_cpu_host_map_to_pitstop_errors(
         tmp_path: Path, py: Path) -> None:
-    try:
-        criu = locate(None).path
-    except SnapshotError as e:
-        require(False, f"CRIU for vLLM's PATH: {e} (make criu)")
-    backend = VllmSnapshotBackend.from_config(_config(tmp_path, py), python=str(py), criu=criu)
+    criu_path = criu().path
+    backend = VllmSnapshotBackend.from_config(_config(tmp_path, py), python=str(py), criu=criu_path)
 
     with pytest.raises(VllmSnapshotError) as missing:
         backend.inspect(tmp_path / "absent")

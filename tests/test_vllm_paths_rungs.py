@@ -18,19 +18,18 @@ import pytest
 from aiohttp import web
 
 from agent import commands
-from agent.checkpoint.criu_locate import locate
 from agent.commands import CommandResult
 from agent.engines.vllm import VllmAdapter
 from agent.engines.vllm_cli import VllmFeatures, gpu_present, read_features
 from agent.engines.vllm_preload import PreloadLink
 from agent.engines.vllm_snapshot import SUBDIR, VllmSnapshotBackend
-from agent.errors import EngineError, SnapshotError, StartPathError
+from agent.errors import EngineError, StartPathError
 from agent.identity import Identity
 from agent.supervisor.ladder import Attempt
 from agent.supervisor.paths.vllm import VllmPreloadStart, VllmSnapshotRestore, vllm_rungs
 from agent.supervisor.probe import EngineProbe
 from agent.supervisor.relay import UnixTcpRelay
-from tests.prereq import require
+from tests.snapshot_helpers import criu
 from tests.vllm_paths_kit import REVISION, vllm_config, vllm_python
 
 # An installation this host does not have: a CUDA build of vLLM with both subcommands. The
@@ -110,11 +109,8 @@ def test_snapshot_rung_without_a_snapshot_says_how_to_take_one(tmp_path: Path, p
 
 def test_snapshot_rung_names_every_identity_difference_then_restores_a_match(
         tmp_path: Path, py: Path) -> None:
-    try:
-        criu = locate(None).path
-    except SnapshotError as e:
-        require(False, f"CRIU for vLLM's PATH: {e} (make criu)")
-    rung = _snapshot_rung(tmp_path, py, _host(kernel="6.19.1", gpu_uuid="GPU-2"), criu=criu)
+    criu_path = criu().path
+    rung = _snapshot_rung(tmp_path, py, _host(kernel="6.19.1", gpu_uuid="GPU-2"), criu=criu_path)
     root = tmp_path / "state/snapshots" / SUBDIR
     good = rung._backend.expected_argv()
     _write_manifest(root / "20261129T100000Z-vllm", (*good[:-1], "--max-model-len", "64",
@@ -130,7 +126,7 @@ def test_snapshot_rung_names_every_identity_difference_then_restores_a_match(
                            "engine.served_model_name changed)")
     assert rung.stale_reasons == ("stale",)
 
-    matching = _snapshot_rung(tmp_path, py, _host(), criu=criu)
+    matching = _snapshot_rung(tmp_path, py, _host(), criu=criu_path)
     assert matching.skip_reason() is None
     assert matching._chosen is not None and matching._chosen.id == "20261129T110000Z-vllm"
 
