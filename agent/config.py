@@ -6,10 +6,18 @@ import os
 import re
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from agent.errors import ConfigError
 
@@ -25,6 +33,10 @@ def _expand(value: str) -> Path:
     return Path(os.path.expandvars(os.path.expanduser(value)))
 
 
+# A path from the file: `~` and `$VARS` expanded (strings only: a Path object is kept as is).
+ExpandedPath = Annotated[Path, BeforeValidator(lambda v: _expand(v) if isinstance(v, str) else v)]
+
+
 class CanaryConfig(_Strict):
     """The fixed request whose greedy answer proves the engine is really the one we started."""
 
@@ -36,19 +48,15 @@ class EngineConfig(_Strict):
     """What engine to run, on what model, listening where."""
 
     kind: Literal["reference", "vllm"] = "reference"
-    model: Path
+    model: ExpandedPath
     served_model_name: str | None = None
-    socket: Path | None = None
+    socket: ExpandedPath | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    python: Path | None = None
+    python: ExpandedPath | None = None
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     stop_timeout_s: float = Field(10.0, gt=0)
 
-    @field_validator("model", "socket", "python", mode="before")
-    @classmethod
-    def _expand_paths(cls, v: Any) -> Any:
-        return _expand(v) if isinstance(v, str) else v
 
     @property
     def model_name(self) -> str:
@@ -83,14 +91,10 @@ class FrontConfig(_Strict):
 class PathsConfig(_Strict):
     """Where the agent keeps its state and snapshots."""
 
-    state_dir: Path = Path("/var/lib/pitstop")
-    snapshot_dir: Path | None = None
-    run_dir: Path | None = None
+    state_dir: ExpandedPath = Path("/var/lib/pitstop")
+    snapshot_dir: ExpandedPath | None = None
+    run_dir: ExpandedPath | None = None
 
-    @field_validator("state_dir", "snapshot_dir", "run_dir", mode="before")
-    @classmethod
-    def _expand_paths(cls, v: Any) -> Any:
-        return _expand(v) if isinstance(v, str) else v
 
     @property
     def snapshots(self) -> Path:
@@ -120,15 +124,11 @@ class SnapshotsConfig(_Strict):
     # Before a restore: hash only image files changed since they were sealed (inode, size,
     # mtime or ctime differ), or hash every file every time.
     verify: Literal["changed", "always"] = "changed"
-    criu: Path | None = None
+    criu: ExpandedPath | None = None
     keep: int = Field(2, ge=1)
     disk_budget_gib: float = Field(64.0, gt=0)
     cuda_lock_timeout_ms: int = Field(10_000, ge=1)
 
-    @field_validator("criu", mode="before")
-    @classmethod
-    def _expand_paths(cls, v: Any) -> Any:
-        return _expand(v) if isinstance(v, str) else v
 
     @field_validator("drift_check_interval_s")
     @classmethod
@@ -144,15 +144,11 @@ class HolderConfig(_Strict):
 
     enabled: bool = False
     # Where `pitstop holder --dir` serves: <dir>/<gpu>/holder.sock. Default <run_dir>/holder.
-    dir: Path | None = None
+    dir: ExpandedPath | None = None
     # The holder's id: a GPU UUID, or "cpu" for the memfd backend; auto picks the GPU's
     # UUID when the host has one, else "cpu".
     gpu: str = "auto"
 
-    @field_validator("dir", mode="before")
-    @classmethod
-    def _expand_paths(cls, v: Any) -> Any:
-        return _expand(v) if isinstance(v, str) else v
 
 
 _HEX40 = re.compile(r"^[0-9a-fA-F]{40}$")
@@ -170,14 +166,10 @@ class VllmSnapshotConfig(_Strict):
     # `vllm snapshot restore` serves on TCP only; the agent relays engine.socket to this port.
     port: int = Field(8001, ge=1, le=65535)
     # Where CRIU's CUDA plugin (cuda_plugin.so) is: vLLM reads CRIU_CUDA_PLUGIN_DIR.
-    cuda_plugin_dir: Path | None = None
+    cuda_plugin_dir: ExpandedPath | None = None
     # vLLM's own limit for each step of a create or restore (VLLM_SNAPSHOT_TIMEOUT_S).
     timeout_s: float = Field(900.0, gt=0)
 
-    @field_validator("cuda_plugin_dir", mode="before")
-    @classmethod
-    def _expand_paths(cls, v: Any) -> Any:
-        return _expand(v) if isinstance(v, str) else v
 
     @field_validator("model")
     @classmethod
@@ -201,16 +193,12 @@ class VllmPreloadConfig(_Strict):
 
     enabled: bool = False
     # Where the daemons put their Unix sockets (--weight-cache-socket-dir); private, root's.
-    socket_dir: Path = Path("/run/pitstop/vllm-preload")
+    socket_dir: ExpandedPath = Path("/run/pitstop/vllm-preload")
     # The daemon for GPU index i answers GET /health on 127.0.0.1:(health_port + i).
     health_port: int = Field(8470, ge=1, le=65000)
     # Extra daemon arguments, after the weight-defining ones copied from engine.args.
     args: list[str] = Field(default_factory=list)
 
-    @field_validator("socket_dir", mode="before")
-    @classmethod
-    def _expand_paths(cls, v: Any) -> Any:
-        return _expand(v) if isinstance(v, str) else v
 
 
 class VllmConfig(_Strict):
