@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import torch
 
 from agent.engines.refengine.model import LlamaConfig
+
+
+def _have_cuda_bindings() -> bool:
+    try:
+        return importlib.util.find_spec("cuda.bindings") is not None
+    except ModuleNotFoundError:  # no `cuda` package at all
+        return False
 
 
 class KVPool:
@@ -33,10 +41,11 @@ class KVPool:
         self._tensor: torch.Tensor | None = None
         self._free = list(range(slots - 1, -1, -1))
         self._space: Any = None
-        if device.type == "cuda":
-            # On a GPU the pool lives in a VA range reserved for the life of the process:
-            # freed before a checkpoint and made again at the same addresses after it, so
-            # CUDA graphs captured over it stay valid (graphs.py).
+        # On a GPU the pool lives in a VA range reserved for the life of the process: freed
+        # before a checkpoint and made again at the same addresses after it, so CUDA graphs
+        # captured over it stay valid (graphs.py). cuda-bindings is optional; without it
+        # torch's allocator holds the pool, and graphs are captured again when it moves.
+        if device.type == "cuda" and _have_cuda_bindings():
             from agent.holder.mapping_cuda import CudaSpace, local_granularity
 
             index = device.index if device.index is not None else torch.cuda.current_device()
@@ -67,6 +76,8 @@ class KVPool:
             # Zeros on the GPU: a graph step attends over a whole span, positions not yet
             # written masked; a NaN in fresh memory would still poison 0 * V.
             self._tensor = raw.view(self.dtype).view(self.shape).zero_()
+        elif self.device.type == "cuda":
+            self._tensor = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         else:
             # empty, not zeros: eager attention reads only positions a request wrote, and
             # untouched CPU pages stay out of a checkpoint image.
@@ -87,7 +98,8 @@ class KVPool:
         self._tensor = None
         if self._space is not None:
             self._space.unmap(0, self._space.size)  # back to the driver; the range is kept
-            torch.cuda.empty_cache()  # and the allocator's cached activations with it
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # give cached memory back to the driver, not just the cache
         return self.nbytes
 
     def acquire(self) -> int | None:
