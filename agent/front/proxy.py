@@ -321,14 +321,20 @@ class Front:
                                     status=200, headers=forward_headers(up.headers.items()))
                                 await resp.prepare(request)
                             tracker.begin_attempt()
-                            async for chunk in up.content.iter_any():
+                            # The per-token loop: readany() and an inlined _send(), one
+                            # coroutine frame fewer each than iter_any() and a call.
+                            read = up.content.readany
+                            while chunk := await read():
                                 out = tracker.feed(chunk)
                                 if out:
                                     if lost_at is not None:
                                         self.metrics.front_stall.observe(
                                             time.monotonic() - lost_at)
                                         lost_at = None
-                                    await _send(resp, out)
+                                    try:
+                                        await resp.write(out)
+                                    except ConnectionError as e:  # as in _send()
+                                        raise _ClientGone(str(e)) from e
                                 if tracker.cut:
                                     up.close()  # stopped by the front: the engine aborts
                                     break
