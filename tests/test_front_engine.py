@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from agent.front.proxy import _Relay
 from tests.frontkit import MODEL_NAME, Engine, Harness, front_on, socket_dir
 from tests.prereq import require
 
@@ -368,4 +370,81 @@ def test_sampled_stream_continues_with_exact_counts(engine: Engine) -> None:
             cut = len("".join(parts[:19]))
             assert text[:cut] == want[:cut]
             assert h.sample("pitstop_front_resumed_requests_total", endpoint=CHAT) == 1
+    asyncio.run(main())
+
+
+def test_client_gone_mid_stream_aborts_the_engine_request(engine: Engine) -> None:
+    async def main() -> None:
+        await engine.wait_ready()
+        path, body = spec(0, 1500)
+        async with front_on(engine) as h, aiohttp.ClientSession() as s:
+            r = await s.post(h.base_url[:-3] + path, json={**body, "stream": True})
+            got = b""
+            while got.count(b"\n\n") < 5:
+                got += await r.content.readany()
+            r.close()  # the client goes away mid-answer, the engine still generating
+            await h.settled()  # the front let go of the engine's request, long before 1500
+            assert h.sample("pitstop_front_failed_requests_total", reason="client_gone") == 1
+            assert await through_front(client(h), *spec(1, 8), stream=True)
+    asyncio.run(main())
+
+
+def test_a_slow_reader_gets_its_whole_answer(engine: Engine,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that stops reading fills the front's buffers; the front stops reading the
+    engine meanwhile (back-pressure) and goes on, losing nothing, once the client reads."""
+    drains: list[int] = []
+    real_drain = _Relay.drain
+
+    async def counted(self: _Relay) -> None:
+        drains.append(1)
+        await real_drain(self)
+
+    monkeypatch.setattr(_Relay, "drain", counted)
+
+    async def main() -> None:
+        await engine.wait_ready()
+        path, body = spec(0, 1200)
+        (want,) = await references(engine, [(path, body)])
+        async with front_on(engine) as h:
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setblocking(False)
+            loop = asyncio.get_running_loop()
+            await loop.sock_connect(sock, ("127.0.0.1", h.front.port))
+            # The kernel would buffer megabytes for a client that does not read: small
+            # buffers on the front's side of this connection make ~300 kB enough.
+            assert h.front._runner is not None and h.front._runner.server is not None
+            server = h.front._runner.server
+            await until(lambda: len(server.connections) == 1, what="the front's side")
+            (conn,) = server.connections
+            assert conn.transport is not None
+            conn.transport.get_extra_info("socket").setsockopt(
+                socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            req = json.dumps({**body, "stream": True}).encode()
+            await loop.sock_sendall(sock, f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                                    f"application/json\r\nContent-Length: {len(req)}\r\n"
+                                    "Connection: close\r\n\r\n".encode() + req)
+            await asyncio.sleep(3)  # not reading: about 1,000 tokens' events pile up
+            raw = b""
+            while chunk := await loop.sock_recv(sock, 65536):
+                raw += chunk
+            sock.close()
+            head, _, chunked_body = raw.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200")
+            events, rest = b"", chunked_body
+            while True:
+                size, _, rest = rest.partition(b"\r\n")
+                n = int(size, 16)
+                if n == 0:
+                    break
+                events, rest = events + rest[:n], rest[n + 2:]
+            text = "".join(
+                (c["delta"].get("content") or "") if path == CHAT else c["text"]
+                for ev in events.split(b"\n\n") if ev.startswith(b"data: {")
+                for c in json.loads(ev[6:])["choices"])
+            assert events.endswith(b"data: [DONE]\n\n") and text == want
+            assert drains, "the front never had to wait for the client"
+            assert not _failures(h)
+            await h.settled()
     asyncio.run(main())

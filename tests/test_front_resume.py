@@ -240,3 +240,30 @@ def test_fast_path_is_not_fooled_by_text_that_looks_like_keys() -> None:
         assert text == "".join(x for _, x in tricky + PIECES[:3])
         assert t.out_ids == [40, 41, 40, 41, 42] and t.finish == "length"
         assert all("token_ids" not in c for o in objs for c in o.get("choices") or [])
+
+
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("client_ids", [False, True])
+def test_any_chunking_gives_the_same_client_bytes(endpoint: str, client_ids: bool) -> None:
+    """The fast path (one whole event per read) and reads of several or partial events
+    give the client the same bytes, and the tracker the same ids and finish reason."""
+    chat = endpoint == CHAT
+    body = {"model": "m", "max_tokens": 10, "stream": True, "return_token_ids": client_ids,
+            "stream_options": {"include_usage": True},
+            **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})}
+    events = engine_stream(chat, PIECES, PROMPT, usage=True)
+    whole = b"".join(events)
+
+    def fed(chunks: list[bytes]) -> tuple[bytes, list[int], str | None, bool]:
+        t = Tracker(Plan.of(endpoint, body))
+        out = b"".join(t.feed(c) for c in chunks)
+        return out, t.out_ids, t.finish, t.done
+
+    by_event = fed(events)
+    assert by_event[1:] == ([tid for tid, _ in PIECES], "length", True)
+    assert (b"token_ids" in by_event[0]) == client_ids
+    assert fed([whole]) == by_event
+    assert fed([whole[i:i + 7] for i in range(0, len(whole), 7)]) == by_event
+    assert fed([events[0], b"".join(events[1:4]), *events[4:]]) == by_event
+    # Bytes after [DONE] are never forwarded.
+    assert fed([whole + events[1]]) == by_event

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from agent.config import FrontConfig
 from agent.errors import FrontError, FrontRejected
+from agent.front.engine_stream import EngineStream
 from agent.front.holding import Holding
 from agent.front.resume import CHAT, COMPLETIONS, Plan, Tracker
 from agent.front.sse import error_body, error_frame
@@ -68,6 +69,48 @@ async def _send(resp: web.StreamResponse, data: bytes) -> None:
         await resp.write(data)
     except ConnectionError as e:
         raise _ClientGone(str(e)) from e
+
+
+class _Relay:
+    """The per-token path: engine bytes in, client bytes out, inside the socket's callback.
+
+    Writes go straight to the client's transport (framed as the chunked response that
+    aiohttp prepared), with no task switch per token; a client that reads too slowly pauses
+    the engine's socket until it has caught up (`drain`).
+    """
+
+    HIGH = 64 * 1024  # aiohttp's own write limit before it drains
+    LOW = 16 * 1024
+
+    def __init__(self, resp: web.StreamResponse, request: web.Request, tracker: Tracker,
+                 up: EngineStream, metrics: Metrics, lost_at: float | None) -> None:
+        self.tracker, self.up, self.metrics, self.lost_at = tracker, up, metrics, lost_at
+        self.transport = request.transport
+        self.chunked = resp.headers.get("Transfer-Encoding", "").lower() == "chunked"
+        self.client_gone = ""
+
+    def feed(self, piece: bytes) -> bool:
+        """True: stop reading the engine (the answer was cut, or the client went away)."""
+        out = self.tracker.feed(piece)
+        if out:
+            if self.lost_at is not None:
+                self.metrics.front_stall.observe(time.monotonic() - self.lost_at)
+                self.lost_at = None
+            t = self.transport
+            if t is None or t.is_closing():
+                self.client_gone = "the client's connection closed"
+                return True
+            t.write(b"%x\r\n%b\r\n" % (len(out), out) if self.chunked else out)
+            if t.get_write_buffer_size() > self.HIGH:
+                self.up.pause_reading()
+                self.up.poke()
+        return self.tracker.cut  # stopped by the front: closing the engine's request aborts it
+
+    async def drain(self) -> None:
+        t = self.transport
+        while t is not None and not t.is_closing() and t.get_write_buffer_size() > self.LOW:
+            await asyncio.sleep(0.005)
+        self.up.resume_reading()
 
 
 class Front:
@@ -344,11 +387,12 @@ class Front:
         try:
             while True:
                 why = ""
+                relay: _Relay | None = None
                 try:
                     with self._forwarding():
-                        async with self.upstream.session(ready) as s, s.post(
-                                _ENGINE + path, data=json.dumps(fwd).encode(),
-                                headers=headers) as up:
+                        up = await EngineStream.open(ready.socket, "POST", path, headers.items(),
+                                                     json.dumps(fwd).encode())
+                        try:
                             if up.status != 200 or up.content_type != "text/event-stream":
                                 # The engine's own answer (a 400 for a bad request): as is.
                                 data = await up.read()
@@ -364,21 +408,20 @@ class Front:
                                     status=200, headers=forward_headers(up.headers.items()))
                                 await resp.prepare(request)
                             tracker.begin_attempt()
-                            async for chunk in up.content.iter_any():
-                                out = tracker.feed(chunk)
-                                if out:
-                                    if lost_at is not None:
-                                        self.metrics.front_stall.observe(
-                                            time.monotonic() - lost_at)
-                                        lost_at = None
-                                    await _send(resp, out)
-                                if tracker.cut:
-                                    up.close()  # stopped by the front: the engine aborts
-                                    break
+                            relay = _Relay(resp, request, tracker, up, self.metrics, lost_at)
+                            up.stream(relay.feed)
+                            while not await up.wait():
+                                await relay.drain()
+                            lost_at = relay.lost_at
+                            if relay.client_gone:
+                                raise _ClientGone(relay.client_gone)
                             if not tracker.done:
                                 why = "the engine's stream ended without [DONE]"
+                        finally:
+                            up.close()
                 except (*LOST, _EngineDead) as e:
                     why = _describe(e)
+                    lost_at = relay.lost_at if relay is not None else lost_at
                 if tracker.done:
                     assert resp is not None
                     await resp.write_eof()

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from agent.front.sse import DONE_FRAME, SSEParser, data_frame
+from agent.front.sse import DONE_FRAME, SSEParser, data_frame, event_of
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -231,6 +231,8 @@ class Tracker:
         self.started = False
         self._has_stop_reason = False
         self._usage_sent = False
+        # Whether an event may take the fast path (`_quick`): see `_update_quick`.
+        self._quick = False
         self._parser = SSEParser()
         self._scanner = (StopScanner(plan.stops, plan.include_stop, plan.min_tokens)
                          if plan.stops else None)
@@ -243,11 +245,49 @@ class Tracker:
     def feed(self, chunk: bytes) -> bytes:
         """Client bytes for a chunk of engine bytes."""
         out: list[bytes] = []
-        for ev in self._parser.feed(chunk):
+        for raw in self._parser.frames(chunk):
             if self.done:
                 break
+            if self._quick:
+                sent = self._quick_event(raw)
+                if sent is not None:
+                    out.append(sent)
+                    continue
+            ev = event_of(raw)
             out.append(self._event(ev.data, ev.raw))
-        return b"".join(out)
+        # One event per read is the rule while tokens stream: no join for it.
+        return out[0] if len(out) == 1 else b"".join(out)
+
+    def _quick_event(self, raw: bytes) -> bytes | None:
+        """The client bytes of the common event, read without decoding its JSON: one
+        `data:` line, one choice, its ids and finish reason. None for any other event."""
+        if (not raw.startswith(b"data: {") or raw.find(b"\n", 6) != len(raw) - 2
+                or b'"error"' in raw):
+            return None
+        ids = _key(_DELTA_IDS, b'"token_ids"', raw)
+        if ids is None:
+            return None
+        fin = _key(_FINISH, b'"finish_reason"', raw)
+        if fin is None:
+            return None
+        got = ids.group(1)
+        if got.strip():
+            self.out_ids.extend(map(int, got.split(b",")))
+        if fin.group(1) is not None:
+            self.finish = fin.group(1).decode()
+        if self.plan.client_ids:
+            return raw
+        # Cut ', "token_ids": [...]' out: the last key, and the only id list here.
+        head = raw[:ids.start()].rstrip()
+        if head.endswith(b",") and b"token_ids" not in head:
+            return head[:-1] + raw[ids.end():]
+        return strip_ids(raw)
+
+    def _update_quick(self) -> None:
+        # The fast path is for the first attempt without stop strings, once the prompt's ids
+        # are known (the first event, which carries them, always takes the full path).
+        self._quick = (self.plan.resumable and not self.plan.rewrites and not self.resumes
+                       and self.prompt_ids is not None)
 
     def _event(self, data: bytes, raw: bytes) -> bytes:
         if not data:
@@ -255,22 +295,6 @@ class Tracker:
         if data.strip() == b"[DONE]":
             self.done = True
             return self._usage_frame() + DONE_FRAME if self._rebuilding else raw
-        if self._fast and self.prompt_ids is not None and b'"error"' not in data:
-            ids = _key(_DELTA_IDS, b'"token_ids"', raw)
-            fin = _key(_FINISH, b'"finish_reason"', raw)
-            if ids is not None and fin is not None:
-                # The common event, read without decoding it: one choice, its ids, its end.
-                if ids.group(1).strip():
-                    self.out_ids.extend(int(x) for x in ids.group(1).split(b","))
-                if fin.group(1) is not None:
-                    self.finish = fin.group(1).decode()
-                if self.plan.client_ids:
-                    return raw
-                # Cut ', "token_ids": [...]' out: the last key, and the only id list here.
-                head = raw[:ids.start()].rstrip()
-                if head.endswith(b",") and b"token_ids" not in head:
-                    return head[:-1] + raw[ids.end():]
-                return strip_ids(raw)
         try:
             obj = json.loads(data)
         except ValueError:
@@ -287,11 +311,10 @@ class Tracker:
                            if k in obj}
         if self.resumes:
             return self._resumed_event(obj)
-        return self._first_event(obj, raw)
-
-    @property
-    def _fast(self) -> bool:
-        return self.plan.resumable and not self.plan.rewrites and not self.resumes
+        out = self._first_event(obj, raw)
+        if not self._quick:
+            self._update_quick()
+        return out
 
     @property
     def _rebuilding(self) -> bool:
@@ -466,4 +489,5 @@ class Tracker:
         if self.plan.min_tokens:
             body["min_tokens"] = max(0, self.plan.min_tokens - len(self.out_ids))
         self.resumes += 1
+        self._quick = False
         return COMPLETIONS, body

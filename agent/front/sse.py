@@ -46,6 +46,10 @@ class SSEParser:
         return self._buf
 
     def feed(self, chunk: bytes) -> list[Event]:
+        return [event_of(raw) for raw in self.frames(chunk)]
+
+    def frames(self, chunk: bytes) -> list[bytes]:
+        """The complete events in the bytes so far, each as its raw bytes (LF line ends)."""
         if self._skip_lf and chunk.startswith(b"\n"):
             chunk = chunk[1:]  # the second half of a CRLF split across two reads
         self._skip_lf = False
@@ -54,18 +58,27 @@ class SSEParser:
             self._skip_lf = chunk.endswith(b"\r")
             chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         buf = self._buf + chunk if self._buf else chunk
-        events: list[Event] = []
+        end = buf.find(b"\n\n")
+        if end >= 0 and end == len(buf) - 2:
+            # The common read: exactly one whole event (the first end is the last byte).
+            self._buf = b""
+            return [buf]
+        frames: list[bytes] = []
         start = 0
-        while (end := buf.find(b"\n\n", start)) >= 0:
-            raw = buf[start:end + 2]
-            # Nearly every event is one 'data: ' line: take its payload without line parsing.
-            if raw.startswith(b"data: ") and raw.find(b"\n", 6) == len(raw) - 2:
-                events.append(Event(data=raw[6:-2], raw=raw))
-            else:
-                events.append(_parse(raw))
+        while end >= 0:
+            frames.append(buf[start:end + 2])
             start = end + 2
+            end = buf.find(b"\n\n", start)
         self._buf = buf[start:]
-        return events
+        return frames
+
+
+def event_of(raw: bytes) -> Event:
+    """The event in one frame from `SSEParser.frames`."""
+    # Nearly every event is one 'data: ' line: take its payload without line parsing.
+    if raw.startswith(b"data: ") and raw.find(b"\n", 6) == len(raw) - 2:
+        return Event(data=raw[6:-2], raw=raw)
+    return _parse(raw)
 
 
 def _parse(raw: bytes) -> Event:

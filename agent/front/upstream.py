@@ -16,7 +16,9 @@ from agent.supervisor.gate import Ready
 _NOT_FORWARDED = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer",
     "Transfer-Encoding", "Upgrade", "Host", "Content-Length", "Content-Encoding",
-    "Accept-Encoding", "Server", "Date"))
+    "Accept-Encoding", "Server", "Date",
+    # The front has read the client's body already: an engine must not wait to be asked.
+    "Expect"))
 
 # Errors that mean the engine went away under a request (killed, restarted, socket gone).
 LOST = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError,
