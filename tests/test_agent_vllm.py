@@ -75,8 +75,27 @@ class VllmAgent(RunningAgent):
         return pid
 
 
+IO_URING = Path("/proc/sys/kernel/io_uring_disabled")
+
+
 @pytest.fixture(scope="module")
-def agent(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmAgent]:
+def io_uring_off() -> Iterator[None]:
+    """kernel.io_uring_disabled=2 while the module runs, as `pitstop install-units` and the
+    criu role set it on a node (LAB.md fact 4): vLLM then runs without io_uring, and what
+    stops CRIU is what stops it on a real node here, the workers' TCP sockets (fact 3)."""
+    require(os.access(IO_URING, os.W_OK),
+            f"{IO_URING} is not writable: run the vLLM agent tests as root")
+    before = IO_URING.read_text().strip()
+    IO_URING.write_text("2")
+    try:
+        yield
+    finally:
+        IO_URING.write_text(before)
+
+
+@pytest.fixture(scope="module")
+def agent(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
+          io_uring_off: None) -> Iterator[VllmAgent]:
     _prerequisites()
     tmp = tmp_path_factory.mktemp("agent-vllm")
     cfg = agent_config(
@@ -196,9 +215,9 @@ def test_a_failed_capture_leaves_vllm_serving_and_nothing_behind(agent: VllmAgen
     assert st["snapshot_error"].startswith("CRIU could not dump the vllm engine: criu dump of "
                                            f"PID {pid} failed: "), st["snapshot_error"]
     assert "\n" not in st["snapshot_error"]
-    # Here CRIU first meets vLLM's io_uring (LAB.md fact 4); with io_uring off, its TCP
-    # sockets (fact 3). Either way the line says which, in words.
-    assert "uses io_uring" in st["snapshot_error"] or "holds TCP sockets" in st["snapshot_error"]
+    # io_uring is off, as on a node: what CRIU cannot dump is the workers' TCP sockets (LAB.md
+    # fact 3), and the line says so in words.
+    assert "holds TCP sockets" in st["snapshot_error"], st["snapshot_error"]
     assert st["engine_pid"] == pid and st["state"] == "ready"
     plain = subprocess.run([sys.executable, "-m", "agent", "status", "--config",
                             str(agent.config_path)], capture_output=True, text=True, cwd=REPO)
@@ -349,9 +368,8 @@ def test_the_adapter_and_the_identity_read_one_version(tiny_model: Path, tmp_pat
 
 
 def test_a_tcp_socket_is_named_as_the_reason_criu_cannot_dump(tmp_path: Path):
-    """vLLM's first refusal here is its io_uring (above); with io_uring off it would be its
-    workers' TCP listeners (LAB.md fact 3). A process holding one TCP listener shows what
-    CRIU says then, and that the status line names the cause."""
+    """The smallest case of the refusal above: a process holding one TCP listener, what CRIU
+    says about it, and the status line's reading of it (LAB.md fact 3)."""
     try:
         criu = locate()
     except SnapshotError as e:
