@@ -70,13 +70,7 @@ class CudaSpace:
             # The import takes its own reference; the fd itself can be closed right after.
             h = _ck(cu.cuMemImportFromShareableHandle(fd, kind),
                     "cuMemImportFromShareableHandle")
-            try:
-                _ck(cu.cuMemMap(self.base + at, length, 0, h, 0), "cuMemMap")
-            except MappingError:
-                _ck(cu.cuMemRelease(h), "cuMemRelease")
-                raise
-            self._handles[at] = (h, length)
-            _ck(cu.cuMemSetAccess(self.base + at, length, [self._access], 1), "cuMemSetAccess")
+            self._place(at, length, h)
             at += length
 
     def create(self, offset: int, length: int) -> None:
@@ -89,13 +83,18 @@ class CudaSpace:
             raise MappingError(f"{length} bytes at offset {offset} do not fit the reserved "
                                f"{self.size} bytes at {self.base:#x} in {self.align}-byte units")
         h = _ck(cu.cuMemCreate(length, local_prop(self.device), 0), f"cuMemCreate({length})")
+        self._place(offset, length, h)
+
+    def _place(self, at: int, length: int, h: Any) -> None:
+        """Map the handle `h` at offset `at` and own it (released if it cannot be mapped)."""
+        cu = self._cu
         try:
-            _ck(cu.cuMemMap(self.base + offset, length, 0, h, 0), "cuMemMap")
+            _ck(cu.cuMemMap(self.base + at, length, 0, h, 0), "cuMemMap")
         except MappingError:
             _ck(cu.cuMemRelease(h), "cuMemRelease")
             raise
-        self._handles[offset] = (h, length)
-        _ck(cu.cuMemSetAccess(self.base + offset, length, [self._access], 1), "cuMemSetAccess")
+        self._handles[at] = (h, length)
+        _ck(cu.cuMemSetAccess(self.base + at, length, [self._access], 1), "cuMemSetAccess")
 
     def unmap(self, offset: int, length: int) -> None:
         cu = self._cu
