@@ -43,6 +43,8 @@ pytestmark = pytest.mark.integration
 BOOT_S = 400  # one vLLM start, generous: 2-2.5 min were seen on a heavily shared machine
 NAME = "tiny"
 PROMPT = "Once upon a time"
+# Long enough that a stream is still going when the test kills the engine core under it.
+LONG = 300
 
 
 def _prerequisites() -> None:
@@ -311,10 +313,48 @@ def test_sigkill_of_the_api_server_is_a_cold_start(agent: VllmAgent, client: ope
     assert _capture_failures(agent) == 2
 
 
+def _stream(client: openai.OpenAI, out: dict, started: threading.Event) -> None:
+    try:
+        text, finish, usage = "", None, None
+        for chunk in client.completions.create(model=NAME, prompt=PROMPT, max_tokens=LONG,
+                                               temperature=0, stream=True,
+                                               stream_options={"include_usage": True}):
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+                if len(text) >= 8:
+                    started.set()
+            if chunk.usage:
+                usage = chunk.usage.completion_tokens
+        out["stream"] = (text, finish, usage)
+    except Exception as e:  # noqa: BLE001 - the test reports whatever the client saw
+        out["stream"] = e
+    finally:
+        started.set()
+
+
 def test_sigkill_of_the_engine_core_is_a_crash(agent: VllmAgent, client: openai.OpenAI):
     pid = agent.engine_pid()
+    whole = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=LONG, temperature=0)
+    # A streaming answer is under way when the core dies: vLLM ends it with an error event
+    # (EngineDeadError), which the front hides and resumes from on the new engine.
+    out: dict = {}
+    started = threading.Event()
+    streamer = threading.Thread(target=_stream, args=(client, out, started))
+    streamer.start()
+    assert started.wait(BOOT_S) and "stream" not in out, out
     os.kill(_engine_core(pid), signal.SIGKILL)
     st = _cold_recovery(agent, client, 2, ("crash", "hang"))
+    streamer.join(BOOT_S)
+    assert not streamer.is_alive()
+    assert not isinstance(out["stream"], Exception), out["stream"]
+    text, finish, usage = out["stream"]
+    assert (finish, usage) == ("length", LONG), out["stream"]
+    assert text == whole.choices[0].text, (text, whole.choices[0].text)
+    with urllib.request.urlopen(agent.metrics_url, timeout=10) as r:
+        resumed = re.search(r'pitstop_front_resumed_requests_total'
+                            r'{endpoint="/v1/completions"} (\S+)', r.read().decode())
+    assert resumed and float(resumed.group(1)) >= 1, "the cut stream was not resumed"
     failure = re.search(rf"engine failed \((\w+)\): engine {pid} (.*)", agent.log())
     assert failure, agent.log()[-3000:]
     print(f"\nafter SIGKILL of the engine core: {failure.group(0)}", file=sys.stderr)

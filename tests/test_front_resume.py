@@ -207,6 +207,45 @@ def test_engine_error_event_is_passed_on_and_not_resumed() -> None:
     assert "error" in t.can_resume()
 
 
+DEAD = b"EngineCore encountered an issue"
+
+
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+def test_an_engine_that_says_it_died_mid_answer_is_resumed_not_shown(endpoint: str) -> None:
+    # vLLM, when its engine core dies under a stream: an error event, then [DONE], then exit.
+    chat = endpoint == CHAT
+    body = {"model": "m", "max_tokens": 10, "stream": True,
+            **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})}
+    t = Tracker(Plan.of(endpoint, body), dead_marker=DEAD)
+    events = engine_stream(chat, PIECES, PROMPT)
+    dead = _frame({"error": {"message": DEAD.decode() + " See stack trace (above) for the root "
+                             "cause.", "type": "BadRequestError", "code": 400}})
+    cut = 4
+    sent = b"".join(t.feed(ev) for ev in events[:cut])
+    assert t.feed(dead + b"data: [DONE]\n\n") == b""
+    assert t.engine_dead and not t.done and not t.engine_error
+    assert t.can_resume() == ""
+    path, cont = t.resume_request()
+    n = len(t.out_ids)
+    assert path == COMPLETIONS and cont["prompt"] == PROMPT + [tid for tid, _ in PIECES[:n]]
+    t.begin_attempt()
+    assert not t.engine_dead
+    for ev in engine_stream(False, PIECES[n:], cont["prompt"], rid="cmpl-new"):
+        sent += t.feed(ev)
+    assert t.done
+    text, objs = client_view(sent, chat)
+    assert text == FULL
+    assert not any("error" in o for o in objs)
+
+
+def test_an_error_without_the_marker_is_the_engines_answer() -> None:
+    t = Tracker(Plan.of(COMPLETIONS, {"model": "m", "prompt": "x", "stream": True}),
+                dead_marker=DEAD)
+    err = b'data: {"error": {"message": "boom", "type": "InternalServerError", "code": 500}}\n\n'
+    assert t.feed(err) == err
+    assert t.engine_error and not t.engine_dead
+
+
 def test_stop_scanner_matches_vllm_semantics() -> None:
     s = StopScanner(("ab", "b"), include=False, min_tokens=0)
     assert s.feed("xa", 1) == ("x", None)   # 'a' may start 'ab': held back

@@ -104,7 +104,9 @@ class _Relay:
             if t.get_write_buffer_size() > self.HIGH:
                 self.up.pause_reading()
                 self.up.poke()
-        return self.tracker.cut  # stopped by the front: closing the engine's request aborts it
+        # Stopped by the front (a stop string), or the engine said it died: closing the
+        # engine's request aborts it.
+        return self.tracker.cut or self.tracker.engine_dead
 
     async def drain(self) -> None:
         t = self.transport
@@ -377,7 +379,7 @@ class Front:
                       body: dict[str, Any]) -> web.StreamResponse:
         """A streaming completion: forwarded as it comes, continued across engine deaths."""
         plan = Plan.of(request.path, body)
-        tracker = Tracker(plan)
+        tracker = Tracker(plan, self._dead_marker)
         headers = forward_headers(request.headers)
         headers["Content-Type"] = "application/json"
         path, fwd = plan.endpoint, plan.first_body()
@@ -415,7 +417,9 @@ class Front:
                             lost_at = relay.lost_at
                             if relay.client_gone:
                                 raise _ClientGone(relay.client_gone)
-                            if not tracker.done:
+                            if tracker.engine_dead:
+                                why = "the engine said it died during this answer"
+                            elif not tracker.done:
                                 why = "the engine's stream ended without [DONE]"
                         finally:
                             up.close()

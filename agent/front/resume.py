@@ -216,8 +216,12 @@ class Tracker:
             path, body = t.resume_request() or (None, None)
     """
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, dead_marker: bytes | None = None) -> None:
         self.plan = plan
+        # Text of an error event by which the engine says it died (vLLM's EngineDeadError):
+        # such an event ends the attempt like a lost connection, and is not sent.
+        self._dead_marker = dead_marker
+        self.engine_dead = False
         self.prompt_ids: list[int] | None = None
         self.out_ids: list[int] = []
         self.header: dict[str, Any] = {}
@@ -241,12 +245,13 @@ class Tracker:
     def begin_attempt(self) -> None:
         """A new upstream response starts: a half event from a dead engine is dropped."""
         self._parser = SSEParser()
+        self.engine_dead = False
 
     def feed(self, chunk: bytes) -> bytes:
         """Client bytes for a chunk of engine bytes."""
         out: list[bytes] = []
         for raw in self._parser.frames(chunk):
-            if self.done:
+            if self.done or self.engine_dead:
                 break
             if self._quick:
                 sent = self._quick_event(raw)
@@ -301,11 +306,17 @@ class Tracker:
             return raw
         if not isinstance(obj, dict):
             return raw
-        self.started = True
         if "error" in obj:
+            if self._dead_marker is not None and self._dead_marker in data:
+                # The engine died under this answer and says so before it exits: a crash
+                # to hide and resume from, like a lost connection.
+                self.engine_dead = True
+                return b""
             # The engine refused or failed this request: its answer, not a crash to hide.
+            self.started = True
             self.engine_error = True
             return raw
+        self.started = True
         if not self.header:
             self.header = {k: obj[k] for k in ("id", "created", "model", "system_fingerprint")
                            if k in obj}
