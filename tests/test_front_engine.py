@@ -101,6 +101,16 @@ async def through_front(c: Any, path: str, body: dict[str, Any], stream: bool,
     return "".join(parts)
 
 
+async def stream_started(s: aiohttp.ClientSession, h: Harness, path: str,
+                         body: dict[str, Any], events: int = 5) -> Any:
+    """A streaming request through the front, once its first `events` events arrived."""
+    r = await s.post(h.base_url[:-3] + path, json={**body, "stream": True})
+    got = b""
+    while got.count(b"\n\n") < events:
+        got += await r.content.readany()
+    return r
+
+
 async def until(cond: Callable[[], bool], timeout: float = 60.0, what: str = "") -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -232,10 +242,7 @@ def test_client_gone_mid_resume_frees_its_place(engine: Engine) -> None:
         await engine.wait_ready()
         path, body = spec(0, 400)
         async with front_on(engine) as h, aiohttp.ClientSession() as s:
-            r = await s.post(h.base_url[:-3] + path, json={**body, "stream": True})
-            got = b""
-            while got.count(b"\n\n") < 5:
-                got += await r.content.readany()
+            r = await stream_started(s, h, path, body)
             h.engine.kill()
             h.gate.close("engine killed by the test")
             await until(lambda: h.front.queue_depth == 1, what="the stream waiting to resume")
@@ -378,10 +385,7 @@ def test_client_gone_mid_stream_aborts_the_engine_request(engine: Engine) -> Non
         await engine.wait_ready()
         path, body = spec(0, 1500)
         async with front_on(engine) as h, aiohttp.ClientSession() as s:
-            r = await s.post(h.base_url[:-3] + path, json={**body, "stream": True})
-            got = b""
-            while got.count(b"\n\n") < 5:
-                got += await r.content.readany()
+            r = await stream_started(s, h, path, body)
             r.close()  # the client goes away mid-answer, the engine still generating
             await h.settled()  # the front let go of the engine's request, long before 1500
             assert h.sample("pitstop_front_failed_requests_total", reason="client_gone") == 1
