@@ -108,6 +108,8 @@ class Draft:
     dir: Path
     chunk_bytes: int = CHUNK_BYTES
     published: bool = field(default=False, init=False)
+    # What each file looked like when seal() hashed it (stat_key), written at publish.
+    sealed: dict[str, list[int]] = field(default_factory=dict, init=False)
 
     def seal(self) -> tuple[ImageFile, ...]:
         """Make every image file private and durable; return their sizes and checksums."""
@@ -119,6 +121,9 @@ class Draft:
                 raise SnapshotError(f"{path}: the image holds something other than a file")
             os.chmod(path, FILE_MODE)
             fsync_file(path)
+            # Taken before hashing: a write during or after it moves ctime off this record,
+            # so that file is hashed again at verify.
+            self.sealed[name] = stat_key(os.lstat(path))
         with ThreadPoolExecutor(HASH_WORKERS) as pool:
             digests = chunk_digests(self.dir, names, pool, self.chunk_bytes)
         return tuple(
@@ -142,8 +147,7 @@ class Draft:
         write_private(self.dir / MANIFEST_NAME, manifest.model_dump_json(indent=1).encode())
         # The files as seal() hashed them: a later verify may trust a file that still has
         # the same inode, size, mtime and ctime (any write through the kernel changes ctime).
-        sealed = {f.name: stat_key(os.lstat(self.dir / f.name)) for f in manifest.files}
-        write_private(self.dir / SEALED_NAME, json.dumps(sealed).encode())
+        write_private(self.dir / SEALED_NAME, json.dumps(self.sealed).encode())
         final = self.store.path(self.id)
         os.rename(self.dir, final)
         fsync_dir(self.store.root)
