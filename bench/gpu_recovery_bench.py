@@ -144,6 +144,17 @@ def first_snapshot(agent: Agent) -> dict:
     return snap
 
 
+def starts(cfg: dict, work: Path, runs: int, what: str) -> list[dict]:
+    """An agent with snapshots off: its first start, then `runs - 1` recoveries from kills."""
+    agent = Agent({**cfg, "snapshots": {**cfg["snapshots"], "enabled": False}}, work)
+    try:
+        st = agent.wait(lambda s: s.get("state") == "ready", 900, what)
+        log(f"{what} {st['last_recovery']}")
+        return [st["last_recovery"]] + [recover(agent, n) for n in range(1, runs)]
+    finally:
+        agent.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
@@ -202,15 +213,7 @@ def main() -> None:
         result["freed_lines"] = [x for x in log_text.splitlines() if "freed" in x][-2:]
 
     if "cold" in paths:
-        cfg["snapshots"]["enabled"] = False
-        agent = Agent(cfg, work)
-        try:
-            st = agent.wait(lambda s: s.get("state") == "ready", 900, "cold start")
-            colds = [st["last_recovery"]]
-            colds += [recover(agent, n) for n in range(1, a.runs)]
-            result["cold"] = colds
-        finally:
-            agent.stop()
+        result["cold"] = starts(cfg, work, a.runs, "cold start")
 
     if "hybrid" in paths or "warm" in paths:
         gpu = gpu_id(a.device)
@@ -231,16 +234,7 @@ def main() -> None:
             finally:
                 agent.stop()
             if "warm" in paths:
-                hcfg["snapshots"]["enabled"] = False
-                agent = Agent(hcfg, work)
-                try:
-                    st = agent.wait(lambda s: s.get("state") == "ready", 900, "warm start")
-                    warms = [st["last_recovery"]]
-                    log(f"warm start {st['last_recovery']}")
-                    warms += [recover(agent, n) for n in range(1, a.runs)]
-                    result["warm"] = warms
-                finally:
-                    agent.stop()
+                result["warm"] = starts(hcfg, work, a.runs, "warm start")
         finally:
             holder.send_signal(signal.SIGTERM)
             holder.wait(120)
