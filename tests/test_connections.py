@@ -21,6 +21,7 @@ from agent.checkpoint.connections import (
     tcp_survey,
     unix_sockets,
 )
+from agent.checkpoint.criu import DumpOptions
 from agent.checkpoint.snapshotter import tree_pids
 from agent.errors import OpenConnectionsError
 
@@ -237,3 +238,27 @@ def test_a_refusal_names_every_connection_and_a_closing_one_is_given_time(sockdi
 
         assert refuse_outside_connections([h.pid], settle_s=5, sleep=sleep).outside == ()
         assert len(closes) == 1
+
+
+def test_the_snapshotter_refuses_a_tree_with_a_connection_from_outside_before_criu_runs(
+        tmp_path: Path, sockdir: Path):
+    from tests.snapshot_helpers import CANARY, Counter, identity, snapshotter
+
+    snap = snapshotter(tmp_path / "snaps", tmp_path / "logs")
+    c = Counter(sockdir / "c.sock")
+    try:
+        lingering = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        lingering.connect(str(c.sock))  # accepted, never sends: the counter waits on it
+        with lingering, pytest.raises(OpenConnectionsError) as e:
+            snap.capture(c.pid, canary=CANARY, identity=identity())
+        assert e.value.reasons == (Outside.UNIX_PEER,)
+        assert f"PID {c.pid}" in str(e.value) and f"PID {os.getpid()}" in str(e.value)
+        assert snap.store.entries() == []
+        assert not (tmp_path / "logs").exists() or not any((tmp_path / "logs").iterdir())
+        assert c.inc() == 1  # it serves on
+        info = snap.capture(c.pid, canary=CANARY, identity=identity(),
+                            options=DumpOptions(leave_running=True))
+        assert info.manifest.process.root_pid == c.pid
+        assert c.inc() == 2
+    finally:
+        c.stop()
