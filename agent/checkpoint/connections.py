@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from typing import TypeVar
 
 from agent.errors import OpenConnectionsError
 
@@ -39,6 +40,8 @@ _PENDING_TCP = (1, 3)
 # How long a connection that its holder is closing (a front dropping its pool, a probe
 # whose close is still queued on the event loop) is given to go before it counts.
 SETTLE_S = 1.0
+
+_T = TypeVar("_T")
 
 
 class Outside(StrEnum):
@@ -325,10 +328,10 @@ def _netns_tables(pids: Iterable[int], proc: Path) -> dict[str, list[_TcpEntry]]
     return tables
 
 
-def _tcp(pids: tuple[int, ...], holders: dict[int, Holder], proc: Path) -> TcpSurvey:
+def _tcp(tables: dict[str, list[_TcpEntry]], holders: dict[int, Holder]) -> TcpSurvey:
     internal: list[TcpConnection] = []
     outside: list[OutsideConnection] = []
-    for rows in _netns_tables(pids, proc).values():
+    for rows in tables.values():
         mine = [r for r in rows if r.inode in holders]
         ends = {(r.local, r.remote) for r in mine}
         listening = {r.local[1] for r in mine if r.state == _TCP_LISTEN_STATE}
@@ -360,12 +363,30 @@ def _tcp(pids: tuple[int, ...], holders: dict[int, Holder], proc: Path) -> TcpSu
     return TcpSurvey(tuple(internal), tuple(outside))
 
 
+def _stable_read(tree: tuple[int, ...], proc: Path,
+                 read: Callable[[], _T]) -> tuple[dict[int, Holder], _T]:
+    """The tree's sockets and `read()` (the kernel's tables), taken so that they agree.
+
+    A connection being accepted while the tables are read would be in neither: gone from
+    the listener's queue, its new socket not yet in the fd table that was read first. So
+    the fd tables are read again after the kernel's, until no socket came or went.
+    """
+    holders = _holders(tree, proc)
+    for _ in range(20):
+        tables = read()
+        again = _holders(tree, proc)
+        if again.keys() == holders.keys():
+            return holders, tables
+        holders = again
+    return holders, read()  # the tree keeps opening sockets: the last reading, as it is
+
+
 def tcp_survey(pids: Iterable[int], proc: Path = Path("/proc")) -> TcpSurvey:
     """The TCP connections of the processes `pids` (a whole tree): internal ones, and those
     whose other end is outside it, listeners left out. Reads /proc only."""
     tree = tuple(pids)
-    holders = _holders(tree, proc)
-    return _name_peers(_tcp(tree, holders, proc), proc)
+    holders, tables = _stable_read(tree, proc, lambda: _netns_tables(tree, proc))
+    return _name_peers(_tcp(tables, holders), proc)
 
 
 # --- Unix: which connections leave the tree ------------------------------------------------------
@@ -424,20 +445,29 @@ def _with_peer_holders(conns: Iterable[OutsideConnection],
                  for c in conns)
 
 
+def _survey(tree: tuple[int, ...], proc: Path,
+            unix_table: Callable[[], dict[int, UnixSocket]]) -> Survey:
+    holders, (tables, unix) = _stable_read(
+        tree, proc, lambda: (_netns_tables(tree, proc), unix_table()))
+    tcp = _tcp(tables, holders)
+    return Survey((*_unix(holders, unix), *tcp.outside), tcp)
+
+
+def _named(found: Survey, proc: Path) -> Survey:
+    outside = _with_peer_holders(found.outside, proc)
+    return Survey(outside, TcpSurvey(found.tcp.internal, tuple(
+        c for c in outside if c.reason in (Outside.TCP_PEER, Outside.TCP_PENDING))))
+
+
 def survey(pids: Iterable[int], proc: Path = Path("/proc"),
            unix_table: Callable[[], dict[int, UnixSocket]] = unix_sockets) -> Survey:
     """Every connection of the processes `pids` (a whole tree) whose other end is outside.
 
-    Unix sockets come from the kernel's sock_diag (peers by inode), TCP from each network
-    namespace's /proc/PID/net/tcp{,6}. The processes holding the outside ends are named
-    when they can be found.
+    Unix sockets come from the kernel's sock_diag (peers by inode) of the caller's network
+    namespace, TCP from each namespace's /proc/PID/net/tcp{,6}. The processes holding the
+    outside ends are named when they can be found.
     """
-    tree = tuple(pids)
-    holders = _holders(tree, proc)
-    tcp = _tcp(tree, holders, proc)
-    outside = _with_peer_holders([*_unix(holders, unix_table()), *tcp.outside], proc)
-    return Survey(outside, TcpSurvey(tcp.internal, tuple(
-        c for c in outside if c.reason in (Outside.TCP_PEER, Outside.TCP_PENDING))))
+    return _named(_survey(tuple(pids), proc, unix_table), proc)
 
 
 def refuse_outside_connections(
@@ -450,9 +480,10 @@ def refuse_outside_connections(
     tree = tuple(pids)
     deadline = clock() + settle_s
     while True:
-        found = survey(tree, proc, unix_table)
+        found = _survey(tree, proc, unix_table)
         if not found.outside:
             return found
         if clock() >= deadline:
-            raise OpenConnectionsError(found.outside)
+            # Who holds the other ends: a search of every process, so only for the refusal.
+            raise OpenConnectionsError(_named(found, proc).outside)
         sleep(0.02)
