@@ -29,6 +29,7 @@ _UNIX_REQ = struct.Struct("=BBHIIIII")      # family, protocol, pad, states, ino
 _UNIX_MSG = struct.Struct("=BBBBIII")       # family, type, state, pad, ino, cookie
 _NLATTR = struct.Struct("=HH")              # len, type
 _TCP_LISTEN_STATE = 10                      # TCP_LISTEN, also a listening Unix socket's state
+_TCP_CLOSE_STATE = 7
 
 # include/net/tcp_states.h, the `st` column of /proc/net/tcp
 TCP_STATES = {1: "ESTABLISHED", 2: "SYN_SENT", 3: "SYN_RECV", 4: "FIN_WAIT1", 5: "FIN_WAIT2",
@@ -337,7 +338,7 @@ def _tcp(tables: dict[str, list[_TcpEntry]], holders: dict[int, Holder]) -> TcpS
         listening = {r.local[1] for r in mine if r.state == _TCP_LISTEN_STATE}
         by_ends = {(r.local, r.remote): r for r in rows if r.inode}
         for r in mine:
-            if r.state in (_TCP_LISTEN_STATE, 7) or r.remote[1] == 0:
+            if r.state in (_TCP_LISTEN_STATE, _TCP_CLOSE_STATE) or r.remote[1] == 0:
                 continue  # a listener, or a socket that was never connected
             h = holders[r.inode]
             if (r.remote, r.local) in ends:
