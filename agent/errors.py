@@ -53,8 +53,8 @@ class OpenConnectionsError(SnapshotError):
             f"{n} connection{'s' if n != 1 else ''} from outside the engine's process tree "
             f"{'are' if n != 1 else 'is'} open, which a dump cannot take: "
             + "; ".join(map(str, connections))
-            + ". Close it (a client that keeps a connection to the engine open) and snapshot "
-            "again")
+            + f". Close {'them' if n != 1 else 'it'} (a client that keeps a connection to the "
+            "engine open) and snapshot again")
 
     @property
     def reasons(self) -> tuple[Outside, ...]:
