@@ -20,6 +20,10 @@ import pytest
 from tests.agentproc import REPO, RunningAgent, agent_config
 from tests.holder_proc import Holder
 from tests.test_agent_snapshots import _complete, _criu, _rewrite_a_weight, _snapshots  # noqa: F401
+from tests.test_agent_vllm import BOOT_S, io_uring_off  # noqa: F401 - a fixture
+from tests.test_agent_vllm import NAME as VLLM_NAME
+from tests.test_agent_vllm import _prerequisites as _vllm_prerequisites
+from tests.vllmproc import CPU_ARGS, VLLM_PYTHON
 
 pytestmark = pytest.mark.integration
 
@@ -156,3 +160,27 @@ def test_a_drift_under_traffic_regenerates_the_snapshot(tmp_path: Path, tiny_mod
     finally:
         stop.set()
         a.stop()
+
+
+@pytest.mark.usefixtures("io_uring_off")
+def test_vllm_a_snapshot_after_whole_and_streaming_answers_through_the_front_is_published(
+        tmp_path: Path, tiny_model: Path):
+    """Real vLLM (CPU): uvicorn keeps the front's connections alive between requests."""
+    _vllm_prerequisites()
+    a = RunningAgent(tmp_path, agent_config(
+        tmp_path, tiny_model,
+        engine={"kind": "vllm", "python": str(VLLM_PYTHON), "served_model_name": VLLM_NAME,
+                "args": CPU_ARGS, "stop_timeout_s": 20},
+        health={"interval_s": 1.0, "timeout_s": 5.0, "failures_before_restart": 3,
+                "start_timeout_s": BOOT_S},
+        snapshots={"enabled": True, "regenerate": "manual"}))
+    try:
+        a.wait_ready(timeout=BOOT_S)
+        _traffic(a)
+        r = _create(a)
+        assert r.returncode == 0, r.stderr + a.log()[-3000:]
+        [snap] = _snapshots(a)
+        assert snap["id"] == json.loads(r.stdout)["id"]
+        _traffic(a, n=1)  # served on after the dump, on new connections
+    finally:
+        a.stop(timeout=60)
