@@ -257,6 +257,12 @@ class SnapshotStore:
         out = []
         for sid in self.ids():
             d = self.root / sid
+            if not stat.S_ISDIR(os.lstat(d).st_mode):
+                # A stray file with a snapshot-like name (a filler, a note): listed as a
+                # problem, never read as a snapshot, and it must not stop the listing.
+                out.append(Entry(sid, None, f"{d} is not a snapshot directory; move it out "
+                                 f"of {self.root}", 0))
+                continue
             size = sum(p.stat().st_size for p in d.iterdir() if p.is_file() and not p.is_symlink())
             try:
                 out.append(Entry(sid, self.load(sid), None, size))
