@@ -22,6 +22,9 @@ from agent.store import Canary, Manifest, ProcessTree, SnapshotKind, SnapshotSto
 from agent.store.files import DIR_MODE
 
 LOG_DIR = ".logs"
+# CRIU's logs (-v4: about 0.5 MB a dump) are kept for the last few operations only: a node
+# that restores a thousand times must not fill its disk with them.
+LOG_KEEP = 16
 # Only the standard streams are re-wired on restore; the supervisor gives the engine
 # stdin /dev/null and stdout/stderr pipes.
 STD_FDS = (1, 2)
@@ -91,6 +94,7 @@ class Snapshotter:
         cuda: CudaCheckpoint | None = None,
         *,
         log_dir: Path | None = None,
+        restore_log_dir: Path | None = None,
         proc_root: Path = Path("/proc"),
         clock: Callable[[], float] = time.monotonic,
         keep: int | None = None,
@@ -100,14 +104,19 @@ class Snapshotter:
         self.criu = criu
         self.cuda = cuda
         self.log_dir = log_dir or store.root / LOG_DIR
+        # A restore writes its log and pidfile here, not beside the images: with the store's
+        # file system full, a restore must still work (it only reads the image).
+        self.restore_log_dir = restore_log_dir or self.log_dir
         self._proc = proc_root
         self._clock = clock
         self.keep = keep
         self.budget_bytes = budget_bytes
 
-    def _log(self, name: str) -> Path:
-        self.log_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        return self.log_dir / name
+    def _log(self, name: str, where: Path | None = None) -> Path:
+        d = where or self.log_dir
+        d.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        _prune_logs(d, LOG_KEEP - 1)
+        return d / name
 
     def capture(
         self,
@@ -208,7 +217,8 @@ class Snapshotter:
         """Restore a snapshot `select` chose. On any failure the restored tree is killed
         and SnapshotError raised: the caller quarantines it and falls to a cold start."""
         image_dir = self.store.path(manifest.id)
-        log = self._log(f"{manifest.id}-restore-{int(time.time() * 1000)}.log")
+        log = self._log(f"{manifest.id}-restore-{int(time.time() * 1000)}.log",
+                        self.restore_log_dir)
         flags = restore_flags(manifest.criu_flags)
         # One new pipe per old pipe inode; the write end goes to CRIU, we keep the read end.
         readers: dict[str, int] = {}
@@ -243,3 +253,17 @@ class Snapshotter:
                 f.close()
             raise
         return restored
+
+
+def _prune_logs(d: Path, keep: int) -> None:
+    """Delete all but the newest `keep` logs in `d` (a pidfile goes with its log)."""
+    logs = []
+    for e in os.scandir(d):
+        if e.name.endswith(".log") and e.is_file(follow_symlinks=False):
+            with contextlib.suppress(FileNotFoundError):
+                logs.append((e.stat(follow_symlinks=False).st_mtime_ns, e.path))
+    logs.sort()
+    for _, path in logs[:max(0, len(logs) - keep)]:
+        for p in (path, path + ".pid"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
