@@ -380,6 +380,9 @@ class Books:
 
     good: dict[str, int] = field(default_factory=dict)  # id -> bytes, verified intact
     spoiled: set[str] = field(default_factory=set)  # ids whose image the injector changed
+    # Ids made stale by an injection (a new holder, new weights): rightly never restored
+    # again, and rightly pruned.
+    stale: set[str] = field(default_factory=set)
     lost: list[str] = field(default_factory=list)
     bad_restored: list[str] = field(default_factory=list)
 
@@ -442,6 +445,7 @@ class Injector:
         h.wait()
         # systemd's Restart=always: the new holder is empty and has another id.
         await asyncio.to_thread(self.node.start_holder)
+        self._stale("hybrid")
         return f"holder {h.pid} killed and restarted"
 
     async def _dump_killed(self, st: dict[str, Any]) -> str:
@@ -508,6 +512,7 @@ class Injector:
     async def _weights_rewrite(self, st: dict[str, Any]) -> str:
         self.weights_version += 1
         target = _rewrite_weights(self.node.model, self.weights_version)
+        self._stale()
         # Drift is noticed within drift_check_interval_s; the engine is replaced when quiet.
         await self._replaced(st, timeout=240)
         return f"{target.name} rewritten (version {self.weights_version})"
@@ -519,6 +524,12 @@ class Injector:
             and s.get("state") == "ready", "the engine replaced", timeout)
 
     # -- the books --------------------------------------------------------------------
+    def _stale(self, kind: str | None = None) -> None:
+        for e in self.node.store().entries():
+            if kind is None or (e.manifest is not None and e.manifest.kind == kind):
+                self.books.stale.add(e.id)
+                self.books.good.pop(e.id, None)
+
     def _audit(self) -> None:
         """Snapshots restored since the last audit (none spoiled), and none good lost."""
         text = self.node.log_text()
@@ -536,7 +547,7 @@ class Injector:
                 if len(newer) < keep:
                     self.books.lost.append(f"{sid}: removed with {len(newer)} newer")
                 del self.books.good[sid]
-        for sid in ids - set(self.books.good) - self.books.spoiled:
+        for sid in ids - set(self.books.good) - self.books.spoiled - self.books.stale:
             v = store.verify(sid)
             if v.ok:
                 self.books.good[sid] = 1
