@@ -180,13 +180,14 @@ class Supervisor:
         attempt = Attempt(cause=self._cause)
         self._sample_gpu_memory()
         t0 = self._clock()
-        if self._before_start is not None:
-            with attempt.stage("identity"):
-                await self._before_start()
         fallthroughs: list[str] = []
+        # Before the identity: reading a lost GPU's identity would fail, and less clearly.
         check = await self._check_gpu(attempt, fallthroughs)
         if check is None:
             return
+        if self._before_start is not None:
+            with attempt.stage("identity"):
+                await self._before_start()
         last_path = "cold"
         for path in self.paths:
             if self._stop.is_set():
@@ -230,12 +231,16 @@ class Supervisor:
         self.record_failure()
         self._fire(Event.START_FAILED, f"every start path failed: {'; '.join(fallthroughs)}")
 
-    async def _check_gpu(self, attempt: Attempt, fallthroughs: list[str]) -> GpuCheck | None:
-        """The GPU's faults before a walk; None when the GPU is unusable (state failed)."""
+    async def _gpu_check(self) -> GpuCheck:
         check = await self.gpu.check()
         self.status.gpu = check.verdict.value if self.gpu.watch is not None else ""
+        return check
+
+    async def _check_gpu(self, attempt: Attempt, fallthroughs: list[str]) -> GpuCheck | None:
+        """The GPU's faults before a walk; None when the GPU is unusable (state failed)."""
+        check = await self._gpu_check()
         if check.verdict is Verdict.UNUSABLE:
-            self._sample_gpu_memory()  # nothing to sample: no engine will start
+            self._stop_sampling()
             self._fire(Event.GPU_FAILED, self._gpu_failed_reason(check))
             return None
         if check.verdict is Verdict.MEMORY_SUSPECT:
@@ -251,9 +256,12 @@ class Supervisor:
 
     def _sample_gpu_memory(self) -> None:
         """Start sampling for a walk (ending any earlier sampler); `_record` takes its peak."""
-        if self._sampler is not None:
-            self._sampler.stop()
+        self._stop_sampling()
         self._sampler = self.gpu.sampler()
+
+    def _stop_sampling(self) -> int | None:
+        sampler, self._sampler = self._sampler, None
+        return sampler.stop() if sampler is not None else None
 
     def _fall(self, path: str, kind: str, reason: str, fallthroughs: list[str]) -> None:
         # A rung that cannot apply (no snapshot yet) is routine; one that broke is not.
@@ -348,8 +356,7 @@ class Supervisor:
         m.recovery_duration.labels(path=path, result=result).observe(duration)
         for stage, secs in attempt.stages.items():
             m.recovery_stage_duration.labels(path=path, stage=stage).observe(secs)
-        sampler, self._sampler = self._sampler, None
-        peak = sampler.stop() if sampler is not None else None
+        peak = self._stop_sampling()
         if peak is not None:
             self.status.gpu_peak_bytes[path] = peak
         self.status.last_recovery = Recovery(
@@ -449,7 +456,7 @@ class Supervisor:
         self._fire(Event.SNAPSHOT_DONE, f"snapshot {result.info.id} published")
 
     async def _engine_failed(self, cause: str, reason: str) -> None:
-        check = await self.gpu.check()
+        check = await self._gpu_check()
         if check.verdict is not Verdict.HEALTHY:
             # Whatever the engine died of, its GPU faulted: that is the cause worth telling.
             cause = Cause.GPU_FAULT
@@ -468,7 +475,6 @@ class Supervisor:
         self._cause = cause
         log.error("engine failed (%s): %s", cause, reason)
         if check.verdict is Verdict.UNUSABLE:
-            self.status.gpu = check.verdict.value
             self._fire(Event.GPU_FAILED, self._gpu_failed_reason(check))
             return
         self._fire(Event.ENGINE_FAILED, reason)
@@ -535,9 +541,7 @@ class Supervisor:
 
     # --- stopping ---------------------------------------------------------------------
     async def _shutdown(self) -> None:
-        if self._sampler is not None:
-            self._sampler.stop()
-            self._sampler = None
+        self._stop_sampling()
         self.notifier.stopping()
         self.gate.close("stopping")
         engine = self.engine
