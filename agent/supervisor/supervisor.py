@@ -182,7 +182,7 @@ class Supervisor:
         t0 = self._clock()
         fallthroughs: list[str] = []
         # Before the identity: reading a lost GPU's identity would fail, and less clearly.
-        check = await self._check_gpu(attempt, fallthroughs)
+        check = await self._gpu_before_walk(attempt, fallthroughs)
         if check is None:
             return
         if self._before_start is not None:
@@ -232,12 +232,15 @@ class Supervisor:
         self._fire(Event.START_FAILED, f"every start path failed: {'; '.join(fallthroughs)}")
 
     async def _gpu_check(self) -> GpuCheck:
+        """The GPU's faults and health now (off the event loop), kept in the status."""
         check = await self.gpu.check()
         self.status.gpu = check.verdict.value if self.gpu.watch is not None else ""
         return check
 
-    async def _check_gpu(self, attempt: Attempt, fallthroughs: list[str]) -> GpuCheck | None:
-        """The GPU's faults before a walk; None when the GPU is unusable (state failed)."""
+    async def _gpu_before_walk(self, attempt: Attempt,
+                               fallthroughs: list[str]) -> GpuCheck | None:
+        """The GPU's faults before a walk, held memory dropped after one; None when the GPU
+        is unusable (the state is failed then)."""
         check = await self._gpu_check()
         if check.verdict is Verdict.UNUSABLE:
             self._stop_sampling()
@@ -456,12 +459,13 @@ class Supervisor:
         self._fire(Event.SNAPSHOT_DONE, f"snapshot {result.info.id} published")
 
     async def _engine_failed(self, cause: str, reason: str) -> None:
+        self.gate.close(reason)
         check = await self._gpu_check()
         if check.verdict is not Verdict.HEALTHY:
             # Whatever the engine died of, its GPU faulted: that is the cause worth telling.
             cause = Cause.GPU_FAULT
             reason = f"{reason}, with a GPU fault: {check.describe()}"
-        self.gate.close(reason)
+            self.gate.close(reason)
         engine = self.engine
         if engine is not None:
             await engine.kill()
