@@ -1,7 +1,10 @@
 """The GPU watch on a real GPU: NVML takes the fault-event registration, and a healthy GPU
-reports no event and no fault. Run on the device machine: `pytest -m gpu tests/gpu -s`.
+reports no event and no fault. Run on the device machine:
 
-Needs only the agent package and nvidia-ml-py: nothing here allocates GPU memory."""
+    python3 -m pytest -m gpu --noconftest tests/gpu/test_gpu_health_gpu.py -s
+
+Needs only the agent package and nvidia-ml-py (`--noconftest`: tests/conftest.py imports the
+holder's pydantic models); nothing here allocates GPU memory."""
 
 from __future__ import annotations
 
