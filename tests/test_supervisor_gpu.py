@@ -144,6 +144,8 @@ def test_a_crash_with_a_gpu_fault_takes_no_rung_that_reuses_held_memory(tiny_mod
             # The GPU's memory in use at its peak, sampled during each recovery, by path.
             assert st.last_recovery.gpu_peak_bytes == 3 << 30
             assert st.gpu_peak_bytes == {"cold": 1 << 30, "warm": 3 << 30}
+            # The front learns which rung started the engine it forwards to.
+            assert n.sup.gate.current is not None and n.sup.gate.current.path == "warm"
             tried = n.hybrid.tried
 
             nvml.xid(48)
