@@ -47,13 +47,18 @@ MEMORY_XIDS = {48: "double-bit ECC error", 63: "ECC page retirement or row remap
                140: "unrecovered ECC error"}
 # Xids after which the GPU needs a reset (or service) before anything runs on it again.
 FATAL_XIDS = {79: "GPU has fallen off the bus", 95: "uncontained ECC error",
-              119: "GSP RPC timeout", 120: "GSP error", 154: "GPU recovery action changed"}
+              119: "GSP RPC timeout", 120: "GSP error"}
+# Xid 154 says the driver's recovery action changed: what it asks for is read from NVML
+# (the health read), since some actions leave a single-GPU engine unaffected.
+RECOVERY_ACTION_XID = 154
 # Every other Xid (13, 31, 43, 45, ...) is raised by what a program did (an illegal address,
 # a killed context), not by the hardware: it is logged, and held memory stays trusted.
 
-# Recovery actions of NVML_FI_DEV_GET_GPU_RECOVERY_ACTION; 0 is "none".
-_RECOVERY_ACTIONS = {1: "a GPU reset", 2: "a node reboot", 3: "draining peer-to-peer traffic",
-                     4: "draining, then a GPU reset", 6: "a bus reset", 7: "a system reboot"}
+# Recovery actions of NVML_FI_DEV_GET_GPU_RECOVERY_ACTION after which nothing runs on the GPU
+# until it is done; 0 is "none", 3 and 5 (draining peer-to-peer traffic, recovering an IMEX
+# domain) concern traffic between GPUs, which a one-GPU engine does not have.
+_RECOVERY_ACTIONS = {1: "a GPU reset", 2: "a node reboot", 4: "draining, then a GPU reset",
+                     6: "a bus reset", 7: "a system reboot"}
 _FIELD_RECOVERY_ACTION = 230
 
 
@@ -242,11 +247,11 @@ class GpuWatch:
                             at=now)
         if kind_bits & getattr(nv, "nvmlEventTypeGpuUnavailableError", 0):
             return GpuFault(FaultKind.GPU_LOST, "NVML: the GPU became unavailable", at=now)
-        if kind_bits & getattr(nv, "nvmlEventTypeGpuRecoveryAction", 0):
-            if value == 0:
-                return None
-            need = _RECOVERY_ACTIONS.get(value, f"recovery action {value}")
-            return GpuFault(FaultKind.RESET_REQUIRED, f"the driver asks for {need}", at=now)
+        if kind_bits & getattr(nv, "nvmlEventTypeGpuRecoveryAction", 0) or (
+                kind_bits & nv.nvmlEventTypeXidCriticalError and value == RECOVERY_ACTION_XID):
+            log.warning("GPU %s: the driver's recovery action changed; the health read at the "
+                        "next failure or start says what it asks for", self.selector)
+            return None
         if kind_bits & nv.nvmlEventTypeXidCriticalError:
             kind = classify_xid(value)
             if kind is None:
@@ -336,10 +341,9 @@ class GpuWatch:
             raise
         if value.nvmlReturn != 0:
             return []  # an older driver that does not know the field
-        action = int(value.value.uiVal)
-        if action == 0:
+        need = _RECOVERY_ACTIONS.get(int(value.value.uiVal))
+        if need is None:
             return []
-        need = _RECOVERY_ACTIONS.get(action, f"recovery action {action}")
         return [GpuFault(FaultKind.RESET_REQUIRED, f"the driver asks for {need}",
                          at=self._clock())]
 

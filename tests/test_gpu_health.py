@@ -90,13 +90,25 @@ def test_an_ecc_error_without_an_event_is_found_by_the_health_read(watch, nvml):
     assert watch.check().verdict is Verdict.HEALTHY
 
 
-@pytest.mark.parametrize("xid", [79, 95, 119, 120, 154])
+@pytest.mark.parametrize("xid", [79, 95, 119, 120])
 def test_a_fatal_xid_makes_the_gpu_unusable(watch, nvml, xid):
     nvml.xid(xid)
     settle(watch, nvml)
     check = watch.check()
     assert check.verdict is Verdict.UNUSABLE
     assert check.faults[0].kind is FaultKind.XID_FATAL
+
+
+def test_a_changed_recovery_action_is_judged_by_what_the_driver_asks_for(watch, nvml):
+    nvml.xid(154)
+    settle(watch, nvml)
+    assert watch.check().verdict is Verdict.HEALTHY  # the action is still "none"
+    nvml.gpu.recovery_action = 3  # drain peer-to-peer traffic: no matter to one GPU
+    assert watch.check().verdict is Verdict.HEALTHY
+    nvml.gpu.recovery_action = 4
+    check = watch.check()
+    assert check.verdict is Verdict.UNUSABLE
+    assert check.describe() == "the driver asks for draining, then a GPU reset"
 
 
 def test_a_gpu_that_fell_off_the_bus_is_unusable_and_the_watch_ends_cleanly(watch, nvml):
