@@ -138,13 +138,14 @@ class GpuWatch:
     """
 
     def __init__(self, selector: int | str, *, nvml: ModuleType | None = None,
-                 clock: Callable[[], float] = time.monotonic, wait_ms: int = 1000,
-                 on_fault: Callable[[GpuFault], None] = lambda f: None) -> None:
+                 clock: Callable[[], float] = time.monotonic, wait_ms: int = 1000) -> None:
         self.selector = selector
         self._nvml = nvml
         self._clock = clock
         self._wait_ms = wait_ms
-        self._on_fault = on_fault
+        # Called in the watch's thread with each fault an event reported (set it before a
+        # fault can matter: the supervisor does when it starts).
+        self.on_fault: Callable[[GpuFault], None] = lambda f: None
         self._lock = threading.Lock()
         self._pending: list[GpuFault] = []
         self._stop = threading.Event()
@@ -267,7 +268,7 @@ class GpuWatch:
         fault = dataclasses.replace(fault, event=True)
         with self._lock:
             self._pending.append(fault)
-        self._on_fault(fault)
+        self.on_fault(fault)
 
     # --- health (any thread but the event loop) ------------------------------------------------
     def check(self) -> GpuCheck:

@@ -208,6 +208,26 @@ def test_a_gpu_that_fell_off_the_bus_ends_in_failed_with_the_reason_not_a_restar
     asyncio.run(main())
 
 
+def test_a_gpu_lost_under_a_serving_engine_stops_it_without_waiting_for_its_health_checks(
+        tiny_model):
+    nvml = FakeNvml()
+
+    async def main() -> None:
+        async with node(tiny_model, nvml) as n:
+            st = await n.ready(0)
+            pid = st.engine_pid
+            # The engine process lives on and would answer /health: only NVML knows.
+            nvml.xid(79)
+            st = await n.wait(lambda s: s.state == "failed", "the failed state", timeout=10)
+            assert st.reason == ("the GPU is unusable: Xid 79 (GPU has fallen off the bus); "
+                                 "restarting the engine cannot help. Reset or service the GPU, "
+                                 "then restart the agent")
+            assert st.engine_pid is None and not os.path.exists(f"/proc/{pid}/status")
+            assert n.sample("pitstop_engine_failures_total", cause="gpu_fault") == 1
+
+    asyncio.run(main())
+
+
 def test_a_gpu_that_needs_a_reset_at_startup_starts_no_engine(tiny_model):
     nvml = FakeNvml()
     nvml.gpu.remap_pending = True

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from agent.errors import IdentityError
-from agent.gpu_health import HEALTHY, GpuCheck, GpuWatch, PeakSampler, Verdict
+from agent.gpu_health import HEALTHY, GpuCheck, GpuFault, GpuWatch, PeakSampler, Verdict
 from agent.metrics import Metrics
 
 log = logging.getLogger("pitstop.gpu")
@@ -56,6 +56,13 @@ class GpuGuard:
         # engine may be pointed at the holder until a check is acknowledged.
         self.held_suspect = False
         self.last: GpuCheck = HEALTHY
+
+    def listen(self, callback: Callable[[GpuFault], None]) -> None:
+        """Call `callback` on the running event loop for each fault an NVML event reports."""
+        if self.watch is None:
+            return
+        loop = asyncio.get_running_loop()
+        self.watch.on_fault = lambda fault: loop.call_soon_threadsafe(callback, fault)
 
     async def check(self) -> GpuCheck:
         if self.watch is None:

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from agent.config import Config
 from agent.engines.base import EngineAdapter
 from agent.errors import EngineError, SnapshotError, StartPathError, VerifyError
-from agent.gpu_health import GpuCheck, PeakSampler, Verdict
+from agent.gpu_health import GpuCheck, GpuFault, PeakSampler, Verdict
 from agent.metrics import Metrics
 from agent.supervisor.canary import CanaryBook, CanaryRecord, setup_key
 from agent.supervisor.capture import Capture
@@ -67,6 +67,8 @@ class Supervisor:
         # Samples the GPU's memory in use during a walk of the ladder (None without a GPU).
         self._sampler: PeakSampler | None = None
         self._serving_path = ""
+        # Set when an NVML event says the GPU is gone while the engine may look healthy.
+        self._gpu_gone: GpuFault | None = None
         self._clock = clock
         self.state = State.STOPPED
         self.engine: EngineProcess | None = None
@@ -154,7 +156,16 @@ class Supervisor:
         return self._stop.is_set()
 
     # --- the loop ---------------------------------------------------------------------
+    def _gpu_event(self, fault: GpuFault) -> None:
+        # An engine on a lost GPU can answer /health for a long while and fail every request:
+        # replace it now rather than at its next failed health check. Memory faults wait for
+        # the engine's own failure, which they usually cause.
+        if fault.verdict is Verdict.UNUSABLE:
+            self._gpu_gone = fault
+            self._wake.set()
+
     async def run(self) -> None:
+        self.gpu.listen(self._gpu_event)
         self._fire(Event.START)
         while self.state is not State.STOPPED:
             self._beat()
@@ -178,6 +189,7 @@ class Supervisor:
 
     async def _start(self) -> None:
         attempt = Attempt(cause=self._cause)
+        self._gpu_gone = None  # the walk's own check sees that fault
         self._sample_gpu_memory()
         t0 = self._clock()
         fallthroughs: list[str] = []
@@ -391,6 +403,11 @@ class Supervisor:
                     f.cancel()
                 self._wake.clear()
                 if self._stop.is_set():
+                    return
+                if self._gpu_gone is not None and not engine.exited.done():
+                    fault, self._gpu_gone = self._gpu_gone, None
+                    await self._engine_failed(Cause.GPU_FAULT, f"engine {engine.pid} stopped: "
+                                              f"its GPU reported {fault.detail}")
                     return
                 if (self._snapshot_requests or self._snapshot_wanted) \
                         and not engine.exited.done():
