@@ -172,6 +172,12 @@ class GpuWatch:
             self._register()
         except nv.NVMLError as e:
             self._events = None
+            if self._is(e, "NVML_ERROR_GPU_IS_LOST"):
+                # Watched all the same: the supervisor must learn that it has no GPU to use.
+                self._handle = None
+                self._record(self._lost())
+                nv.nvmlShutdown()
+                return
             nv.nvmlShutdown()
             raise IdentityError(f"cannot watch GPU {self.selector!r} through NVML: {e}; check "
                                 "`nvidia-smi -L` against engine.env CUDA_VISIBLE_DEVICES") from e
@@ -226,8 +232,7 @@ class GpuWatch:
                     if self._is(e, "NVML_ERROR_TIMEOUT"):
                         continue
                     if self._is(e, "NVML_ERROR_GPU_IS_LOST"):
-                        self._record(GpuFault(FaultKind.GPU_LOST, "NVML: the GPU is lost "
-                                              "(fallen off the bus)", at=self._clock()))
+                        self._record(self._lost())
                         return
                     log.error("waiting for NVML events of GPU %s failed (%s): faults are seen "
                               "only by the health read from now on", self.selector, e)
@@ -263,6 +268,10 @@ class GpuWatch:
             return GpuFault(kind, f"Xid {value} ({what})", xid=value, at=now)
         return None
 
+    def _lost(self) -> GpuFault:
+        return GpuFault(FaultKind.GPU_LOST, "NVML: the GPU is lost (fallen off the bus)",
+                        at=self._clock())
+
     def _record(self, fault: GpuFault) -> None:
         log.error("GPU %s fault: %s", self.selector, fault.detail)
         fault = dataclasses.replace(fault, event=True)
@@ -275,6 +284,9 @@ class GpuWatch:
         """The faults seen since the last acknowledge, and what a health read finds now."""
         found = []
         ecc = None
+        if self._handle is None:  # lost before the watch began: nothing left to read
+            with self._lock:
+                return GpuCheck(faults=tuple(self._pending))
         try:
             ecc = self._ecc_count()
             if ecc is not None and self._ecc_baseline is not None and ecc > self._ecc_baseline:
@@ -287,8 +299,7 @@ class GpuWatch:
             if not self._is(e, "NVML_ERROR_GPU_IS_LOST"):
                 raise IdentityError(f"NVML health read of GPU {self.selector!r} failed: {e}") \
                     from e
-            found.append(GpuFault(FaultKind.GPU_LOST, "NVML: the GPU is lost (fallen off the "
-                                  "bus)", at=self._clock()))
+            found.append(self._lost())
         with self._lock:
             pending = tuple(self._pending)
         return GpuCheck(faults=(*pending, *found), ecc_count=ecc)
@@ -302,6 +313,8 @@ class GpuWatch:
 
     def memory_used(self) -> int:
         """Bytes of the GPU's memory in use now, by every process (the holder's included)."""
+        if self._handle is None:
+            raise SourceUnavailable(f"GPU {self.selector!r} is lost")
         return int(self._nv.nvmlDeviceGetMemoryInfo(self._handle).used)
 
     def _ecc_count(self) -> int | None:

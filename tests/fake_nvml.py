@@ -77,11 +77,13 @@ class FakeNvml(SimpleNamespace):
             self.gpu.inits -= 1
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> str:
+        self._alive()
         if index != 0:
             raise NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return self.gpu.uuid
 
     def nvmlDeviceGetHandleByUUID(self, uuid: str) -> str:
+        self._alive()
         if uuid != self.gpu.uuid:
             raise NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
         return uuid

@@ -160,6 +160,17 @@ def test_a_gpu_without_fault_events_is_still_read_at_a_failure():
     assert nvml.gpu.inits == 0
 
 
+def test_a_gpu_lost_before_the_watch_began_is_watched_as_lost():
+    nvml = FakeNvml(FakeGpu(lost=True))
+    w = GpuWatch(0, nvml=nvml)
+    w.start()
+    check = w.check()
+    assert check.verdict is Verdict.UNUSABLE and check.faults[0].kind is FaultKind.GPU_LOST
+    assert PeakSampler(w.memory_used, every_s=0.001).start().stop() is None
+    w.close()
+    assert nvml.gpu.inits == 0
+
+
 def test_a_gpu_that_is_not_there_is_named():
     from agent.errors import IdentityError
 

@@ -228,14 +228,19 @@ def test_a_gpu_lost_under_a_serving_engine_stops_it_without_waiting_for_its_heal
     asyncio.run(main())
 
 
-def test_a_gpu_that_needs_a_reset_at_startup_starts_no_engine(tiny_model):
+@pytest.mark.parametrize(("gpu", "said"), [
+    ({"remap_pending": True}, "a row remapping is pending: the GPU needs a reset"),
+    ({"lost": True}, "NVML: the GPU is lost (fallen off the bus)"),
+])
+def test_a_gpu_that_is_lost_or_needs_a_reset_at_startup_starts_no_engine(tiny_model, gpu, said):
     nvml = FakeNvml()
-    nvml.gpu.remap_pending = True
+    for k, v in gpu.items():
+        setattr(nvml.gpu, k, v)
 
     async def main() -> None:
         async with node(tiny_model, nvml) as n:
             st = await n.wait(lambda s: s.state == "failed", "the failed state", timeout=30)
-            assert "a row remapping is pending: the GPU needs a reset" in st.reason
+            assert st.reason.startswith(f"the GPU is unusable: {said}")
             assert st.engine_pid is None and n.status.last_recovery is None
             assert n.hybrid.tried == 0
 
