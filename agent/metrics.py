@@ -185,15 +185,15 @@ class Metrics:
                 self.ladder_fallthroughs.labels(path=path, reason=reason)
         for cause in FAILURE_CAUSES:
             self.engine_failures.labels(cause=cause)
+        for result in RESULTS:
+            self.regenerations.labels(result=result)
+            for kind in SNAPSHOT_KINDS:
+                self.snapshots_created.labels(kind=kind, result=result)
 
     def gpu_watched(self) -> None:
         """The GPU is watched: its fault counters start at 0 (only on hosts with a GPU)."""
         for kind in FaultKind:
             self.gpu_faults.labels(kind=kind.value)
-        for result in RESULTS:
-            self.regenerations.labels(result=result)
-            for kind in SNAPSHOT_KINDS:
-                self.snapshots_created.labels(kind=kind, result=result)
 
 
 class StatusCollector(Collector):

@@ -282,6 +282,9 @@ def test_without_a_gpu_the_peak_and_usability_have_no_sample_rather_than_zero():
     assert "pitstop_recovery_gpu_memory_peak_bytes{" not in text
     assert "\npitstop_gpu_usable " not in text
     assert "pitstop_gpu_faults_total{" not in text  # counted only where a GPU is watched
+    # ... while the counters every host has still start at 0.
+    assert 'pitstop_regenerations_total{result="failure"} 0.0' in text
+    assert 'pitstop_engine_failures_total{cause="gpu_fault"} 0.0' in text
 
 
 def test_the_last_peak_of_each_path_and_usability_are_exported():
