@@ -173,7 +173,8 @@ def recover(agent: Agent, n: int, steady: int) -> dict:
     return rec
 
 
-def machine() -> str:
+def machine() -> tuple[str, str]:
+    """The result-row machine class ("h200", "cpu-2core", ...) and the host in words."""
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version",
                               "--format=csv,noheader", "-i", "0"], capture_output=True,
@@ -181,13 +182,19 @@ def machine() -> str:
         gpu = out.stdout.strip() if out.returncode == 0 else "no GPU"
     except OSError:
         gpu = "no GPU"
-    return f"{os.uname().nodename} ({gpu}, kernel {os.uname().release})"
+    if "H200" in gpu:
+        kind = "h200"
+    elif gpu == "no GPU":
+        kind = f"cpu-{os.cpu_count()}core"
+    else:
+        kind = gpu.split(",")[0].strip().lower()
+    return kind, f"{os.uname().nodename} ({gpu}, kernel {os.uname().release})"
 
 
 def rows(result: dict, gib: float, command: str) -> list[dict]:
     """One row per recovery path measured: times, peak GPU memory, both first-token figures."""
     out = []
-    where = machine()
+    where, host = machine()
     for path in ("hybrid", "full", "warm", "cold"):
         recs = [r for r in result.get(path, []) if r.get("result") == "success"]
         if not recs:
@@ -200,7 +207,8 @@ def rows(result: dict, gib: float, command: str) -> list[dict]:
                   if r.get("first_token_steady_s") is not None]
         out.append({
             "engine": "reference", "path": path, "gib": gib, "runs_s": runs,
-            "median_s": statistics.median(runs), "machine": where, "command": command,
+            "median_s": statistics.median(runs), "machine": where, "host": host,
+            "command": command,
             "gpu_peak_bytes": peaks,
             "gpu_peak_median_bytes": statistics.median(peaks) if peaks else None,
             "first_token_after_recovery_s": after,
