@@ -50,6 +50,11 @@ class Tokenizer:
         self._template: Any = None
 
     @property
+    def backend(self) -> Any:
+        """The `tokenizers.Tokenizer` itself, for its DecodeStream (see detok.py)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
