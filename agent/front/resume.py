@@ -37,6 +37,8 @@ _ID_KEYS = re.compile(
 # it (same structural argument: the key's quote follows '{' or ',' directly).
 _DELTA_IDS = re.compile(rb'"token_ids"\s*:\s*\[([^\]]*)\]')
 _FINISH = re.compile(rb'"finish_reason"\s*:\s*(?:null|"([^"\\]*)")')
+# An event's text (completions) or delta content (chat), matched where it is empty.
+_TEXT = re.compile(rb'"(?:text|content)"\s*:\s*(null|"")?')
 
 
 def _key(pattern: re.Pattern[bytes], key: bytes, raw: bytes) -> re.Match[bytes] | None:
@@ -208,6 +210,15 @@ class Tracker:
     less the id lists the front added; after a resume every event is rebuilt in the
     client's format with the first attempt's id, created time and model.
 
+    The sent offset counts only tokens whose text went out. An engine sends a token's id
+    as soon as it is sampled, but holds back its text while it ends inside a UTF-8
+    character (vLLM and the reference engine alike); continuing from a prompt that ends
+    there would be wrong: tokenizers' DecodeStream, which both engines prime with the
+    prompt, then keeps no context and repeats the whole prompt's text. So such ids wait
+    here: they count once an event brings text (or the answer ends), a client that asked
+    for ids gets them with that event, and a cut before it makes the continuation
+    generate those tokens again.
+
     Example::
 
         t = Tracker(Plan.of("/v1/completions", body))
@@ -223,7 +234,9 @@ class Tracker:
         self._dead_marker = dead_marker
         self.engine_dead = False
         self.prompt_ids: list[int] | None = None
+        # Ids whose text was sent (the sent offset); ids whose text has not come yet.
         self.out_ids: list[int] = []
+        self._waiting_ids: list[int] = []
         self.header: dict[str, Any] = {}
         self.finish: str | None = None
         self.done = False
@@ -243,8 +256,10 @@ class Tracker:
 
     # --- feeding ------------------------------------------------------------------------
     def begin_attempt(self) -> None:
-        """A new upstream response starts: a half event from a dead engine is dropped."""
+        """A new upstream response starts: a half event from a dead engine is dropped, and
+        tokens whose text it never sent come again from the continuation."""
         self._parser = SSEParser()
+        self._waiting_ids.clear()
         self.engine_dead = False
 
     def feed(self, chunk: bytes) -> bytes:
@@ -276,8 +291,11 @@ class Tracker:
         if fin is None:
             return None
         got = ids.group(1)
-        if got.strip():
-            self.out_ids.extend(map(int, got.split(b",")))
+        new = list(map(int, got.split(b","))) if got.strip() else []
+        textless = bool(new) and fin.group(1) is None and self._textless(raw)
+        if self.plan.client_ids and (textless or self._waiting_ids):
+            return None  # the ids move to another event: the full path rebuilds it
+        self._count(new, textless)
         if fin.group(1) is not None:
             self.finish = fin.group(1).decode()
         if self.plan.client_ids:
@@ -287,6 +305,22 @@ class Tracker:
         if head.endswith(b",") and b"token_ids" not in head:
             return head[:-1] + raw[ids.end():]
         return strip_ids(raw)
+
+    def _textless(self, raw: bytes) -> bool:
+        key = b'"content"' if self.plan.endpoint == CHAT else b'"text"'
+        m = _key(_TEXT, key, raw)
+        return m is None or m.group(1) is not None
+
+    def _count(self, ids: list[int], textless: bool) -> list[int]:
+        """Record an event's ids; the ids it delivers to the client (see the class doc)."""
+        if textless:
+            self._waiting_ids.extend(ids)
+            return []
+        if self._waiting_ids:
+            ids = [*self._waiting_ids, *ids]
+            self._waiting_ids.clear()
+        self.out_ids.extend(ids)
+        return ids
 
     def _update_quick(self) -> None:
         # The fast path is for the first attempt without stop strings, once the prompt's ids
@@ -350,14 +384,20 @@ class Tracker:
         if not chat and self.prompt_ids is None and isinstance(
                 choice.get("prompt_token_ids"), list):
             self.prompt_ids = choice["prompt_token_ids"]
-        self.out_ids.extend(choice.get("token_ids") or ())
+        delta = choice.get("delta") if chat else None
+        text = (delta or {}).get("content") if chat else choice.get("text")
+        got = list(choice.get("token_ids") or ())
+        ids = self._count(got, bool(got) and not text and not choice.get("finish_reason"))
         self._has_stop_reason = self._has_stop_reason or "stop_reason" in choice
         if self._scanner is None:
             self.finish = choice.get("finish_reason") or self.finish
-            return raw if self.plan.client_ids else strip_ids(raw)
+            if not self.plan.client_ids:
+                return strip_ids(raw)
+            if ids == got:
+                return raw
+            choice["token_ids"] = ids
+            return data_frame(obj)
         # Stop strings: this event's text is whatever the scanner lets out.
-        delta = choice.get("delta") if chat else None
-        text = (delta or {}).get("content") if chat else choice.get("text")
         emit, stop, finish = self._scan(text or "", choice.get("finish_reason"))
         if chat:
             if emit or (delta and "content" in delta):
@@ -371,6 +411,8 @@ class Tracker:
             choice.pop("token_ids", None)
             choice.pop("prompt_token_ids", None)
             obj.pop("prompt_token_ids", None)
+        elif "token_ids" in choice:
+            choice["token_ids"] = ids
         if obj.get("usage") is not None:
             obj["usage"] = self._usage()
         frame = data_frame(obj)
@@ -396,9 +438,9 @@ class Tracker:
         if not choices:
             return b""  # the engine's usage counts the wrong prompt; ours comes at [DONE]
         choice = choices[0]
-        ids = list(choice.get("token_ids") or ())
-        self.out_ids.extend(ids)
         text = choice.get("text") or ""
+        got = list(choice.get("token_ids") or ())
+        ids = self._count(got, bool(got) and not text and not choice.get("finish_reason"))
         if self._scanner is not None:
             emit, stop, finish = self._scan(text, choice.get("finish_reason"))
         else:
@@ -435,8 +477,9 @@ class Tracker:
 
     def _usage(self) -> dict[str, int]:
         prompt = len(self.prompt_ids or ())
-        return {"prompt_tokens": prompt, "completion_tokens": len(self.out_ids),
-                "total_tokens": prompt + len(self.out_ids)}
+        done = len(self.out_ids) + len(self._waiting_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": done,
+                "total_tokens": prompt + done}
 
     def _usage_frame(self) -> bytes:
         if not self.plan.include_usage or self._usage_sent:
