@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from agent.front.proxy import _Relay
-from tests.frontkit import MODEL_NAME, Engine, Harness, front_on, socket_dir
+from tests.frontkit import MODEL_NAME, CutRelay, Engine, Harness, front_on, socket_dir
 from tests.prereq import require
 
 pytestmark = pytest.mark.integration
@@ -548,4 +548,38 @@ def test_every_cut_inside_a_character_continues_with_the_same_text(
                 where = f"{path} cut after event {cut} (inside a character: {inside})"
                 assert text == want_text, where
                 assert ids == (want_ids if client_ids else []), where
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("client_ids", [False, True])
+def test_a_sigkill_inside_a_character_is_resumed_with_the_same_text(
+        engine: Engine, client_ids: bool) -> None:
+    """Through the real front: the engine is killed when the last event the front got is a
+    token that ends inside a character, and the client reads one answer, as if uncut."""
+    async def main() -> None:
+        await engine.wait_ready()
+        for path, body, inside in await inside_a_character(engine, 24):
+            chat = path == CHAT
+            body = {**body, "return_token_ids": client_ids}
+            want = await engine.direct(path, body)
+            want_ids = want["choices"][0]["token_ids"] if client_ids else []
+            relay = CutRelay(engine.sock, engine.sock.with_name("relay.sock"), inside[-1] + 1)
+            await relay.start()
+            try:
+                async with front_on(engine) as h, aiohttp.ClientSession() as s:
+                    h.gate.open(relay.sock)
+                    r = await s.post(h.base_url[:-3] + path, json={**body, "stream": True})
+                    await asyncio.wait_for(relay.reached.wait(), 60)
+                    h.engine.kill()
+                    h.gate.close("engine killed by the test")
+                    h.engine.start()
+                    await h.engine.wait_ready()
+                    h.gate.open(relay.sock)
+                    text, ids = client_text(await r.read(), chat)
+                    assert text == text_of(path, want), path
+                    assert ids == want_ids, path
+                    assert h.sample("pitstop_front_resumed_requests_total", endpoint=path) == 1
+                    assert not _failures(h)
+            finally:
+                await relay.stop()
     asyncio.run(main())
