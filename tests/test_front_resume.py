@@ -175,6 +175,35 @@ def test_ids_of_a_split_character_reach_the_client_with_its_text() -> None:
     assert pairs[-2:] == [("😀", [57, 58, 59, 60]), (" ok", [61])]
 
 
+@pytest.mark.parametrize("client_ids", [False, True])
+def test_an_answer_that_ends_inside_a_character_counts_every_token(client_ids: bool) -> None:
+    # max_tokens 9: the last two tokens are the start of the emoji, never completed
+    body = {"model": "m", "prompt": "hi", "max_tokens": 9, "stream": True,
+            "return_token_ids": client_ids, "stream_options": {"include_usage": True}}
+    for cut in range(0, 12):
+        text, objs, _ = run_cut(COMPLETIONS, body, cut, SPLIT)
+        assert text == "Café € 5", cut
+        ids = [i for o in objs for c in o.get("choices") or [] for i in c.get("token_ids") or []]
+        assert ids == ([tid for tid, _ in SPLIT[:9]] if client_ids else []), cut
+        assert objs[-2]["usage"]["completion_tokens"] == 9, cut
+
+
+@pytest.mark.parametrize("client_ids", [False, True])
+def test_waiting_ids_go_out_with_an_end_event_that_has_none(client_ids: bool) -> None:
+    t = Tracker(Plan.of(COMPLETIONS, {"model": "m", "prompt": "hi", "stream": True,
+                                      "return_token_ids": client_ids}))
+    events = engine_stream(False, SPLIT[:5], PROMPT, finish="length")[:-2]  # no end yet
+    end = _frame({"id": "x-1", "object": "text_completion", "created": 7, "model": "m",
+                  "choices": [{"index": 0, "text": "", "logprobs": None,
+                               "finish_reason": "stop", "stop_reason": None,
+                               "token_ids": []}]})
+    out = b"".join(t.feed(ev) for ev in [*events, end, b"data: [DONE]\n\n"])
+    assert t.out_ids == [50, 51, 52, 53] and t.done
+    _, objs = client_view(out, chat=False)
+    ids = [i for o in objs for c in o.get("choices") or [] for i in c.get("token_ids") or []]
+    assert ids == ([50, 51, 52, 53] if client_ids else [])
+
+
 def test_client_that_asked_for_ids_gets_them_once() -> None:
     body = {"model": "m", "prompt": "hi", "max_tokens": 10, "stream": True,
             "return_token_ids": True}

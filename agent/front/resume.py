@@ -37,8 +37,8 @@ _ID_KEYS = re.compile(
 # it (same structural argument: the key's quote follows '{' or ',' directly).
 _DELTA_IDS = re.compile(rb'"token_ids"\s*:\s*\[([^\]]*)\]')
 _FINISH = re.compile(rb'"finish_reason"\s*:\s*(?:null|"([^"\\]*)")')
-# An event's text (completions) or delta content (chat), matched where it is empty.
-_TEXT = re.compile(rb'"(?:text|content)"\s*:\s*(null|"")?')
+# A completions event's text, matched where it is empty.
+_EMPTY_TEXT = re.compile(rb'"text"\s*:\s*""')
 
 
 def _key(pattern: re.Pattern[bytes], key: bytes, raw: bytes) -> re.Match[bytes] | None:
@@ -50,6 +50,12 @@ def _key(pattern: re.Pattern[bytes], key: bytes, raw: bytes) -> re.Match[bytes] 
     while k > 0 and raw[k] in b" \t\r\n":
         k -= 1
     return pattern.match(raw, i) if raw[k] in b",{" else None
+
+
+def _delta_has_text(delta: Any) -> bool:
+    """Whether a chat delta carries any text (content, or a reasoning parser's fields)."""
+    return isinstance(delta, dict) and any(
+        isinstance(v, str) and v for k, v in delta.items() if k != "role")
 
 
 def strip_ids(raw: bytes) -> bytes:
@@ -291,11 +297,26 @@ class Tracker:
         if fin is None:
             return None
         got = ids.group(1)
-        new = list(map(int, got.split(b","))) if got.strip() else []
-        textless = bool(new) and fin.group(1) is None and self._textless(raw)
-        if self.plan.client_ids and (textless or self._waiting_ids):
-            return None  # the ids move to another event: the full path rebuilds it
-        self._count(new, textless)
+        if got.strip():
+            # Text held back by the engine comes as an empty string; and `""` is in the
+            # bytes only where a string is empty (JSON escapes a quote inside a string).
+            if b'""' in raw and fin.group(1) is None:
+                if self.plan.endpoint == CHAT or self.plan.client_ids:
+                    return None  # the full path reads a delta's text fields, moves ids
+                textless = _key(_EMPTY_TEXT, b'"text"', raw) is not None
+            else:
+                textless = False
+            if textless:
+                self._waiting_ids.extend(map(int, got.split(b",")))
+            elif self._waiting_ids and self.plan.client_ids:
+                return None  # the waiting ids go out with this event: the full path
+            else:
+                if self._waiting_ids:
+                    self.out_ids.extend(self._waiting_ids)
+                    self._waiting_ids.clear()
+                self.out_ids.extend(map(int, got.split(b",")))
+        elif self._waiting_ids:
+            return None  # an event with no ids may still bring their text or the end
         if fin.group(1) is not None:
             self.finish = fin.group(1).decode()
         if self.plan.client_ids:
@@ -305,11 +326,6 @@ class Tracker:
         if head.endswith(b",") and b"token_ids" not in head:
             return head[:-1] + raw[ids.end():]
         return strip_ids(raw)
-
-    def _textless(self, raw: bytes) -> bool:
-        key = b'"content"' if self.plan.endpoint == CHAT else b'"text"'
-        m = _key(_TEXT, key, raw)
-        return m is None or m.group(1) is not None
 
     def _count(self, ids: list[int], textless: bool) -> list[int]:
         """Record an event's ids; the ids it delivers to the client (see the class doc)."""
@@ -387,7 +403,8 @@ class Tracker:
         delta = choice.get("delta") if chat else None
         text = (delta or {}).get("content") if chat else choice.get("text")
         got = list(choice.get("token_ids") or ())
-        ids = self._count(got, bool(got) and not text and not choice.get("finish_reason"))
+        ids = self._count(got, not choice.get("finish_reason") and not (
+            _delta_has_text(delta) if chat else text))
         self._has_stop_reason = self._has_stop_reason or "stop_reason" in choice
         if self._scanner is None:
             self.finish = choice.get("finish_reason") or self.finish
@@ -440,7 +457,7 @@ class Tracker:
         choice = choices[0]
         text = choice.get("text") or ""
         got = list(choice.get("token_ids") or ())
-        ids = self._count(got, bool(got) and not text and not choice.get("finish_reason"))
+        ids = self._count(got, not text and not choice.get("finish_reason"))
         if self._scanner is not None:
             emit, stop, finish = self._scan(text, choice.get("finish_reason"))
         else:
