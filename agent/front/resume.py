@@ -440,7 +440,8 @@ class Tracker:
 
     def _scan(self, text: str, finish: str | None) -> tuple[str, str | None, str | None]:
         assert self._scanner is not None
-        emit, stop = self._scanner.feed(text, len(self.out_ids))
+        # min_tokens counts every token so far, those still waiting for their text too
+        emit, stop = self._scanner.feed(text, len(self.out_ids) + len(self._waiting_ids))
         if stop is not None:
             finish = "stop"
         elif finish:
