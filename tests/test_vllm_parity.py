@@ -27,7 +27,8 @@ MAX_TOKENS = 16
 CANDIDATES = ["The engine ran", "Ada opened", "Rain fell", "Once upon a time", "Bread needs",
               "What is", "The river", "Tomas wrote", "One, two", "The train"]
 
-Chunk = tuple[str, list[int], str | None, str | int | None]
+# (text or chat delta, token ids, finish reason, stop reason) of one streamed choice
+Chunk = tuple[Any, list[int] | None, str | None, str | int | None]
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +97,8 @@ def _answer(c: Any, url: str, body: dict[str, Any], stream: bool) -> Any:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 for ch in json.loads(line[6:])["choices"]:
-                    chunks.append((ch["text"], ch["token_ids"], ch["finish_reason"],
+                    chunks.append((ch["delta"] if "delta" in ch else ch["text"],
+                                   ch.get("token_ids"), ch["finish_reason"],
                                    ch.get("stop_reason")))
     return chunks
 
@@ -112,9 +114,29 @@ def complete(post: Any, prompt: str | list[int], **more: Any) -> tuple[list[int]
     return c["prompt_token_ids"], c["token_ids"], c["text"]
 
 
-def both(refengine: Engine, vllm: VllmServer, body: dict[str, Any], stream: bool) -> Any:
-    return (ref_post(refengine)("/v1/completions", body, stream),
-            vllm_post(vllm)("/v1/completions", body, stream))
+def both(refengine: Engine, vllm: VllmServer, body: dict[str, Any], stream: bool,
+         path: str = "/v1/completions") -> Any:
+    return ref_post(refengine)(path, body, stream), vllm_post(vllm)(path, body, stream)
+
+
+def chat(content: str) -> dict[str, Any]:
+    return {"model": "tiny", "messages": [{"role": "user", "content": content}],
+            "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
+
+
+@pytest.fixture(scope="module")
+def split_chats(refengine: Engine, tok: Tokenizer) -> list[str]:
+    """User messages whose greedy chat answer's last token ends inside a character."""
+    found = []
+    for i in range(120):
+        content = f"{CANDIDATES[i % len(CANDIDATES)]} {i}"
+        r = ref_post(refengine)("/v1/chat/completions", chat(content))
+        ids = r["choices"][0]["token_ids"]
+        if len(ids) == MAX_TOKENS and ends_inside(tok, ids):
+            found.append(content)
+        if len(found) == 2:
+            return found
+    raise AssertionError("no greedy chat answer of the tiny model ends inside a character")
 
 
 def test_answers_that_end_inside_a_character_are_the_same(
@@ -140,6 +162,23 @@ def test_streams_hold_back_the_same_tokens_chunk_for_chunk(
         assert [c[1] for c in real] == [[i] for c in real for i in c[1]]
         held += sum(1 for c in real if not c[0])
     assert held >= len(split_prompts)
+
+
+def test_chat_answers_that_end_inside_a_character_are_the_same(
+        refengine: Engine, vllm: VllmServer, tok: Tokenizer, split_chats: list[str]) -> None:
+    path = "/v1/chat/completions"
+    for content in split_chats:
+        ref, real = both(refengine, vllm, chat(content), stream=False, path=path)
+        assert ref["prompt_token_ids"] == real["prompt_token_ids"], content
+        r, v = ref["choices"][0], real["choices"][0]
+        assert r["token_ids"] == v["token_ids"], content
+        assert r["message"]["content"] == v["message"]["content"], content
+        assert v["message"]["content"] == tok.decode(v["token_ids"]).rstrip("\ufffd")
+        ref, real = both(refengine, vllm, chat(content), stream=True, path=path)
+        # the role chunk first (vLLM leaves token_ids out of it), then one chunk a token
+        assert ref[0][0] == real[0][0] == {"role": "assistant", "content": ""}
+        assert ref[1:] == real[1:], content
+        assert real[-1][0] == {"content": ""}  # the last token's bytes are left out
 
 
 def test_stop_strings_and_stop_tokens_are_held_and_cut_the_same(

@@ -311,7 +311,8 @@ class EngineApp:
                 generated += len(ids)
                 tok_ids = ids if want_ids else None
                 if chat:
-                    delta = {"content": text} if text or out.finish_reason is None else {}
+                    # {"content": ""} even on the last chunk, as vLLM sends it
+                    delta = {"content": text}
                     choice = P.chat_choice(delta, out.finish_reason, out.stop_reason, tok_ids,
                                            True)
                 else:
