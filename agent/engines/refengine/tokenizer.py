@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent.errors import ModelError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as HfTokenizer
 
 
 class ChatTemplateError(ValueError):
@@ -50,7 +53,7 @@ class Tokenizer:
         self._template: Any = None
 
     @property
-    def backend(self) -> Any:
+    def backend(self) -> HfTokenizer:
         """The `tokenizers.Tokenizer` itself, for its DecodeStream (see detok.py)."""
         return self._tok
 
