@@ -14,6 +14,8 @@ import aiohttp
 import pytest
 
 from agent.front.proxy import _Relay
+from agent.front.resume import Plan, Tracker
+from agent.front.sse import SSEParser
 from tests.frontkit import MODEL_NAME, CutRelay, Engine, Harness, front_on, socket_dir
 from tests.prereq import require
 
@@ -496,17 +498,13 @@ async def inside_a_character(engine: Engine, max_tokens: int) -> list[tuple[str,
     raise AssertionError("no greedy answer of the tiny model ends a token inside a character")
 
 
-def tracked(plan: Any, events: list[bytes]) -> tuple[Any, bytes]:
-    from agent.front.resume import Tracker
-
+def tracked(plan: Plan, events: list[bytes]) -> tuple[Tracker, bytes]:
     t = Tracker(plan)
     t.begin_attempt()
     return t, b"".join(t.feed(ev) for ev in events)
 
 
 def client_text(data: bytes, chat: bool) -> tuple[str, list[int]]:
-    from agent.front.sse import SSEParser
-
     text, ids = "", []
     for ev in SSEParser().feed(data):
         if ev.done or not ev.data:
@@ -523,8 +521,6 @@ def test_every_cut_inside_a_character_continues_with_the_same_text(
     """The front's sent offset against the real engine: whichever event the stream is cut
     after, inside a character or not, the continuation the front asks for gives the client
     the uninterrupted text, and each token id once."""
-    from agent.front.resume import Plan
-
     async def main() -> None:
         await engine.wait_ready()
         for path, body, inside in await inside_a_character(engine, 24):
