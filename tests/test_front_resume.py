@@ -11,7 +11,7 @@ from agent.front.resume import CHAT, COMPLETIONS, Plan, StopScanner, Tracker
 from agent.front.sse import SSEParser
 
 PROMPT = [0, 11, 12, 13]
-# (token id, its text) as an engine that releases ids and text together sends them.
+# (token id, its text) for tokens that each end between two characters.
 PIECES = [(40, "Hel"), (41, "lo"), (42, ","), (43, " wor"), (44, "ld"), (45, "\n"), (46, "\n"),
           (47, "Bye"), (48, " now"), (49, ".")]
 FULL = "".join(t for _, t in PIECES)
