@@ -135,8 +135,8 @@ def test_a_prompt_that_ends_inside_a_character_is_repeated_like_vllm_does(
         tok: Tokenizer) -> None:
     """tokenizers' DecodeStream (0.23) keeps no context from a prompt whose text ends in an
     incomplete character, so the first text it releases starts at the prompt's beginning.
-    vLLM 0.32 primes the same stream with the prompt and answers so too; this is why the
-    front never continues a stream from such a prompt."""
+    vLLM 0.32 primes the same stream with the prompt and answers so too (vLLM issue 48853);
+    this is why the front never continues a stream from such a prompt."""
     ids = tok.encode("Once there was €5", add_special_tokens=False)
     cut = next(k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd"))
     d = Detokenizer(tok.backend, ids[:cut])

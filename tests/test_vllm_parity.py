@@ -200,8 +200,8 @@ def test_a_prompt_that_ends_inside_a_character_gets_the_same_odd_answer(
         refengine: Engine, vllm: VllmServer, tok: Tokenizer) -> None:
     """What a naive resume would send: prompt + tokens so far, ending inside a character.
     vLLM 0.32 (tokenizers' DecodeStream primed with that prompt) repeats the whole prompt's
-    text in its first text; so does the reference engine. The front never sends such a
-    continuation (agent/front/resume.py holds those tokens back)."""
+    text in its first text (vLLM issue 48853); so does the reference engine. The front
+    never sends such a continuation (agent/front/resume.py holds those tokens back)."""
     for i in range(120):
         prompt_ids, ids, _ = complete(ref_post(refengine), f"{CANDIDATES[i % 10]} {i}")
         # a cut inside a character that a later token of the answer completes

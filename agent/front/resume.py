@@ -220,7 +220,8 @@ class Tracker:
     as soon as it is sampled, but holds back its text while it ends inside a UTF-8
     character (vLLM and the reference engine alike); continuing from a prompt that ends
     there would be wrong: tokenizers' DecodeStream, which both engines prime with the
-    prompt, then keeps no context and repeats the whole prompt's text. So such ids wait
+    prompt, then keeps no context and repeats the whole prompt's text (vLLM issue 48853,
+    open as of vLLM 0.32). So such ids wait
     here: they count once an event brings text (or the answer ends), a client that asked
     for ids gets them with that event, and a cut before it makes the continuation
     generate those tokens again.
