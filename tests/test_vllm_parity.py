@@ -1,11 +1,13 @@
 """The reference engine against real vLLM (CPU build) on one model: same ids, same text, where
-answers end inside a UTF-8 character, streamed and not.
+answers end inside a UTF-8 character, streamed and not; and the front's continuation of a
+stream cut inside a character, on real vLLM.
 
 One vLLM boot for the module (25-75 s); the reference engine is conftest's session engine.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -16,6 +18,8 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
+from agent.front.resume import Plan, Tracker
+from agent.front.sse import SSEParser
 from tests.prereq import require
 from tests.refengine_proc import Engine
 from tests.vllmproc import CPU_ARGS, VLLM_PYTHON, VllmServer, vllm_adapter
@@ -218,3 +222,48 @@ def test_a_prompt_that_ends_inside_a_character_gets_the_same_odd_answer(
     assert real["choices"][0]["token_ids"] == ids[cut:]
     whole = tok.decode(prompt_ids + ids, skip_special_tokens=True)
     assert real["choices"][0]["text"] == whole, "vLLM no longer repeats the prompt's text"
+
+
+def test_the_fronts_continuation_on_vllm_gives_the_uninterrupted_text(
+        vllm: VllmServer, tok: Tokenizer, split_prompts: list[str]) -> None:
+    """The front's sent offset against real vLLM: a stream cut after any event, inside a
+    character or not, continued the way the front asks, gives the client the same text and
+    each id once (the test feeds the front's Tracker with vLLM's own bytes)."""
+    for prompt, client_ids in itertools.product(split_prompts, (True, False)):
+        plan = Plan.of("/v1/completions", {**request(prompt), "stream": True,
+                                           "return_token_ids": client_ids})
+        whole = vllm_events(vllm, plan.first_body())
+        assert any(b'"text":""' in ev for ev in whole[:-3])  # a cut inside a character
+        want = client_text(Tracker(plan), whole)
+        for cut in range(1, len(whole) - 1):
+            t = Tracker(plan)
+            got = b"".join(t.feed(ev) for ev in whole[:cut])
+            if t.complete:
+                got += t.finished_frames()
+            else:
+                path, cont = t.resume_request()
+                t.begin_attempt()
+                got += b"".join(t.feed(ev) for ev in vllm_events(vllm, cont, path))
+            assert t.done and _text_and_ids(got) == want, (prompt, cut)
+
+
+def vllm_events(server: VllmServer, body: dict[str, Any],
+                path: str = "/v1/completions") -> list[bytes]:
+    with server.http(timeout=60.0) as c, \
+            c.stream("POST", "http://localhost" + path, json=body) as r:
+        data = r.read()
+    return [e + b"\n\n" for e in data.split(b"\n\n") if e.strip()]
+
+
+def client_text(t: Tracker, events: list[bytes]) -> tuple[str, list[int]]:
+    return _text_and_ids(b"".join(t.feed(ev) for ev in events))
+
+
+def _text_and_ids(data: bytes) -> tuple[str, list[int]]:
+    text, ids = "", []
+    for ev in SSEParser().feed(data):
+        if ev.data and not ev.done:
+            for c in json.loads(ev.data).get("choices") or []:
+                text += c["text"]
+                ids += c.get("token_ids") or []
+    return text, ids
