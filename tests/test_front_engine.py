@@ -180,6 +180,36 @@ def test_sixteen_whole_requests_are_sent_again(engine: Engine) -> None:
     asyncio.run(main())
 
 
+def test_the_first_token_after_a_recovery_is_timed_apart_from_steady_state(
+        engine: Engine) -> None:
+    def ttft(path: str, phase: str, what: str = "count") -> float:
+        return h.sample(f"pitstop_front_time_to_first_token_seconds_{what}", path=path,
+                        phase=phase)
+
+    async def main() -> None:
+        nonlocal h
+        await engine.wait_ready()
+        p, body = spec(0, 8)
+        async with front_on(engine) as h:
+            c = client(h)
+            # The supervisor opens the gate once per recovery, naming the rung it took.
+            h.gate.close("a recovery, as the test tells it")
+            h.gate.open(engine.sock, "hybrid")
+            await through_front(c, p, body, stream=False)  # a whole answer has no first token
+            for _ in range(3):
+                await through_front(c, p, body, stream=True)
+            h.gate.close("another recovery")
+            h.gate.open(engine.sock, "full")
+            await through_front(c, p, body, stream=True)
+            await h.settled()
+            assert (ttft("hybrid", "after_recovery"), ttft("hybrid", "steady")) == (1, 2)
+            assert (ttft("full", "after_recovery"), ttft("full", "steady")) == (1, 0)
+            assert 0 < ttft("hybrid", "after_recovery", "sum") < 30
+
+    h: Any = None
+    asyncio.run(main())
+
+
 def test_requests_that_arrive_during_the_restart_succeed(engine: Engine) -> None:
     async def main() -> None:
         await engine.wait_ready()
