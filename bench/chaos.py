@@ -401,8 +401,15 @@ class Injector:
         self._log_offset = 0
         self.weights_version = 0
 
+    async def settled(self, quiet_s: float = 0.3) -> dict[str, Any]:
+        """Ready, and not just become so: a snapshot after a cold start begins at once, and a
+        SIGSTOP during a dump is taken by CRIU's ptrace, not by the engine."""
+        return await self.node.wait_for(
+            lambda s: s.get("state") == "ready" and s.get("engine_pid")
+            and time.time() - s.get("state_since", time.time()) >= quiet_s, "settled")
+
     async def inject(self, kind: Kind) -> Injection:
-        st = self.node.status()
+        st = await self.settled()
         t0 = time.monotonic()
         at = time.time()
         handler = getattr(self, f"_{kind.value}")
@@ -435,8 +442,15 @@ class Injector:
     async def _engine_hang(self, st: dict[str, Any]) -> str:
         pid = st["engine_pid"]
         os.kill(pid, signal.SIGSTOP)
-        await self._replaced(st)
-        return f"stopped {pid}"
+        while True:
+            try:
+                await self._replaced(st, timeout=15)
+                return f"stopped {pid}"
+            except RuntimeError:
+                # A snapshot that began meanwhile took the stop (CRIU seizes the engine
+                # with ptrace); the engine ran on. Stop it again.
+                if _proc_state(pid) not in ("T", "t"):
+                    os.kill(pid, signal.SIGSTOP)
 
     async def _holder_kill(self, st: dict[str, Any]) -> str:
         h = self.node.holder
@@ -558,6 +572,13 @@ class Injector:
         for sid in list(self.books.good):
             if sid in set(store.ids()) and not store.verify(sid).ok:
                 self.books.lost.append(f"{sid}: no longer verifies")
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def _criu_dump_pid() -> int | None:
