@@ -128,8 +128,12 @@ class HolderServer:
         self._sel.register(self._wake_r, selectors.EVENT_READ, self._on_signal)
         try:
             while not self._stop:
-                for key, _ in self._sel.select():
+                due = self.table.next_expiry()
+                timeout = None if due is None else max(0.0, due - self.table.clock())
+                for key, _ in self._sel.select(timeout):
                     key.data(key.fileobj)
+                if due is not None:
+                    self.table.expire()
             return EXIT_STOPPED
         except HolderInvariantError as e:
             log.critical("%s; stopping and dropping all held memory", e)
@@ -150,6 +154,7 @@ class HolderServer:
         for sid in list(self._sessions):
             self._drop(sid)
         freed = self.table.free_all()
+        self.table.close()
         if self._listener is not None:
             self._sel.unregister(self._listener)
             self._listener.close()
@@ -247,7 +252,8 @@ class HolderServer:
             req = p.parse_request(data)
             t = self.table
             if isinstance(req, p.CreateRequest):
-                r = t.create(s, req.name, req.size, req.digest, req.parts)
+                r = t.create(s, req.name, req.size, req.digest, req.parts, req.memory,
+                             req.lease_s)
                 return p.Reply(ok=True, region=t.info(r)), list(r.allocation.fds)
             if isinstance(req, p.ListRequest):
                 regions = [t.info(r) for r in (*t.committed.values(), *t.pending.values())
@@ -264,7 +270,7 @@ class HolderServer:
             if req.op == "commit":
                 return p.Reply(ok=True, region=t.info(t.commit(s, req.name))), []
             if req.op == "attach":
-                r = t.attach(req.name)
+                r = t.attach(req.name, s)
                 return p.Reply(ok=True, region=t.info(r)), list(r.allocation.fds)
             return p.Reply(ok=True, region=t.info(t.release(s, req.name))), []
         except p.ProtocolError as e:
