@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -393,3 +394,53 @@ def test_a_list_too_large_for_one_answer_is_refused_and_the_holder_serves_on(hol
         assert c.stats().regions_pending == 400 and c.list("other") == []
     wait_for(lambda: holder.stats().regions_pending == 0, "the writer's regions to go")
     assert holder.memfds() == []
+
+
+def test_a_leased_region_outlives_its_tenant_for_the_lease_then_the_holder_releases_it(
+        holder):
+    with holder.client() as c:
+        c.create("kv/pool", MIB, "kv-1", lease_s=1.0).close()
+        c.commit("kv/pool")
+        # Claimed while the creating session is open: the lease does not run.
+        time.sleep(1.5)
+        assert [r.name for r in c.list("kv-1")] == ["kv/pool"]
+    # The tenant is gone: a successor attaching within the lease finds it.
+    with holder.client() as c, c.attach("kv/pool") as g:
+        assert g.region.lease_s == 1.0
+    # Nobody claims it: released about a lease later, and its bytes go back.
+    wait_for(lambda: holder.stats().regions_committed == 0, "the lease to run out", 5)
+    assert holder.stats().bytes_held == 0
+    assert "unclaimed for its lease of 1s" in holder.log.read_text()
+
+
+def test_a_leased_region_is_one_tenants_at_a_time(holder):
+    with holder.client() as owner, holder.client() as other:
+        owner.create("kv/pool", MIB, "kv-1", lease_s=60).close()
+        owner.commit("kv/pool")
+        with pytest.raises(HolderRefusedError) as e:
+            other.attach("kv/pool")
+        assert e.value.code == p.ErrorCode.BUSY
+    with holder.client() as successor, successor.attach("kv/pool"):
+        pass  # the owner's session closed: the region is free to claim
+
+
+def test_host_memory_is_a_memfd_on_any_backend(holder):
+    with holder.client() as c:
+        with c.create("kv/ledger", 4096, "kvledger-1", memory=p.MemoryKind.HOST) as g:
+            assert g.region.memory is p.MemoryKind.HOST
+            assert os.readlink(f"/proc/self/fd/{g.fds[0]}").startswith(
+                "/memfd:pitstop:kv/ledger")
+        c.commit("kv/ledger")
+        [r] = c.list("kvledger-1")
+        assert r.memory is p.MemoryKind.HOST and r.lease_s is None
+
+
+def test_a_lease_out_of_range_is_a_bad_request(holder):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(str(holder.sock))
+    s.send(json.dumps({"v": 1, "op": "create", "name": "kv/x", "size": 1, "digest": "d",
+                       "lease_s": -1}).encode())
+    reply = p.parse_reply(s.recv(p.MAX_MESSAGE))
+    s.close()
+    assert reply.error is not None and reply.error.code == p.ErrorCode.BAD_REQUEST
+    assert "lease_s" in reply.error.message
