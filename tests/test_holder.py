@@ -396,32 +396,55 @@ def test_a_list_too_large_for_one_answer_is_refused_and_the_holder_serves_on(hol
     assert holder.memfds() == []
 
 
+LEASED_TENANT = """
+import sys, time
+from agent.holder.client import HolderClient
+with HolderClient(sys.argv[1]) as c:
+    c.create("kv/pool", 1 << 20, "kv-1", lease_s=float(sys.argv[2])).close()
+    c.commit("kv/pool")
+print("committed", flush=True)
+time.sleep(600)
+"""
+
+
+def leased_tenant(holder: Holder, lease_s: float) -> subprocess.Popen:
+    """A process that leaves a committed region of `lease_s` and lives on (its connection
+    closed: the claim is the process, not a session)."""
+    t = subprocess.Popen([sys.executable, "-c", LEASED_TENANT, str(holder.sock), str(lease_s)],
+                         cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert t.stdout is not None and t.stdout.readline() == "committed\n"
+    return t
+
+
 def test_a_leased_region_outlives_its_tenant_for_the_lease_then_the_holder_releases_it(
         holder):
-    with holder.client() as c:
-        c.create("kv/pool", MIB, "kv-1", lease_s=1.0).close()
-        c.commit("kv/pool")
-        # Claimed while the creating session is open: the lease does not run.
-        time.sleep(1.5)
-        assert [r.name for r in c.list("kv-1")] == ["kv/pool"]
-    # The tenant is gone: a successor attaching within the lease finds it.
+    t = leased_tenant(holder, 1.0)
+    time.sleep(1.5)  # claimed while its process lives: the lease does not run
+    assert holder.stats().regions_committed == 1
+    kill(t)
+    # A successor attaching within the lease finds it.
     with holder.client() as c, c.attach("kv/pool") as g:
         assert g.region.lease_s == 1.0
-    # Nobody claims it: released about a lease later, and its bytes go back.
+    assert holder.stats().regions_committed == 1
+
+
+def test_a_leased_region_nobody_claims_is_released_after_its_lease(holder):
+    kill(leased_tenant(holder, 1.0))
     wait_for(lambda: holder.stats().regions_committed == 0, "the lease to run out", 5)
     assert holder.stats().bytes_held == 0
     assert "unclaimed for its lease of 1s" in holder.log.read_text()
 
 
-def test_a_leased_region_is_one_tenants_at_a_time(holder):
-    with holder.client() as owner, holder.client() as other:
-        owner.create("kv/pool", MIB, "kv-1", lease_s=60).close()
-        owner.commit("kv/pool")
-        with pytest.raises(HolderRefusedError) as e:
-            other.attach("kv/pool")
-        assert e.value.code == p.ErrorCode.BUSY
-    with holder.client() as successor, successor.attach("kv/pool"):
-        pass  # the owner's session closed: the region is free to claim
+def test_a_leased_region_is_one_processs_at_a_time(holder):
+    t = leased_tenant(holder, 60)
+    try:
+        with holder.client() as c, pytest.raises(HolderRefusedError) as e:
+            c.attach("kv/pool")
+        assert e.value.code == p.ErrorCode.BUSY and f"pid {t.pid}" in str(e.value)
+    finally:
+        kill(t)
+    with holder.client() as c, c.attach("kv/pool"):
+        pass  # its claimant exited: free to claim
 
 
 def test_host_memory_is_a_memfd_on_any_backend(holder):

@@ -121,8 +121,9 @@ class HolderClient:
                memory: p.MemoryKind = p.MemoryKind.DEVICE,
                lease_s: float | None = None) -> Grant:
         """A new, uncommitted region; invisible to others until `commit`, freed if we die.
-        With `lease_s`, the committed region is released once no session has claimed it
-        (created or attached it, and is still open) for that long."""
+        With `lease_s`, the region is claimed by this process (and, once attached, by the
+        last process that attached it) until it exits; then, unclaimed for `lease_s`
+        seconds, the holder releases it."""
         return self._grant(p.CreateRequest(name=name, size=size, digest=digest, parts=parts,
                                            memory=memory, lease_s=lease_s))
 

@@ -64,10 +64,11 @@ class CreateRequest(_Req):
     # How many regions share this digest; a set is complete when that many are committed.
     parts: int = Field(1, ge=1, le=100_000)
     memory: MemoryKind = MemoryKind.DEVICE
-    # Seconds the committed region may stay unclaimed (no open session that created or
-    # attached it) before the holder releases it itself: memory a dead tenant left for
-    # its successor, which must not be held forever when none comes. None: kept until
-    # released, as weights are.
+    # Seconds the committed region may stay unclaimed before the holder releases it
+    # itself: memory a dead tenant left for its successor, which must not be held forever
+    # when none comes. The process that created or last attached it claims it until it
+    # exits; another process's attach meanwhile is `busy`. None: kept until released,
+    # as weights are, and attachable by any number of processes.
     lease_s: float | None = Field(None, gt=0, le=7 * 86400)
 
 

@@ -35,13 +35,13 @@ class Region:
     memory: MemoryKind = MemoryKind.DEVICE
     backend: Backend | None = None
     lease_s: float | None = None
-    # Sessions that created or attached it and are still open: while any is, a lease
-    # does not run. `idle_since` is when the last of them closed.
-    claimants: set[int] = field(default_factory=set)
+    # The process that created or last attached a leased region: while it lives, the
+    # lease does not run. `idle_since` is when it exited.
+    claimant: int | None = None
     idle_since: float | None = None
 
     def expires_at(self) -> float | None:
-        if self.lease_s is None or self.claimants or self.idle_since is None:
+        if self.lease_s is None or self.claimant is not None or self.idle_since is None:
             return None
         return self.idle_since + self.lease_s
 
@@ -76,6 +76,9 @@ class RegionTable:
     bytes_committed: int = 0
     bytes_pending: int = 0
     clock: Callable[[], float] = time.monotonic
+    # Processes holding claims, and how the table asks to hear of one's exit (`exited`).
+    alive: set[int] = field(default_factory=set)
+    watch: Callable[[int], None] = lambda pid: None
     # memfds for host regions when the backend's own memory is a GPU's.
     _host: Backend | None = None
 
@@ -118,8 +121,8 @@ class RegionTable:
         epoch = self.epochs.get(name, 0) + 1
         self.epochs[name] = epoch
         r = Region(name=name, digest=digest, parts=parts, epoch=epoch, allocation=alloc,
-                   writer=session, size=size, memory=memory, backend=backend, lease_s=lease_s,
-                   claimants={id(session)})
+                   writer=session, size=size, memory=memory, backend=backend, lease_s=lease_s)
+        self._claim(r, session)
         self.pending[name] = r
         self.bytes_pending += alloc.size
         log.info("created %s (%d bytes, epoch %d) for writing", name, alloc.size, epoch)
@@ -148,15 +151,7 @@ class RegionTable:
     def attach(self, name: str, session: object | None = None) -> Region:
         r = self.committed.get(name)
         if r is not None:
-            others = r.claimants - {id(session)}
-            if r.lease_s is not None and session is not None and others:
-                # A leased region is one tenant's at a time: two engines writing one KV
-                # pool would corrupt each other's requests.
-                raise RequestRefused(ErrorCode.BUSY, f"region {name!r} is claimed by another "
-                                     "open session; attach it after that tenant exits")
-            if session is not None:
-                r.claimants.add(id(session))
-                r.idle_since = None
+            self._claim(r, session)
             return r
         if name in self.pending:
             raise RequestRefused(ErrorCode.NOT_COMMITTED, f"region {name!r} is still being "
@@ -185,13 +180,30 @@ class RegionTable:
         dropped = [r for r in self.pending.values() if r.writer is session]
         for r in dropped:
             self._drop_pending(r)
-        now = self.clock()
-        for r in self.committed.values():
-            if id(session) in r.claimants:
-                r.claimants.discard(id(session))
-                if not r.claimants:
-                    r.idle_since = now
         return [r.name for r in dropped]
+
+    def _claim(self, r: Region, session: object | None) -> None:
+        pid = getattr(session, "pid", None)
+        if r.lease_s is None or pid is None:
+            return
+        if r.claimant not in (None, pid) and r.claimant in self.alive:
+            # A leased region is one process's at a time: two engines writing one KV
+            # pool would corrupt each other's requests.
+            raise RequestRefused(ErrorCode.BUSY, f"region {r.name!r} is claimed by pid "
+                                 f"{r.claimant}, which is still running; attach it after "
+                                 "that process exits")
+        r.claimant, r.idle_since = pid, None
+        if pid not in self.alive:
+            self.alive.add(pid)
+            self.watch(pid)
+
+    def exited(self, pid: int) -> None:
+        """A claiming process is gone: the leases of its regions start to run."""
+        self.alive.discard(pid)
+        now = self.clock()
+        for r in (*self.committed.values(), *self.pending.values()):
+            if r.claimant == pid:
+                r.claimant, r.idle_since = None, now
 
     def next_expiry(self) -> float | None:
         """When the first lease runs out (the clock's time), or None."""

@@ -78,7 +78,10 @@ class HolderServer:
     def __init__(self, backend: Backend, base: Path, max_bytes: int | None = None) -> None:
         self.backend = backend
         self.holder_id = uuid.uuid4().hex
-        self.table = RegionTable(backend, self.holder_id, max_bytes=max_bytes)
+        self.table = RegionTable(backend, self.holder_id, max_bytes=max_bytes,
+                                 watch=self._watch)
+        # pidfds of processes that claim leased regions: readable once the process exits.
+        self._pidfds: dict[int, int] = {}
         self.directory = prepare_directory(base, backend.gpu)
         self.path = self.directory / p.SOCKET_NAME
         self._sel = selectors.DefaultSelector()
@@ -153,6 +156,8 @@ class HolderServer:
         self._closed = True
         for sid in list(self._sessions):
             self._drop(sid)
+        for pid in list(self._pidfds):
+            self._exited(pid)
         freed = self.table.free_all()
         self.table.close()
         if self._listener is not None:
@@ -169,6 +174,22 @@ class HolderServer:
         self._wake_r.close()
         self._wake_w.close()
         log.info("holder stopped; freed %d bytes", freed)
+
+    def _watch(self, pid: int) -> None:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self.table.exited(pid)  # gone already: its lease starts now
+            return
+        self._pidfds[pid] = fd
+        self._sel.register(fd, selectors.EVENT_READ, lambda _f, pid=pid: self._exited(pid))
+
+    def _exited(self, pid: int) -> None:
+        fd = self._pidfds.pop(pid)
+        self._sel.unregister(fd)
+        os.close(fd)
+        self.table.exited(pid)
+        log.debug("pid %d exited; the leases of its regions run", pid)
 
     def _on_signal(self, sock: socket.socket) -> None:
         with contextlib.suppress(BlockingIOError):

@@ -67,10 +67,10 @@ def layout_digest(weights_digest: str, shape: tuple[int, ...], dtype: torch.dtyp
 class HeldKV:
     """The KV pool (device memory) and its ledger (host memory) as holder regions.
 
-    The engine keeps a session open while it uses them: that session is the claim that
-    stops the regions' lease from running, and makes a second engine's attach `busy`.
-    `detach` (before a checkpoint) unmaps both and closes it; `reattach` maps the same
-    regions at the same addresses again, or new ones when those are gone.
+    Both are leased: the holder keeps them while this process lives (another engine's
+    attach is `busy` meanwhile) and for the lease after it dies, for the next engine.
+    `detach` (before a checkpoint) unmaps both; `reattach` maps the same regions at the
+    same addresses again, or new ones when those are gone.
 
     Example::
 
@@ -91,7 +91,6 @@ class HeldKV:
     ledger: Ledger | None = None
     # Whether what is mapped was left by an earlier engine (so its ledger may hold work).
     kept: bool = False
-    _client: HolderClient | None = None
 
     @property
     def pool_digest(self) -> str:
@@ -115,8 +114,7 @@ class HeldKV:
 
     def open(self) -> None:
         """Attach the regions an earlier engine left, or create them (empty ledger)."""
-        client = HolderClient(self.socket)
-        try:
+        with HolderClient(self.socket) as client:
             if client.has_committed(self.pool_digest) and client.has_committed(self.ledger_digest):
                 self.pool = HeldSet.attach(client, self.pool_digest, self._device_space())
                 try:
@@ -127,10 +125,6 @@ class HeldKV:
                 self.kept = True
             else:
                 self._create(client)
-        except BaseException:
-            client.close()
-            raise
-        self._client = client
         self._bind_ledger()
 
     def _create(self, client: HolderClient) -> None:
@@ -174,21 +168,17 @@ class HeldKV:
         if self.ledger_set is not None:
             self.ledger_set.detach()
         self.ledger = None
-        if self._client is not None:
-            self._client.close()
-            self._client = None
 
     def reattach(self) -> bool:
         """Map the regions again; True when the same ones came back at the same addresses.
         When they are gone (a restarted holder, a GPU fault's drop, an expired lease) new
         ones are made, at other addresses: the caller drops what pointed into the old."""
         assert self.pool is not None and self.ledger_set is not None
-        client = HolderClient(self.socket)
         try:
-            self.pool.reattach(client)
-            self.ledger_set.reattach(client)
+            with HolderClient(self.socket) as client:
+                self.pool.reattach(client)
+                self.ledger_set.reattach(client)
         except (HolderError, MappingError) as e:
-            client.close()
             log.warning("kept KV: the held pool cannot be re-attached (%s); making a new one",
                         e)
             self.pool.detach()
@@ -198,7 +188,6 @@ class HeldKV:
             self.pool = self.ledger_set = None
             self.open()
             return False
-        self._client = client
         self.kept = True
         self._bind_ledger()
         return True
