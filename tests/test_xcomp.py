@@ -1,0 +1,267 @@
+"""The AMX permission across a real CRIU restore: each restored process asks for it again.
+
+CRIU does not save the permission arch_prctl(ARCH_REQ_XCOMP_PERM) grants, so a restored
+process that used AMX dies with SIGILL at its next tile instruction. The tests that show
+that (and that the re-grant prevents it) need a CPU with AMX and skip elsewhere: without
+AMX no process can have had the permission, so there is nothing to lose. The ptrace
+injection the re-grant is made of runs everywhere, on real restored processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent import proc
+from agent.checkpoint.xcomp import (
+    SYS_GETPID,
+    SYS_GETPPID,
+    XFEATURE_XTILEDATA,
+    Grant,
+    Regrant,
+    cpu_has_amx,
+    inject_syscall,
+)
+from agent.errors import SnapshotError
+from tests.prereq import require
+from tests.snapshot_helpers import (
+    CANARY,
+    REPO,
+    identity,
+    kill_and_reap,
+    snapshotter,
+    subreaper,  # noqa: F401 - autouse: this process reaps restored trees
+)
+
+pytestmark = pytest.mark.integration
+
+SOURCE = REPO / "tests" / "workloads" / "tiles.c"
+TILEDATA = 1 << XFEATURE_XTILEDATA
+SYS_ACCEPT = 43
+NO_AMX = "this CPU has no AMX (no amx_tile in /proc/cpuinfo): no process here can hold the "
+NO_AMX += "permission, so a restore cannot lose it; the injection tests cover the mechanism"
+
+
+@pytest.fixture(scope="module")
+def tiles_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    gcc = shutil.which("gcc")
+    require(gcc, "gcc is needed to build tests/workloads/tiles.c")
+    assert gcc is not None
+    out = tmp_path_factory.mktemp("tiles") / "tiles"
+    r = subprocess.run([gcc, "-O2", "-Wall", "-o", str(out), str(SOURCE)],
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+class Tiles:
+    """tests/workloads/tiles.c started as the supervisor starts an engine."""
+
+    def __init__(self, binary: Path, sock: Path, *extra: str) -> None:
+        self.sock = sock
+        with proc.spawn_lock():
+            self.popen = subprocess.Popen(
+                [str(binary), str(sock), *extra], stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+            proc.own(self.popen.pid)
+        assert self.popen.stdout is not None
+        line = self.popen.stdout.readline()
+        assert line.startswith(b"ready"), line
+        self.pid = self.popen.pid
+
+    def stop(self) -> None:
+        """Reap it after CRIU killed it (or kill it): its PID must be free for the restore."""
+        with contextlib.suppress(ProcessLookupError):
+            self.popen.kill()
+        self.popen.wait(timeout=30)
+        proc.disown(self.pid)
+        if self.popen.stdout:
+            self.popen.stdout.close()
+
+
+def ask(sock: Path, what: str) -> str | None:
+    """One request; None when the server closed the connection without an answer."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(str(sock))
+        s.sendall(what.encode() + b"\n")
+        try:
+            data = s.recv(128)
+        except ConnectionResetError:
+            return None
+        return data.decode().strip() or None
+
+
+def spin(sock: Path) -> tuple[int, int]:
+    """(iterations, errors) of the spinner child."""
+    reply = ask(sock, "spin")
+    assert reply is not None and reply.startswith("spin "), reply
+    iterations, errors = reply.split()[1:]
+    return int(iterations), int(errors)
+
+
+def perm(sock: Path) -> int:
+    reply = ask(sock, "perm")
+    assert reply is not None and reply.startswith("perm "), reply
+    return int(reply.split()[1], 16)
+
+
+def wait_for_death(pid: int, timeout_s: float = 10) -> int:
+    """The signal that killed `pid` (a restored process, our child as the subreaper)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got, status = os.waitpid(pid, os.WNOHANG)
+        if got == pid:
+            assert os.WIFSIGNALED(status), f"PID {pid} exited with {os.WEXITSTATUS(status)}"
+            return os.WTERMSIG(status)
+        time.sleep(0.02)
+    raise AssertionError(f"PID {pid} still runs after {timeout_s} s")
+
+
+def state_and_syscall(pid: int) -> tuple[str, str]:
+    """Its /proc state letter and the first field of /proc/PID/syscall (the call it is in)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2], Path(f"/proc/{pid}/syscall").read_text().split()[0]
+
+
+@contextlib.contextmanager
+def restored_tiles(
+    tmp_path: Path, binary: Path, regrant: Regrant, *extra: str, before: str = "",
+) -> Iterator[tuple[object, Path]]:  # fmt: skip
+    """A tiles server (with `before` asked of it) dumped, then restored with `regrant`;
+    yields (the RestoredProcess, its socket) and kills and reaps the tree after."""
+    snap = snapshotter(tmp_path / "snaps", tmp_path / "logs")
+    snap.regrant = regrant
+    t = Tiles(binary, tmp_path / "t.sock", *extra)
+    try:
+        if before:
+            assert ask(t.sock, before) is not None
+        pids = ask(t.sock, "pids")
+        info = snap.capture(t.pid, canary=CANARY, identity=identity(snap.criu.version))
+    finally:
+        t.stop()
+    assert pids is not None
+    child = int(pids.split()[2])
+    if child:
+        kill_and_reap(child)  # CRIU killed it with its parent; it was re-parented to us
+    r = snap.restore(info.manifest)
+    try:
+        yield r, t.sock
+    finally:
+        for pid in (child, r.pid):
+            if pid:
+                kill_and_reap(pid)
+        for f in set(r.outputs.values()):
+            f.close()
+
+
+def test_every_restored_process_is_asked_to_regrant_and_the_tree_runs_on(
+    tmp_path: Path, tiles_bin: Path
+):
+    with restored_tiles(tmp_path, tiles_bin, Regrant.ALWAYS, "--spinner") as (r, sock):
+        pids = ask(sock, "pids")
+        assert pids is not None
+        root, child = (int(p) for p in pids.split()[1:])
+        expected = Grant.GRANTED if cpu_has_amx() else Grant.NO_AMX
+        assert r.amx == {root: expected, child: expected}
+        assert r.timings["amx_regrant"] > 0
+        # Continued after the re-grant: the spinner spins, with its registers intact.
+        first, _ = spin(sock)
+        time.sleep(0.1)
+        later, errors = spin(sock)
+        assert later > first and errors == 0
+
+
+def test_without_amx_on_the_cpu_the_restore_asks_nothing_and_leaves_the_tree_running(
+    tmp_path: Path, tiles_bin: Path
+):
+    if cpu_has_amx():
+        pytest.skip("this CPU has AMX: Regrant.AUTO asks here (the test above covers it)")
+    with restored_tiles(tmp_path, tiles_bin, Regrant.AUTO) as (r, sock):
+        assert r.amx == {} and "amx_regrant" not in r.timings
+        assert ask(sock, "pids") is not None
+
+
+def test_a_syscall_injected_into_restored_processes_answers_and_each_continues_as_it_was(
+    tmp_path: Path, tiles_bin: Path
+):
+    with restored_tiles(tmp_path, tiles_bin, Regrant.OFF, "--spinner") as (r, sock):
+        pids = ask(sock, "pids")
+        assert pids is not None
+        root, child = (int(p) for p in pids.split()[1:])
+        assert r.pid == root
+        time.sleep(0.05)  # let the server block in accept() again after that answer
+        assert state_and_syscall(root) == ("S", str(SYS_ACCEPT))
+        before, _ = spin(sock)
+        for _ in range(50):
+            # The server blocked in accept(), the spinner busy in user space.
+            assert inject_syscall(root, SYS_GETPID) == root
+            assert inject_syscall(child, SYS_GETPID) == child
+            assert inject_syscall(child, SYS_GETPPID) == root
+        # accept() was restarted (the server answers), the spinner's registers are intact.
+        assert state_and_syscall(root) == ("S", str(SYS_ACCEPT))
+        after, errors = spin(sock)
+        assert after > before and errors == 0
+        assert ask(sock, "pids") == pids
+
+
+def test_a_stopped_process_stays_stopped_after_an_injected_syscall(tmp_path: Path, tiles_bin: Path):
+    t = Tiles(tiles_bin, tmp_path / "t.sock")
+    try:
+        os.kill(t.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while state_and_syscall(t.pid)[0] != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert inject_syscall(t.pid, SYS_GETPID) == t.pid
+        time.sleep(0.1)
+        assert state_and_syscall(t.pid)[0] == "T"
+        os.kill(t.pid, signal.SIGCONT)
+        assert ask(t.sock, "pids") == f"pids {t.pid} 0"
+    finally:
+        t.stop()
+
+
+def test_injecting_into_a_process_that_is_gone_names_the_pid(tiles_bin: Path):
+    p = subprocess.Popen(["true"])
+    p.wait()
+    with pytest.raises(SnapshotError, match=f"PID {p.pid} is gone"):
+        inject_syscall(p.pid, SYS_GETPID)
+
+
+def test_a_restored_amx_user_survives_its_next_tile_instruction(tmp_path: Path, tiles_bin: Path):
+    if not cpu_has_amx():
+        pytest.skip(NO_AMX)
+    with restored_tiles(tmp_path, tiles_bin, Regrant.AUTO, before="tile") as (r, sock):
+        assert r.amx == {r.pid: Grant.GRANTED}
+        assert perm(sock) & TILEDATA
+        assert ask(sock, "tile") == "tile 2"
+
+
+def test_without_the_regrant_a_restored_amx_user_dies_of_sigill(tmp_path: Path, tiles_bin: Path):
+    if not cpu_has_amx():
+        pytest.skip(NO_AMX)
+    with restored_tiles(tmp_path, tiles_bin, Regrant.OFF, before="tile") as (r, sock):
+        assert r.amx == {}
+        assert not perm(sock) & TILEDATA  # what CRIU lost
+        assert ask(sock, "tile") is None
+        assert wait_for_death(r.pid) == signal.SIGILL
+
+
+def test_regrant_auto_asks_only_where_the_cpu_reports_amx_tiles(tmp_path: Path):
+    amx, plain = tmp_path / "amx", tmp_path / "plain"
+    for root, flags in ((amx, "fpu avx512f amx_bf16 amx_tile amx_int8"), (plain, "fpu avx2")):
+        root.mkdir()
+        (root / "cpuinfo").write_text(f"processor\t: 0\nflags\t\t: {flags}\n\n")
+    assert Regrant.AUTO.active(amx) and not Regrant.AUTO.active(plain)
+    assert Regrant.ALWAYS.active(plain) and not Regrant.OFF.active(amx)
+    assert not Regrant.AUTO.active(tmp_path / "absent")

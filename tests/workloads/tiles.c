@@ -1,0 +1,124 @@
+/* A server for the AMX tests (tests/test_xcomp.py), dumped and restored by real CRIU.
+ *
+ * At start it asks for the AMX permission, as oneDNN does, then answers one line per
+ * connection on a Unix socket, blocked in accept() in between:
+ *   tile   run ldtilecfg, tilezero, tilerelease: SIGILL without the permission
+ *   perm   the permitted xfeature mask (ARCH_GET_XCOMP_PERM)
+ *   spin   the spinner child's iterations and the errors it saw
+ *   pids   its PID and the spinner's
+ * With --spinner it forks a child that spins in user space with two copies of one
+ * running value in registers: a register that changes under it counts as an error.
+ * Build: gcc -O2 -o tiles tiles.c
+ */
+#define _GNU_SOURCE
+#include <immintrin.h>
+#include <errno.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#define ARCH_GET_XCOMP_PERM 0x1022
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+struct tilecfg {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+static volatile uint64_t *shared; /* [0] spinner iterations, [1] spinner errors */
+
+__attribute__((target("amx-tile"))) static void tiles(void) {
+    struct tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    cfg.rows[0] = 1;
+    cfg.colsb[0] = 4;
+    _tile_loadconfig(&cfg);
+    _tile_zero(0);
+    _tile_release();
+}
+
+static void spin(void) {
+    uint64_t a = 1, b = 1;
+    for (;;) {
+        a = a * 6364136223846793005ULL + 1442695040888963407ULL;
+        b = b * 6364136223846793005ULL + 1442695040888963407ULL;
+        /* Opaque to the compiler: it must keep both, in registers. */
+        __asm__ volatile("" : "+r"(a), "+r"(b));
+        if (a != b) {
+            shared[1]++;
+            b = a;
+        }
+        shared[0]++;
+    }
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        fprintf(stderr, "usage: %s SOCKET [--spinner]\n", argv[0]);
+        return 2;
+    }
+    long granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+    int req_errno = granted ? errno : 0;
+    shared = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (shared == MAP_FAILED)
+        return 1;
+    pid_t child = 0;
+    if (argc > 2 && strcmp(argv[2], "--spinner") == 0) {
+        child = fork();
+        if (child == 0)
+            spin();
+    }
+    int srv = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    strncpy(addr.sun_path, argv[1], sizeof addr.sun_path - 1);
+    unlink(argv[1]);
+    if (bind(srv, (struct sockaddr *)&addr, sizeof addr) || listen(srv, 8)) {
+        perror("bind");
+        return 1;
+    }
+    printf("ready %d %d\n", getpid(), req_errno);
+    fflush(stdout);
+    uint64_t count = 0;
+    for (;;) {
+        int c = accept(srv, NULL, NULL);
+        if (c < 0)
+            continue;
+        char line[64] = {0}, out[128];
+        if (read(c, line, sizeof line - 1) <= 0) {
+            close(c);
+            continue;
+        }
+        if (strncmp(line, "tile", 4) == 0) {
+            tiles();
+            snprintf(out, sizeof out, "tile %llu\n", (unsigned long long)++count);
+        } else if (strncmp(line, "perm", 4) == 0) {
+            uint64_t mask = 0;
+            syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &mask);
+            snprintf(out, sizeof out, "perm %#llx\n", (unsigned long long)mask);
+        } else if (strncmp(line, "spin", 4) == 0) {
+            snprintf(out, sizeof out, "spin %llu %llu\n", (unsigned long long)shared[0],
+                     (unsigned long long)shared[1]);
+        } else if (strncmp(line, "pids", 4) == 0) {
+            snprintf(out, sizeof out, "pids %d %d\n", getpid(), child);
+        } else {
+            snprintf(out, sizeof out, "unknown\n");
+        }
+        printf("%s", out);
+        fflush(stdout);
+        if (write(c, out, strlen(out)) < 0)
+            perror("write");
+        close(c);
+    }
+}
