@@ -30,6 +30,7 @@ from agent.checkpoint.xcomp import (
     Regrant,
     cpu_has_amx,
     inject_syscall,
+    request_amx_self,
 )
 from agent.errors import SnapshotError
 from tests.prereq import require
@@ -265,3 +266,10 @@ def test_regrant_auto_asks_only_where_the_cpu_reports_amx_tiles(tmp_path: Path):
     assert Regrant.AUTO.active(amx) and not Regrant.AUTO.active(plain)
     assert Regrant.ALWAYS.active(plain) and not Regrant.OFF.active(amx)
     assert not Regrant.AUTO.active(tmp_path / "absent")
+
+
+def test_an_engine_asking_for_itself_is_granted_where_there_is_amx_and_told_no_amx_elsewhere():
+    # What the reference engine's /pitstop/resume calls; a repeat is harmless.
+    expected = Grant.GRANTED if cpu_has_amx() else Grant.NO_AMX
+    assert request_amx_self() == expected
+    assert request_amx_self() == expected

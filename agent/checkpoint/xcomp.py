@@ -278,6 +278,19 @@ def request_amx(pid: int, proc_root: Path = Path("/proc")) -> Grant:
     )
 
 
+def request_amx_self() -> Grant:
+    """The same request from inside: what an engine's own resume hook calls, so that a
+    restore done by something other than the agent is covered too. Raises OSError when
+    the kernel refuses for another reason than a missing AMX."""
+    _libc.syscall.restype = ctypes.c_long
+    if _libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0:
+        return Grant.GRANTED
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.EOPNOTSUPP):
+        return Grant.NO_AMX
+    raise OSError(err, f"arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA): {os.strerror(err)}")
+
+
 def regrant_tree(pids: Iterable[int], proc_root: Path = Path("/proc")) -> dict[int, Grant]:
     """The AMX permission asked for again in every process of a restored, stopped tree."""
     return {pid: request_amx(pid, proc_root) for pid in pids}
