@@ -9,6 +9,7 @@ injection the re-grant is made of runs everywhere, on real restored processes.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -256,6 +257,43 @@ def test_without_the_regrant_a_restored_amx_user_dies_of_sigill(tmp_path: Path, 
         assert not perm(sock) & TILEDATA  # what CRIU lost
         assert ask(sock, "tile") is None
         assert wait_for_death(r.pid) == signal.SIGILL
+
+
+def test_a_refused_regrant_fails_the_restore_kills_the_tree_and_the_rung_quarantines_it(
+    tmp_path: Path, tiles_bin: Path
+):
+    from prometheus_client import CollectorRegistry
+
+    from agent.errors import StartPathError
+    from agent.metrics import Metrics
+    from agent.supervisor.ladder import Attempt
+    from agent.supervisor.paths.restore import FullRestore
+
+    # The workload holds the permission, then forbids arch_prctl (seccomp, restored by
+    # CRIU with it): the re-grant inside it gets EPERM, on any CPU.
+    snap = snapshotter(tmp_path / "snaps", tmp_path / "logs")
+    snap.regrant = Regrant.ALWAYS
+    t = Tiles(tiles_bin, tmp_path / "t.sock", "--deny-arch-prctl")
+    ident = identity(snap.criu.version)
+    try:
+        info = snap.capture(t.pid, canary=CANARY, identity=ident)
+    finally:
+        t.stop()
+    rung = FullRestore(
+        snapshotter=snap, unavailable="", adapter=None,  # type: ignore[arg-type]
+        socket=t.sock, identity=lambda: ident, timeout_s=10,
+        metrics=Metrics(CollectorRegistry(), status=lambda: None),  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert rung.skip_reason() is None
+    with pytest.raises(StartPathError) as e:
+        asyncio.run(rung.start(Attempt(cause="test")))
+    msg = str(e.value)
+    print(msg)
+    assert f"PID {t.pid}" in msg and "Operation not permitted" in msg, msg
+    assert wait_for_death(t.pid) == signal.SIGKILL  # killed by the restore, not left stopped
+    assert snap.store.ids() == [] and snap.store.select(ident).chosen is None
+    quarantined = snap.store.root / ".quarantine"
+    assert [d.name.split(".")[0] for d in quarantined.iterdir()] == [info.id]
 
 
 def test_regrant_auto_asks_only_where_the_cpu_reports_amx_tiles(tmp_path: Path):

@@ -28,6 +28,7 @@ ARCH_GET_XCOMP_PERM = 0x1022
 ARCH_REQ_XCOMP_PERM = 0x1023
 XFEATURE_XTILEDATA = 18
 
+AMX_REQUEST = "the AMX re-grant (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA)"
 PTRACE_CONT = 7
 PTRACE_SINGLESTEP = 9
 PTRACE_GETREGS = 12
@@ -102,8 +103,8 @@ class _Stop:
 class _Tracee:
     """One thread, seized and stopped, to run system calls in; detached on leaving."""
 
-    def __init__(self, pid: int, tid: int, timeout_s: float) -> None:
-        self.pid, self.tid, self._timeout = pid, tid, timeout_s
+    def __init__(self, pid: int, tid: int, timeout_s: float, purpose: str) -> None:
+        self.pid, self.tid, self._timeout, self._purpose = pid, tid, timeout_s, purpose
         self.deferred: list[int] = []  # signals that arrived while we held it
 
     def ptrace(self, request: int, addr: int = 0, data: object = None, what: str = "") -> None:
@@ -116,8 +117,8 @@ class _Tracee:
         if err in (errno.EPERM, errno.EACCES):
             hint = "; the agent needs root or CAP_SYS_PTRACE"
         return SnapshotError(
-            f"cannot re-grant the AMX permission in restored PID {self.pid} "
-            f"(thread {self.tid}): ptrace {what}{hint}"
+            f"cannot run {self._purpose} in PID {self.pid} (thread {self.tid}): "
+            f"ptrace {what}{hint}"
         )
 
     def wait_stop(self) -> _Stop:
@@ -193,18 +194,18 @@ class _Tracee:
         raise self.error(f"SINGLESTEP: the system call did not complete in {MAX_STEPS} steps")
 
 
-def _thread(pid: int, proc_root: Path) -> int:
+def _thread(pid: int, proc_root: Path, purpose: str) -> int:
     """A live thread of `pid` to run the call in: the leader unless it already exited."""
     try:
         tids = sorted(int(t) for t in os.listdir(proc_root / str(pid) / "task"))
     except OSError as e:
-        raise SnapshotError(f"restored PID {pid} is gone before its AMX re-grant: {e}") from e
+        raise SnapshotError(f"PID {pid} is gone before {purpose}: {e}") from e
     for tid in ([pid] if pid in tids else []) + tids:
         with contextlib.suppress(OSError, IndexError):
             stat = (proc_root / str(pid) / "task" / str(tid) / "stat").read_text()
             if stat[stat.rindex(")") + 2] not in "ZX":
                 return tid
-    raise SnapshotError(f"restored PID {pid} has no live thread to re-grant AMX in")
+    raise SnapshotError(f"PID {pid} has no live thread to run {purpose} in")
 
 
 def inject_syscall(
@@ -213,18 +214,21 @@ def inject_syscall(
     *args: int,
     proc_root: Path = Path("/proc"),
     timeout_s: float = STOP_TIMEOUT_S,
+    purpose: str = "",
 ) -> int:
     """Run system call `nr(args)` inside process `pid` and return what it returned
     (a negative errno on failure). The process may be running, blocked in a system
     call or stopped; it continues as it was: its registers are put back, so a system
     call it was blocked in restarts, and a stopped process stays stopped. Needs the
-    right to ptrace it (root or CAP_SYS_PTRACE). Raises SnapshotError naming the PID.
+    right to ptrace it (root or CAP_SYS_PTRACE). Raises SnapshotError naming the PID
+    and `purpose` (what the call is for, in words).
 
     Example::
 
         inject_syscall(pid, SYS_GETPID) == pid
     """
-    t = _Tracee(pid, _thread(pid, proc_root), timeout_s)
+    purpose = purpose or f"system call {nr}"
+    t = _Tracee(pid, _thread(pid, proc_root, purpose), timeout_s, purpose)
     t.ptrace(PTRACE_SEIZE, 0, None, "SEIZE")
     saved: _Regs | None = None
     try:
@@ -266,15 +270,19 @@ def request_amx(pid: int, proc_root: Path = Path("/proc")) -> Grant:
     """arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) inside `pid`. Asking again
     is harmless where it is granted already; a CPU without AMX answers NO_AMX."""
     rc = inject_syscall(pid, SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA,
-                        proc_root=proc_root)  # fmt: skip
+                        proc_root=proc_root, purpose=AMX_REQUEST)  # fmt: skip
     if rc == 0:
         return Grant.GRANTED
     if -rc in (errno.EINVAL, errno.EOPNOTSUPP):
         return Grant.NO_AMX
+    why = {
+        errno.ENOSPC: " (a thread's sigaltstack is too small for AMX signal frames)",
+        errno.EPERM: " (most likely a seccomp filter of the engine that forbids arch_prctl)",
+    }.get(-rc, "")
     raise SnapshotError(
-        f"arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA) in restored PID {pid} failed: "
-        f"{os.strerror(-rc)}; it would die with SIGILL at its first AMX instruction "
-        "(ENOSPC: a thread's sigaltstack is too small for AMX signal frames)"
+        f"arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA) in restored PID {pid} was refused: "
+        f"{os.strerror(-rc)}{why}; restored without it, a process that uses AMX dies with "
+        "SIGILL at its next tile instruction"
     )
 
 

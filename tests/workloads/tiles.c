@@ -8,17 +8,23 @@
  *   pids   its PID and the spinner's
  * With --spinner it forks a child that spins in user space with two copies of one
  * running value in registers: a register that changes under it counts as an error.
+ * With --deny-arch-prctl, once it holds the permission, a seccomp filter makes every
+ * later arch_prctl fail with EPERM: a re-grant after a restore is refused.
  * Build: gcc -O2 -o tiles tiles.c
  */
 #define _GNU_SOURCE
 #include <immintrin.h>
 #include <errno.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <stddef.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
@@ -64,18 +70,40 @@ static void spin(void) {
     }
 }
 
+static int deny_arch_prctl(void) {
+    struct sock_filter filter[] = {
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_arch_prctl, 0, 1),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EPERM),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+    };
+    struct sock_fprog prog = {.len = sizeof filter / sizeof filter[0], .filter = filter};
+    return prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) || prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog);
+}
+
+static int has_flag(int argc, char **argv, const char *flag) {
+    for (int i = 2; i < argc; i++)
+        if (strcmp(argv[i], flag) == 0)
+            return 1;
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: %s SOCKET [--spinner]\n", argv[0]);
+        fprintf(stderr, "usage: %s SOCKET [--spinner] [--deny-arch-prctl]\n", argv[0]);
         return 2;
     }
     long granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
     int req_errno = granted ? errno : 0;
+    if (has_flag(argc, argv, "--deny-arch-prctl") && deny_arch_prctl()) {
+        perror("seccomp");
+        return 1;
+    }
     shared = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     if (shared == MAP_FAILED)
         return 1;
     pid_t child = 0;
-    if (argc > 2 && strcmp(argv[2], "--spinner") == 0) {
+    if (has_flag(argc, argv, "--spinner")) {
         child = fork();
         if (child == 0)
             spin();
