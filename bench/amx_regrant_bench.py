@@ -4,7 +4,8 @@ spinning in user space) with the re-grant off and on, and the re-grant stage alo
 
     python bench/amx_regrant_bench.py --runs 7      (root, CRIU from `make criu`, gcc)
 
-Writes bench/results/<date>-amx-regrant-<host>.json with a `rows` list.
+Writes bench/results/<date>-amx-regrant-<tag>.json (tag: the host name unless --tag)
+with a `rows` list.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--runs", type=int, default=7)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    p.add_argument("--tag", default=platform.node(), help="the result file's name ends in it")
     args = p.parse_args()
     proc.become_subreaper()
     work = Path(tempfile.mkdtemp(prefix="amx-bench-"))
@@ -114,7 +116,7 @@ def main() -> int:
              "machine": where, "command": command} for name, runs in series.items()]  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     day = datetime.now(UTC).strftime("%Y-%m-%d")
-    out = args.out / f"{day}-amx-regrant-{platform.node()}.json"
+    out = args.out / f"{day}-amx-regrant-{args.tag}.json"
     out.write_text(json.dumps({"date": datetime.now(UTC).isoformat(timespec="seconds"),
                                "command": command, "rows": rows}, indent=1) + "\n")  # fmt: skip
     for row in rows:

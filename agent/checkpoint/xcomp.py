@@ -123,7 +123,7 @@ class _Tracee:
 
     def wait_stop(self) -> _Stop:
         deadline = time.monotonic() + self._timeout
-        pause = 0.0002
+        pause = 0.00005
         while True:
             try:
                 got, status = os.waitpid(self.tid, os.WNOHANG | WALL)
