@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from agent import proc
+from agent.checkpoint.snapshotter import RestoredProcess
 from agent.checkpoint.xcomp import (
     SYS_GETPID,
     SYS_GETPPID,
@@ -139,7 +140,7 @@ def state_and_syscall(pid: int) -> tuple[str, str]:
 @contextlib.contextmanager
 def restored_tiles(
     tmp_path: Path, binary: Path, regrant: Regrant, *extra: str, before: str = "",
-) -> Iterator[tuple[object, Path]]:  # fmt: skip
+) -> Iterator[tuple[RestoredProcess, Path]]:  # fmt: skip
     """A tiles server (with `before` asked of it) dumped, then restored with `regrant`;
     yields (the RestoredProcess, its socket) and kills and reaps the tree after."""
     snap = snapshotter(tmp_path / "snaps", tmp_path / "logs")
@@ -156,6 +157,7 @@ def restored_tiles(
     child = int(pids.split()[2])
     if child:
         kill_and_reap(child)  # CRIU killed it with its parent; it was re-parented to us
+    proc.reap_orphans()  # and a zombie child, re-parented to us too: its PID must be free
     r = snap.restore(info.manifest)
     try:
         yield r, t.sock
@@ -163,6 +165,7 @@ def restored_tiles(
         for pid in (child, r.pid):
             if pid:
                 kill_and_reap(pid)
+        proc.reap_orphans()
         for f in set(r.outputs.values()):
             f.close()
 
@@ -182,6 +185,14 @@ def test_every_restored_process_is_asked_to_regrant_and_the_tree_runs_on(
         time.sleep(0.1)
         later, errors = spin(sock)
         assert later > first and errors == 0
+
+
+def test_a_zombie_in_the_restored_tree_is_left_out_of_the_regrant(tmp_path: Path, tiles_bin: Path):
+    with restored_tiles(tmp_path, tiles_bin, Regrant.ALWAYS, "--zombie") as (r, sock):
+        zombies = [p for p, state in proc.children_of(r.pid).items() if state == "Z"]
+        assert len(zombies) == 1, proc.children_of(r.pid)  # CRIU restored it as one
+        assert list(r.amx) == [r.pid]
+        assert ask(sock, "pids") is not None
 
 
 def test_without_amx_on_the_cpu_the_restore_asks_nothing_and_leaves_the_tree_running(

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.errors import SnapshotError
+from agent.proc import pid_alive
 
 # Linux lets a process execute AMX tile instructions only once it asked for the
 # permission, process-wide: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
@@ -300,8 +301,9 @@ def request_amx_self() -> Grant:
 
 
 def regrant_tree(pids: Iterable[int], proc_root: Path = Path("/proc")) -> dict[int, Grant]:
-    """The AMX permission asked for again in every process of a restored, stopped tree."""
-    return {pid: request_amx(pid, proc_root) for pid in pids}
+    """The AMX permission asked for again in every process of a restored, stopped tree.
+    Zombies (CRIU restores them too) run no code and are left out."""
+    return {pid: request_amx(pid, proc_root) for pid in pids if pid_alive(pid, proc_root)}
 
 
 def continue_tree(pids: Iterable[int]) -> None:

@@ -8,6 +8,7 @@
  *   pids   its PID and the spinner's
  * With --spinner it forks a child that spins in user space with two copies of one
  * running value in registers: a register that changes under it counts as an error.
+ * With --zombie it also holds a child that exited and that it never reaps.
  * With --deny-arch-prctl, once it holds the permission, a seccomp filter makes every
  * later arch_prctl fail with EPERM: a re-grant after a restore is refused.
  * Build: gcc -O2 -o tiles tiles.c
@@ -90,7 +91,7 @@ static int has_flag(int argc, char **argv, const char *flag) {
 
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: %s SOCKET [--spinner] [--deny-arch-prctl]\n", argv[0]);
+        fprintf(stderr, "usage: %s SOCKET [--spinner] [--zombie] [--deny-arch-prctl]\n", argv[0]);
         return 2;
     }
     long granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
@@ -103,6 +104,8 @@ int main(int argc, char **argv) {
     if (shared == MAP_FAILED)
         return 1;
     pid_t child = 0;
+    if (has_flag(argc, argv, "--zombie") && fork() == 0)
+        _exit(0);
     if (has_flag(argc, argv, "--spinner")) {
         child = fork();
         if (child == 0)
