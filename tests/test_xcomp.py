@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
@@ -239,6 +240,27 @@ def test_a_stopped_process_stays_stopped_after_an_injected_syscall(tmp_path: Pat
         time.sleep(0.1)
         assert state_and_syscall(t.pid)[0] == "T"
         os.kill(t.pid, signal.SIGCONT)
+        assert ask(t.sock, "pids") == f"pids {t.pid} 0"
+    finally:
+        t.stop()
+
+
+def test_a_signal_pending_during_an_injection_is_delivered_after_it_with_its_payload(
+    tmp_path: Path, tiles_bin: Path
+):
+    libc = ctypes.CDLL(None, use_errno=True)
+    t = Tiles(tiles_bin, tmp_path / "t.sock")
+    try:
+        os.kill(t.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while state_and_syscall(t.pid)[0] != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # Pending while it is stopped: the injected step dequeues it first, and it must
+        # not run its handler on the injected registers, nor be lost.
+        assert libc.sigqueue(t.pid, signal.SIGRTMIN, ctypes.c_void_p(42)) == 0
+        assert inject_syscall(t.pid, SYS_GETPID) == t.pid
+        os.kill(t.pid, signal.SIGCONT)
+        assert ask(t.sock, "sigs") == "sigs 1 42"
         assert ask(t.sock, "pids") == f"pids {t.pid} 0"
     finally:
         t.stop()

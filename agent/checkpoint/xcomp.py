@@ -35,11 +35,14 @@ PTRACE_SINGLESTEP = 9
 PTRACE_GETREGS = 12
 PTRACE_SETREGS = 13
 PTRACE_DETACH = 17
+PTRACE_GETSIGINFO = 0x4202
+PTRACE_SETSIGINFO = 0x4203
 PTRACE_SEIZE = 0x4206
 PTRACE_INTERRUPT = 0x4207
 PTRACE_EVENT_STOP = 128
 WALL = 0x40000000  # __WALL: wait for the thread we trace, whatever its kind
 SYSCALL_INSN = b"\x0f\x05"
+SIGINFO_SIZE = 128
 STOP_TIMEOUT_S = 5.0
 # A single step can be pre-empted by a stop that is not its own (a group-stop re-trap,
 # a signal arriving meanwhile); each is taken and the step asked again, this many times.
@@ -106,7 +109,9 @@ class _Tracee:
 
     def __init__(self, pid: int, tid: int, timeout_s: float, purpose: str) -> None:
         self.pid, self.tid, self._timeout, self._purpose = pid, tid, timeout_s, purpose
-        self.deferred: list[int] = []  # signals that arrived while we held it
+        # Signals the thread dequeued while we held it, with their siginfo: none may run
+        # a handler on our registers, so each is held back and handed over at detach.
+        self.deferred: list[tuple[int, bytes]] = []
 
     def ptrace(self, request: int, addr: int = 0, data: object = None, what: str = "") -> None:
         if _libc.ptrace(request, self.tid, addr, data) != 0:
@@ -141,6 +146,28 @@ class _Tracee:
                    else f"was killed by {signal.Signals(os.WTERMSIG(status)).name}")  # fmt: skip
             raise self.error(f"wait: the process {how}")
         return _Stop(os.WSTOPSIG(status), status >> 16)
+
+    def defer(self, sig: int) -> None:
+        info = ctypes.create_string_buffer(SIGINFO_SIZE)
+        self.ptrace(PTRACE_GETSIGINFO, 0, info, "GETSIGINFO")
+        self.deferred.append((sig, info.raw))
+
+    def detach(self) -> int:
+        """Detach, giving back the first held signal with its own siginfo (the thread
+        is in a signal-delivery-stop, whose signal DETACH may replace); any others are
+        sent again, with plain siginfo. 0, or the errno DETACH failed with."""
+        sig = 0
+        if self.deferred:
+            sig, raw = self.deferred[0]
+            info = ctypes.create_string_buffer(raw, SIGINFO_SIZE)
+            if _libc.ptrace(PTRACE_SETSIGINFO, self.tid, None, info) != 0:
+                sig = 0
+        rc = _libc.ptrace(PTRACE_DETACH, self.tid, None, sig)
+        err = ctypes.get_errno() if rc != 0 else 0
+        for later, _ in self.deferred[1 if sig else 0 :]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, later)
+        return err
 
     def get_regs(self) -> _Regs:
         regs = _Regs()
@@ -189,9 +216,7 @@ class _Tracee:
                 if regs.rip == at + 2:
                     return ctypes.c_longlong(regs.rax).value
             elif stop.event == 0:
-                # A signal came for the process: hold it back (it must not run a handler
-                # with our registers) and send it again once the thread is detached.
-                self.deferred.append(stop.sig)
+                self.defer(stop.sig)  # a signal dequeued before our instruction ran
         raise self.error(f"SINGLESTEP: the system call did not complete in {MAX_STEPS} steps")
 
 
@@ -237,7 +262,7 @@ def inject_syscall(
         while (stop := t.wait_stop()).event != PTRACE_EVENT_STOP:
             # A signal-delivery-stop came first: hold the signal back; our INTERRUPT is
             # still pending, so the thread stops again at once, for us.
-            t.deferred.append(stop.sig)
+            t.defer(stop.sig)
             t.ptrace(PTRACE_CONT, 0, None, "CONT")
         saved = t.get_regs()
         at = t.syscall_address(saved, proc_root)
@@ -258,12 +283,9 @@ def inject_syscall(
         if saved is not None:
             with contextlib.suppress(SnapshotError):
                 t.set_regs(saved)
-        detach = _libc.ptrace(PTRACE_DETACH, t.tid, None, None)
-        for sig in t.deferred:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-    if detach != 0:
-        raise t.error(f"DETACH failed: {os.strerror(ctypes.get_errno())}")
+        err = t.detach()
+    if err:
+        raise t.error(f"DETACH failed: {os.strerror(err)}")
     return result
 
 

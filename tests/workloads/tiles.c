@@ -6,6 +6,7 @@
  *   perm   the permitted xfeature mask (ARCH_GET_XCOMP_PERM)
  *   spin   the spinner child's iterations and the errors it saw
  *   pids   its PID and the spinner's
+ *   sigs   how many SIGRTMIN it handled, and the value the last one carried (sigqueue)
  * With --spinner it forks a child that spins in user space with two copies of one
  * running value in registers: a register that changes under it counts as an error.
  * With --zombie it also holds a child that exited and that it never reaps.
@@ -44,6 +45,13 @@ struct tilecfg {
 };
 
 static volatile uint64_t *shared; /* [0] spinner iterations, [1] spinner errors */
+static volatile sig_atomic_t rt_count, rt_value;
+
+static void on_rt(int sig, siginfo_t *info, void *ctx) {
+    (void)sig, (void)ctx;
+    rt_count++;
+    rt_value = info->si_value.sival_int;
+}
 
 __attribute__((target("amx-tile"))) static void tiles(void) {
     struct tilecfg cfg;
@@ -111,6 +119,8 @@ int main(int argc, char **argv) {
         if (child == 0)
             spin();
     }
+    struct sigaction sa = {.sa_sigaction = on_rt, .sa_flags = SA_SIGINFO | SA_RESTART};
+    sigaction(SIGRTMIN, &sa, NULL);
     int srv = socket(AF_UNIX, SOCK_STREAM, 0);
     struct sockaddr_un addr = {.sun_family = AF_UNIX};
     strncpy(addr.sun_path, argv[1], sizeof addr.sun_path - 1);
@@ -141,6 +151,8 @@ int main(int argc, char **argv) {
         } else if (strncmp(line, "spin", 4) == 0) {
             snprintf(out, sizeof out, "spin %llu %llu\n", (unsigned long long)shared[0],
                      (unsigned long long)shared[1]);
+        } else if (strncmp(line, "sigs", 4) == 0) {
+            snprintf(out, sizeof out, "sigs %d %d\n", (int)rt_count, (int)rt_value);
         } else if (strncmp(line, "pids", 4) == 0) {
             snprintf(out, sizeof out, "pids %d %d\n", getpid(), child);
         } else {
