@@ -14,7 +14,7 @@ from typing import Any
 
 from agent.checkpoint.criu import CriuBackend, DumpOptions, restore_flags
 from agent.checkpoint.cuda import CudaCheckpoint, uses_cuda
-from agent.checkpoint.xcomp import Grant, Regrant, continue_tree, regrant_tree
+from agent.checkpoint.xcomp import Grant, Regrant, continue_tree, process_tree, regrant_tree
 from agent.errors import SnapshotError
 from agent.identity import Identity
 from agent.proc import descendants, kill_tree
@@ -245,7 +245,7 @@ class Snapshotter:
                 )
             if regrant:
                 t0 = self._clock()
-                pids = tree_pids(done.pid, self._proc)
+                pids = process_tree(done.pid, self._proc)
                 restored.amx = regrant_tree(pids, self._proc)
                 continue_tree(pids)
                 timings["amx_regrant"] = self._clock() - t0

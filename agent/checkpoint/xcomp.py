@@ -322,6 +322,22 @@ def request_amx_self() -> Grant:
     raise OSError(err, f"arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA): {os.strerror(err)}")
 
 
+def process_tree(root: int, proc_root: Path = Path("/proc")) -> list[int]:
+    """`root` and its descendants, parents first, read from each thread's
+    /proc/PID/task/TID/children (as CRIU's own dump does): a walk of the tree alone, not
+    of every process on the host, so the restore waits milliseconds less."""
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop(0)
+        tree.append(pid)
+        with contextlib.suppress(OSError):
+            for tid in sorted(os.listdir(proc_root / str(pid) / "task"), key=int):
+                with contextlib.suppress(OSError):
+                    text = (proc_root / str(pid) / "task" / tid / "children").read_text()
+                    todo.extend(int(c) for c in text.split())
+    return tree
+
+
 def regrant_tree(pids: Iterable[int], proc_root: Path = Path("/proc")) -> dict[int, Grant]:
     """The AMX permission asked for again in every process of a restored, stopped tree.
     Zombies (CRIU restores them too) run no code and are left out."""
