@@ -249,7 +249,8 @@ class Snapshotter:
                 restored.amx = regrant_tree(pids, self._proc)
                 continue_tree(pids)
                 timings["amx_regrant"] = self._clock() - t0
-            # After SIGCONT: a CUDA restore needs the process running.
+            # Continued first: the CUDA restore was only ever run, and measured, on a
+            # running tree.
             self._resume(manifest.process.cuda_pids, timings)
         except BaseException:
             kill_tree(done.pid, proc=self._proc)
