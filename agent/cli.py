@@ -109,6 +109,10 @@ def format_status(data: dict) -> str:
                      f"{rec['duration_s']:.2f}s")
         for f in rec.get("fallthroughs", []):
             lines.append(f"  fell through: {f}")
+        if rec.get("gpu_peak_bytes") is not None:
+            lines.append(f"  peak GPU memory in use: {rec['gpu_peak_bytes'] / 2**30:.2f} GiB")
+    if data.get("gpu"):
+        lines.append(f"gpu:      {data['gpu']}")
     lines.append(f"restarts: {data.get('restarts', 0)}")
     if data.get("snapshot_error"):
         lines.append(f"snapshot: {data['snapshot_error']}")

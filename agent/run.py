@@ -22,14 +22,23 @@ from agent.control import ControlServer
 from agent.drift import Difference, describe
 from agent.drift_watch import DriftWatcher, build_reader
 from agent.engines import build_adapter
-from agent.errors import ConfigError, HolderError, ModelError, SnapshotError
+from agent.errors import (
+    ConfigError,
+    HolderError,
+    IdentityError,
+    ModelError,
+    SnapshotError,
+    SourceUnavailable,
+)
 from agent.fsutil import private_dir
+from agent.gpu_health import GpuWatch, Verdict
 from agent.holder.client import HolderClient
-from agent.identity import Identity
+from agent.identity import Identity, gpu_selector
 from agent.metrics import Metrics, NodeInfo, StatusView, new_registry
 from agent.supervisor.canary import CanaryBook
 from agent.supervisor.capture import Capture
 from agent.supervisor.gate import EngineGate
+from agent.supervisor.gpu import GpuGuard
 from agent.supervisor.paths.cold import ColdStart
 from agent.supervisor.paths.holder import HolderLink, HybridRestore, WarmStart
 from agent.supervisor.paths.restore import FullRestore
@@ -112,14 +121,16 @@ class Agent:
         self.holder = HolderLink(config.holder, config.paths.run, gpu=self._gpu_uuid,
                                  digest=self._weights_digest)
         self.hybrid = HybridRestore(self.holder, **restore)
+        self.gpu = GpuGuard(self._watch_gpu(config), drop_held=self.holder.drop,
+                            metrics=self.metrics)
         ladder = [*vllm_first, self.hybrid, self.full, WarmStart(self.adapter, self.holder),
-                  *vllm_warm, ColdStart(self.adapter, extra_args=self.holder.engine_args)]
+                  *vllm_warm, ColdStart(self.adapter, extra_args=self._cold_args)]
         self.supervisor = Supervisor(
             config=config, adapter=self.adapter, paths=ladder,
             gate=self.gate, metrics=self.metrics, notifier=notifier, status=self.status,
             canaries=CanaryBook(config.paths.state_dir / "canary.json"),
             capture=self.capture, on_change=self._write_status,
-            before_start=self._before_start, on_ready=self._on_ready)
+            before_start=self._before_start, on_ready=self._on_ready, gpu=self.gpu)
         self.watcher: DriftWatcher | None = None
         self.control = ControlServer(config.paths.run / "control.sock",
                                      {"snapshot": self._control_snapshot,
@@ -137,6 +148,31 @@ class Agent:
             log.warning("snapshots unavailable, every start will be cold: %s", e)
             return None, f"snapshots unavailable: {e}"
         return snap, ""
+
+    def _watch_gpu(self, config: Config) -> GpuWatch | None:
+        """A started NVML watch of the engine's GPU; None on a host or engine without one."""
+        if config.engine.device == "cpu":
+            return None
+        selector = gpu_selector({**os.environ, **config.engine.env})
+        if selector is None:
+            return None
+        watch = GpuWatch(selector)
+        try:
+            watch.start()
+        except SourceUnavailable as e:
+            log.info("GPU faults are not watched: %s", e)
+            return None
+        except IdentityError as e:
+            log.warning("GPU faults are not watched: %s", e)
+            return None
+        self.metrics.gpu_watched()
+        log.info("watching GPU %s for faults through NVML", selector)
+        return watch
+
+    def _cold_args(self) -> list[str]:
+        # Held memory that a GPU fault made suspect and the holder did not drop: load from
+        # disk, not from the holder.
+        return [] if self.gpu.held_suspect else self.holder.engine_args()
 
     def identity(self) -> Identity:
         """What a snapshot taken now depends on, and what a restore must match."""
@@ -209,7 +245,10 @@ class Agent:
             states=tuple(s.value for s in State), node=self._node_info(),
             front_queue_depth=getattr(self.front, "queue_depth", 0),
             front_inflight=self.gate.inflight, **self._snapshot_fields(),
-            **self._holder_fields())
+            **self._holder_fields(),
+            recovery_gpu_peak_bytes=tuple(sorted(self.status.gpu_peak_bytes.items())),
+            gpu_usable=None if self.gpu.watch is None
+            else self.status.gpu != Verdict.UNUSABLE.value)
 
     def _write_status(self) -> None:
         try:
@@ -306,6 +345,7 @@ class Agent:
                 d.cancel()
             if self.front is not None:
                 await self.front.stop(0)
+            self.gpu.close()
             await self.control.stop()
             self._write_status()
         return 0

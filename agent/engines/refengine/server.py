@@ -177,7 +177,7 @@ class EngineApp:
             log.info("%s %d: %s", endpoint, e.status, e.message)
             return _error(e.status, e.message, e.err_type, e.param)
         queue: asyncio.Queue[Output] = asyncio.Queue()
-        detok = Detokenizer(self.tok.decode, parsed.params.stop)
+        detok = Detokenizer(self.tok.backend, parsed.prompt, parsed.params.stop)
         seq = self.sched.submit(parsed.prompt, parsed.params, detok,
                                 asyncio.get_running_loop(), queue)
         rid = P.new_id("chatcmpl" if chat else "cmpl")
@@ -319,7 +319,8 @@ class EngineApp:
                 generated += len(ids)
                 tok_ids = ids if want_ids else None
                 if chat:
-                    delta = {"content": text} if text or out.finish_reason is None else {}
+                    # {"content": ""} even on the last chunk, as vLLM sends it
+                    delta = {"content": text}
                     choice = P.chat_choice(delta, out.finish_reason, out.stop_reason, tok_ids,
                                            True)
                 else:

@@ -41,6 +41,7 @@ class FullRestore:
     """Restore the newest snapshot whose identity matches this host and whose files verify."""
 
     name = "full"
+    reuses_held_memory = False
     kind = "full"
 
     def __init__(self, *, snapshotter: Snapshotter | None, unavailable: str,

@@ -56,6 +56,7 @@ class VllmSnapshotRestore:
     """
 
     name = "vllm-snapshot"
+    reuses_held_memory = False
 
     def __init__(self, backend: VllmSnapshotBackend, *, socket: Path,
                  identity: Callable[[], Identity], features: Callable[[], VllmFeatures],
@@ -182,6 +183,7 @@ class VllmPreloadStart(ColdStart):
     `vllm preload` daemon over CUDA IPC instead of read from disk."""
 
     name = "vllm-preload"
+    reuses_held_memory = True
 
     def __init__(self, adapter: EngineAdapter, link: PreloadLink,
                  features: Callable[[], VllmFeatures], has_gpu: Callable[[], bool]) -> None:
