@@ -135,9 +135,12 @@ class CriuBackend:
         inherit_fds: Mapping[int, str] | None = None,
         verbosity: int = 4,
         timeout_s: float = 900.0,
+        leave_stopped: bool = False,
     ) -> RestoreResult:
         """Restore detached; `inherit_fds` maps an fd of ours (passed to CRIU) to the
-        `pipe:[INODE]` it stands in for. Returns the restored root's PID (from a pidfile)."""
+        `pipe:[INODE]` it stands in for. Returns the restored root's PID (from a pidfile).
+        `leave_stopped`: CRIU sends each restored process SIGSTOP before it lets go of it,
+        so the tree waits, having run none of its own code, until someone sends SIGCONT."""
         pidfile = log_path.with_name(log_path.name + ".pid")
         pidfile.unlink(missing_ok=True)
         inherit = inherit_fds or {}
@@ -147,6 +150,8 @@ class CriuBackend:
         ]  # fmt: skip
         for fd, what in inherit.items():
             argv += ["--inherit-fd", f"fd[{fd}]:{what}"]
+        if leave_stopped:
+            argv.append("--leave-stopped")
         start = time.monotonic()
         self._call(argv, log_path, timeout_s, f"criu restore of {image_dir}", tuple(inherit))
         try:
