@@ -30,6 +30,7 @@ from agent.metrics import Metrics, NodeInfo, StatusView, new_registry
 from agent.supervisor.canary import CanaryBook
 from agent.supervisor.capture import Capture
 from agent.supervisor.gate import EngineGate
+from agent.supervisor.ownership import EngineLedger, StateLock
 from agent.supervisor.paths.cold import ColdStart
 from agent.supervisor.paths.holder import HolderLink, HybridRestore, WarmStart
 from agent.supervisor.paths.restore import FullRestore
@@ -71,6 +72,7 @@ class Agent:
         self.status = AgentStatus(engine_kind=config.engine.kind)
         private_dir(config.paths.state_dir)
         private_dir(config.paths.run)
+        self.ledger = EngineLedger(config.paths.state_dir)
         self.status_file = StatusFile(config.paths.run / "status.json")
         self._node = NodeInfo(kernel=os.uname().release, engine_kind=config.engine.kind,
                               engine_version=self.adapter.version(),
@@ -119,7 +121,8 @@ class Agent:
             gate=self.gate, metrics=self.metrics, notifier=notifier, status=self.status,
             canaries=CanaryBook(config.paths.state_dir / "canary.json"),
             capture=self.capture, on_change=self._write_status,
-            before_start=self._before_start, on_ready=self._on_ready)
+            before_start=self._before_start, on_ready=self._on_ready,
+            on_engine=self.ledger.record)
         self.watcher: DriftWatcher | None = None
         self.control = ControlServer(config.paths.run / "control.sock",
                                      {"snapshot": self._control_snapshot,
@@ -301,6 +304,7 @@ class Agent:
             duties.append(asyncio.ensure_future(self.watcher.run()))
         try:
             await self.supervisor.run()
+            self.ledger.clear()  # the supervisor stopped the engine: nothing left to kill
         finally:
             for d in duties:
                 d.cancel()
@@ -316,7 +320,13 @@ def run_agent(config_path: Path | None, verbose: bool = False) -> int:
     # The watchdog's SIGABRT then prints where a stuck agent was stuck, to the journal.
     faulthandler.enable()
     config = load_config(config_path)
-    agent = Agent(config, config_path, Notifier())
-    with contextlib.suppress(KeyboardInterrupt):
-        return asyncio.run(agent.run())
+    private_dir(config.paths.state_dir)
+    # Before anything touches the state directory (the snapshot store cleans its drafts):
+    # a second agent here would kill the first one's engine and corrupt its snapshots.
+    with StateLock.take(config.paths.state_dir):
+        # Outside systemd nothing else cleans up after an agent that was SIGKILLed.
+        EngineLedger(config.paths.state_dir).kill_leftovers()
+        agent = Agent(config, config_path, Notifier())
+        with contextlib.suppress(KeyboardInterrupt):
+            return asyncio.run(agent.run())
     return 0

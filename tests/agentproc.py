@@ -63,7 +63,8 @@ class RunningAgent:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             st = self.status()
-            if st and pred(st):
+            # A status file left by an earlier agent on this state directory is not ours.
+            if st and st.get("agent_pid") == self.proc.pid and pred(st):
                 return st
             if self.proc.poll() is not None:
                 raise AssertionError(f"agent exited ({self.proc.returncode}) waiting for {what}"

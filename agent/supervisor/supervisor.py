@@ -47,6 +47,7 @@ class Supervisor:
                  capture: Capture | None = None,
                  before_start: Callable[[], Awaitable[None]] | None = None,
                  on_ready: Callable[[], None] | None = None,
+                 on_engine: Callable[[int], None] = lambda pid: None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.adapter = adapter
@@ -60,6 +61,9 @@ class Supervisor:
         self.capture = capture
         self._before_start = before_start
         self._on_ready = on_ready
+        # Told each new engine's PID at once, before it is verified: should the agent die
+        # now, the next one must know which tree to kill.
+        self._on_engine = on_engine
         self._clock = clock
         self.state = State.STOPPED
         self.engine: EngineProcess | None = None
@@ -193,6 +197,7 @@ class Supervisor:
                 continue
             self.engine = engine
             self.status.engine_pid = engine.pid
+            self._on_engine(engine.pid)
             try:
                 await self._verify(engine, path, attempt)
                 await path.after_verified(engine)
