@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -144,13 +145,18 @@ def test_the_next_agent_kills_an_engine_that_a_dead_agent_left_behind(tmp_path, 
         [sys.executable, "-m", "agent.engines.refengine", "--model", str(tiny_model),
          "--uds", str(sock), "--device", "cpu"], cwd=REPO, stdin=subprocess.DEVNULL, stdout=log,
         stderr=subprocess.STDOUT, start_new_session=True)
+    # Its parent (this test) reaps it as soon as it dies, as init would for a real orphan.
+    reaper = threading.Thread(target=left.wait, daemon=True)
+    reaper.start()
     try:
         started = proc.stat(left.pid).start_time
         EngineLedger(state).record(left.pid)
         a = RunningAgent(tmp_path, cfg)
         try:
             st = a.wait_ready()
-            assert left.wait(10) == -signal.SIGKILL
+            reaper.join(10)
+            assert left.returncode == -signal.SIGKILL
+            assert "still exist" not in a.log()
             assert f"killing PIDs [{left.pid}]" in a.log()
             assert _engines_on(state) == [st["engine_pid"]]
             assert st["engine_pid"] != left.pid or proc.stat(left.pid).start_time != started
