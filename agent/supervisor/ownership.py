@@ -141,11 +141,14 @@ class EngineLedger:
             return []
         found: list[int] = []
         root = proc.stat(rec.pid, self._proc)
-        if root is not None and root.start_time == rec.start_time and root.state != "Z":
+        if root is not None and root.start_time != rec.start_time:
+            # Someone else has the PID now. The kernel never reuses a PID that still names
+            # a process group or session, so the engine's group is gone too.
+            return []
+        if root is not None and root.state != "Z":
             found = [rec.pid, *proc.descendants(rec.pid, self._proc)]
         # Without its root, the group is still the engine's if its members are in the
-        # engine's session and no older than the engine: a stranger reusing the group's
-        # number would have to lead a new session with that very PID.
+        # engine's session and no older than the engine.
         for pid, st in proc.group_members(rec.pgid, self._proc).items():
             if st.session == rec.session and st.start_time >= rec.start_time \
                     and pid not in found:
