@@ -437,3 +437,38 @@ def test_a_tcp_socket_is_named_as_the_reason_criu_cannot_dump(tmp_path: Path):
         holder.wait()
         if holder.stdout is not None:
             holder.stdout.close()
+
+
+def test_an_agent_sigkilled_outside_systemd_leaves_no_vllm_process_once_the_next_starts(
+        tiny_model: Path, tmp_path: Path, io_uring_off: None):
+    """Two vLLM boots: the agent's death takes the API server at once (its death signal);
+    the engine core, which vLLM gives none, is killed by the next agent before it starts
+    the one engine it then serves with."""
+    _prerequisites()
+    cfg = agent_config(
+        tmp_path, tiny_model,
+        engine={"kind": "vllm", "python": str(VLLM_PYTHON), "served_model_name": NAME,
+                "args": CPU_ARGS, "stop_timeout_s": 20},
+        health={"interval_s": 1.0, "timeout_s": 5.0, "failures_before_restart": 3,
+                "start_timeout_s": BOOT_S},
+        snapshots={"enabled": False})
+    first = RunningAgent(tmp_path, cfg)
+    api = first.wait_ready(timeout=BOOT_S)["engine_pid"]
+    assert len(_session_pids(api)) >= 2, "expected the API server and its engine core"
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(10)
+    deadline = time.monotonic() + 10
+    while proc.pid_alive(api) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not proc.pid_alive(api), "the API server outlived its agent"
+    lingering = _session_pids(api)
+    print(f"\nleft after the agent's SIGKILL: {lingering}", file=sys.stderr)
+    second = RunningAgent(tmp_path, cfg)
+    try:
+        st = second.wait_ready(timeout=BOOT_S)
+        assert _session_pids(api) == [], "the first engine's processes are still running"
+        if lingering:
+            assert f"killing PIDs {lingering}" in second.log()
+        assert st["engine_pid"] != api and len(_session_pids(st["engine_pid"])) >= 2
+    finally:
+        assert second.stop(timeout=60) == 0
