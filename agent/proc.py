@@ -167,3 +167,24 @@ def group_members(pgid: int, proc: Path = Path("/proc")) -> dict[int, Stat]:
         if st and st.pgid == pgid and st.state != "Z":
             out[pid] = st
     return out
+
+
+def engine_remains(pid: int, start_time: int, pgid: int, session: int,
+                   proc: Path = Path("/proc")) -> list[int]:
+    """The live processes left of the engine tree whose root was `pid` (started at
+    `start_time`, leading group `pgid` in `session`): the root and its descendants, and,
+    the root gone or not, the members of its group and session. Root first; never us."""
+    found: list[int] = []
+    root = stat(pid, proc)
+    if root is not None and root.start_time != start_time:
+        # Someone else has the PID now. The kernel never reuses a PID that still names a
+        # process group or session, so the engine's group is gone too.
+        return []
+    if root is not None and root.state != "Z":
+        found = [pid, *descendants(pid, proc)]
+    # Without its root, the group is still the engine's if its members are in the engine's
+    # session and no older than the engine.
+    for member, st in group_members(pgid, proc).items():
+        if st.session == session and st.start_time >= start_time and member not in found:
+            found.append(member)
+    return [p for p in found if p != os.getpid()]

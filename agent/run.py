@@ -30,7 +30,7 @@ from agent.metrics import Metrics, NodeInfo, StatusView, new_registry
 from agent.supervisor.canary import CanaryBook
 from agent.supervisor.capture import Capture
 from agent.supervisor.gate import EngineGate
-from agent.supervisor.ownership import EngineLedger, StateLock
+from agent.supervisor.ownership import EngineLedger, StateLock, Tether
 from agent.supervisor.paths.cold import ColdStart
 from agent.supervisor.paths.holder import HolderLink, HybridRestore, WarmStart
 from agent.supervisor.paths.restore import FullRestore
@@ -58,7 +58,8 @@ def setup_logging(verbose: bool = False) -> None:
 class Agent:
     """One node agent: the supervisor plus the front, metrics and systemd around it."""
 
-    def __init__(self, config: Config, config_path: Path | None, notifier: Notifier) -> None:
+    def __init__(self, config: Config, config_path: Path | None, notifier: Notifier,
+                 tether: Tether | None = None) -> None:
         self.config = config
         self.config_path = config_path
         self.notifier = notifier
@@ -72,7 +73,7 @@ class Agent:
         self.status = AgentStatus(engine_kind=config.engine.kind)
         private_dir(config.paths.state_dir)
         private_dir(config.paths.run)
-        self.ledger = EngineLedger(config.paths.state_dir)
+        self.ledger = EngineLedger(config.paths.state_dir, tether=tether)
         self.status_file = StatusFile(config.paths.run / "status.json")
         self._node = NodeInfo(kernel=os.uname().release, engine_kind=config.engine.kind,
                               engine_version=self.adapter.version(),
@@ -326,7 +327,7 @@ def run_agent(config_path: Path | None, verbose: bool = False) -> int:
     with StateLock.take(config.paths.state_dir):
         # Outside systemd nothing else cleans up after an agent that was SIGKILLed.
         EngineLedger(config.paths.state_dir).kill_leftovers()
-        agent = Agent(config, config_path, Notifier())
+        agent = Agent(config, config_path, Notifier(), tether=Tether.start())
         with contextlib.suppress(KeyboardInterrupt):
             return asyncio.run(agent.run())
     return 0

@@ -1,16 +1,20 @@
-"""Which processes a dead agent's engine record names, read from a fixture /proc, and the
-state directory lock between two real processes."""
+"""Which processes a dead agent's engine record names, read from a fixture /proc; the state
+directory lock between two real processes; the tether on a real process group."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
+from agent import proc
 from agent.errors import AgentRunningError
 from agent.supervisor.ownership import EngineLedger, StateLock
 
@@ -133,3 +137,38 @@ def test_the_lock_is_not_inherited_by_children(state):
 def test_taking_the_lock_in_the_same_process_twice_is_refused(state):
     with StateLock.take(state), pytest.raises(AgentRunningError, match="stop it first"):
         StateLock.take(state)
+
+
+def test_the_tether_kills_the_engine_group_when_the_agent_pipe_closes():
+    # A stand-in engine tree: a shell leading its own group, and a child of it in the group.
+    group = subprocess.Popen(["sh", "-c", "sleep 300 & echo $!; wait"], stdout=subprocess.PIPE,
+                             start_new_session=True)
+    assert group.stdout is not None
+    child = int(group.stdout.readline())
+    read, write = os.pipe()
+    tether = subprocess.Popen([sys.executable, "-m", "agent.tether"], stdin=read, cwd=REPO,
+                              stderr=subprocess.PIPE, text=True)
+    os.close(read)
+    try:
+        st = proc.stat(group.pid)
+        assert st is not None
+        os.write(write, b"\n")  # an engine that stopped cleanly names nothing ...
+        os.write(write, f"{group.pid} {st.start_time} {st.pgid} {st.session}\n".encode())
+        time.sleep(0.3)
+        assert group.poll() is None, "the tether acted before the pipe closed"
+        os.close(write)  # ... the agent died: the kernel closes its end
+        write = -1
+        assert group.wait(10) == -signal.SIGKILL
+        _, err = tether.communicate(timeout=10)
+        assert tether.returncode == 0
+        assert f"killed what was left of its engine: PIDs [{group.pid}, {child}]" in err
+        assert not proc.pid_alive(child)
+    finally:
+        if write >= 0:
+            os.close(write)
+        for p in (group, tether):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)

@@ -7,6 +7,8 @@ import fcntl
 import logging
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -73,6 +75,56 @@ class StateLock:
         self.release()
 
 
+class Tether:
+    """The agent's end of `agent.tether`: the helper that kills the engine's process group
+    the moment the agent dies (the pipe closes), not only at the next agent's start.
+
+    Example::
+
+        tether = Tether.start()
+        tether.engine(EngineRecord(...))   # each engine that starts or is restored
+        tether.no_engine()                 # after the agent stopped it itself
+    """
+
+    def __init__(self, pid: int, pipe: int) -> None:
+        self.pid = pid
+        self._pipe: int | None = pipe
+
+    @classmethod
+    def start(cls) -> Tether:
+        read, write = os.pipe()  # both close-on-exec: no engine or CRIU holds the write end
+        try:
+            with proc.spawn_lock():
+                p = subprocess.Popen(
+                    [sys.executable, "-m", "agent.tether"], stdin=read,
+                    stdout=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+        except BaseException:
+            os.close(write)
+            raise
+        finally:
+            os.close(read)
+        # It outlives this Popen; if it dies early the agent's reaper collects it.
+        p.returncode = 0
+        return cls(p.pid, write)
+
+    def _send(self, line: str) -> None:
+        if self._pipe is None:
+            return
+        try:
+            os.write(self._pipe, line.encode())
+        except OSError as e:
+            log.warning("the tether (PID %d) is gone (%s): should this agent die, its engine's "
+                        "process group is killed only when the next agent starts", self.pid, e)
+            os.close(self._pipe)
+            self._pipe = None
+
+    def engine(self, rec: EngineRecord) -> None:
+        self._send(f"{rec.pid} {rec.start_time} {rec.pgid} {rec.session}\n")
+
+    def no_engine(self) -> None:
+        self._send("\n")
+
+
 class EngineRecord(BaseModel):
     """Which process tree is this state directory's engine, exactly enough to kill it later.
 
@@ -103,10 +155,12 @@ class EngineLedger:
     """
 
     def __init__(self, state_dir: Path, proc_root: Path = Path("/proc"),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 tether: Tether | None = None) -> None:
         self.path = state_dir / RECORD_NAME
         self._proc = proc_root
         self._clock = clock
+        self._tether = tether
 
     def record(self, pid: int) -> None:
         st = proc.stat(pid, self._proc)
@@ -114,6 +168,8 @@ class EngineLedger:
             return  # gone already: nothing to leave behind
         rec = EngineRecord(boot_id=proc.boot_id(self._proc), pid=pid, start_time=st.start_time,
                            pgid=st.pgid, session=st.session)
+        if self._tether is not None:
+            self._tether.engine(rec)
         try:
             # Not fsynced: PIDs mean nothing after a reboot, and this runs on the event loop.
             write_private(self.path, rec.model_dump_json().encode(), durable=False)
@@ -131,6 +187,8 @@ class EngineLedger:
             return None
 
     def clear(self) -> None:
+        if self._tether is not None:
+            self._tether.no_engine()
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 
@@ -139,21 +197,7 @@ class EngineLedger:
         rec = self.read()
         if rec is None or rec.boot_id != proc.boot_id(self._proc):
             return []
-        found: list[int] = []
-        root = proc.stat(rec.pid, self._proc)
-        if root is not None and root.start_time != rec.start_time:
-            # Someone else has the PID now. The kernel never reuses a PID that still names
-            # a process group or session, so the engine's group is gone too.
-            return []
-        if root is not None and root.state != "Z":
-            found = [rec.pid, *proc.descendants(rec.pid, self._proc)]
-        # Without its root, the group is still the engine's if its members are in the
-        # engine's session and no older than the engine.
-        for pid, st in proc.group_members(rec.pgid, self._proc).items():
-            if st.session == rec.session and st.start_time >= rec.start_time \
-                    and pid not in found:
-                found.append(pid)
-        return [p for p in found if p != os.getpid()]
+        return proc.engine_remains(rec.pid, rec.start_time, rec.pgid, rec.session, self._proc)
 
     def kill_leftovers(self, timeout_s: float = GONE_TIMEOUT_S) -> list[int]:
         """SIGKILL what a dead predecessor's engine left, then wait until each of those
