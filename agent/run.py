@@ -327,7 +327,13 @@ def run_agent(config_path: Path | None, verbose: bool = False) -> int:
     with StateLock.take(config.paths.state_dir):
         # Outside systemd nothing else cleans up after an agent that was SIGKILLed.
         EngineLedger(config.paths.state_dir).kill_leftovers()
-        agent = Agent(config, config_path, Notifier(), tether=Tether.start())
+        try:
+            tether = Tether.start()
+        except OSError as e:
+            log.warning("cannot start the tether (%s): should this agent die, what its engine "
+                        "leaves is killed only when the next agent starts", e)
+            tether = None
+        agent = Agent(config, config_path, Notifier(), tether=tether)
         with contextlib.suppress(KeyboardInterrupt):
             return asyncio.run(agent.run())
     return 0

@@ -166,11 +166,11 @@ class EngineLedger:
         st = proc.stat(pid, self._proc)
         if st is None:
             return  # gone already: nothing to leave behind
-        rec = EngineRecord(boot_id=proc.boot_id(self._proc), pid=pid, start_time=st.start_time,
-                           pgid=st.pgid, session=st.session)
-        if self._tether is not None:
-            self._tether.engine(rec)
         try:
+            rec = EngineRecord(boot_id=proc.boot_id(self._proc), pid=pid,
+                               start_time=st.start_time, pgid=st.pgid, session=st.session)
+            if self._tether is not None:
+                self._tether.engine(rec)
             # Not fsynced: PIDs mean nothing after a reboot, and this runs on the event loop.
             write_private(self.path, rec.model_dump_json().encode(), durable=False)
         except OSError as e:
