@@ -329,6 +329,8 @@ def run_agent(config_path: Path | None, verbose: bool = False) -> int:
         EngineLedger(config.paths.state_dir).kill_leftovers()
         try:
             tether = Tether.start()
+            log.info("tether PID %d kills what the engine leaves should this agent die",
+                     tether.pid)
         except OSError as e:
             log.warning("cannot start the tether (%s): should this agent die, what its engine "
                         "leaves is killed only when the next agent starts", e)

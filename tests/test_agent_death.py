@@ -4,6 +4,7 @@ real reference engines, real CRIU, the agent SIGKILLed outside systemd."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -82,12 +83,30 @@ def snapped(tmp_path, tiny_model):
         a.stop()
 
 
+def _tether(a: RunningAgent) -> int:
+    [pid] = re.findall(r"tether PID (\d+) kills what the engine leaves", a.log())
+    return int(pid)
+
+
 def test_an_agent_sigkilled_outside_systemd_takes_its_engine_with_it(cold):
     pid = cold.status()["engine_pid"]
     started = proc.stat(pid).start_time
+    tether = _tether(cold)
+    tether_started = proc.stat(tether).start_time
     _sigkill_agent(cold)
     assert _gone(pid, started), f"engine {pid} outlived its agent: {proc.stat(pid)}"
     assert _engines_on(_state_dir(cold)) == []
+    # The helper that would have killed the rest of the engine's group is gone too.
+    assert _gone(tether, tether_started), "the tether outlived the agent"
+
+
+def test_an_agent_that_stops_cleanly_leaves_no_record_and_no_tether(cold):
+    tether = _tether(cold)
+    tether_started = proc.stat(tether).start_time
+    assert cold.stop() == 0
+    assert not (_state_dir(cold) / "engine.json").exists()
+    assert _gone(tether, tether_started)
+    assert "pitstop tether:" not in cold.log()  # it had nothing to kill
 
 
 def test_a_restored_engine_dies_with_the_agent_that_restored_it(snapped):
