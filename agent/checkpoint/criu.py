@@ -12,9 +12,10 @@ from agent.commands import CommandResult, Runner, run
 from agent.errors import CommandError, SnapshotError
 
 # Flags and why (docs/snapshots.md has the long form):
-#   --ext-unix-sk   a connected Unix socket whose peer is outside the tree (a client
-#                   of the engine's socket) does not fail the dump; on restore it
-#                   comes back disconnected.
+#   --ext-unix-sk   a Unix datagram socket connected to a named socket outside the
+#                   tree is reconnected by name on restore. A stream connection with
+#                   one end outside still fails the dump (criu/sk-unix.c);
+#                   checkpoint/connections.py refuses those first, naming them.
 #   --link-remap    files that are open but unlinked (torch/tempfile scratch) are
 #                   linked back under a temporary name so they can be dumped.
 #   --file-locks    flock/posix locks the engine holds are dumped and retaken.

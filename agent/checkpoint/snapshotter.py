@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from agent.checkpoint.connections import refuse_outside_connections
 from agent.checkpoint.criu import CriuBackend, DumpOptions, restore_flags
 from agent.checkpoint.cuda import CudaCheckpoint, uses_cuda
 from agent.errors import SnapshotError
@@ -121,11 +122,13 @@ class Snapshotter:
         """Dump the tree rooted at `pid` and publish it. The engine must be idle (no
         requests in flight) and its stdin /dev/null. Without `options.leave_running`
         CRIU kills the tree after a successful dump. A failed dump leaves the engine
-        running (CUDA restored and unlocked) and publishes nothing."""
+        running (CUDA restored and unlocked) and publishes nothing. A connection from
+        outside the tree still open raises OpenConnectionsError before anything runs."""
         opts = options or DumpOptions()
         timings: dict[str, float] = {}
         created = datetime.now(UTC)
         pids = tree_pids(pid, self._proc)
+        refuse_outside_connections(pids, self._proc)
         tree = ProcessTree(
             root_pid=pid,
             pids=pids,
