@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from agent.errors import ConfigError, PitstopError
+from agent.errors import AgentRunningError, ConfigError, PitstopError
 
 EXIT_OK = 0
 EXIT_FAIL = 1
@@ -462,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except ConfigError as e:
+    except (ConfigError, AgentRunningError) as e:
+        # Starting again cannot fix either (the unit's RestartPreventExitStatus=2).
         print(f"pitstop: {e}", file=sys.stderr)
         return EXIT_USAGE
     except PitstopError as e:

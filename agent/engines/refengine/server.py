@@ -15,6 +15,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
+from agent.checkpoint.xcomp import request_amx_self
 from agent.engines.refengine import protocol as P
 from agent.engines.refengine.detok import Detokenizer
 from agent.engines.refengine.metrics import EngineCollector
@@ -141,6 +142,13 @@ class EngineApp:
                                   **self._held_state()})
 
     async def resume(self, request: web.Request) -> web.Response:
+        # A CRIU restore loses the AMX permission torch's oneDNN asked for at start, and a
+        # bf16 matmul is then SIGILL. The agent asks again from outside before the tree
+        # runs; asking here too covers a restore by anything else (a repeat is harmless).
+        try:
+            log.info("resume: AMX permission %s", request_amx_self().value)
+        except OSError as e:
+            log.warning("resume: the AMX permission was refused: %s", e)
         if self.held is not None:
             try:
                 await asyncio.to_thread(self.held.reattach)
