@@ -29,10 +29,10 @@ CUT_AFTER = 20  # events the client gets before the engine is killed
 SLOTS, MAX_LEN = 8, 2048  # the engine's defaults, which the ledger is laid out by
 
 
-@pytest.fixture(scope="module")
-def kept(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningAgent, Holder]]:
-    """One agent for the module: its engine keeps weights and KV in a cpu holder."""
-    tmp = tmp_path_factory.mktemp("keptkv")
+@pytest.fixture
+def kept(tmp_path: Path) -> Iterator[tuple[RunningAgent, Holder]]:
+    """An agent whose engine keeps its weights and KV in a cpu holder, snapshot taken."""
+    tmp = tmp_path
     holder = Holder(tmp / "holder")
     a = RunningAgent(tmp, agent_config(
         tmp, cached_model(), holder={"enabled": True, "dir": str(tmp / "holder"),

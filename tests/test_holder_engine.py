@@ -194,3 +194,28 @@ def test_without_keep_kv_a_resume_is_prefilled_and_says_why(holder: Holder, mode
         _, _, headers = stream_ids(e, prompt + ids[:2], 2,
                                    {REQUEST_HEADER: "x", RESUME_HEADER: "2"})
         assert headers[KV_HEADER.lower()] == KeptKVOutcome.NOT_HELD
+
+
+def test_finished_requests_leave_nothing_in_the_ledger(holder: Holder, model):
+    args = ("--holder", str(holder.sock), "--weights-digest", "sha256-done")
+    with run_engine(model, *args) as e:
+        prompt, ids, _ = stream_ids(e, LONG, 6, {REQUEST_HEADER: "done"})
+    with run_engine(model, *args) as e:
+        assert state(e)["kv_orphans"] == 0  # the engine freed its entry when it finished
+        _, _, headers = stream_ids(e, prompt + ids[:3], 3,
+                                   {REQUEST_HEADER: "done", RESUME_HEADER: "3"})
+        assert headers[KV_HEADER.lower()] == KeptKVOutcome.NO_ENTRY
+
+
+def test_a_dead_engines_entry_gives_way_when_its_slot_is_needed(holder: Holder, model):
+    args = ("--holder", str(holder.sock), "--weights-digest", "sha256-full", "--kv-slots", "1")
+    with run_engine(model, *args) as e:
+        prompt, got, _ = stream_ids(e, LONG, 40, {REQUEST_HEADER: "old"}, stop_after=5)
+    with run_engine(model, *args) as e:
+        assert state(e)["kv_orphans"] == 1
+        # The pool is bounded: a new request takes the only slot, kept KV or not.
+        assert complete(e)
+        assert state(e)["kv_orphans"] == 0
+        _, _, headers = stream_ids(e, prompt + got, 5,
+                                   {REQUEST_HEADER: "old", RESUME_HEADER: str(len(got))})
+        assert headers[KV_HEADER.lower()] == KeptKVOutcome.NO_ENTRY
