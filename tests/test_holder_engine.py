@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 
 from agent.holder import protocol as p
-from agent.holder.kvledger import KV_HEADER, REQUEST_HEADER, RESUME_HEADER, KeptKVOutcome
+from agent.holder.kvledger import (
+    KV_HEADER,
+    KV_KEPT_HEADER,
+    REQUEST_HEADER,
+    RESUME_HEADER,
+    KeptKVOutcome,
+)
 from tests.holder_proc import Holder
 from tests.refengine_proc import Engine, run_engine
 
@@ -219,3 +225,19 @@ def test_a_dead_engines_entry_gives_way_when_its_slot_is_needed(holder: Holder, 
         _, _, headers = stream_ids(e, prompt + got, 5,
                                    {REQUEST_HEADER: "old", RESUME_HEADER: str(len(got))})
         assert headers[KV_HEADER.lower()] == KeptKVOutcome.NO_ENTRY
+
+
+def test_a_warm_start_continues_a_killed_stream_from_the_kept_kv(holder: Holder, model):
+    args = ("--holder", str(holder.sock), "--weights-digest", "sha256-kept")
+    with run_engine(model, *args) as e:
+        prompt, want, _ = stream_ids(e, LONG, 40, {})
+        _, got, _ = stream_ids(e, LONG, 40, {REQUEST_HEADER: "r1"}, stop_after=10)
+    with run_engine(model, *args) as e:
+        assert state(e)["kv_orphans"] == 1
+        context = prompt + got
+        _, rest, headers = stream_ids(e, context, 40 - len(got),
+                                      {REQUEST_HEADER: "r1", RESUME_HEADER: str(len(got))})
+        assert headers[KV_HEADER.lower()] == KeptKVOutcome.KEPT
+        assert int(headers[KV_KEPT_HEADER.lower()]) == len(context) - 1
+        assert got + rest == want
+        assert state(e)["prefill_tokens"] == 1  # the last token only; the rest was kept

@@ -254,7 +254,7 @@ class Scheduler:
             else:
                 slot = self.pool.acquire(avoid=set(self._orphans))
                 if slot is None and self._orphans:
-                    slot = self._orphans[0]  # the oldest earlier life's entry goes first
+                    slot = self._orphans[0]  # no free slot: an earlier life's entry gives way
                     self.pool.take(slot)
                 if slot is None:
                     return
