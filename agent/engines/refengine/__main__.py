@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         print("refengine: --keep-kv keeps the KV pool in the holder: give --holder SOCK too",
               file=sys.stderr)
         return 2
+    if args.kv_lease_s is not None and not 0 < args.kv_lease_s <= 7 * 86400:
+        print(f"refengine: --kv-lease-s {args.kv_lease_s:g} is out of range; give seconds "
+              "above 0, at most 604800 (a week)", file=sys.stderr)
+        return 2
     if min(args.kv_slots, args.prefill_chunk, args.threads) < 1:
         print("refengine: --kv-slots, --prefill-chunk and --threads must be at least 1",
               file=sys.stderr)
