@@ -220,7 +220,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script")
     ap.add_argument("--work", type=Path, default=None, help="default: a temporary directory")
+    ap.add_argument("--budget-s", type=float, default=270,
+                    help="stop starting new runs after this long, keeping what was measured "
+                         "(the device call this is made for has 5 minutes)")
     a = ap.parse_args()
+    started = time.monotonic()
+
+    def over_budget(what: str) -> bool:
+        if time.monotonic() - started < a.budget_s:
+            return False
+        result["cut_short"] = f"--budget-s {a.budget_s:g} spent before {what}"
+        log(result["cut_short"])
+        return True
+
     a.out.mkdir(parents=True, exist_ok=True)
     prompts = [int(x) for x in a.prompts.split(",")]
     max_len = max(prompts) + a.decode + 64
@@ -279,6 +291,8 @@ def main() -> None:
                 runs: dict[str, list[dict]] = {"kept": [], "reprefill": []}
                 result["cuts"][str(n)] = runs
                 for i in range(a.runs):
+                    if over_budget(f"run {i + 1} of {n} tokens"):
+                        break
                     for mode in ("kept", "reprefill"):
                         r = cut_run(agent, sock, prompt_of[n], a.cut, a.decode, mode == "kept")
                         runs[mode].append(r)
@@ -289,6 +303,8 @@ def main() -> None:
             shutil.copy(work / "agent.log", a.out / "agent.log")
         tp_prompt = prompt_of[min(prompts)][:512]
         for mode, keep in (("holder", True), ("private", False)):
+            if over_budget(f"throughput with the pool {mode}"):
+                break
             result["throughput"][mode] = t = throughput(
                 model, a.device, holder_dir / gpu / "holder.sock", keep, a.concurrency,
                 max_len, tp_prompt, 128, a.rounds)
