@@ -39,6 +39,7 @@ from agent.supervisor.canary import CanaryBook
 from agent.supervisor.capture import Capture
 from agent.supervisor.gate import EngineGate
 from agent.supervisor.gpu import GpuGuard
+from agent.supervisor.ownership import EngineLedger, StateLock, Tether
 from agent.supervisor.paths.cold import ColdStart
 from agent.supervisor.paths.holder import HolderLink, HybridRestore, WarmStart
 from agent.supervisor.paths.restore import FullRestore
@@ -66,7 +67,8 @@ def setup_logging(verbose: bool = False) -> None:
 class Agent:
     """One node agent: the supervisor plus the front, metrics and systemd around it."""
 
-    def __init__(self, config: Config, config_path: Path | None, notifier: Notifier) -> None:
+    def __init__(self, config: Config, config_path: Path | None, notifier: Notifier,
+                 tether: Tether | None = None) -> None:
         self.config = config
         self.config_path = config_path
         self.notifier = notifier
@@ -80,6 +82,7 @@ class Agent:
         self.status = AgentStatus(engine_kind=config.engine.kind)
         private_dir(config.paths.state_dir)
         private_dir(config.paths.run)
+        self.ledger = EngineLedger(config.paths.state_dir, tether=tether)
         self.status_file = StatusFile(config.paths.run / "status.json")
         self._node = NodeInfo(kernel=os.uname().release, engine_kind=config.engine.kind,
                               engine_version=self.adapter.version(),
@@ -130,7 +133,8 @@ class Agent:
             gate=self.gate, metrics=self.metrics, notifier=notifier, status=self.status,
             canaries=CanaryBook(config.paths.state_dir / "canary.json"),
             capture=self.capture, on_change=self._write_status,
-            before_start=self._before_start, on_ready=self._on_ready, gpu=self.gpu)
+            before_start=self._before_start, on_ready=self._on_ready, gpu=self.gpu,
+            on_engine=self.ledger.record)
         self.watcher: DriftWatcher | None = None
         self.control = ControlServer(config.paths.run / "control.sock",
                                      {"snapshot": self._control_snapshot,
@@ -340,6 +344,7 @@ class Agent:
             duties.append(asyncio.ensure_future(self.watcher.run()))
         try:
             await self.supervisor.run()
+            self.ledger.clear()  # the supervisor stopped the engine: nothing left to kill
         finally:
             for d in duties:
                 d.cancel()
@@ -356,7 +361,21 @@ def run_agent(config_path: Path | None, verbose: bool = False) -> int:
     # The watchdog's SIGABRT then prints where a stuck agent was stuck, to the journal.
     faulthandler.enable()
     config = load_config(config_path)
-    agent = Agent(config, config_path, Notifier())
-    with contextlib.suppress(KeyboardInterrupt):
-        return asyncio.run(agent.run())
+    private_dir(config.paths.state_dir)
+    # Before anything touches the state directory (the snapshot store cleans its drafts):
+    # a second agent here would kill the first one's engine and corrupt its snapshots.
+    with StateLock.take(config.paths.state_dir):
+        # Outside systemd nothing else cleans up after an agent that was SIGKILLed.
+        EngineLedger(config.paths.state_dir).kill_leftovers()
+        try:
+            tether = Tether.start()
+            log.info("tether PID %d kills what the engine leaves should this agent die",
+                     tether.pid)
+        except OSError as e:
+            log.warning("cannot start the tether (%s): should this agent die, what its engine "
+                        "leaves is killed only when the next agent starts", e)
+            tether = None
+        agent = Agent(config, config_path, Notifier(), tether=tether)
+        with contextlib.suppress(KeyboardInterrupt):
+            return asyncio.run(agent.run())
     return 0

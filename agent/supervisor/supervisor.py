@@ -50,6 +50,7 @@ class Supervisor:
                  before_start: Callable[[], Awaitable[None]] | None = None,
                  on_ready: Callable[[], None] | None = None,
                  gpu: GpuGuard | None = None,
+                 on_engine: Callable[[int], None] = lambda pid: None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.adapter = adapter
@@ -69,6 +70,9 @@ class Supervisor:
         self._serving_path = ""
         # Set when an NVML event says the GPU is gone while the engine may look healthy.
         self._gpu_gone: GpuFault | None = None
+        # Told each new engine's PID at once, before it is verified: should the agent die
+        # now, the next one must know which tree to kill.
+        self._on_engine = on_engine
         self._clock = clock
         self.state = State.STOPPED
         self.engine: EngineProcess | None = None
@@ -221,6 +225,7 @@ class Supervisor:
                 continue
             self.engine = engine
             self.status.engine_pid = engine.pid
+            self._on_engine(engine.pid)
             try:
                 await self._verify(engine, path, attempt)
                 await path.after_verified(engine)
