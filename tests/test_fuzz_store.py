@@ -122,3 +122,17 @@ def test_a_sealed_record_cannot_vouch_for_an_image_written_after_it(tmp_path):
     page.write_bytes(bytes(data))
     os.utime(page, ns=(st_before.st_atime_ns, st_before.st_mtime_ns))  # mtime put back
     assert store.select(IDENT).chosen is None  # ctime moved: the file is hashed again
+
+
+def test_a_manifest_whose_checksum_was_edited_after_the_seal_is_refused(tmp_path):
+    store = SnapshotStore(tmp_path / "snaps", trust_sealed=True)
+    store.open(clean=True)
+    m = publish(store)
+    path = store.path(m.id) / "manifest.json"
+    doc = json.loads(path.read_text())
+    digest = doc["files"][1]["sha256_chunks"][0]
+    doc["files"][1]["sha256_chunks"][0] = ("0" if digest[0] != "0" else "1") + digest[1:]
+    path.write_text(json.dumps(doc))
+    # The image did not change since the seal, but the record of it did: hashed, refused.
+    sel = store.select(IDENT)
+    assert sel.chosen is None and "sha256 differs" in sel.skipped[0].reason
