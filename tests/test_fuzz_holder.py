@@ -90,3 +90,31 @@ def test_an_oversized_frame_is_refused_not_read_in_part(fuzzed_holder):
         assert not reply.ok and reply.error is not None
         assert reply.error.code == p.ErrorCode.BAD_REQUEST
         assert str(p.MAX_MESSAGE) in reply.error.message
+
+
+def test_an_answer_the_client_cannot_read_makes_the_holder_unavailable_not_the_agent_exit(
+        tmp_path):
+    # A holder of a newer version answers with fields this client does not know.
+    import threading
+
+    from agent.errors import HolderUnavailableError
+    from agent.holder.client import HolderClient
+
+    path = tmp_path / "holder.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(path))
+    listener.listen(1)
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(p.MAX_MESSAGE)
+            conn.send(b'{"v": 1, "ok": true, "stats": {"lease_s": 600}}')
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    with pytest.raises(HolderUnavailableError, match="same Pitstop version"), \
+            HolderClient(path, timeout=5) as c:
+        c.stats()
+    t.join(5)
+    listener.close()
