@@ -7,13 +7,15 @@ import io
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from agent.checkpoint import outside
 from agent.checkpoint.criu import CriuBackend, DumpOptions, restore_flags
 from agent.checkpoint.cuda import CudaCheckpoint, uses_cuda
+from agent.checkpoint.netlock import choose_lock
 from agent.errors import SnapshotError
 from agent.identity import Identity
 from agent.proc import descendants, kill_tree
@@ -91,6 +93,7 @@ class Snapshotter:
         *,
         log_dir: Path | None = None,
         proc_root: Path = Path("/proc"),
+        shm_dir: Path = outside.SHM_DIR,
         clock: Callable[[], float] = time.monotonic,
         keep: int | None = None,
         budget_bytes: int | None = None,
@@ -100,6 +103,7 @@ class Snapshotter:
         self.cuda = cuda
         self.log_dir = log_dir or store.root / LOG_DIR
         self._proc = proc_root
+        self._shm = shm_dir
         self._clock = clock
         self.keep = keep
         self.budget_bytes = budget_bytes
@@ -121,26 +125,43 @@ class Snapshotter:
         """Dump the tree rooted at `pid` and publish it. The engine must be idle (no
         requests in flight) and its stdin /dev/null. Without `options.leave_running`
         CRIU kills the tree after a successful dump. A failed dump leaves the engine
-        running (CUDA restored and unlocked) and publishes nothing."""
+        running (CUDA restored and unlocked) and publishes nothing.
+
+        TCP connections are dumped when all of them are inside the tree (no network lock
+        is needed then); one to a peer outside it refuses the dump
+        (netlock.ExternalConnectionError) unless the dump stops the tree and nftables can
+        hold the peer off."""
         opts = options or DumpOptions()
         timings: dict[str, float] = {}
         created = datetime.now(UTC)
         pids = tree_pids(pid, self._proc)
-        tree = ProcessTree(
-            root_pid=pid,
-            pids=pids,
-            inherited_pipes=std_pipes(pid, self._proc),
-            cuda_pids=tuple(p for p in pids if uses_cuda(p, self._proc)),
-        )
+        tcp, lock = choose_lock(pids, leave_running=opts.leave_running, proc_root=self._proc)
+        used = outside.survey(pids, self._proc, self._shm)
+        pipes = std_pipes(pid, self._proc)
         with self.store.begin(kind) as draft:
             log = self._log(f"{draft.id}-dump.log")
-            self._suspend(tree.cuda_pids, timings)
+            script = self._log(f"{draft.id}-post-dump.sh")
+            outside.post_dump_script(script, used, draft.dir, self._shm)
+            opts = replace(opts, tcp_established=opts.tcp_established or tcp,
+                           network_lock=lock, action_script=script)
+            cuda_pids = tuple(p for p in pids if uses_cuda(p, self._proc))
+            self._suspend(cuda_pids, timings)
             try:
                 dumped = self.criu.dump(pid, draft.dir, log, opts)
             except SnapshotError as e:
-                self._resume(tree.cuda_pids, timings, cause=e)
+                self._resume(cuda_pids, timings, cause=e)
                 raise
+            finally:
+                script.unlink(missing_ok=True)
             timings["criu_dump"] = dumped.duration_s
+            tree = ProcessTree(
+                root_pid=pid,
+                pids=pids,
+                inherited_pipes=pipes,
+                cuda_pids=cuda_pids,
+                shm_files=outside.saved(draft.dir),
+                socket_paths=used.socket_paths,
+            )
             if opts.leave_running:
                 self._resume(tree.cuda_pids, timings)
             t0 = self._clock()
@@ -215,9 +236,13 @@ class Snapshotter:
             readers[what] = r
             writers[w] = what
         timings: dict[str, float] = {}
+        remaps: tuple[Path, ...] = ()
         try:
+            remaps = outside.put_back(image_dir, manifest.process.shm_files,
+                                      manifest.process.socket_paths, self._shm)
             done = self.criu.restore(image_dir, log, flags=flags, inherit_fds=writers)
         except BaseException:
+            outside.drop_remaps(remaps)
             for fd in [*readers.values(), *writers]:
                 os.close(fd)
             raise

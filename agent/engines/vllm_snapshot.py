@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from agent import commands
+from agent.checkpoint.criu_locate import MIN_TEXT
 from agent.commands import CommandResult, Runner
 from agent.config import Config
 from agent.drift import Difference
-from agent.checkpoint.criu_locate import MIN_TEXT
 from agent.engines.vllm_cli import VllmFeatures, cli_argv, last_error, usage_error
 from agent.errors import CommandError, VllmSnapshotError
 from agent.identity import Identity

@@ -1,0 +1,155 @@
+"""What a dumped tree keeps outside itself (shared memory files, socket paths): saved, put back."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import shutil
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.errors import SnapshotError
+
+SHM_DIR = Path("/dev/shm")
+# Image files saved by the post-dump script are named PREFIX + their name in the shm dir.
+PREFIX = "outside."
+# CRIU's name for the link it makes to an open but deleted file (--link-remap).
+REMAP = "link_remap."
+_DELETED = " (deleted)"
+
+
+@dataclass(frozen=True)
+class Survey:
+    """Files of the shm dir the tree maps or holds open, and the paths its Unix sockets bind.
+
+    vLLM's engine core and workers talk through POSIX shared memory (`/dev/shm/psm_*`, a
+    ring buffer) and multiprocessing semaphores (`/dev/shm/sem.*`, some already unlinked),
+    and the API server and the engine core through ZeroMQ `ipc://` sockets bound in /tmp.
+    CRIU keeps none of these in the image: it records a shared mapping of a file by path
+    (the content lives in the file, which the running tree goes on changing after a
+    `--leave-running` dump), links an unlinked one back as `link_remap.N` only until the
+    dump ends, and re-binds a socket path only if no file is there.
+    """
+
+    shm_files: tuple[str, ...]
+    socket_paths: tuple[str, ...]
+
+
+def _linked(path: str) -> str | None:
+    return None if path.endswith(_DELETED) else path
+
+
+def survey(pids: tuple[int, ...], proc_root: Path = Path("/proc"),
+           shm_dir: Path = SHM_DIR) -> Survey:
+    """What the tree `pids` uses outside itself, read from /proc (maps, fds, net/unix)."""
+    shm: set[str] = set()
+    inodes: set[int] = set()
+    top = f"{shm_dir}/"
+    for pid in pids:
+        base = proc_root / str(pid)
+        with contextlib.suppress(OSError):
+            for line in (base / "maps").read_text().splitlines():
+                parts = line.split(maxsplit=5)
+                name = _linked(parts[5].strip()) if len(parts) == 6 else None
+                if name and name.startswith(top) and "/" not in name[len(top):]:
+                    shm.add(name[len(top):])
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(base / "fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(base / "fd" / fd)
+                    if target.startswith("socket:["):
+                        inodes.add(int(target[8:-1]))
+                    elif (name := _linked(target)) and name.startswith(top) \
+                            and "/" not in name[len(top):]:
+                        shm.add(name[len(top):])
+    paths: set[str] = set()
+    if pids:
+        with contextlib.suppress(OSError):
+            for line in (proc_root / str(pids[0]) / "net" / "unix").read_text().splitlines()[1:]:
+                f = line.split()
+                # Abstract names start with '@' and leave no file behind.
+                if len(f) >= 8 and int(f[6]) in inodes and f[7].startswith("/"):
+                    paths.add(f[7])
+    return Survey(tuple(sorted(shm)), tuple(sorted(paths)))
+
+
+def post_dump_script(script: Path, survey: Survey, image_dir: Path,
+                     shm_dir: Path = SHM_DIR) -> None:
+    """Write the `criu dump --action-script` that copies the shm files into the image.
+
+    CRIU runs it at post-dump, while the tree is still frozen: the copies are the content
+    the dumped pages expect, before the tree (left running) changes them again. The
+    link_remap files this dump made are copied too: CRIU removes them when the tree is
+    left running, and a restore needs them."""
+    before = {n for n in _names(shm_dir) if n.startswith(REMAP)}
+    q = shlex.quote
+    lines = [
+        "#!/bin/sh",
+        "# Written by Pitstop for one CRIU dump: save what the tree keeps in the shm dir.",
+        '[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0',
+        "set -e",
+        f"cd {q(str(shm_dir))}",
+    ]
+    for name in survey.shm_files:
+        lines.append(f"cp -p -- {q(name)} {q(str(image_dir / (PREFIX + name)))}")
+    lines += [
+        f"for f in {REMAP}*; do",
+        '    [ -f "$f" ] || continue',
+        '    case " ' + " ".join(sorted(before)) + ' " in *" $f "*) continue ;; esac',
+        f'    cp -p -- "$f" {q(str(image_dir))}/{PREFIX}"$f"',
+        "done",
+    ]
+    script.write_text("\n".join(lines) + "\n")
+    script.chmod(0o700)
+
+
+def saved(image_dir: Path) -> tuple[str, ...]:
+    """The shm names the post-dump script saved into `image_dir`."""
+    return tuple(sorted(n[len(PREFIX):] for n in _names(image_dir) if n.startswith(PREFIX)))
+
+
+def put_back(image_dir: Path, names: tuple[str, ...], socket_paths: tuple[str, ...],
+             shm_dir: Path = SHM_DIR) -> tuple[Path, ...]:
+    """Before a restore: each saved shm file in place again (the dump-time content, written
+    whole then renamed), and every stale socket file at a path the tree binds removed.
+    Returns the link_remap files written, which CRIU consumes; on a failed restore the
+    caller removes them (`drop_remaps`)."""
+    remaps: list[Path] = []
+    try:
+        for name in names:
+            target = shm_dir / name
+            tmp = shm_dir / f".pitstop-{os.getpid()}-{name}"
+            shutil.copy2(image_dir / (PREFIX + name), tmp)
+            os.replace(tmp, target)
+            if name.startswith(REMAP):
+                remaps.append(target)
+    except OSError as e:
+        drop_remaps(tuple(remaps))
+        raise SnapshotError(f"could not put {name} back into {shm_dir} before the restore: "
+                            f"{e}; check that {shm_dir} is writable and has room") from e
+    for path in socket_paths:
+        try:
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                # Left by the dead tree; CRIU's bind of the same path would fail on it.
+                os.unlink(path)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise SnapshotError(f"could not remove the stale socket {path} that the restored "
+                                f"engine binds again: {e}") from e
+    return tuple(remaps)
+
+
+def drop_remaps(paths: tuple[Path, ...]) -> None:
+    for p in paths:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+
+
+def _names(d: Path) -> list[str]:
+    try:
+        return os.listdir(d)
+    except OSError:
+        return []
