@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -90,9 +91,14 @@ def test_leave_running_keeps_serving_and_the_image_restores_the_dump_time_state(
 def test_a_failed_dump_names_the_criu_error_publishes_nothing_and_the_process_serves_on(
     tmp_path: Path,
 ):
-    # A TCP socket cannot be dumped on these kernels (LAB.md fact 3): a real CRIU failure.
+    # A Unix stream connection to a peer outside the tree: CRIU cannot dump one half of
+    # it ("Can't dump half of stream unix connection"), a real CRIU failure.
     snap = snapshotter(tmp_path / "snaps", tmp_path / "logs")
-    c = Counter(tmp_path / "c.sock", 0, "--tcp")
+    peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    peer.bind(str(tmp_path / "peer.sock"))
+    peer.listen(1)
+    c = Counter(tmp_path / "c.sock", 0, "--connect", str(tmp_path / "peer.sock"))
+    accepted, _ = peer.accept()
     try:
         with pytest.raises(SnapshotError) as e:
             snap.capture(c.pid, canary=CANARY, identity=identity(snap.criu.version))
@@ -106,6 +112,8 @@ def test_a_failed_dump_names_the_criu_error_publishes_nothing_and_the_process_se
         assert [n for n in os.listdir(snap.store.root) if n.startswith(".tmp-")] == []
     finally:
         c.stop()
+        accepted.close()
+        peer.close()
 
 
 def test_an_agent_killed_during_the_dump_leaves_the_previous_good_snapshot(tmp_path: Path):
