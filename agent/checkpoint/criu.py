@@ -83,7 +83,7 @@ def restore_flags(dump_flags: tuple[str, ...]) -> tuple[str, ...]:
 
 
 # Error lines CRIU logs on every run here that are not the cause of anything
-# (LAB.md fact 2: no CAP_SYS_RESOURCE in these VMs).
+# (a VM without CAP_SYS_RESOURCE: "Can't setup RLIMIT_NOFILE for self").
 HARMLESS_ERRORS = ("Can't setup RLIMIT_NOFILE",)
 
 
