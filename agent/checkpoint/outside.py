@@ -154,12 +154,14 @@ def copy_sparse(src: Path, dst: Path) -> None:
             except OSError:  # ENXIO: only a hole is left
                 break
             end = os.lseek(fin.fileno(), start, os.SEEK_HOLE)
-            left = end - start
-            while left > 0:
-                n = os.copy_file_range(fin.fileno(), fout.fileno(), left, start, start)
-                if n == 0:
+            # pread/pwrite: copy_file_range refuses a copy from the image's filesystem to
+            # tmpfs (EXDEV).
+            while start < end:
+                chunk = os.pread(fin.fileno(), min(end - start, 1 << 20), start)
+                if not chunk:
                     break
-                start, left = start + n, left - n
+                os.pwrite(fout.fileno(), chunk, start)
+                start += len(chunk)
             pos = end
         os.ftruncate(fout.fileno(), size)
 
