@@ -356,12 +356,27 @@ def test_vllms_own_metrics_through_the_front(agent: VllmAgent, client: openai.Op
 # --- failures: each one comes back through the full restore of the one image ---------------
 
 
-def test_sigkill_of_the_api_server_is_restored(agent: VllmAgent, client: openai.OpenAI):
+def test_sigkill_of_the_api_server_mid_stream_is_restored_and_the_stream_finishes(
+        agent: VllmAgent, client: openai.OpenAI):
     pid = agent.engine_pid()
+    whole = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=LONG, temperature=0)
+    # The stream's connection to the engine dies with the API server; the front holds the
+    # client and continues the answer on the restored engine from the last token sent.
+    out: dict = {}
+    started = threading.Event()
+    streamer = threading.Thread(target=_stream, args=(client, out, started))
+    streamer.start()
+    assert started.wait(BOOT_S) and "stream" not in out, out
     os.kill(pid, signal.SIGKILL)
     st = _restored(agent, client, 1, "crash")
     # CRIU gives the tree its PIDs back.
     assert st["engine_pid"] == pid
+    streamer.join(BOOT_S)
+    assert not streamer.is_alive()
+    assert not isinstance(out["stream"], Exception), out["stream"]
+    text, finish, usage = out["stream"]
+    assert (finish, usage) == ("length", LONG), out["stream"]
+    assert text == whole.choices[0].text, (text, whole.choices[0].text)
 
 
 def _stream(client: openai.OpenAI, out: dict, started: threading.Event) -> None:
