@@ -1,5 +1,12 @@
 """The exception classes: one per failure area, each message says what to do."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agent.checkpoint.connections import Outside, OutsideConnection
+
 
 class PitstopError(Exception):
     """Base of every error Pitstop reports to a user."""
@@ -31,6 +38,27 @@ class CommandError(PitstopError):
 
 class SnapshotError(PitstopError):
     """A snapshot could not be taken, verified or restored."""
+
+
+class OpenConnectionsError(SnapshotError):
+    """A snapshot was refused before CRIU ran: connections from outside the tree are open.
+
+    `connections` names each one (its reason code, inode, both addresses, the holder).
+    """
+
+    def __init__(self, connections: tuple[OutsideConnection, ...]) -> None:
+        self.connections = connections
+        n = len(connections)
+        super().__init__(
+            f"{n} connection{'s' if n != 1 else ''} from outside the engine's process tree "
+            f"{'are' if n != 1 else 'is'} open, which a dump cannot take: "
+            + "; ".join(map(str, connections))
+            + f". Close {'them' if n != 1 else 'it'} (a client that keeps a connection to the "
+            "engine open) and snapshot again")
+
+    @property
+    def reasons(self) -> tuple[Outside, ...]:
+        return tuple(dict.fromkeys(c.reason for c in self.connections))
 
 
 class StatusError(PitstopError):

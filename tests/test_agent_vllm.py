@@ -29,7 +29,7 @@ import openai
 import pytest
 
 from agent import proc
-from agent.checkpoint.netlock import tree_connections
+from agent.checkpoint.connections import tcp_survey
 from agent.config import parse_config
 from agent.engines import build_adapter
 from agent.identity import host_identity, read_vllm_package
@@ -273,9 +273,10 @@ def test_the_cold_started_vllm_is_snapshotted_with_its_tcp_connections(agent: Vl
     # among them, if any, are dumped with no network lock, as both ends are in the tree.
     listeners = _tcp_listeners(m.process.pids)
     assert listeners, "vLLM's tree holds no TCP listener: what does this test stand on?"
-    internal, external = tree_connections(m.process.pids)
-    print(f"\nvLLM's TCP: listeners {listeners}, connections {internal}", file=sys.stderr)
-    assert external == ()
+    tcp = tcp_survey(m.process.pids)
+    print(f"\nvLLM's TCP: listeners {listeners}, connections {tcp.internal}", file=sys.stderr)
+    assert tcp.outside == ()
+    internal = tcp.internal
     flags = m.criu_flags
     if internal:
         assert flags[flags.index("--network-lock") + 1] == "skip", flags

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from agent import proc
+from agent.checkpoint.connections import Outside
 from agent.checkpoint.criu import DumpOptions
-from agent.checkpoint.netlock import ExternalConnectionError
+from agent.errors import OpenConnectionsError
 from tests.snapshot_helpers import (
     CANARY,
     REPO,
@@ -117,13 +118,16 @@ def test_a_tcp_connection_to_outside_the_tree_refuses_the_snapshot_and_names_it(
     t = Talker(tmp_path / "t.sock", "--peer", f"127.0.0.1:{port}")
     accepted, _ = outside.accept()
     try:
-        with pytest.raises(ExternalConnectionError) as refused:
+        with pytest.raises(OpenConnectionsError) as refused:
             snap.capture(t.pid, canary=CANARY, identity=identity(snap.criu.version),
                          options=DumpOptions(leave_running=True))
         said = str(refused.value)
-        assert f"PID {t.pid} (python" in said and f"-> 127.0.0.1:{port}" in said, said
+        assert f"PID {t.pid} (python" in said and f"peer 127.0.0.1:{port}" in said, said
         [conn] = refused.value.connections
-        assert (conn.pid, conn.peer) == (t.pid, f"127.0.0.1:{port}")
+        assert (conn.reason, conn.holder.pid, conn.peer) == (
+            Outside.TCP_PEER, t.pid, f"127.0.0.1:{port}")
+        # The peer's holder is named: this test process.
+        assert os.getpid() in [h.pid for h in conn.peer_holders]
         # Refused before CRIU ran: nothing published, the process serves on.
         assert snap.store.entries() == []
         assert ping(t.sock) == (1, 1, 0)

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from agent.checkpoint.criu_locate import CriuBinary
-from agent.checkpoint.netlock import NetworkLock
 from agent.commands import CommandResult, Runner, run
 from agent.errors import CommandError, SnapshotError
 
 # Flags and why (docs/snapshots.md has the long form):
-#   --ext-unix-sk   a connected Unix socket whose peer is outside the tree (a client
-#                   of the engine's socket) does not fail the dump; on restore it
-#                   comes back disconnected.
+#   --ext-unix-sk   a Unix datagram socket connected to a named socket outside the
+#                   tree is reconnected by name on restore. A stream connection with
+#                   one end outside still fails the dump (criu/sk-unix.c);
+#                   checkpoint/connections.py refuses those first, naming them.
 #   --link-remap    files that are open but unlinked (torch/tempfile scratch) are
 #                   linked back under a temporary name so they can be dumped.
 #   --file-locks    flock/posix locks the engine holds are dumped and retaken.
@@ -23,8 +24,8 @@ from agent.errors import CommandError, SnapshotError
 #                   torch.distributed store do, over loopback). Needs CRIU >= 4.2 on
 #                   Linux >= 6.16 (CRIU issue 2705).
 #   --network-lock  with --tcp-established: `skip` when both ends of every connection
-#                   are in the tree (netlock.choose_lock checks), since CRIU's default
-#                   (iptables) is often not installed; `nftables` otherwise.
+#                   are in the tree (connections.refuse_outside_connections checks),
+#                   since CRIU's default (iptables) is often not installed.
 #   --shell-job     only when asked: the engine shares a session or terminal with
 #                   something outside the tree. The supervisor starts the engine with
 #                   its own session (setsid) and stdin /dev/null, so it is not needed.
@@ -32,6 +33,16 @@ from agent.errors import CommandError, SnapshotError
 # a peer outside the tree; restore takes `--inherit-fd fd[N]:pipe:[INODE]` to wire
 # the old pipe's inode to a new pipe the agent made, passed to CRIU as fd N.
 COMMON_FLAGS = ("--ext-unix-sk", "--file-locks")
+
+
+class NetworkLock(enum.Enum):
+    """What CRIU does to keep TCP peers quiet while the tree is frozen (`--network-lock`)."""
+
+    # Nothing: sound only when both ends of every connection are frozen in the same tree.
+    SKIP = "skip"
+    # nftables rules drop the connections' packets (CRIU built with libnftables, as
+    # Debian's 4.2 is): for a dump that stops the tree while a peer outside waits.
+    NFTABLES = "nftables"
 DUMP_ONLY_FLAGS = ("--link-remap",)
 
 

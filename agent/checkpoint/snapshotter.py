@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from agent.checkpoint import outside
-from agent.checkpoint.criu import CriuBackend, DumpOptions, restore_flags
+from agent.checkpoint.connections import refuse_outside_connections
+from agent.checkpoint.criu import CriuBackend, DumpOptions, NetworkLock, restore_flags
 from agent.checkpoint.cuda import CudaCheckpoint, uses_cuda
-from agent.checkpoint.netlock import choose_lock
 from agent.errors import SnapshotError
 from agent.identity import Identity
 from agent.proc import descendants, kill_tree
@@ -127,23 +127,24 @@ class Snapshotter:
         CRIU kills the tree after a successful dump. A failed dump leaves the engine
         running (CUDA restored and unlocked) and publishes nothing.
 
-        TCP connections are dumped when all of them are inside the tree (no network lock
-        is needed then); one to a peer outside it refuses the dump
-        (netlock.ExternalConnectionError) unless the dump stops the tree and nftables can
-        hold the peer off."""
+        A connection from outside the tree still open raises OpenConnectionsError before
+        anything runs (TCP included: the engine is left running and goes on talking to
+        that peer, so no restore could match the peer's view of it). The TCP connections
+        left have both ends in the tree: they are dumped with `--tcp-established` and no
+        network lock, as both ends freeze and come back together."""
         opts = options or DumpOptions()
         timings: dict[str, float] = {}
         created = datetime.now(UTC)
         pids = tree_pids(pid, self._proc)
-        tcp, lock = choose_lock(pids, leave_running=opts.leave_running, proc_root=self._proc)
+        tcp = refuse_outside_connections(pids, self._proc).tcp
         used = outside.survey(pids, self._proc, self._shm)
         pipes = std_pipes(pid, self._proc)
         with self.store.begin(kind) as draft:
             log = self._log(f"{draft.id}-dump.log")
             script = self._log(f"{draft.id}-post-dump.sh")
             outside.post_dump_script(script, used, draft.dir, self._shm)
-            opts = replace(opts, tcp_established=opts.tcp_established or tcp,
-                           network_lock=lock, action_script=script)
+            opts = replace(opts, tcp_established=opts.tcp_established or tcp.internal_present,
+                           network_lock=NetworkLock.SKIP, action_script=script)
             cuda_pids = tuple(p for p in pids if uses_cuda(p, self._proc))
             self._suspend(cuda_pids, timings)
             try:

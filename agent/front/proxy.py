@@ -145,6 +145,8 @@ class Front:
         self.metrics = metrics
         self.holding = Holding(gate, config.queue, metrics)
         self.upstream = Upstream()
+        # Before a snapshot the pooled connections go: CRIU cannot dump half of a connection.
+        gate.on_quiesce(self.upstream.close_idle)
         self.inflight = 0  # requests with an engine request open right now
         self.port: int | None = None
         self._active: set[asyncio.Task[Any]] = set()  # handlers of admitted requests
@@ -259,16 +261,21 @@ class Front:
         if ready is None:
             return web.Response(status=503, text="engine down: "
                                 f"{self.gate.down_reason or 'paused for a snapshot'}\n")
-        assert self._engine_metrics_path is not None
         try:
-            async with self.upstream.session(ready) as s, s.get(
-                    _ENGINE + self._engine_metrics_path, headers=forward_headers(request.headers),
-                    timeout=_SCRAPE_TIMEOUT) as up:
-                data = await up.read()
-                return web.Response(status=up.status, body=data,
-                                    headers=forward_headers(up.headers.items()))
+            # Counted on the gate: a snapshot waits for a scrape as for any engine request.
+            with self.gate.request():
+                return await self._scrape(ready, request)
         except (*LOST, TimeoutError) as e:
             return web.Response(status=503, text=f"engine metrics unavailable: {_describe(e)}\n")
+
+    async def _scrape(self, ready: Ready, request: web.Request) -> web.Response:
+        assert self._engine_metrics_path is not None
+        async with self.upstream.session(ready) as s, s.get(
+                _ENGINE + self._engine_metrics_path, headers=forward_headers(request.headers),
+                timeout=_SCRAPE_TIMEOUT) as up:
+            data = await up.read()
+            return web.Response(status=up.status, body=data,
+                                headers=forward_headers(up.headers.items()))
 
     # --- forwarding ------------------------------------------------------------------------
     async def _proxy(self, request: web.Request) -> web.StreamResponse:

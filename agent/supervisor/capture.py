@@ -11,10 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.checkpoint.criu import DumpOptions
-from agent.checkpoint.netlock import ExternalConnectionError
 from agent.checkpoint.snapshotter import SnapshotInfo, Snapshotter
 from agent.engines.base import EngineAdapter
-from agent.errors import EngineError, SnapshotError
+from agent.errors import EngineError, OpenConnectionsError, SnapshotError
 from agent.identity import Identity
 from agent.metrics import Metrics
 from agent.store import Canary
@@ -71,9 +70,10 @@ class CaptureResult:
 class Capture:
     """Snapshots a ready engine without losing a request.
 
-    New requests are held by the front (admission paused) and the ones in flight finish;
-    the engine drops its KV pool (prepare), CRIU dumps it and leaves it running, the engine
-    rebuilds the pool (resume), and admission resumes. A failed dump publishes nothing and
+    New requests are held by the front (admission paused), the ones in flight finish and
+    idle connections to the engine are closed (the gate's quiesce); the engine drops its KV
+    pool (prepare), CRIU dumps it and leaves it running, the engine rebuilds the pool
+    (resume), and admission resumes. A failed dump publishes nothing and
     leaves the engine serving.
 
     Example::
@@ -103,7 +103,9 @@ class Capture:
         kind = "full"
         self._gate.pause_admission()
         try:
-            if not await self._gate.wait_quiet(self._quiet_timeout):
+            # Quiet also closes the front's idle connections to the engine (CRIU cannot
+            # dump half of a Unix connection); the snapshotter refuses any still open.
+            if not await self._gate.quiesce(self._quiet_timeout):
                 raise SnapshotError(
                     f"{self._gate.inflight} requests still in flight after "
                     f"{self._quiet_timeout:.0f}s (snapshots.quiet_timeout_s); try again later")
@@ -126,26 +128,28 @@ class Capture:
                     t0: float) -> CaptureResult:
         freed = 0
         held = None
-        async with EngineProbe(self._socket, timeout=self._control_timeout) as probe:
-            if self._adapter.prepare_path:
+        # The control calls have a session each, closed before the dump: a connection of
+        # ours to the engine must not be open while CRIU takes its tree.
+        if self._adapter.prepare_path:
+            async with EngineProbe(self._socket, timeout=self._control_timeout) as probe:
                 answer = await probe.control(self._adapter.prepare_path)
-                freed = int(answer.get("freed_bytes", 0))
-                # Weights the engine maps from the holder were detached by prepare: the
-                # image leaves them out, and records what a restore must find held.
-                held = (answer.get("held") or {}).get("regions") or None
-            kind = "hybrid" if held else "full"
-            try:
-                info = await asyncio.get_running_loop().run_in_executor(
-                    None, self._capture, engine.pid, canary, kind, held)
-            except ExternalConnectionError as e:
-                # Refused before CRIU ran: the engine is as it was, and the reason is ours.
-                self.failure = f"snapshot refused: {e}"
-                raise _DumpFailed(str(e)) from e
-            except SnapshotError as e:
-                self.failure = dump_failure(self._adapter.kind, e)
-                raise _DumpFailed(str(e)) from e
-            finally:
-                if self._adapter.resume_path and engine.alive:
+            freed = int(answer.get("freed_bytes", 0))
+            # Weights the engine maps from the holder were detached by prepare: the image
+            # leaves them out, and records what a restore must find held.
+            held = (answer.get("held") or {}).get("regions") or None
+        kind = "hybrid" if held else "full"
+        try:
+            info = await asyncio.get_running_loop().run_in_executor(
+                None, self._capture, engine.pid, canary, kind, held)
+        except OpenConnectionsError as e:
+            self.failure = f"the snapshot was refused before CRIU ran: {e}"
+            raise _DumpFailed(str(e)) from e
+        except SnapshotError as e:
+            self.failure = dump_failure(self._adapter.kind, e)
+            raise _DumpFailed(str(e)) from e
+        finally:
+            if self._adapter.resume_path and engine.alive:
+                async with EngineProbe(self._socket, timeout=self._control_timeout) as probe:
                     await probe.control(self._adapter.resume_path)
         duration = time.monotonic() - t0
         log.info("snapshot %s published: %.1f MB in %.2fs (%s); the engine freed %.1f MB "

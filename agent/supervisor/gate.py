@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger("pitstop.gate")
 
 
 @dataclass(frozen=True)
@@ -22,7 +25,9 @@ class EngineGate:
     """Opened by the supervisor when the engine is verified, closed when it goes down.
 
     The front waits on it to hold requests across a restart, and counts its requests in
-    flight on it so that the supervisor can wait for quiet before a snapshot.
+    flight on it so that the supervisor can wait for quiet before a snapshot. Whoever keeps
+    idle connections to the engine (the front's keep-alive pool) registers a release with
+    `on_quiesce`: a process tree cannot be dumped with a connection from outside open.
 
     Example::
 
@@ -39,6 +44,7 @@ class EngineGate:
         self._quiet = asyncio.Event()
         self._quiet.set()
         self._admitting = True
+        self._releases: list[Callable[[], Awaitable[None]]] = []
         self.down_reason = "starting"
         # When the engine went down (monotonic), so that the front can tell a short restore,
         # which it hides by holding requests, from a long outage; None while it is up.
@@ -94,6 +100,24 @@ class EngineGate:
     def resume_admission(self) -> None:
         self._admitting = True
         self._wake()
+
+    def on_quiesce(self, release: Callable[[], Awaitable[None]]) -> None:
+        """Have `release` close idle connections to the engine at every `quiesce`."""
+        self._releases.append(release)
+
+    async def quiesce(self, timeout: float) -> bool:
+        """Admission paused: wait for the requests in flight, then close every idle
+        connection to the engine. False when requests were still running at `timeout`."""
+        if not await self.wait_quiet(timeout):
+            return False
+        for release in self._releases:
+            try:
+                await release()
+            except Exception:
+                # Not fatal here: a connection it left open is named by the snapshot's own
+                # check, which refuses the dump.
+                log.exception("closing idle connections to the engine failed")
+        return True
 
     async def wait_quiet(self, timeout: float) -> bool:
         try:

@@ -5,12 +5,6 @@ import socket
 import sys
 
 path, ballast_mib = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0
-# --connect PATH: also hold a Unix stream connection to PATH, a peer outside the tree,
-# which CRIU refuses to dump.
-peer = None
-if "--connect" in sys.argv:
-    peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    peer.connect(sys.argv[sys.argv.index("--connect") + 1])
 # Memory with content, so that an image has a known, incompressible size.
 ballast = os.urandom(ballast_mib << 20)
 count = 0
