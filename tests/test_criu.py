@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import ctypes
+import os
 import signal
 import subprocess
 import sys
