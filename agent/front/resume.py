@@ -37,6 +37,9 @@ _ID_KEYS = re.compile(
 # it (same structural argument: the key's quote follows '{' or ',' directly).
 _DELTA_IDS = re.compile(rb'"token_ids"\s*:\s*\[([^\]]*)\]')
 _FINISH = re.compile(rb'"finish_reason"\s*:\s*(?:null|"([^"\\]*)")')
+# An event whose ids came with no text: the engine holds the bytes of an incomplete UTF-8
+# character back until a later token completes it (vLLM's incremental detokenizer does).
+_NO_TEXT = re.compile(rb'"(?:text|content)"\s*:\s*(?:""|null)')
 
 
 def _key(pattern: re.Pattern[bytes], key: bytes, raw: bytes) -> re.Match[bytes] | None:
@@ -224,6 +227,10 @@ class Tracker:
         self.engine_dead = False
         self.prompt_ids: list[int] | None = None
         self.out_ids: list[int] = []
+        # How many of the last out_ids the client has no text for yet (an incomplete UTF-8
+        # character): a continuation starts before them, so the new engine sends their
+        # text; started after them, its detokenizer could never emit those bytes.
+        self._textless = 0
         self.header: dict[str, Any] = {}
         self.finish: str | None = None
         self.done = False
@@ -277,7 +284,9 @@ class Tracker:
             return None
         got = ids.group(1)
         if got.strip():
-            self.out_ids.extend(map(int, got.split(b",")))
+            new = [int(x) for x in got.split(b",")]
+            self.out_ids.extend(new)
+            self._note_text(len(new), not _NO_TEXT.search(raw))
         if fin.group(1) is not None:
             self.finish = fin.group(1).decode()
         if self.plan.client_ids:
@@ -351,6 +360,8 @@ class Tracker:
                 choice.get("prompt_token_ids"), list):
             self.prompt_ids = choice["prompt_token_ids"]
         self.out_ids.extend(choice.get("token_ids") or ())
+        said = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+        self._note_text(len(choice.get("token_ids") or ()), bool(said))
         self._has_stop_reason = self._has_stop_reason or "stop_reason" in choice
         if self._scanner is None:
             self.finish = choice.get("finish_reason") or self.finish
@@ -399,6 +410,7 @@ class Tracker:
         ids = list(choice.get("token_ids") or ())
         self.out_ids.extend(ids)
         text = choice.get("text") or ""
+        self._note_text(len(ids), bool(text))
         if self._scanner is not None:
             emit, stop, finish = self._scan(text, choice.get("finish_reason"))
         else:
@@ -410,6 +422,10 @@ class Tracker:
             self.done = self.cut = True
             frame += self._usage_frame() + DONE_FRAME
         return frame
+
+    def _note_text(self, n_ids: int, has_text: bool) -> None:
+        if n_ids:
+            self._textless = 0 if has_text else self._textless + n_ids
 
     # --- building client events --------------------------------------------------------
     def _chunk(self, text: str, ids: list[int], finish: str | None,
@@ -487,6 +503,10 @@ class Tracker:
         """(path, body) that continues the answer, once `complete` and `can_resume` said so."""
         if not self.started:
             return self.plan.endpoint, self.plan.first_body()
+        if self._textless:
+            # Regenerated, with their text, by the continuation (exactly so when greedy).
+            del self.out_ids[-self._textless:]
+            self._textless = 0
         left = self.remaining()
         assert self.prompt_ids is not None and not self.complete
         body: dict[str, Any]
