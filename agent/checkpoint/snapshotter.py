@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -21,6 +22,8 @@ from agent.identity import Identity
 from agent.proc import descendants, kill_tree
 from agent.store import Canary, Manifest, ProcessTree, SnapshotKind, SnapshotStore
 from agent.store.files import DIR_MODE
+
+logger = logging.getLogger("pitstop.snapshot")
 
 LOG_DIR = ".logs"
 # Only the standard streams are re-wired on restore; the supervisor gives the engine
@@ -139,6 +142,10 @@ class Snapshotter:
         tcp = refuse_outside_connections(pids, self._proc).tcp
         used = outside.survey(pids, self._proc, self._shm)
         pipes = std_pipes(pid, self._proc)
+        stale = outside.drop_stale_remaps(pids, self._shm, self._proc)
+        if stale:
+            logger.warning("removed CRIU link remaps no process holds (left by a CRIU that "
+                           "died mid-dump): %s", ", ".join(stale))
         with self.store.begin(kind) as draft:
             log = self._log(f"{draft.id}-dump.log")
             script = self._log(f"{draft.id}-post-dump.sh")
