@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from agent.errors import ConfigError, PitstopError
+from agent.errors import AgentRunningError, ConfigError, PitstopError
 
 EXIT_OK = 0
 EXIT_FAIL = 1
@@ -109,6 +109,10 @@ def format_status(data: dict) -> str:
                      f"{rec['duration_s']:.2f}s")
         for f in rec.get("fallthroughs", []):
             lines.append(f"  fell through: {f}")
+        if rec.get("gpu_peak_bytes") is not None:
+            lines.append(f"  peak GPU memory in use: {rec['gpu_peak_bytes'] / 2**30:.2f} GiB")
+    if data.get("gpu"):
+        lines.append(f"gpu:      {data['gpu']}")
     lines.append(f"restarts: {data.get('restarts', 0)}")
     if data.get("snapshot_error"):
         lines.append(f"snapshot: {data['snapshot_error']}")
@@ -448,7 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except ConfigError as e:
+    except (ConfigError, AgentRunningError) as e:
+        # Starting again cannot fix either (the unit's RestartPreventExitStatus=2).
         print(f"pitstop: {e}", file=sys.stderr)
         return EXIT_USAGE
     except PitstopError as e:

@@ -11,6 +11,7 @@ from pathlib import Path
 from agent.config import Config
 from agent.errors import SnapshotError
 
+CAP_SYS_PTRACE = 19
 CAP_SYS_ADMIN = 21
 CAP_CHECKPOINT_RESTORE = 40
 MIN_FREE_BYTES = 1 << 30
@@ -54,16 +55,38 @@ def _criu(config: Config) -> list[Check]:
 def _caps(proc_root: Path) -> Check:
     if os.geteuid() == 0:
         return Check("privileges", True, True, "running as root")
-    eff = 0
-    for line in (proc_root / "self" / "status").read_text().splitlines():
-        if line.startswith("CapEff:"):
-            eff = int(line.split()[1], 16)
+    eff = _effective_caps(proc_root)
     if eff & (1 << CAP_CHECKPOINT_RESTORE) or eff & (1 << CAP_SYS_ADMIN):
         return Check("privileges", True, True, "CAP_CHECKPOINT_RESTORE or CAP_SYS_ADMIN held")
     return Check(
         "privileges", False, True, f"uid {os.geteuid()} without CAP_CHECKPOINT_RESTORE",
         "run the agent as root (the systemd unit does), or grant "
         "AmbientCapabilities=CAP_CHECKPOINT_RESTORE CAP_SYS_PTRACE",
+    )  # fmt: skip
+
+
+def _effective_caps(proc_root: Path) -> int:
+    for line in (proc_root / "self" / "status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return int(line.split()[1], 16)
+    return 0
+
+
+def _amx(proc_root: Path) -> Check:
+    from agent.checkpoint.xcomp import cpu_has_amx
+
+    if not cpu_has_amx(proc_root):
+        return Check("amx", True, False, "this CPU has no AMX: a restore has no AMX "
+                     "permission to give back")  # fmt: skip
+    detail = ("this CPU has AMX; CRIU does not restore a process's AMX permission, so "
+              "each restore asks for it again in every restored process (ptrace)")  # fmt: skip
+    if os.geteuid() == 0 or _effective_caps(proc_root) & (1 << CAP_SYS_PTRACE):
+        return Check("amx", True, True, detail)
+    return Check(
+        "amx", False, True, f"{detail}, which needs CAP_SYS_PTRACE; without it a restored "
+        "engine that uses AMX (torch bf16 on the CPU) dies with SIGILL",
+        "run the agent as root (the systemd unit does), or grant "
+        "AmbientCapabilities=CAP_SYS_PTRACE",
     )  # fmt: skip
 
 
@@ -149,6 +172,7 @@ def run_checks(
     checks = [
         *_criu(config),
         _caps(proc_root),
+        _amx(proc_root),
         _io_uring(config, proc_root),
         _cuda(gpu),
         persistence,

@@ -16,6 +16,10 @@ class ConfigError(PitstopError):
     """The configuration file is missing, malformed or invalid."""
 
 
+class AgentRunningError(PitstopError):
+    """Another agent already holds this state directory: this one refuses to start."""
+
+
 class ModelError(PitstopError):
     """A model directory cannot be made or loaded."""
 

@@ -23,21 +23,27 @@ def fsync_file(path: Path) -> None:
     _fsync(path, os.O_NOFOLLOW)
 
 
-def write_private(path: Path, data: bytes, mode: int = 0o600) -> None:
-    """Write `data` to `path` through a temporary file, fsync, rename, fsync the directory."""
+def write_private(path: Path, data: bytes, mode: int = 0o600, *, durable: bool = True) -> None:
+    """Write `data` to `path` through a temporary file, fsync, rename, fsync the directory.
+
+    `durable=False` skips both fsyncs, for a file that means nothing after a reboot (it
+    stays atomic: a reader still sees the old file or the whole new one).
+    """
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
 def private_dir(path: Path) -> Path:

@@ -16,20 +16,28 @@ from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 import agent
+from agent.gpu_health import FaultKind
+from agent.supervisor.states import Cause
 
 # Recovery times span a 1 s hybrid restore to a multi-minute cold start of a big model.
 RECOVERY_BUCKETS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0,
                     120.0, 300.0, 600.0)
 STAGE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 STALL_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+# A first token comes in tens of milliseconds from a warm engine, seconds from a cold one.
+FIRST_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
+                       60.0)
 
 # Every rung a ladder may hold (agent/supervisor/paths/*: each class's `name`), fastest first.
 RECOVERY_PATHS = ("vllm-snapshot", "hybrid", "full", "warm", "vllm-preload", "cold")
 RESULTS = ("success", "failure")
 # What makes the supervisor walk the ladder, and the failures it did not ask for.
-RECOVERY_CAUSES = ("startup", "crash", "exit", "hang", "reload", "reset")
-FAILURE_CAUSES = ("crash", "exit", "hang")
-FALLTHROUGH_REASONS = ("skipped", "start_failed", "verify_failed")
+RECOVERY_CAUSES = tuple(c.value for c in Cause)
+FAILURE_CAUSES = tuple(c.value for c in (Cause.CRASH, Cause.EXIT, Cause.HANG, Cause.GPU_FAULT))
+# gpu_fault: skipped because it would reuse memory that a GPU fault made suspect.
+FALLTHROUGH_REASONS = ("skipped", "gpu_fault", "start_failed", "verify_failed")
+# The first streamed request an engine answers after it (re)started, and every later one.
+FIRST_TOKEN_PHASES = ("after_recovery", "steady")
 SNAPSHOT_KINDS = ("hybrid", "full")
 
 
@@ -65,6 +73,11 @@ class StatusView:
     holder_bytes: int | None = None
     front_queue_depth: int = 0
     front_inflight: int = 0
+    # The GPU memory in use at its peak during the last recovery by each path (path, bytes);
+    # empty without a GPU.
+    recovery_gpu_peak_bytes: tuple[tuple[str, int], ...] = ()
+    # Whether the engine's GPU is usable as NVML last saw it; None without a GPU watch.
+    gpu_usable: bool | None = None
 
 
 class Metrics:
@@ -98,8 +111,14 @@ class Metrics:
             ["path", "reason"], registry=registry)
         self.engine_failures = Counter(
             "pitstop_engine_failures_total",
-            "Engine failures the agent did not ask for, by cause (exit, signal, hang, verify).",
+            "Engine failures the agent did not ask for, by cause (crash, exit, hang, "
+            "gpu_fault).",
             ["cause"], registry=registry)
+        self.gpu_faults = Counter(
+            "pitstop_gpu_faults_total",
+            "Faults of the engine's GPU seen through NVML, by kind (ecc_uncorrected, "
+            "xid_memory, xid_fatal, gpu_lost, reset_required).",
+            ["kind"], registry=registry)
         # --- snapshots and drift -----------------------------------------------------
         self.snapshots_created = Counter(
             "pitstop_snapshots_created_total",
@@ -138,6 +157,12 @@ class Metrics:
             "pitstop_front_stall_seconds",
             "Pause seen by a client whose answer was resumed across a recovery.",
             buckets=STALL_BUCKETS, registry=registry)
+        self.front_first_token = Histogram(
+            "pitstop_front_time_to_first_token_seconds",
+            "From forwarding a streamed request to the engine to its first token sent on, by "
+            "the path that started the engine and phase (the first such request after the "
+            "engine started, or a later one).",
+            ["path", "phase"], buckets=FIRST_TOKEN_BUCKETS, registry=registry)
         self.front_failed = Counter(
             "pitstop_front_failed_requests_total",
             "Requests the front could not finish, by reason (deadline, queue_full, draining, "
@@ -164,6 +189,11 @@ class Metrics:
             self.regenerations.labels(result=result)
             for kind in SNAPSHOT_KINDS:
                 self.snapshots_created.labels(kind=kind, result=result)
+
+    def gpu_watched(self) -> None:
+        """The GPU is watched: its fault counters start at 0 (only on hosts with a GPU)."""
+        for kind in FaultKind:
+            self.gpu_faults.labels(kind=kind.value)
 
 
 class StatusCollector(Collector):
@@ -231,6 +261,20 @@ class StatusCollector(Collector):
         if s.holder_bytes is not None:
             hb.add_metric([], float(s.holder_bytes))
         yield hb
+        peak = GaugeMetricFamily(
+            "pitstop_recovery_gpu_memory_peak_bytes",
+            "GPU memory in use (every process, the holder's included) at its peak during the "
+            "last recovery by each path; no sample without a GPU.", labels=["path"])
+        for path, value in s.recovery_gpu_peak_bytes:
+            peak.add_metric([path], float(value))
+        yield peak
+        gu = GaugeMetricFamily(
+            "pitstop_gpu_usable",
+            "1 while NVML reports the engine's GPU usable, 0 once it is lost or needs a reset; "
+            "no sample without a GPU.")
+        if s.gpu_usable is not None:
+            gu.add_metric([], 1.0 if s.gpu_usable else 0.0)
+        yield gu
         qd = GaugeMetricFamily(
             "pitstop_front_queue_depth", "Requests waiting in the front for a ready engine.")
         qd.add_metric([], float(s.front_queue_depth))

@@ -2,15 +2,49 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import os
 import signal
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple, TypeVar
 
 PR_SET_CHILD_SUBREAPER = 36
+DEATHSIG_WRAPPER = Path(__file__).with_name("deathsig.py")
+
+T = TypeVar("T")
+
+# PR_SET_PDEATHSIG fires when the *thread* that forked a child exits, not the process
+# (prctl(2)). Every engine is therefore forked by a thread that lives as long as the agent:
+# the event loop's (a cold start) or this one (a CRIU restore, which takes seconds and must not
+# block the loop). Its worker never exits before the interpreter does.
+_parent_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pitstop-engine-parent")
+
+
+async def in_parent_thread(fn: Callable[..., T], *args: object) -> T:
+    """Run `fn`, which forks an engine (a CRIU restore), in the long-lived spawning thread."""
+    return await asyncio.get_running_loop().run_in_executor(_parent_thread, fn, *args)
+
+
+def with_deathsig(argv: list[str]) -> list[str]:
+    """`argv` behind the exec wrapper that arms PR_SET_PDEATHSIG(SIGKILL) in the child."""
+    return [sys.executable, "-I", "-S", str(DEATHSIG_WRAPPER), str(os.getpid()), "--", *argv]
+
+
+class Stat(NamedTuple):
+    """The fields of /proc/PID/stat the agent uses (proc(5))."""
+
+    state: str
+    ppid: int
+    pgid: int
+    session: int
+    # Clock ticks after boot: with the PID, it names one process for the life of the boot.
+    start_time: int
 
 # Children whose exit status belongs to someone else (the engine watcher, commands.run):
 # the reaper must leave those zombies alone or their owner would lose the status.
@@ -41,15 +75,21 @@ def become_subreaper() -> None:
         raise OSError(err, f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(err)}")
 
 
-def _stat(proc: Path, pid: int) -> tuple[str, int, int] | None:
-    """(state, ppid, pgid) of `pid`, or None when it is gone."""
+def stat(pid: int, proc: Path = Path("/proc")) -> Stat | None:
+    """What /proc/PID/stat says of `pid`, or None when it is gone."""
     try:
         raw = (proc / str(pid) / "stat").read_text()
     except OSError:
         return None
-    # The command name may hold spaces and parentheses: split after the last ')'.
+    # The command name may hold spaces and parentheses: split after the last ')'. The field
+    # after it is the 3rd of proc(5), so field N is at N - 3.
     fields = raw[raw.rindex(")") + 2 :].split()
-    return fields[0], int(fields[1]), int(fields[2])
+    return Stat(fields[0], int(fields[1]), int(fields[2]), int(fields[3]), int(fields[19]))
+
+
+def boot_id(proc: Path = Path("/proc")) -> str:
+    """This boot's random id: PIDs and start times recorded in another boot mean nothing."""
+    return (proc / "sys" / "kernel" / "random" / "boot_id").read_text().strip()
 
 
 def _pids(proc: Path) -> Iterator[int]:
@@ -62,7 +102,7 @@ def children_of(parent: int, proc: Path = Path("/proc")) -> dict[int, str]:
     """Direct children of `parent` and their states."""
     out = {}
     for pid in _pids(proc):
-        st = _stat(proc, pid)
+        st = stat(pid, proc)
         if st and st[1] == parent:
             out[pid] = st[0]
     return out
@@ -72,7 +112,7 @@ def descendants(root: int, proc: Path = Path("/proc")) -> list[int]:
     """Every live descendant of `root`, parents before children."""
     parent_of: dict[int, int] = {}
     for pid in _pids(proc):
-        st = _stat(proc, pid)
+        st = stat(pid, proc)
         if st:
             parent_of[pid] = st[1]
     order: list[int] = []
@@ -115,5 +155,36 @@ def kill_tree(root: int, sig: int = signal.SIGKILL, proc: Path = Path("/proc")) 
 
 
 def pid_alive(pid: int, proc: Path = Path("/proc")) -> bool:
-    st = _stat(proc, pid)
+    st = stat(pid, proc)
     return st is not None and st[0] != "Z"
+
+
+def group_members(pgid: int, proc: Path = Path("/proc")) -> dict[int, Stat]:
+    """Every live process in process group `pgid`, with its stat."""
+    out = {}
+    for pid in _pids(proc):
+        st = stat(pid, proc)
+        if st and st.pgid == pgid and st.state != "Z":
+            out[pid] = st
+    return out
+
+
+def engine_remains(pid: int, start_time: int, pgid: int, session: int,
+                   proc: Path = Path("/proc")) -> list[int]:
+    """The live processes left of the engine tree whose root was `pid` (started at
+    `start_time`, leading group `pgid` in `session`): the root and its descendants, and,
+    the root gone or not, the members of its group and session. Root first; never us."""
+    found: list[int] = []
+    root = stat(pid, proc)
+    if root is not None and root.start_time != start_time:
+        # Someone else has the PID now. The kernel never reuses a PID that still names a
+        # process group or session, so the engine's group is gone too.
+        return []
+    if root is not None and root.state != "Z":
+        found = [pid, *descendants(pid, proc)]
+    # Without its root, the group is still the engine's if its members are in the engine's
+    # session and no older than the engine.
+    for member, st in group_members(pgid, proc).items():
+        if st.session == session and st.start_time >= start_time and member not in found:
+            found.append(member)
+    return [p for p in found if p != os.getpid()]

@@ -22,14 +22,24 @@ from agent.control import ControlServer
 from agent.drift import Difference, describe
 from agent.drift_watch import DriftWatcher, build_reader
 from agent.engines import build_adapter
-from agent.errors import ConfigError, HolderError, ModelError, SnapshotError
+from agent.errors import (
+    ConfigError,
+    HolderError,
+    IdentityError,
+    ModelError,
+    SnapshotError,
+    SourceUnavailable,
+)
 from agent.fsutil import private_dir
+from agent.gpu_health import GpuWatch, Verdict
 from agent.holder.client import HolderClient
-from agent.identity import Identity
+from agent.identity import Identity, gpu_selector
 from agent.metrics import Metrics, NodeInfo, StatusView, new_registry
 from agent.supervisor.canary import CanaryBook
 from agent.supervisor.capture import Capture
 from agent.supervisor.gate import EngineGate
+from agent.supervisor.gpu import GpuGuard
+from agent.supervisor.ownership import EngineLedger, StateLock, Tether
 from agent.supervisor.paths.cold import ColdStart
 from agent.supervisor.paths.holder import HolderLink, HybridRestore, WarmStart
 from agent.supervisor.paths.restore import FullRestore
@@ -57,7 +67,8 @@ def setup_logging(verbose: bool = False) -> None:
 class Agent:
     """One node agent: the supervisor plus the front, metrics and systemd around it."""
 
-    def __init__(self, config: Config, config_path: Path | None, notifier: Notifier) -> None:
+    def __init__(self, config: Config, config_path: Path | None, notifier: Notifier,
+                 tether: Tether | None = None) -> None:
         self.config = config
         self.config_path = config_path
         self.notifier = notifier
@@ -71,6 +82,7 @@ class Agent:
         self.status = AgentStatus(engine_kind=config.engine.kind)
         private_dir(config.paths.state_dir)
         private_dir(config.paths.run)
+        self.ledger = EngineLedger(config.paths.state_dir, tether=tether)
         self.status_file = StatusFile(config.paths.run / "status.json")
         self._node = NodeInfo(kernel=os.uname().release, engine_kind=config.engine.kind,
                               engine_version=self.adapter.version(),
@@ -112,14 +124,17 @@ class Agent:
         self.holder = HolderLink(config.holder, config.paths.run, gpu=self._gpu_uuid,
                                  digest=self._weights_digest)
         self.hybrid = HybridRestore(self.holder, **restore)
+        self.gpu = GpuGuard(self._watch_gpu(config), drop_held=self.holder.drop,
+                            metrics=self.metrics)
         ladder = [*vllm_first, self.hybrid, self.full, WarmStart(self.adapter, self.holder),
-                  *vllm_warm, ColdStart(self.adapter, extra_args=self.holder.engine_args)]
+                  *vllm_warm, ColdStart(self.adapter, extra_args=self._cold_args)]
         self.supervisor = Supervisor(
             config=config, adapter=self.adapter, paths=ladder,
             gate=self.gate, metrics=self.metrics, notifier=notifier, status=self.status,
             canaries=CanaryBook(config.paths.state_dir / "canary.json"),
             capture=self.capture, on_change=self._write_status,
-            before_start=self._before_start, on_ready=self._on_ready)
+            before_start=self._before_start, on_ready=self._on_ready, gpu=self.gpu,
+            on_engine=self.ledger.record)
         self.watcher: DriftWatcher | None = None
         self.control = ControlServer(config.paths.run / "control.sock",
                                      {"snapshot": self._control_snapshot,
@@ -137,6 +152,31 @@ class Agent:
             log.warning("snapshots unavailable, every start will be cold: %s", e)
             return None, f"snapshots unavailable: {e}"
         return snap, ""
+
+    def _watch_gpu(self, config: Config) -> GpuWatch | None:
+        """A started NVML watch of the engine's GPU; None on a host or engine without one."""
+        if config.engine.device == "cpu":
+            return None
+        selector = gpu_selector({**os.environ, **config.engine.env})
+        if selector is None:
+            return None
+        watch = GpuWatch(selector)
+        try:
+            watch.start()
+        except SourceUnavailable as e:
+            log.info("GPU faults are not watched: %s", e)
+            return None
+        except IdentityError as e:
+            log.warning("GPU faults are not watched: %s", e)
+            return None
+        self.metrics.gpu_watched()
+        log.info("watching GPU %s for faults through NVML", selector)
+        return watch
+
+    def _cold_args(self) -> list[str]:
+        # Held memory that a GPU fault made suspect and the holder did not drop: load from
+        # disk, not from the holder.
+        return [] if self.gpu.held_suspect else self.holder.engine_args()
 
     def identity(self) -> Identity:
         """What a snapshot taken now depends on, and what a restore must match."""
@@ -209,7 +249,10 @@ class Agent:
             states=tuple(s.value for s in State), node=self._node_info(),
             front_queue_depth=getattr(self.front, "queue_depth", 0),
             front_inflight=self.gate.inflight, **self._snapshot_fields(),
-            **self._holder_fields())
+            **self._holder_fields(),
+            recovery_gpu_peak_bytes=tuple(sorted(self.status.gpu_peak_bytes.items())),
+            gpu_usable=None if self.gpu.watch is None
+            else self.status.gpu != Verdict.UNUSABLE.value)
 
     def _write_status(self) -> None:
         try:
@@ -301,11 +344,13 @@ class Agent:
             duties.append(asyncio.ensure_future(self.watcher.run()))
         try:
             await self.supervisor.run()
+            self.ledger.clear()  # the supervisor stopped the engine: nothing left to kill
         finally:
             for d in duties:
                 d.cancel()
             if self.front is not None:
                 await self.front.stop(0)
+            self.gpu.close()
             await self.control.stop()
             self._write_status()
         return 0
@@ -316,7 +361,21 @@ def run_agent(config_path: Path | None, verbose: bool = False) -> int:
     # The watchdog's SIGABRT then prints where a stuck agent was stuck, to the journal.
     faulthandler.enable()
     config = load_config(config_path)
-    agent = Agent(config, config_path, Notifier())
-    with contextlib.suppress(KeyboardInterrupt):
-        return asyncio.run(agent.run())
+    private_dir(config.paths.state_dir)
+    # Before anything touches the state directory (the snapshot store cleans its drafts):
+    # a second agent here would kill the first one's engine and corrupt its snapshots.
+    with StateLock.take(config.paths.state_dir):
+        # Outside systemd nothing else cleans up after an agent that was SIGKILLed.
+        EngineLedger(config.paths.state_dir).kill_leftovers()
+        try:
+            tether = Tether.start()
+            log.info("tether PID %d kills what the engine leaves should this agent die",
+                     tether.pid)
+        except OSError as e:
+            log.warning("cannot start the tether (%s): should this agent die, what its engine "
+                        "leaves is killed only when the next agent starts", e)
+            tether = None
+        agent = Agent(config, config_path, Notifier(), tether=tether)
+        with contextlib.suppress(KeyboardInterrupt):
+            return asyncio.run(agent.run())
     return 0

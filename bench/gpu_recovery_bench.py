@@ -11,7 +11,14 @@ Not part of `make test` (no GPU on CI). On the GPU host, from the repository roo
 `holder.enabled`, over a `pitstop holder` this script starts for GPU 0: the first start
 fills the holder, a hybrid snapshot is taken, the engine is killed `--runs` times; then
 the agent is restarted with snapshots off and every start attaches the held weights).
-Writes OUT/recovery-<gib>gib.json.
+
+After every recovery one streamed request goes through the agent's front, then
+--steady-requests more: the front's own `pitstop_front_time_to_first_token_seconds`
+(scraped from the agent's /metrics before and after) gives the first request's time to
+first token after that recovery and the steady-state one; the agent's status gives the GPU
+memory in use at its peak during the recovery. Writes OUT/recovery-<gib>gib.json, whose
+`rows` hold one line per path: recovery times, peak GPU memory and both first-token
+figures.
 """
 
 from __future__ import annotations
@@ -21,12 +28,15 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -99,14 +109,114 @@ def manifest(cfg_path: Path, sid: str) -> dict:
     return json.loads(out.stdout)
 
 
-def recover(agent: Agent, n: int) -> dict:
+TTFT = "pitstop_front_time_to_first_token_seconds"
+
+
+def first_token_sums(metrics: str) -> dict[str, tuple[float, float]]:
+    """phase -> (sum, count) of the front's time to first token, all paths together."""
+    with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != TTFT:
+            continue
+        for smp in family.samples:
+            phase = smp.labels.get("phase", "")
+            if smp.name == TTFT + "_sum":
+                out.setdefault(phase, [0.0, 0.0])[0] += smp.value
+            elif smp.name == TTFT + "_count":
+                out.setdefault(phase, [0.0, 0.0])[1] += smp.value
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def stream_once(front: str, model: str) -> None:
+    body = json.dumps({"model": model, "prompt": "The quick brown fox", "max_tokens": 8,
+                       "temperature": 0, "stream": True}).encode()
+    req = urllib.request.Request(f"http://{front}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        r.read()
+
+
+def first_tokens(agent: Agent, steady: int) -> dict:
+    """The first streamed request after the recovery that just finished, then steady ones:
+    their time to first token as the front measured it."""
+    st = agent.status()
+    front, metrics = st.get("front"), st.get("metrics")
+    if not front or not metrics:
+        return {}
+    with urllib.request.urlopen(f"http://{front}/v1/models", timeout=30) as r:
+        model = json.loads(r.read())["data"][0]["id"]
+    before = first_token_sums(metrics)
+    for _ in range(1 + steady):
+        stream_once(front, model)
+    after = first_token_sums(metrics)
+
+    def mean(phase: str) -> float | None:
+        s0, c0 = before.get(phase, (0.0, 0.0))
+        s1, c1 = after.get(phase, (0.0, 0.0))
+        return round((s1 - s0) / (c1 - c0), 4) if c1 > c0 else None
+
+    return {"first_token_after_recovery_s": mean("after_recovery"),
+            "first_token_steady_s": mean("steady")}
+
+
+def recover(agent: Agent, n: int, steady: int) -> dict:
     pid = agent.status()["engine_pid"]
     os.kill(pid, signal.SIGKILL)
     st = agent.wait(lambda s: s.get("restarts") == n and s.get("state") == "ready", 900,
                     f"recovery {n}")
-    rec = st["last_recovery"]
-    log(f"recovery {n}: {rec['path']} in {rec['duration_s']:.2f}s {rec['stages']}")
+    rec = {**st["last_recovery"], **first_tokens(agent, steady)}
+    log(f"recovery {n}: {rec['path']} in {rec['duration_s']:.2f}s {rec['stages']}; peak GPU "
+        f"memory {rec.get('gpu_peak_bytes')}; first token after it "
+        f"{rec.get('first_token_after_recovery_s')} s, steady {rec.get('first_token_steady_s')} s")
     return rec
+
+
+def machine() -> tuple[str, str]:
+    """The result-row machine class ("h200", "cpu-2core", ...) and the host in words."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version",
+                              "--format=csv,noheader", "-i", "0"], capture_output=True,
+                             text=True, timeout=30)
+        gpu = out.stdout.strip() if out.returncode == 0 else "no GPU"
+    except OSError:
+        gpu = "no GPU"
+    if "H200" in gpu:
+        kind = "h200"
+    elif gpu == "no GPU":
+        kind = f"cpu-{os.cpu_count()}core"
+    else:
+        kind = gpu.split(",")[0].strip().lower()
+    return kind, f"{os.uname().nodename} ({gpu}, kernel {os.uname().release})"
+
+
+def rows(result: dict, gib: float, command: str) -> list[dict]:
+    """One row per recovery path measured: times, peak GPU memory, both first-token figures."""
+    out = []
+    where, host = machine()
+    for path in ("hybrid", "full", "warm", "cold"):
+        recs = [r for r in result.get(path, []) if r.get("result") == "success"]
+        if not recs:
+            continue
+        runs = [r["duration_s"] for r in recs]
+        peaks = [r["gpu_peak_bytes"] for r in recs if r.get("gpu_peak_bytes") is not None]
+        after = [r["first_token_after_recovery_s"] for r in recs
+                 if r.get("first_token_after_recovery_s") is not None]
+        steady = [r["first_token_steady_s"] for r in recs
+                  if r.get("first_token_steady_s") is not None]
+        out.append({
+            "engine": "reference", "path": path, "gib": gib, "runs_s": runs,
+            "median_s": statistics.median(runs), "machine": where, "host": host,
+            "command": command,
+            "gpu_peak_bytes": peaks,
+            "gpu_peak_median_bytes": statistics.median(peaks) if peaks else None,
+            "first_token_after_recovery_s": after,
+            "first_token_after_recovery_median_s": statistics.median(after) if after else None,
+            "first_token_steady_s": steady,
+            "first_token_steady_median_s": statistics.median(steady) if steady else None,
+        })
+    return out
 
 
 def gpu_id(device: str) -> str:
@@ -144,13 +254,14 @@ def first_snapshot(agent: Agent) -> dict:
     return snap
 
 
-def starts(cfg: dict, work: Path, runs: int, what: str) -> list[dict]:
+def starts(cfg: dict, work: Path, runs: int, what: str, steady: int) -> list[dict]:
     """An agent with snapshots off: its first start, then `runs - 1` recoveries from kills."""
     agent = Agent({**cfg, "snapshots": {**cfg["snapshots"], "enabled": False}}, work)
     try:
         st = agent.wait(lambda s: s.get("state") == "ready", 900, what)
         log(f"{what} {st['last_recovery']}")
-        return [st["last_recovery"]] + [recover(agent, n) for n in range(1, runs)]
+        first = {**st["last_recovery"], **first_tokens(agent, steady)}
+        return [first] + [recover(agent, n, steady) for n in range(1, runs)]
     finally:
         agent.stop()
 
@@ -168,6 +279,8 @@ def main() -> None:
                     help="default: on disk under --work")
     ap.add_argument("--paths", default="full,cold")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script")
+    ap.add_argument("--steady-requests", type=int, default=5,
+                    help="streamed requests after the first one following each recovery")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     tag = f"{a.gib:g}gib"
@@ -189,8 +302,9 @@ def main() -> None:
         "engine": {"kind": "reference", "model": str(model), "device": a.device,
                    "args": kv_args(model, a.kv_gib, a.max_len), "stop_timeout_s": 30},
         "paths": {"state_dir": str(work / "state")},
-        "front": {"enabled": False},
-        "metrics": {"port": 0},
+        # The front measures the first token after each recovery (first_tokens()).
+        "front": {"host": "127.0.0.1", "port": 0},
+        "metrics": {"host": "127.0.0.1", "port": 0},
         "health": {"start_timeout_s": 900, "timeout_s": 5},
         "snapshots": {"drift_check_interval_s": 0, "quiet_timeout_s": 60},
     }
@@ -206,14 +320,15 @@ def main() -> None:
             result["first_cold"] = st["last_recovery"]
             log(f"cold start {st['last_recovery']['duration_s']:.2f}s")
             result["snapshot"] = first_snapshot(agent)
-            result["full"] = [recover(agent, n) for n in range(1, a.runs + 1)]
+            result["full"] = [recover(agent, n, a.steady_requests)
+                              for n in range(1, a.runs + 1)]
         finally:
             agent.stop()
         log_text = (work / "agent.log").read_text(errors="replace")
         result["freed_lines"] = [x for x in log_text.splitlines() if "freed" in x][-2:]
 
     if "cold" in paths:
-        result["cold"] = starts(cfg, work, a.runs, "cold start")
+        result["cold"] = starts(cfg, work, a.runs, "cold start", a.steady_requests)
 
     if "hybrid" in paths or "warm" in paths:
         gpu = gpu_id(a.device)
@@ -230,17 +345,19 @@ def main() -> None:
                 log(f"first start (fills the holder) {st['last_recovery']}")
                 if "hybrid" in paths:
                     result["hybrid_snapshot"] = first_snapshot(agent)
-                    result["hybrid"] = [recover(agent, n) for n in range(1, a.runs + 1)]
+                    result["hybrid"] = [recover(agent, n, a.steady_requests)
+                              for n in range(1, a.runs + 1)]
             finally:
                 agent.stop()
             if "warm" in paths:
-                result["warm"] = starts(hcfg, work, a.runs, "warm start")
+                result["warm"] = starts(hcfg, work, a.runs, "warm start", a.steady_requests)
         finally:
             holder.send_signal(signal.SIGTERM)
             holder.wait(120)
         shutil.copy(work / "holder.log", a.out / f"holder-{tag}.log")
 
     shutil.copy(work / "agent.log", a.out / f"agent-{tag}.log")
+    result["rows"] = rows(result, a.gib, " ".join(["python3", *sys.argv]))
     result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     (a.out / f"recovery-{tag}.json").write_text(json.dumps(result, indent=1))
     log("wrote", a.out / f"recovery-{tag}.json")

@@ -42,11 +42,13 @@ def ask(sock: Path) -> list[str]:
 
 
 def wait_gone(pid: int) -> None:
+    """Until the PID is free for the next restore: reaped, not only a zombie. A killed
+    process with a CUDA context stays a zombie leader while its threads still tear down
+    the context, and cannot be reaped before they are done."""
     deadline = time.monotonic() + 60
-    while proc.pid_alive(pid) and time.monotonic() < deadline:
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
         proc.reap_orphans()
         time.sleep(0.02)
-    proc.reap_orphans()
 
 
 def main() -> int:

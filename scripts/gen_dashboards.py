@@ -158,9 +158,15 @@ def node_panels() -> list[dict[str, Any]]:
               [target(f"sum by (path, reason) (increase(pitstop_ladder_fallthroughs_total"
                       f"{{{I}}}[$__rate_interval]))", "{{path}} {{reason}}")], custom=BARS),
         panel(TS, "Engine failures by cause", "Failures the agent did not ask for: exit, "
-              "crash, hang, verify.",
+              "crash, hang, gpu_fault (any of them while the GPU reported a fault).",
               [target(f"sum by (cause) (increase(pitstop_engine_failures_total{{{I}}}"
-                      "[$__rate_interval]))", "{{cause}}")], custom=BARS, w=24, h=6),
+                      "[$__rate_interval]))", "{{cause}}")], custom=BARS, h=6),
+        panel("bargauge", "Peak GPU memory during recoveries", "GPU memory in use (every "
+              "process, the holder's included) at its peak during the last recovery by each "
+              "path: what a restore next to a live holder must fit in. Empty without a GPU.",
+              [target(f"pitstop_recovery_gpu_memory_peak_bytes{{{I}}}",
+                      "{{instance}} {{path}}", instant=True)], "bytes", h=6,
+              options={"orientation": "horizontal", "displayMode": "gradient"}),
         row("Snapshots"),
         panel(TS, "Time since the last good snapshot", "Age of the newest usable snapshot; "
               "no line means none exists (see 'Snapshot present').",
@@ -192,6 +198,18 @@ def node_panels() -> list[dict[str, Any]]:
         panel("state-timeline", "Holder up", "Whether the GPU memory holder answers.",
               [target(f"pitstop_holder_up{{{I}}}", "{{instance}}")], mappings=UP_MAP,
               options={"showValue": "auto"}),
+        row("GPU"),
+        panel(TS, "GPU faults", "Faults of the engine's GPU seen through NVML (Xid, "
+              "uncorrectable ECC, lost, reset required); a recovery after one reuses no held "
+              "memory. Empty without a GPU.",
+              [target(f"sum by (kind) (increase(pitstop_gpu_faults_total{{{I}}}"
+                      "[$__rate_interval]))", "{{kind}}")], custom=BARS),
+        panel("state-timeline", "GPU usable", "0 once NVML says the GPU is lost or needs a "
+              "reset: the agent stopped in state failed.",
+              [target(f"pitstop_gpu_usable{{{I}}}", "{{instance}}")],
+              mappings=[{"type": "value", "options": {
+                  "0": {"text": "lost or needs a reset", "color": "red"},
+                  "1": {"text": "usable", "color": "green"}}}], options={"showValue": "auto"}),
         row("Front"),
         panel(TS, "Queue depth and in-flight", "Requests waiting in the front for a ready "
               "engine, and requests being forwarded.",
@@ -212,6 +230,16 @@ def node_panels() -> list[dict[str, Any]]:
                       "[$__rate_interval]))", "resumed", "B"),
                target(f"sum by (reason) (rate(pitstop_front_failed_requests_total{{{I}}}"
                       "[$__rate_interval]))", "failed {{reason}}", "C")], "reqps", w=8),
+        panel("bargauge", "First token: after a recovery against steady state", "Mean time "
+              "from forwarding a streamed request to its first token over the dashboard's "
+              "range, by the path that started the engine: the first request each recovered "
+              "engine answered (after_recovery) next to the others (steady).",
+              [target(f"sum by (path, phase) (increase("
+                      f"pitstop_front_time_to_first_token_seconds_sum{{{I}}}[$__range])) / "
+                      "sum by (path, phase) (increase("
+                      f"pitstop_front_time_to_first_token_seconds_count{{{I}}}[$__range]))",
+                      "{{path}} {{phase}}", instant=True)], "s", w=24, h=7,
+              options={"orientation": "horizontal", "displayMode": "gradient"}),
     ]
 
 

@@ -8,9 +8,12 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import yaml
+
+from agent.supervisor.ownership import EngineLedger
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -31,6 +34,16 @@ def agent_config(tmp: Path, model: Path, **overrides: dict) -> dict:
     return cfg
 
 
+# Every agent a test started and did not stop yet: `stop_all` ends them after each test, so a
+# fixture that failed before its teardown leaves no agent, and so no engine, running.
+_running: weakref.WeakSet[RunningAgent] = weakref.WeakSet()
+
+
+def stop_all() -> None:
+    for agent in list(_running):
+        agent.stop()
+
+
 class RunningAgent:
     """A `pitstop run` child process with its config, log and status file."""
 
@@ -46,6 +59,7 @@ class RunningAgent:
             [sys.executable, "-m", "agent", "run", "--config", str(self.config_path)],
             cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})})
+        _running.add(self)
 
     def write_config(self, config: dict) -> None:
         self.config_path.write_text(yaml.safe_dump(config))
@@ -63,7 +77,8 @@ class RunningAgent:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             st = self.status()
-            if st and pred(st):
+            # A status file left by an earlier agent on this state directory is not ours.
+            if st and st.get("agent_pid") == self.proc.pid and pred(st):
                 return st
             if self.proc.poll() is not None:
                 raise AssertionError(f"agent exited ({self.proc.returncode}) waiting for {what}"
@@ -102,5 +117,11 @@ class RunningAgent:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        _running.discard(self)
+        # An agent that did not stop its engine (killed, or crashed) left a record of it; the
+        # engine should have died with the agent, but a test must not leave one running.
+        state = Path(self.config["paths"]["state_dir"])
+        if not any(Path(a.config["paths"]["state_dir"]) == state for a in _running):
+            EngineLedger(state).kill_leftovers()
         self._log.close()
         return self.proc.returncode

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import agentproc
 from tests.holder_proc import Holder
 from tests.refengine_proc import REPO, Engine, run_engine
 
@@ -25,6 +26,12 @@ def cached_model(size: str = "tiny", seed: int = 0) -> Path:
     directory = MODEL_CACHE / f"{size}-{key}"
     make_model(directory, spec)
     return directory
+
+
+@pytest.fixture(autouse=True)
+def _no_agent_outlives_its_test() -> Iterator[None]:
+    yield
+    agentproc.stop_all()
 
 
 @pytest.fixture(scope="session")

@@ -70,6 +70,75 @@ class Engine:
             return await r.json()
 
 
+class CutRelay:
+    """A Unix socket between the front and the engine that passes bytes both ways, except
+    that the first answer stops reaching the front right after its `events`-th SSE event:
+    the test then kills the engine at a token it chose, not wherever a kill happens to land.
+
+    Example::
+
+        relay = CutRelay(engine.sock, d / "relay.sock", events=4)
+        await relay.start()
+        gate.open(relay.sock)            # the front talks to the engine through it
+        await relay.reached.wait()       # 4 events are at the front, no more
+    """
+
+    def __init__(self, engine_sock: Path, sock: Path, events: int) -> None:
+        self.engine_sock, self.sock, self.events = engine_sock, sock, events
+        self.reached = asyncio.Event()
+        self._server: asyncio.AbstractServer | None = None
+        self._connections = 0
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_unix_server(self._serve, path=str(self.sock))
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _serve(self, front_r: asyncio.StreamReader, front_w: asyncio.StreamWriter) -> None:
+        self._connections += 1
+        limit = self.events if self._connections == 1 else None
+        try:
+            engine_r, engine_w = await asyncio.open_unix_connection(str(self.engine_sock))
+        except OSError:
+            front_w.close()
+            return
+        ask = asyncio.create_task(self._pump(front_r, engine_w))
+        try:
+            await self._answer(engine_r, front_w, limit)
+        finally:
+            ask.cancel()
+            engine_w.close()
+            front_w.close()
+
+    @staticmethod
+    async def _pump(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while data := await r.read(65536):
+                w.write(data)
+                await w.drain()
+
+    async def _answer(self, r: asyncio.StreamReader, w: asyncio.StreamWriter,
+                      limit: int | None) -> None:
+        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+            if limit is not None:
+                for _ in range(limit):
+                    w.write(await r.readuntil(b"\n\n"))
+                tail = await r.readexactly(2)
+                if tail == b"\r\n":  # the end of the HTTP chunk: the last event is whole
+                    w.write(tail)
+                await w.drain()
+                self.reached.set()
+                while await r.read(65536):
+                    pass  # past the cut: nothing more reaches the front
+                return
+            while data := await r.read(65536):
+                w.write(data)
+                await w.drain()
+
+
 @dataclass
 class Harness:
     """A front on the real EngineGate, driven by the test as the supervisor would."""

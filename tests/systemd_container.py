@@ -360,7 +360,23 @@ def container_prerequisites(rootfs: Path = ROOTFS) -> list[str]:
     return missing
 
 
+def cache_link_binds(rootfs: Path, cache: Path = REPO / ".cache") -> list[Bind]:
+    """The targets of `.cache` entries that link out of the repo (a git worktree shares the
+    main checkout's CRIU and models this way), read-only at their own paths: through the
+    repo's bind alone the container would see dangling links. Not the one holding `rootfs`,
+    the container's own root."""
+    binds = []
+    root = rootfs.resolve()
+    for entry in sorted(cache.iterdir()) if cache.is_dir() else []:
+        real = entry.resolve()
+        if entry.is_symlink() and REPO not in real.parents and real.is_dir() \
+                and real != root and real not in root.parents:
+            binds.append(Bind(real))
+    return binds
+
+
 def make_container(scratch: Path, log_path: Path, rootfs: Path = ROOTFS) -> SystemdContainer:
     """A container with the repo and its venv read-only and `scratch` writable at SCRATCH."""
-    binds = [Bind(REPO), *python_binds(), Bind(scratch, writable=True, target=SCRATCH)]
+    binds = [Bind(REPO), *cache_link_binds(rootfs), *python_binds(),
+             Bind(scratch, writable=True, target=SCRATCH)]
     return SystemdContainer(rootfs=rootfs, binds=binds, log_path=log_path)

@@ -540,3 +540,36 @@ def test_a_restore_that_fails_is_quarantined_and_vllm_cold_starts(agent: VllmAge
     assert "criu restore" in (aside / "QUARANTINED").read_text()
     assert _greedy(client) == agent.cold_answer
     agent.engine_pid()
+
+
+def test_an_agent_sigkilled_outside_systemd_leaves_no_vllm_process_and_the_next_starts_one(
+        tiny_model: Path, tmp_path: Path, io_uring_off: None):
+    """Two vLLM boots. The agent's death takes the API server by its death signal and the
+    rest of its group (the engine core, which no signal reaches) by the agent's tether, at
+    once; the next agent starts exactly one engine."""
+    _prerequisites()
+    cfg = agent_config(
+        tmp_path, tiny_model,
+        engine={"kind": "vllm", "python": str(VLLM_PYTHON), "served_model_name": NAME,
+                "args": CPU_ARGS, "stop_timeout_s": 20},
+        health={"interval_s": 1.0, "timeout_s": 5.0, "failures_before_restart": 3,
+                "start_timeout_s": BOOT_S},
+        snapshots={"enabled": False})
+    first = RunningAgent(tmp_path, cfg)
+    api = first.wait_ready(timeout=BOOT_S)["engine_pid"]
+    tree = _session_pids(api)
+    assert len(tree) >= 2, "expected the API server and its engine core"
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(10)
+    deadline = time.monotonic() + 10
+    while _session_pids(api) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _session_pids(api) == [], f"left of {tree} after the agent's SIGKILL"
+    assert "the agent died; killed what was left of its engine" in first.log()
+    second = RunningAgent(tmp_path, cfg)
+    try:
+        st = second.wait_ready(timeout=BOOT_S)
+        assert st["engine_pid"] != api and len(_session_pids(st["engine_pid"])) >= 2
+        assert "left its engine running" not in second.log()  # nothing was left to kill
+    finally:
+        assert second.stop(timeout=60) == 0

@@ -11,10 +11,14 @@ from agent.front.resume import CHAT, COMPLETIONS, Plan, StopScanner, Tracker
 from agent.front.sse import SSEParser
 
 PROMPT = [0, 11, 12, 13]
-# (token id, its text) as an engine that releases ids and text together sends them.
+# (token id, its text) for tokens that each end between two characters.
 PIECES = [(40, "Hel"), (41, "lo"), (42, ","), (43, " wor"), (44, "ld"), (45, "\n"), (46, "\n"),
           (47, "Bye"), (48, " now"), (49, ".")]
 FULL = "".join(t for _, t in PIECES)
+# As vLLM sends them when tokens end inside a UTF-8 character: the id at once, its text with
+# the token that completes the character (2, 3 and 4 bytes here).
+SPLIT = [(50, "Caf"), (51, ""), (52, "é "), (53, ""), (54, ""), (55, "€"), (56, " 5"),
+         (57, ""), (58, ""), (59, ""), (60, "😀"), (61, " ok")]
 
 
 def _frame(obj: dict[str, Any]) -> bytes:
@@ -65,11 +69,11 @@ def client_view(data: bytes, chat: bool) -> tuple[str, list[dict[str, Any]]]:
 
 
 def run_cut(endpoint: str, body: dict[str, Any], cut: int,
-            stop_at: int | None = None) -> tuple[str, list[dict[str, Any]], Tracker]:
+            every: list[tuple[int, str]] = PIECES) -> tuple[str, list[dict[str, Any]], Tracker]:
     """Feed the first `cut` events, lose the engine, continue; what does the client get?"""
     chat = endpoint == CHAT
     limit = body.get("max_tokens", 16)
-    pieces = PIECES[:limit]
+    pieces = every[:limit]
     finish = "length" if len(pieces) == limit else "stop"
     t = Tracker(Plan.of(endpoint, body))
     events = engine_stream(chat, pieces, PROMPT, finish, usage=True)
@@ -86,10 +90,12 @@ def run_cut(endpoint: str, body: dict[str, Any], cut: int,
     path, cont = t.resume_request()
     if not t.started:
         assert (path, cont) == (endpoint, Plan.of(endpoint, body).first_body())
-        return run_cut(endpoint, body, len(events) + 1)
+        return run_cut(endpoint, body, len(events) + 1, every)
     assert path == COMPLETIONS
     n = len(t.out_ids)
-    assert cont["prompt"] == PROMPT + [tid for tid, _ in PIECES[:n]]
+    assert cont["prompt"] == PROMPT + [tid for tid, _ in every[:n]]
+    # it goes on after a token whose text was sent: never from inside a character
+    assert n == 0 or every[n - 1][1]
     assert cont["return_token_ids"] is True and cont["stream"] is True
     assert "stop" not in cont and "stream_options" not in cont
     assert cont["max_tokens"] == limit - n
@@ -162,6 +168,62 @@ def test_stop_string_across_the_cut(endpoint: str, include: bool) -> None:
         assert [c["finish_reason"] for c in finishes] == ["stop"], cut
         assert finishes[0]["stop_reason"] == "\n\n"
         assert t.cut and t.done
+
+
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("client_ids", [False, True])
+def test_a_cut_inside_a_character_continues_from_the_last_whole_one(
+        endpoint: str, client_ids: bool) -> None:
+    body = {"model": "m", "max_tokens": 12, "stream": True, "return_token_ids": client_ids,
+            "stream_options": {"include_usage": True},
+            **({"messages": [{"role": "user", "content": "hi"}]} if endpoint == CHAT
+               else {"prompt": "hi"})}
+    want = "".join(x for _, x in SPLIT)
+    for cut in range(0, 16):
+        text, objs, t = run_cut(endpoint, body, cut, SPLIT)
+        assert text == want, cut
+        ids = [i for o in objs for c in o.get("choices") or [] for i in c.get("token_ids") or []]
+        assert ids == ([tid for tid, _ in SPLIT] if client_ids else []), cut
+        assert objs[-2]["usage"]["completion_tokens"] == 12, cut
+
+
+def test_ids_of_a_split_character_reach_the_client_with_its_text() -> None:
+    body = {"model": "m", "prompt": "hi", "max_tokens": 12, "stream": True,
+            "return_token_ids": True}
+    _, objs, _ = run_cut(COMPLETIONS, body, 99, SPLIT)
+    pairs = [(c["text"], c["token_ids"]) for o in objs for c in o.get("choices") or []]
+    assert pairs[:6] == [("Caf", [50]), ("", []), ("é ", [51, 52]), ("", []), ("", []),
+                         ("€", [53, 54, 55])]
+    assert pairs[-2:] == [("😀", [57, 58, 59, 60]), (" ok", [61])]
+
+
+@pytest.mark.parametrize("client_ids", [False, True])
+def test_an_answer_that_ends_inside_a_character_counts_every_token(client_ids: bool) -> None:
+    # max_tokens 9: the last two tokens are the start of the emoji, never completed
+    body = {"model": "m", "prompt": "hi", "max_tokens": 9, "stream": True,
+            "return_token_ids": client_ids, "stream_options": {"include_usage": True}}
+    for cut in range(0, 12):
+        text, objs, _ = run_cut(COMPLETIONS, body, cut, SPLIT)
+        assert text == "Café € 5", cut
+        ids = [i for o in objs for c in o.get("choices") or [] for i in c.get("token_ids") or []]
+        assert ids == ([tid for tid, _ in SPLIT[:9]] if client_ids else []), cut
+        assert objs[-2]["usage"]["completion_tokens"] == 9, cut
+
+
+@pytest.mark.parametrize("client_ids", [False, True])
+def test_waiting_ids_go_out_with_an_end_event_that_has_none(client_ids: bool) -> None:
+    t = Tracker(Plan.of(COMPLETIONS, {"model": "m", "prompt": "hi", "stream": True,
+                                      "return_token_ids": client_ids}))
+    events = engine_stream(False, SPLIT[:5], PROMPT, finish="length")[:-2]  # no end yet
+    end = _frame({"id": "x-1", "object": "text_completion", "created": 7, "model": "m",
+                  "choices": [{"index": 0, "text": "", "logprobs": None,
+                               "finish_reason": "stop", "stop_reason": None,
+                               "token_ids": []}]})
+    out = b"".join(t.feed(ev) for ev in [*events, end, b"data: [DONE]\n\n"])
+    assert t.out_ids == [50, 51, 52, 53] and t.done
+    _, objs = client_view(out, chat=False)
+    ids = [i for o in objs for c in o.get("choices") or [] for i in c.get("token_ids") or []]
+    assert ids == ([50, 51, 52, 53] if client_ids else [])
 
 
 def test_client_that_asked_for_ids_gets_them_once() -> None:
@@ -305,14 +367,16 @@ def test_fast_path_is_not_fooled_by_text_that_looks_like_keys() -> None:
 
 @pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
 @pytest.mark.parametrize("client_ids", [False, True])
-def test_any_chunking_gives_the_same_client_bytes(endpoint: str, client_ids: bool) -> None:
+@pytest.mark.parametrize("pieces", [PIECES, SPLIT], ids=["whole", "split"])
+def test_any_chunking_gives_the_same_client_bytes(endpoint: str, client_ids: bool,
+                                                 pieces: list[tuple[int, str]]) -> None:
     """The fast path (one whole event per read) and reads of several or partial events
     give the client the same bytes, and the tracker the same ids and finish reason."""
     chat = endpoint == CHAT
     body = {"model": "m", "max_tokens": 10, "stream": True, "return_token_ids": client_ids,
             "stream_options": {"include_usage": True},
             **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})}
-    events = engine_stream(chat, PIECES, PROMPT, usage=True)
+    events = engine_stream(chat, pieces, PROMPT, usage=True)
     whole = b"".join(events)
 
     def fed(chunks: list[bytes]) -> tuple[bytes, list[int], str | None, bool]:
@@ -321,7 +385,7 @@ def test_any_chunking_gives_the_same_client_bytes(endpoint: str, client_ids: boo
         return out, t.out_ids, t.finish, t.done
 
     by_event = fed(events)
-    assert by_event[1:] == ([tid for tid, _ in PIECES], "length", True)
+    assert by_event[1:] == ([tid for tid, _ in pieces], "length", True)
     assert (b"token_ids" in by_event[0]) == client_ids
     assert fed([whole]) == by_event
     assert fed([whole[i:i + 7] for i in range(0, len(whole), 7)]) == by_event

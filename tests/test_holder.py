@@ -206,6 +206,38 @@ def test_release_frees_the_memory(holder):
     assert holder.memfds() == []
 
 
+def test_a_drop_frees_every_region_at_once_and_the_holder_serves_on(holder):
+    write_here(holder, SIZES)
+    with holder.client() as writer, holder.client() as agent:
+        writer.create(f"{DIGEST}/half-written", MIB, DIGEST).close()
+        dropped = agent.drop(p.DropReason.GPU_FAULT, "Xid 48 (double-bit ECC error)")
+        assert dropped.regions == len(SIZES) + 1
+        assert dropped.bytes >= sum(SIZES.values()) + MIB
+        # The writer of a dropped region learns it at its commit; nothing turns up later.
+        with pytest.raises(HolderRefusedError) as e:
+            writer.commit(f"{DIGEST}/half-written")
+        assert e.value.code == "not_found"
+        assert not agent.has_committed(DIGEST)
+        # Held memory that was suspect is gone; new weights can be held again at once.
+        agent.create(f"{DIGEST}/again", MIB, DIGEST).close()
+        assert agent.commit(f"{DIGEST}/again").epoch == 1
+    st = holder.stats()
+    assert (st.regions_committed, st.regions_pending, st.bytes_held) == (1, 0, MIB)
+    assert len(holder.memfds()) == 1
+    assert "dropped all 3 regions" in holder.log.read_text()
+    assert "(gpu_fault): Xid 48 (double-bit ECC error)" in holder.log.read_text()
+
+
+def test_a_drop_without_a_reason_is_answered_as_a_bad_request(holder):
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.connect(str(holder.sock))
+        s.send(json.dumps({"v": 1, "op": "drop"}).encode())
+        reply = p.parse_reply(s.recv(p.MAX_MESSAGE))
+    assert not reply.ok and reply.error is not None
+    assert reply.error.code == p.ErrorCode.BAD_REQUEST and "reason" in reply.error.message
+    assert holder.stats().regions_committed == 0  # and it serves on
+
+
 def test_the_holder_cli_shows_and_releases(holder):
     write_here(holder, SIZES)
     run = [sys.executable, "-m", "agent", "holder", "--gpu", "cpu", "--dir", str(holder.base)]

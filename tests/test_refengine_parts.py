@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from tokenizers import pre_tokenizers
 
-from agent.engines.refengine.detok import Detokenizer
+from agent.engines.refengine.detok import Delta, Detokenizer
 from agent.engines.refengine.kvpool import KVPool
 from agent.engines.refengine.model import Llama
 from agent.engines.refengine.sampling import Sampler, SamplingParams
@@ -59,33 +60,121 @@ def test_sampler_seed_and_greedy() -> None:
     assert Sampler(top1).sample(logits) == int(torch.argmax(logits))
 
 
-def test_detokenizer_holds_back_partial_characters_and_stop_prefixes(tiny_model: Path) -> None:
-    tok = Tokenizer(tiny_model)
-    ids = tok.encode("café, the river ran. END here", add_special_tokens=False)
-    d = Detokenizer(tok.decode, stop=(" END",))
-    sent_text, sent_ids, stop = "", [], None
+@pytest.fixture(scope="module")
+def tok(tiny_model: Path) -> Tokenizer:
+    return Tokenizer(tiny_model)
+
+
+def _byte_table() -> dict[str, int]:
+    """GPT-2's byte-to-character table, inverted: what byte-level BPE tokens spell."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    table = {chr(b): b for b in printable}
+    rest = [b for b in range(256) if b not in printable]
+    table.update({chr(256 + n): b for n, b in enumerate(rest)})
+    assert set(table) == set(pre_tokenizers.ByteLevel.alphabet())
+    return table
+
+
+def _bytes_of(tok: Tokenizer, ids: list[int]) -> bytes:
+    table = _byte_table()
+    return bytes(table[c] for i in ids for c in tok.backend.id_to_token(i))
+
+
+def _run(d: Detokenizer, ids: list[int]) -> list[Delta]:
+    return [d.add(i) for i in ids]
+
+
+# Two, three and four bytes per character: every one is split over byte tokens by the tiny
+# model's 1024-token vocabulary.
+SPLIT = "café at 5 € — naïve 😀 done"
+
+
+def test_tiny_vocabulary_splits_these_characters_over_tokens(tok: Tokenizer) -> None:
+    ids = tok.encode(SPLIT, add_special_tokens=False)
+    inside = [k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd")]
+    assert len(inside) >= 5, "the test text no longer splits characters"
+
+
+def test_text_inside_a_character_waits_for_the_token_that_completes_it(tok: Tokenizer) -> None:
+    ids = tok.encode(SPLIT, add_special_tokens=False)
+    raw = _bytes_of(tok, ids)
+    assert raw == SPLIT.encode()
+    d = Detokenizer(tok.backend, tok.encode("The engine ran"))
+    sent, n = "", 0
+    for i, delta in zip(ids, _run(d, ids), strict=True):
+        assert delta.token_ids == [i]  # one delta per token, text or not
+        assert "\ufffd" not in delta.text
+        sent += delta.text
+        n += len(_bytes_of(tok, [i]))
+        # exactly the complete characters of the bytes so far
+        assert sent == raw[:n].decode("utf-8", "ignore")
+    assert sent == SPLIT and d.finish() == ""
+
+
+def test_an_answer_that_ends_inside_a_character_leaves_its_bytes_out(tok: Tokenizer) -> None:
+    ids = tok.encode("hot 😀", add_special_tokens=False)
+    for cut in range(1, len(ids)):
+        d = Detokenizer(tok.backend, [0])
+        text = "".join(x.text for x in _run(d, ids[:cut])) + d.finish()
+        assert text == _bytes_of(tok, ids[:cut]).decode("utf-8", "ignore"), cut
+        assert not text.endswith("\ufffd")
+
+
+def test_bytes_that_can_never_complete_show_as_u_fffd_once_text_follows(
+        tok: Tokenizer) -> None:
+    # A lone continuation byte (0x80) is invalid wherever it stands; like vLLM, it is held
+    # only while it is last, then shown as U+FFFD.
+    lone = next(i for i in range(tok.vocab_size) if _bytes_of(tok, [i]) == b"\x80")
+    ids = [lone, *tok.encode(" ok", add_special_tokens=False)]
+    d = Detokenizer(tok.backend, [0])
+    texts = [x.text for x in _run(d, ids)]
+    assert texts[0] == "" and "".join(texts) == "\ufffd ok"
+
+
+def test_a_prompt_that_ends_inside_a_character_is_repeated_like_vllm_does(
+        tok: Tokenizer) -> None:
+    """tokenizers' DecodeStream (0.23) keeps no context from a prompt whose text ends in an
+    incomplete character, so the first text it releases starts at the prompt's beginning.
+    vLLM 0.32 primes the same stream with the prompt and answers so too (vLLM issue 48853);
+    this is why the front never continues a stream from such a prompt."""
+    ids = tok.encode("Once there was €5", add_special_tokens=False)
+    cut = next(k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd"))
+    d = Detokenizer(tok.backend, ids[:cut])
+    text = "".join(x.text for x in _run(d, ids[cut:]))
+    assert text == "Once there was €5"
+    # from a prompt that ends between characters, only the new text comes
+    whole = cut + next(k for k in range(1, len(ids) - cut)
+                       if not tok.decode(ids[:cut + k]).endswith("\ufffd"))
+    d = Detokenizer(tok.backend, ids[:whole])
+    assert "".join(x.text for x in _run(d, ids[whole:])) == tok.decode(ids)[len(
+        tok.decode(ids[:whole])):]
+
+
+def test_stop_strings_hold_back_their_length_less_one_and_cut_the_text(
+        tok: Tokenizer) -> None:
+    ids = tok.encode("the river ran € END here", add_special_tokens=False)
+    d = Detokenizer(tok.backend, [0], stop=(" END", "€ E"))
+    released, last = "", None
     for i in ids:
-        delta = d.add(i)
-        if delta is None:
-            continue
-        # what was released so far decodes to exactly what was sent
-        sent_text += delta.text
-        sent_ids += delta.token_ids
-        if delta.stop_string:
-            stop = delta.stop_string
+        last = d.add(i)
+        released += last.text
+        if last.stop_string is not None:
             break
-        assert tok.decode(sent_ids) == sent_text
-        assert "\ufffd" not in sent_text
-    assert stop == " END"
-    assert sent_text == "café, the river ran."
-    # the last token that completed the stop string is reported too
-    assert tok.decode(sent_ids).startswith(sent_text + " E")
+        # while running, the last 3 characters (the longest stop string less one) wait
+        assert released == d.text[:max(0, len(d.text) - 3)]
+    # '€ E' completes before ' END' does: the first to complete wins, and the text ends
+    # where it begins
+    assert last is not None and last.stop_string == "€ E"
+    assert released == d.text == "the river ran "
+    d = Detokenizer(tok.backend, [0], stop=("zzz",))
+    running = "".join(x.text for x in _run(d, tok.encode("buzz", add_special_tokens=False)))
+    assert running == "bu" and d.finish() == "zz"
 
 
-def test_detokenizer_flush_releases_the_held_back_tail(tiny_model: Path) -> None:
-    tok = Tokenizer(tiny_model)
-    d = Detokenizer(tok.decode, stop=("zzz",))
-    out = [d.add(i) for i in tok.encode("buzz", add_special_tokens=False)]
-    held = d.flush()
-    text = "".join(x.text for x in [*out, held] if x is not None)
-    assert text == "buzz"
+def test_a_stop_token_adds_no_text(tok: Tokenizer) -> None:
+    ids = tok.encode("one two", add_special_tokens=False)
+    d = Detokenizer(tok.backend, [0])
+    texts = [x.text for x in _run(d, ids[:-1])]
+    last = d.add(ids[-1], stop_terminated=True)
+    assert last.token_ids == [ids[-1]] and last.text == ""
+    assert "".join(texts) + d.finish() == tok.decode(ids[:-1])

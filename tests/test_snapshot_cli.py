@@ -65,11 +65,32 @@ def test_doctor_reports_each_item_and_its_exit_status(setup, capsys):
     criu()  # `make criu` is a prerequisite of a passing doctor
     rc = main(["doctor", "--config", str(cfg), "--json"])
     checks = {c["name"]: c for c in _json(capsys)}
-    assert set(checks) == {"criu", "criu check", "privileges", "io_uring", "cuda checkpoint",
-                           "persistence mode", "free space"}  # fmt: skip
+    assert set(checks) == {"criu", "criu check", "privileges", "amx", "io_uring",
+                           "cuda checkpoint", "persistence mode", "free space"}  # fmt: skip
     assert checks["criu"]["ok"] and checks["criu check"]["ok"]
     assert all(c["fix"] for c in checks.values() if not c["ok"])
     assert rc == (1 if any(c["needed"] and not c["ok"] for c in checks.values()) else 0)
+
+
+@pytest.mark.parametrize("flags, says", [
+    ("fpu avx512f amx_bf16 amx_tile amx_int8", "each restore asks for it again"),
+    ("fpu avx2", "no AMX"),
+])  # fmt: skip
+def test_doctor_says_whether_the_cpu_has_amx_and_that_restores_regrant_it(
+    setup, tmp_path: Path, flags: str, says: str
+):
+    from agent.config import load_config
+    from agent.doctor import Check, run_checks
+
+    cfg, _ = setup
+    fake = tmp_path / "proc"
+    (fake / "self").mkdir(parents=True)
+    (fake / "cpuinfo").write_text(f"processor\t: 0\nflags\t\t: {flags}\n\n")
+    (fake / "self" / "status").write_text("CapEff:\t0000000000000000\n")
+    checks = run_checks(load_config(cfg), proc_root=fake,
+                        gpu_probe=lambda: (False, Check("persistence mode", True, False, "-")))
+    amx = next(c for c in checks if c.name == "amx")
+    assert says in amx.detail
 
 
 def test_doctor_fails_with_a_fix_when_criu_is_missing(tmp_path: Path, capsys):

@@ -29,6 +29,14 @@ def test_a_crash_loop_is_left_only_by_a_reset_or_a_stop():
     assert leaving == {Event.RESET, Event.STOP}
 
 
+def test_a_gpu_that_is_gone_ends_in_failed_from_wherever_it_is_found():
+    for state in (State.READY, State.SNAPSHOTTING, State.STARTING):
+        assert next_state(state, Event.GPU_FAILED) is State.FAILED
+    # Never into backoff: a restart cannot help, so there is no loop to back off from.
+    assert {TRANSITIONS[k] for k in TRANSITIONS if k[1] is Event.GPU_FAILED} == {State.FAILED}
+    assert next_state(State.FAILED, Event.RESET) is State.STARTING
+
+
 def test_an_impossible_event_raises():
     with pytest.raises(TransitionError, match="no transition from stopped on verified"):
         next_state(State.STOPPED, Event.VERIFIED)

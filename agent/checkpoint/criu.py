@@ -156,18 +156,29 @@ class CriuBackend:
         inherit_fds: Mapping[int, str] | None = None,
         verbosity: int = 4,
         timeout_s: float = 900.0,
+        leave_stopped: bool = False,
     ) -> RestoreResult:
-        """Restore detached; `inherit_fds` maps an fd of ours (passed to CRIU) to the
-        `pipe:[INODE]` it stands in for. Returns the restored root's PID (from a pidfile)."""
+        """Restore detached, as a child of the calling thread, which must outlive the tree
+        (`proc.in_parent_thread`); `inherit_fds` maps an fd of ours (passed to CRIU) to the
+        `pipe:[INODE]` it stands in for. Returns the restored root's PID (from a pidfile).
+        `leave_stopped`: CRIU sends each restored process SIGSTOP before it lets go of it,
+        so the tree waits, having run none of its own code, until someone sends SIGCONT."""
         pidfile = log_path.with_name(log_path.name + ".pid")
         pidfile.unlink(missing_ok=True)
         inherit = inherit_fds or {}
+        # --restore-sibling makes the restored root our child, not CRIU's: CRIU restores
+        # the root's PR_SET_PDEATHSIG (the engine dies with the agent), and with CRIU as
+        # its parent that signal would fire the moment CRIU exits (CRIU warns "Root task
+        # has pdeath_sig configured"). As our child it fires when the calling thread exits.
         argv = [
             str(self.binary.path), "restore", "-D", str(image_dir), "--restore-detached",
-            "--pidfile", str(pidfile), f"-v{verbosity}", "-o", str(log_path), *flags,
+            "--restore-sibling", "--pidfile", str(pidfile), f"-v{verbosity}", "-o",
+            str(log_path), *flags,
         ]  # fmt: skip
         for fd, what in inherit.items():
             argv += ["--inherit-fd", f"fd[{fd}]:{what}"]
+        if leave_stopped:
+            argv.append("--leave-stopped")
         start = time.monotonic()
         self._call(argv, log_path, timeout_s, f"criu restore of {image_dir}", tuple(inherit))
         try:

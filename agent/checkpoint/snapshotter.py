@@ -17,6 +17,7 @@ from agent.checkpoint import outside
 from agent.checkpoint.connections import refuse_outside_connections
 from agent.checkpoint.criu import CriuBackend, DumpOptions, NetworkLock, restore_flags
 from agent.checkpoint.cuda import CudaCheckpoint, uses_cuda
+from agent.checkpoint.xcomp import Grant, Regrant, continue_tree, process_tree, regrant_tree
 from agent.errors import SnapshotError
 from agent.identity import Identity
 from agent.proc import descendants, kill_tree
@@ -58,6 +59,9 @@ class RestoredProcess:
     outputs: dict[int, io.FileIO]
     log_path: Path
     timings: dict[str, float] = field(default_factory=dict)
+    # What re-asking for the AMX permission answered in each restored PID (empty when
+    # the restore did not ask: no AMX on this CPU, or Regrant.OFF).
+    amx: dict[int, Grant] = field(default_factory=dict)
 
 
 def tree_pids(root: int, proc_root: Path = Path("/proc")) -> tuple[int, ...]:
@@ -100,6 +104,7 @@ class Snapshotter:
         clock: Callable[[], float] = time.monotonic,
         keep: int | None = None,
         budget_bytes: int | None = None,
+        regrant: Regrant = Regrant.AUTO,
     ) -> None:
         self.store = store
         self.criu = criu
@@ -110,6 +115,7 @@ class Snapshotter:
         self._clock = clock
         self.keep = keep
         self.budget_bytes = budget_bytes
+        self.regrant = regrant
 
     def _log(self, name: str) -> Path:
         self.log_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
@@ -245,10 +251,14 @@ class Snapshotter:
             writers[w] = what
         timings: dict[str, float] = {}
         remaps: tuple[Path, ...] = ()
+        # CRIU does not restore the AMX permission: the tree stays stopped until each of
+        # its processes has asked for it again (agent/checkpoint/xcomp.py).
+        regrant = self.regrant.active(self._proc)
         try:
             remaps = outside.put_back(image_dir, manifest.process.shm_files,
                                       manifest.process.socket_paths, self._shm)
-            done = self.criu.restore(image_dir, log, flags=flags, inherit_fds=writers)
+            done = self.criu.restore(image_dir, log, flags=flags, inherit_fds=writers,
+                                     leave_stopped=regrant)  # fmt: skip
         except BaseException:
             outside.drop_remaps(remaps)
             for fd in [*readers.values(), *writers]:
@@ -266,6 +276,14 @@ class Snapshotter:
                     f"snapshot {manifest.id}: restored root PID {done.pid}, "
                     f"dumped as {manifest.process.root_pid}"
                 )
+            if regrant:
+                t0 = self._clock()
+                pids = process_tree(done.pid, self._proc)
+                restored.amx = regrant_tree(pids, self._proc)
+                continue_tree(pids)
+                timings["amx_regrant"] = self._clock() - t0
+            # Continued first: the CUDA restore was only ever run, and measured, on a
+            # running tree.
             self._resume(manifest.process.cuda_pids, timings)
         except BaseException:
             kill_tree(done.pid, proc=self._proc)

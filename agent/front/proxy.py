@@ -8,7 +8,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -83,8 +83,11 @@ class _Relay:
     LOW = 16 * 1024
 
     def __init__(self, resp: web.StreamResponse, request: web.Request, tracker: Tracker,
-                 up: EngineStream, metrics: Metrics, lost_at: float | None) -> None:
+                 up: EngineStream, metrics: Metrics, lost_at: float | None,
+                 first_token: Callable[[], None] | None = None) -> None:
         self.tracker, self.up, self.metrics, self.lost_at = tracker, up, metrics, lost_at
+        # Called once, at the first bytes of an answer sent on (time to first token).
+        self.first_token = first_token
         self.transport = request.transport
         self.chunked = resp.headers.get("Transfer-Encoding", "").lower() == "chunked"
         self.client_gone = ""
@@ -93,6 +96,9 @@ class _Relay:
         """True: stop reading the engine (the answer was cut, or the client went away)."""
         out = self.tracker.feed(piece)
         if out:
+            if self.first_token is not None:
+                self.first_token()
+                self.first_token = None
             if self.lost_at is not None:
                 self.metrics.front_stall.observe(time.monotonic() - self.lost_at)
                 self.lost_at = None
@@ -148,6 +154,9 @@ class Front:
         # Before a snapshot the pooled connections go: CRIU cannot dump half of a connection.
         gate.on_quiesce(self.upstream.close_idle)
         self.inflight = 0  # requests with an engine request open right now
+        # The latest recovery whose engine was sent its first streamed request: that request's
+        # first token is the one after a recovery, every later one's is steady state.
+        self._first_stream_of = 0
         self.port: int | None = None
         self._active: set[asyncio.Task[Any]] = set()  # handlers of admitted requests
         self._idle = asyncio.Event()
@@ -278,6 +287,16 @@ class Front:
                                 headers=forward_headers(up.headers.items()))
 
     # --- forwarding ------------------------------------------------------------------------
+    def _first_token_timer(self, ready: Ready) -> Callable[[], None]:
+        """Started as a new stream is forwarded; called at its first token, it observes."""
+        phase = "steady"
+        if ready.recovery > self._first_stream_of:
+            self._first_stream_of = ready.recovery
+            phase = "after_recovery"
+        hist = self.metrics.front_first_token.labels(path=ready.path, phase=phase)
+        sent = time.monotonic()
+        return lambda: hist.observe(time.monotonic() - sent)
+
     async def _proxy(self, request: web.Request) -> web.StreamResponse:
         endpoint = _endpoint(request.path)
         rid = request.headers.get("X-Request-Id") or f"front-{next(self._ids)}"
@@ -397,6 +416,8 @@ class Front:
             while True:
                 why = ""
                 relay: _Relay | None = None
+                # Only a new request's first answer: a resumed one's pause is a stall.
+                timer = self._first_token_timer(ready) if attempts == 0 else None
                 try:
                     with self._forwarding():
                         up = await EngineStream.open(ready.socket, "POST", path, headers.items(),
@@ -417,7 +438,8 @@ class Front:
                                     status=200, headers=forward_headers(up.headers.items()))
                                 await resp.prepare(request)
                             tracker.begin_attempt()
-                            relay = _Relay(resp, request, tracker, up, self.metrics, lost_at)
+                            relay = _Relay(resp, request, tracker, up, self.metrics, lost_at,
+                                           timer)
                             up.stream(relay.feed)
                             while not await up.wait():
                                 await relay.drain()

@@ -37,9 +37,8 @@ _ID_KEYS = re.compile(
 # it (same structural argument: the key's quote follows '{' or ',' directly).
 _DELTA_IDS = re.compile(rb'"token_ids"\s*:\s*\[([^\]]*)\]')
 _FINISH = re.compile(rb'"finish_reason"\s*:\s*(?:null|"([^"\\]*)")')
-# An event whose ids came with no text: the engine holds the bytes of an incomplete UTF-8
-# character back until a later token completes it (vLLM's incremental detokenizer does).
-_NO_TEXT = re.compile(rb'"(?:text|content)"\s*:\s*(?:""|null)')
+# A completions event's text, matched where it is empty.
+_EMPTY_TEXT = re.compile(rb'"text"\s*:\s*""')
 
 
 def _key(pattern: re.Pattern[bytes], key: bytes, raw: bytes) -> re.Match[bytes] | None:
@@ -51,6 +50,12 @@ def _key(pattern: re.Pattern[bytes], key: bytes, raw: bytes) -> re.Match[bytes] 
     while k > 0 and raw[k] in b" \t\r\n":
         k -= 1
     return pattern.match(raw, i) if raw[k] in b",{" else None
+
+
+def _delta_has_text(delta: Any) -> bool:
+    """Whether a chat delta carries any text (content, or a reasoning parser's fields)."""
+    return isinstance(delta, dict) and any(
+        isinstance(v, str) and v for k, v in delta.items() if k != "role")
 
 
 def strip_ids(raw: bytes) -> bytes:
@@ -211,6 +216,16 @@ class Tracker:
     less the id lists the front added; after a resume every event is rebuilt in the
     client's format with the first attempt's id, created time and model.
 
+    The sent offset counts only tokens whose text went out. An engine sends a token's id
+    as soon as it is sampled, but holds back its text while it ends inside a UTF-8
+    character (vLLM and the reference engine alike); continuing from a prompt that ends
+    there would be wrong: tokenizers' DecodeStream, which both engines prime with the
+    prompt, then keeps no context and repeats the whole prompt's text (vLLM issue 48853,
+    open as of vLLM 0.32). So such ids wait
+    here: they count once an event brings text (or the answer ends), a client that asked
+    for ids gets them with that event, and a cut before it makes the continuation
+    generate those tokens again.
+
     Example::
 
         t = Tracker(Plan.of("/v1/completions", body))
@@ -226,11 +241,9 @@ class Tracker:
         self._dead_marker = dead_marker
         self.engine_dead = False
         self.prompt_ids: list[int] | None = None
+        # Ids whose text was sent (the sent offset); ids whose text has not come yet.
         self.out_ids: list[int] = []
-        # How many of the last out_ids the client has no text for yet (an incomplete UTF-8
-        # character): a continuation starts before them, so the new engine sends their
-        # text; started after them, its detokenizer could never emit those bytes.
-        self._textless = 0
+        self._waiting_ids: list[int] = []
         self.header: dict[str, Any] = {}
         self.finish: str | None = None
         self.done = False
@@ -250,8 +263,10 @@ class Tracker:
 
     # --- feeding ------------------------------------------------------------------------
     def begin_attempt(self) -> None:
-        """A new upstream response starts: a half event from a dead engine is dropped."""
+        """A new upstream response starts: a half event from a dead engine is dropped, and
+        tokens whose text it never sent come again from the continuation."""
         self._parser = SSEParser()
+        self._waiting_ids.clear()
         self.engine_dead = False
 
     def feed(self, chunk: bytes) -> bytes:
@@ -284,9 +299,25 @@ class Tracker:
             return None
         got = ids.group(1)
         if got.strip():
-            new = [int(x) for x in got.split(b",")]
-            self.out_ids.extend(new)
-            self._note_text(len(new), not _NO_TEXT.search(raw))
+            # Text held back by the engine comes as an empty string; and `""` is in the
+            # bytes only where a string is empty (JSON escapes a quote inside a string).
+            if b'""' in raw and fin.group(1) is None:
+                if self.plan.endpoint == CHAT or self.plan.client_ids:
+                    return None  # the full path reads a delta's text fields, moves ids
+                textless = _key(_EMPTY_TEXT, b'"text"', raw) is not None
+            else:
+                textless = False
+            if textless:
+                self._waiting_ids.extend(map(int, got.split(b",")))
+            elif self._waiting_ids and self.plan.client_ids:
+                return None  # the waiting ids go out with this event: the full path
+            else:
+                if self._waiting_ids:
+                    self.out_ids.extend(self._waiting_ids)
+                    self._waiting_ids.clear()
+                self.out_ids.extend(map(int, got.split(b",")))
+        elif self._waiting_ids:
+            return None  # an event with no ids may still bring their text or the end
         if fin.group(1) is not None:
             self.finish = fin.group(1).decode()
         if self.plan.client_ids:
@@ -296,6 +327,17 @@ class Tracker:
         if head.endswith(b",") and b"token_ids" not in head:
             return head[:-1] + raw[ids.end():]
         return strip_ids(raw)
+
+    def _count(self, ids: list[int], textless: bool) -> list[int]:
+        """Record an event's ids; the ids it delivers to the client (see the class doc)."""
+        if textless:
+            self._waiting_ids.extend(ids)
+            return []
+        if self._waiting_ids:
+            ids = [*self._waiting_ids, *ids]
+            self._waiting_ids.clear()
+        self.out_ids.extend(ids)
+        return ids
 
     def _update_quick(self) -> None:
         # The fast path is for the first attempt without stop strings, once the prompt's ids
@@ -359,16 +401,21 @@ class Tracker:
         if not chat and self.prompt_ids is None and isinstance(
                 choice.get("prompt_token_ids"), list):
             self.prompt_ids = choice["prompt_token_ids"]
-        self.out_ids.extend(choice.get("token_ids") or ())
-        said = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-        self._note_text(len(choice.get("token_ids") or ()), bool(said))
+        delta = choice.get("delta") if chat else None
+        text = (delta or {}).get("content") if chat else choice.get("text")
+        got = list(choice.get("token_ids") or ())
+        ids = self._count(got, not choice.get("finish_reason") and not (
+            _delta_has_text(delta) if chat else text))
         self._has_stop_reason = self._has_stop_reason or "stop_reason" in choice
         if self._scanner is None:
             self.finish = choice.get("finish_reason") or self.finish
-            return raw if self.plan.client_ids else strip_ids(raw)
+            if not self.plan.client_ids:
+                return strip_ids(raw)
+            if ids == got:
+                return raw
+            choice["token_ids"] = ids
+            return data_frame(obj)
         # Stop strings: this event's text is whatever the scanner lets out.
-        delta = choice.get("delta") if chat else None
-        text = (delta or {}).get("content") if chat else choice.get("text")
         emit, stop, finish = self._scan(text or "", choice.get("finish_reason"))
         if chat:
             if emit or (delta and "content" in delta):
@@ -382,6 +429,8 @@ class Tracker:
             choice.pop("token_ids", None)
             choice.pop("prompt_token_ids", None)
             obj.pop("prompt_token_ids", None)
+        elif "token_ids" in choice:
+            choice["token_ids"] = ids
         if obj.get("usage") is not None:
             obj["usage"] = self._usage()
         frame = data_frame(obj)
@@ -392,7 +441,8 @@ class Tracker:
 
     def _scan(self, text: str, finish: str | None) -> tuple[str, str | None, str | None]:
         assert self._scanner is not None
-        emit, stop = self._scanner.feed(text, len(self.out_ids))
+        # min_tokens counts every token so far, those still waiting for their text too
+        emit, stop = self._scanner.feed(text, len(self.out_ids) + len(self._waiting_ids))
         if stop is not None:
             finish = "stop"
         elif finish:
@@ -407,10 +457,9 @@ class Tracker:
         if not choices:
             return b""  # the engine's usage counts the wrong prompt; ours comes at [DONE]
         choice = choices[0]
-        ids = list(choice.get("token_ids") or ())
-        self.out_ids.extend(ids)
         text = choice.get("text") or ""
-        self._note_text(len(ids), bool(text))
+        got = list(choice.get("token_ids") or ())
+        ids = self._count(got, not text and not choice.get("finish_reason"))
         if self._scanner is not None:
             emit, stop, finish = self._scan(text, choice.get("finish_reason"))
         else:
@@ -422,10 +471,6 @@ class Tracker:
             self.done = self.cut = True
             frame += self._usage_frame() + DONE_FRAME
         return frame
-
-    def _note_text(self, n_ids: int, has_text: bool) -> None:
-        if n_ids:
-            self._textless = 0 if has_text else self._textless + n_ids
 
     # --- building client events --------------------------------------------------------
     def _chunk(self, text: str, ids: list[int], finish: str | None,
@@ -451,8 +496,9 @@ class Tracker:
 
     def _usage(self) -> dict[str, int]:
         prompt = len(self.prompt_ids or ())
-        return {"prompt_tokens": prompt, "completion_tokens": len(self.out_ids),
-                "total_tokens": prompt + len(self.out_ids)}
+        done = len(self.out_ids) + len(self._waiting_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": done,
+                "total_tokens": prompt + done}
 
     def _usage_frame(self) -> bytes:
         if not self.plan.include_usage or self._usage_sent:
@@ -503,10 +549,6 @@ class Tracker:
         """(path, body) that continues the answer, once `complete` and `can_resume` said so."""
         if not self.started:
             return self.plan.endpoint, self.plan.first_body()
-        if self._textless:
-            # Regenerated, with their text, by the continuation (exactly so when greedy).
-            del self.out_ids[-self._textless:]
-            self._textless = 0
         left = self.remaining()
         assert self.prompt_ids is not None and not self.complete
         body: dict[str, Any]

@@ -144,6 +144,12 @@ class HolderClient:
         assert reply.stats is not None
         return reply.stats
 
+    def drop(self, reason: p.DropReason, detail: str = "") -> p.Dropped:
+        """Free every region of this holder at once (after a GPU fault, say)."""
+        reply, _ = self._call(p.DropRequest(reason=reason, detail=detail[:1000]))
+        assert reply.dropped is not None
+        return reply.dropped
+
     def committed_set(self, digest: str) -> list[p.RegionInfo] | None:
         """The committed regions of `digest` when all `parts` of them are there, else None."""
         regions = [r for r in self.list(digest) if r.committed]

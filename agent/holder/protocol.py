@@ -73,7 +73,26 @@ class StatsRequest(_Req):
     op: Literal["stats"] = "stats"
 
 
-AnyRequest = CreateRequest | NameRequest | ListRequest | StatsRequest
+class DropReason(StrEnum):
+    """Why a client asked the holder to drop everything."""
+
+    GPU_FAULT = "gpu_fault"  # the GPU faulted (Xid, uncorrectable ECC): held bytes are suspect
+
+
+class DropRequest(_Req):
+    """Free every region, committed or being written, at once; the holder keeps serving.
+
+    A writer whose region was dropped gets `not_found` at its commit; engines that have the
+    memory mapped keep their mapping until they unmap it (the driver frees it then).
+    """
+
+    op: Literal["drop"] = "drop"
+    reason: DropReason
+    # What the client saw, for the holder's log.
+    detail: str = Field("", max_length=1000)
+
+
+AnyRequest = CreateRequest | NameRequest | ListRequest | StatsRequest | DropRequest
 Request = Annotated[AnyRequest, Field(discriminator="op")]
 _request_adapter: TypeAdapter[AnyRequest] = TypeAdapter(Request)
 
@@ -115,6 +134,13 @@ class Stats(_Msg):
         return self.bytes_committed + self.bytes_pending
 
 
+class Dropped(_Msg):
+    """What a drop freed."""
+
+    regions: int
+    bytes: int
+
+
 class ErrorInfo(_Msg):
     code: ErrorCode
     message: str
@@ -129,6 +155,7 @@ class Reply(_Msg):
     region: RegionInfo | None = None
     regions: list[RegionInfo] | None = None
     stats: Stats | None = None
+    dropped: Dropped | None = None
 
 
 class ProtocolError(ValueError):

@@ -147,6 +147,11 @@ class RegionTable:
             self._drop_pending(r)
         return [r.name for r in dropped]
 
+    def drop_all(self) -> tuple[int, int]:
+        """Free every region, committed and pending: (regions, bytes) freed."""
+        regions = len(self.committed) + len(self.pending)
+        return regions, self.free_all()
+
     def free_all(self) -> int:
         freed = 0
         for r in [*self.pending.values(), *self.committed.values()]:

@@ -255,6 +255,12 @@ class HolderServer:
                 return p.Reply(ok=True, regions=regions), []
             if isinstance(req, p.StatsRequest):
                 return p.Reply(ok=True, stats=self._stats()), []
+            if isinstance(req, p.DropRequest):
+                regions, freed = t.drop_all()
+                log.warning("dropped all %d regions (%d bytes) at the request of pid %d (%s)%s",
+                            regions, freed, s.pid, req.reason,
+                            f": {req.detail}" if req.detail else "")
+                return p.Reply(ok=True, dropped=p.Dropped(regions=regions, bytes=freed)), []
             if req.op == "commit":
                 return p.Reply(ok=True, region=t.info(t.commit(s, req.name))), []
             if req.op == "attach":

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -54,12 +55,20 @@ class EngineProcess:
 
     @classmethod
     def spawn(cls, spec: LaunchSpec) -> EngineProcess:
+        """Start the engine from the calling thread, which must live as long as the agent
+        (the event loop's): the engine is SIGKILLed when that thread exits."""
         env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
+        # The wrapper execs the engine, so a missing program would only show as its exit
+        # status: name it here, as Popen would have.
+        if shutil.which(spec.argv[0], path=env.get("PATH")) is None:
+            raise EngineError(f"cannot start the engine {spec.argv[0]!r}: no such program "
+                              "(check engine.python or the engine's installation)")
         try:
             with proc.spawn_lock():
                 p = subprocess.Popen(
-                    spec.argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+                    proc.with_deathsig(list(spec.argv)), env=env, stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                    close_fds=True)
                 proc.own(p.pid)
         except OSError as e:
             raise EngineError(f"cannot start the engine {spec.argv[0]!r}: {e.strerror}") from e

@@ -15,10 +15,12 @@ log = logging.getLogger("pitstop.gate")
 
 @dataclass(frozen=True)
 class Ready:
-    """The engine is verified and serving on `socket`; `recovery` counts engine generations."""
+    """The engine is verified and serving on `socket`; `recovery` counts engine generations,
+    `path` names the ladder rung that started this one."""
 
     socket: Path
     recovery: int
+    path: str = ""
 
 
 class EngineGate:
@@ -58,9 +60,9 @@ class EngineGate:
     def recovery(self) -> int:
         return self._recovery
 
-    def open(self, socket: Path) -> None:
+    def open(self, socket: Path, path: str = "") -> None:
         self._recovery += 1
-        self._ready = Ready(socket=socket, recovery=self._recovery)
+        self._ready = Ready(socket=socket, recovery=self._recovery, path=path)
         self.down_reason = ""
         self.down_since = None
         self._wake()

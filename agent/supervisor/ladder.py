@@ -18,6 +18,8 @@ class Attempt:
 
     cause: str
     stages: dict[str, float] = field(default_factory=dict)
+    # The GPU fault this walk works around ("" for none): see agent/supervisor/gpu.py.
+    gpu_fault: str = ""
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[None]:
@@ -38,6 +40,9 @@ class StartPath(Protocol):
     """
 
     name: str
+    # Whether its engine uses memory that outlived the failed one (held weights): such a
+    # rung is never tried after a GPU fault (agent/supervisor/gpu.py `ruled_out`).
+    reuses_held_memory: bool
 
     def skip_reason(self) -> str | None:
         """Why this path cannot be tried now (no snapshot, holder gone, ...); None if it can."""

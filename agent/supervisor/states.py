@@ -28,8 +28,24 @@ class Event(StrEnum):
     BACKOFF_DONE = "backoff_done"
     CRASH_LOOP = "crash_loop"
     RESET = "reset"
+    GPU_FAILED = "gpu_failed"
     STOP = "stop"
     STOPPED = "stopped"
+
+
+class Cause(StrEnum):
+    """Why the ladder is walked: the `cause` of a recovery, status and metrics."""
+
+    STARTUP = "startup"
+    CRASH = "crash"
+    EXIT = "exit"
+    HANG = "hang"
+    # The engine failed while its GPU reported a fault (Xid, uncorrectable ECC): memory held
+    # across the failure is not reused.
+    GPU_FAULT = "gpu_fault"
+    RELOAD = "reload"
+    DRIFT = "drift"
+    RESET = "reset"
 
 
 class TransitionError(PitstopError):
@@ -57,7 +73,13 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     (S.SNAPSHOTTING, E.ENGINE_FAILED): S.BACKOFF,
     # Backoff over (zero for a first failure): walk the ladder again.
     (S.BACKOFF, E.BACKOFF_DONE): S.STARTING,
-    # An operator's reload clears a crash loop.
+    # The GPU is gone or needs a reset or service (NVML said so): no restart can help, so
+    # the agent stops trying instead of looping, whether the engine was serving, being
+    # snapshotted or being started when that was found.
+    (S.READY, E.GPU_FAILED): S.FAILED,
+    (S.SNAPSHOTTING, E.GPU_FAILED): S.FAILED,
+    (S.STARTING, E.GPU_FAILED): S.FAILED,
+    # An operator's reload clears a crash loop, or a failed GPU once it was serviced.
     (S.FAILED, E.RESET): S.STARTING,
     # SIGTERM from anywhere: drain and stop the engine.
     (S.STOPPED, E.STOP): S.STOPPING,

@@ -24,6 +24,10 @@ class Recovery:
     at: float
     stages: dict[str, float] = field(default_factory=dict)
     fallthroughs: list[str] = field(default_factory=list)
+    # The GPU fault that made this walk skip every rung reusing held memory; "" for none.
+    gpu_fault: str = ""
+    # GPU memory in use at its peak during the walk (every process); None without a GPU.
+    gpu_peak_bytes: int | None = None
 
 
 @dataclass
@@ -46,6 +50,10 @@ class AgentStatus:
     last_recovery: Recovery | None = None
     # Why the last snapshot attempt failed; "" when it succeeded or none was tried.
     snapshot_error: str = ""
+    # The last recovery's peak GPU memory in use, by the path it ended on.
+    gpu_peak_bytes: dict[str, int] = field(default_factory=dict)
+    # The engine's GPU as NVML last saw it (a Verdict); "" without a GPU watch.
+    gpu: str = ""
 
     def to_json(self) -> dict:
         return asdict(self)

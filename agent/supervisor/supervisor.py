@@ -12,14 +12,16 @@ from collections.abc import Awaitable, Callable, Sequence
 from agent.config import Config
 from agent.engines.base import EngineAdapter
 from agent.errors import EngineError, SnapshotError, StartPathError, VerifyError
+from agent.gpu_health import GpuCheck, GpuFault, PeakSampler, Verdict
 from agent.metrics import Metrics
 from agent.supervisor.canary import CanaryBook, CanaryRecord, setup_key
 from agent.supervisor.capture import Capture
 from agent.supervisor.engine import EngineProcess
 from agent.supervisor.gate import EngineGate
+from agent.supervisor.gpu import GpuGuard, ruled_out
 from agent.supervisor.ladder import Attempt, StartPath
 from agent.supervisor.probe import CanaryAnswer, EngineProbe
-from agent.supervisor.states import Event, State, next_state
+from agent.supervisor.states import Cause, Event, State, next_state
 from agent.supervisor.status import AgentStatus, Recovery
 from agent.systemd import Notifier
 
@@ -47,6 +49,8 @@ class Supervisor:
                  capture: Capture | None = None,
                  before_start: Callable[[], Awaitable[None]] | None = None,
                  on_ready: Callable[[], None] | None = None,
+                 gpu: GpuGuard | None = None,
+                 on_engine: Callable[[int], None] = lambda pid: None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.adapter = adapter
@@ -60,6 +64,15 @@ class Supervisor:
         self.capture = capture
         self._before_start = before_start
         self._on_ready = on_ready
+        self.gpu = gpu if gpu is not None else GpuGuard()
+        # Samples the GPU's memory in use during a walk of the ladder (None without a GPU).
+        self._sampler: PeakSampler | None = None
+        self._serving_path = ""
+        # Set when an NVML event says the GPU is gone while the engine may look healthy.
+        self._gpu_gone: GpuFault | None = None
+        # Told each new engine's PID at once, before it is verified: should the agent die
+        # now, the next one must know which tree to kill.
+        self._on_engine = on_engine
         self._clock = clock
         self.state = State.STOPPED
         self.engine: EngineProcess | None = None
@@ -147,7 +160,16 @@ class Supervisor:
         return self._stop.is_set()
 
     # --- the loop ---------------------------------------------------------------------
+    def _gpu_event(self, fault: GpuFault) -> None:
+        # An engine on a lost GPU can answer /health for a long while and fail every request:
+        # replace it now rather than at its next failed health check. Memory faults wait for
+        # the engine's own failure, which they usually cause.
+        if fault.verdict is Verdict.UNUSABLE:
+            self._gpu_gone = fault
+            self._wake.set()
+
     async def run(self) -> None:
+        self.gpu.listen(self._gpu_event)
         self._fire(Event.START)
         while self.state is not State.STOPPED:
             self._beat()
@@ -171,16 +193,26 @@ class Supervisor:
 
     async def _start(self) -> None:
         attempt = Attempt(cause=self._cause)
+        self._gpu_gone = None  # the walk's own check sees that fault
+        self._sample_gpu_memory()
         t0 = self._clock()
+        fallthroughs: list[str] = []
+        # Before the identity: reading a lost GPU's identity would fail, and less clearly.
+        check = await self._gpu_before_walk(attempt, fallthroughs)
+        if check is None:
+            return
         if self._before_start is not None:
             with attempt.stage("identity"):
                 await self._before_start()
-        fallthroughs: list[str] = []
         last_path = "cold"
         for path in self.paths:
             if self._stop.is_set():
                 return
             last_path = path.name
+            ruled = ruled_out(path, check)
+            if ruled is not None:
+                self._fall(path.name, "gpu_fault", ruled, fallthroughs)
+                continue
             skip = path.skip_reason()
             if skip is not None:
                 self._fall(path.name, "skipped", skip, fallthroughs)
@@ -193,6 +225,7 @@ class Supervisor:
                 continue
             self.engine = engine
             self.status.engine_pid = engine.pid
+            self._on_engine(engine.pid)
             try:
                 await self._verify(engine, path, attempt)
                 await path.after_verified(engine)
@@ -214,6 +247,41 @@ class Supervisor:
         self._record(last_path, "failure", attempt, duration, fallthroughs)
         self.record_failure()
         self._fire(Event.START_FAILED, f"every start path failed: {'; '.join(fallthroughs)}")
+
+    async def _gpu_check(self) -> GpuCheck:
+        """The GPU's faults and health now (off the event loop), kept in the status."""
+        check = await self.gpu.check()
+        self.status.gpu = check.verdict.value if self.gpu.watch is not None else ""
+        return check
+
+    async def _gpu_before_walk(self, attempt: Attempt,
+                               fallthroughs: list[str]) -> GpuCheck | None:
+        """The GPU's faults before a walk, held memory dropped after one; None when the GPU
+        is unusable (the state is failed then)."""
+        check = await self._gpu_check()
+        if check.verdict is Verdict.UNUSABLE:
+            self._stop_sampling()
+            self._fire(Event.GPU_FAILED, self._gpu_failed_reason(check))
+            return None
+        if check.verdict is Verdict.MEMORY_SUSPECT:
+            attempt.gpu_fault = check.describe()
+            fallthroughs.append(f"GPU fault: {attempt.gpu_fault}; "
+                                f"{await self.gpu.drop_held(check)}")
+        return check
+
+    @staticmethod
+    def _gpu_failed_reason(check: GpuCheck) -> str:
+        return (f"the GPU is unusable: {check.describe()}; restarting the engine cannot help. "
+                "Reset or service the GPU, then restart the agent")
+
+    def _sample_gpu_memory(self) -> None:
+        """Start sampling for a walk (ending any earlier sampler); `_record` takes its peak."""
+        self._stop_sampling()
+        self._sampler = self.gpu.sampler()
+
+    def _stop_sampling(self) -> int | None:
+        sampler, self._sampler = self._sampler, None
+        return sampler.stop() if sampler is not None else None
 
     def _fall(self, path: str, kind: str, reason: str, fallthroughs: list[str]) -> None:
         # A rung that cannot apply (no snapshot yet) is routine; one that broke is not.
@@ -282,12 +350,15 @@ class Supervisor:
                fallthroughs: list[str]) -> None:
         assert self.engine is not None
         self._record(path, "success", attempt, duration, fallthroughs)
+        # An engine that reuses no suspect memory serves: those faults are dealt with.
+        self.gpu.acknowledge()
+        self._serving_path = path
         self.status.engine_ready_since = time.time()
         policy = self.config.snapshots.regenerate
         if self.capture is not None and path in ("cold", "warm") and policy != "manual":
             self._snapshot_wanted = f"{path} start found no usable snapshot"
         if not (self._snapshot_wanted and policy == "before-serving"):
-            self.gate.open(self.config.engine_socket)
+            self.gate.open(self.config.engine_socket, path)
         if self._on_ready is not None:
             self._on_ready()
         self._fire(Event.VERIFIED, f"{path} start in {duration:.2f}s ({attempt.cause})")
@@ -305,10 +376,13 @@ class Supervisor:
         m.recovery_duration.labels(path=path, result=result).observe(duration)
         for stage, secs in attempt.stages.items():
             m.recovery_stage_duration.labels(path=path, stage=stage).observe(secs)
+        peak = self._stop_sampling()
+        if peak is not None:
+            self.status.gpu_peak_bytes[path] = peak
         self.status.last_recovery = Recovery(
             path=path, cause=attempt.cause, result=result, duration_s=round(duration, 3),
             at=time.time(), stages={k: round(v, 3) for k, v in attempt.stages.items()},
-            fallthroughs=fallthroughs)
+            fallthroughs=fallthroughs, gpu_fault=attempt.gpu_fault, gpu_peak_bytes=peak)
 
     # --- serving ----------------------------------------------------------------------
     async def _serve(self) -> None:
@@ -319,7 +393,7 @@ class Supervisor:
             if self.state is not State.READY:
                 return
         if self.gate.current is None:
-            self.gate.open(self.config.engine_socket)
+            self.gate.open(self.config.engine_socket, self._serving_path)
         hc = self.config.health
         misses = 0
         async with EngineProbe(self.config.engine_socket, timeout=hc.timeout_s) as probe:
@@ -334,6 +408,11 @@ class Supervisor:
                     f.cancel()
                 self._wake.clear()
                 if self._stop.is_set():
+                    return
+                if self._gpu_gone is not None and not engine.exited.done():
+                    fault, self._gpu_gone = self._gpu_gone, None
+                    await self._engine_failed(Cause.GPU_FAULT, f"engine {engine.pid} stopped: "
+                                              f"its GPU reported {fault.detail}")
                     return
                 if (self._snapshot_requests or self._snapshot_wanted) \
                         and not engine.exited.done():
@@ -403,6 +482,12 @@ class Supervisor:
 
     async def _engine_failed(self, cause: str, reason: str) -> None:
         self.gate.close(reason)
+        check = await self._gpu_check()
+        if check.verdict is not Verdict.HEALTHY:
+            # Whatever the engine died of, its GPU faulted: that is the cause worth telling.
+            cause = Cause.GPU_FAULT
+            reason = f"{reason}, with a GPU fault: {check.describe()}"
+            self.gate.close(reason)
         engine = self.engine
         if engine is not None:
             await engine.kill()
@@ -415,6 +500,9 @@ class Supervisor:
         self.record_failure()
         self._cause = cause
         log.error("engine failed (%s): %s", cause, reason)
+        if check.verdict is Verdict.UNUSABLE:
+            self._fire(Event.GPU_FAILED, self._gpu_failed_reason(check))
+            return
         self._fire(Event.ENGINE_FAILED, reason)
 
     async def _replace(self, engine: EngineProcess) -> None:
@@ -472,10 +560,14 @@ class Supervisor:
                 await asyncio.wait_for(self._reset.wait(), 1.0)
         if self._reset.is_set() and not self._stop.is_set():
             self._cause = "reset"
+            # The operator says the cause was fixed: faults seen so far are history. The next
+            # walk reads the GPU's health afresh and fails again if it still is unusable.
+            self.gpu.acknowledge()
             self._fire(Event.RESET, "reset by reload")
 
     # --- stopping ---------------------------------------------------------------------
     async def _shutdown(self) -> None:
+        self._stop_sampling()
         self.notifier.stopping()
         self.gate.close("stopping")
         engine = self.engine

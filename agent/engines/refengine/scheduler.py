@@ -9,7 +9,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from agent.engines.refengine.detok import Delta, Detokenizer
 from agent.engines.refengine.kvpool import KVPool
@@ -240,29 +240,25 @@ class Scheduler:
         self._emit_token(seq, token)
 
     def _emit_token(self, seq: Sequence, token: int) -> None:
+        # vLLM's order: the engine core ends a request on EOS, then a stop token id, then the
+        # length; the detokenizer then looks for stop strings, which override the reason.
         p = seq.params
-        delta = seq.detok.add(token)
         reason: str | None = None
         stop_reason: str | int | None = None
-        if delta is not None and delta.stop_string is not None:
-            reason, stop_reason = "stop", delta.stop_string
+        if token in self.eos_ids and not p.ignore_eos:
+            reason = "stop"
         elif token in p.stop_token_ids:
             reason, stop_reason = "stop", token
-        elif token in self.eos_ids and not p.ignore_eos:
-            reason = "stop"
         elif seq.generated >= p.max_tokens or len(seq.tokens) >= self.pool.max_len:
             reason = "length"
+        delta = seq.detok.add(token, stop_terminated=reason == "stop")
+        if delta.stop_string is not None:
+            reason, stop_reason = "stop", delta.stop_string
+        elif reason is not None:
+            delta = replace(delta, text=delta.text + seq.detok.finish())
         if reason is not None:
-            if delta is None or delta.stop_string is None:
-                rest = seq.detok.flush()
-                delta = _join(delta, rest)
             seq.finished = True
             self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
-        if delta is not None or reason is not None:
-            seq.emit(Output(delta=delta, finish_reason=reason, stop_reason=stop_reason))
-
-
-def _join(a: Delta | None, b: Delta | None) -> Delta | None:
-    if a is None or b is None:
-        return a or b
-    return Delta(a.text + b.text, a.token_ids + b.token_ids)
+        # One output per token, even with no text yet: vLLM streams these too, and a client
+        # (the front) learns the ids as they come.
+        seq.emit(Output(delta=delta, finish_reason=reason, stop_reason=stop_reason))

@@ -15,6 +15,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
+from agent.checkpoint.xcomp import request_amx_self
 from agent.engines.refengine import protocol as P
 from agent.engines.refengine.detok import Detokenizer
 from agent.engines.refengine.metrics import EngineCollector
@@ -137,6 +138,13 @@ class EngineApp:
                                   **self._held_state()})
 
     async def resume(self, request: web.Request) -> web.Response:
+        # A CRIU restore loses the AMX permission torch's oneDNN asked for at start, and a
+        # bf16 matmul is then SIGILL. The agent asks again from outside before the tree
+        # runs; asking here too covers a restore by anything else (a repeat is harmless).
+        try:
+            log.info("resume: AMX permission %s", request_amx_self().value)
+        except OSError as e:
+            log.warning("resume: the AMX permission was refused: %s", e)
         if self.held is not None:
             try:
                 await asyncio.to_thread(self.held.reattach)
@@ -169,7 +177,7 @@ class EngineApp:
             log.info("%s %d: %s", endpoint, e.status, e.message)
             return _error(e.status, e.message, e.err_type, e.param)
         queue: asyncio.Queue[Output] = asyncio.Queue()
-        detok = Detokenizer(self.tok.decode, parsed.params.stop)
+        detok = Detokenizer(self.tok.backend, parsed.prompt, parsed.params.stop)
         seq = self.sched.submit(parsed.prompt, parsed.params, detok,
                                 asyncio.get_running_loop(), queue)
         rid = P.new_id("chatcmpl" if chat else "cmpl")
@@ -311,7 +319,8 @@ class EngineApp:
                 generated += len(ids)
                 tok_ids = ids if want_ids else None
                 if chat:
-                    delta = {"content": text} if text or out.finish_reason is None else {}
+                    # {"content": ""} even on the last chunk, as vLLM sends it
+                    delta = {"content": text}
                     choice = P.chat_choice(delta, out.finish_reason, out.stop_reason, tok_ids,
                                            True)
                 else:

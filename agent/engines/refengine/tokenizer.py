@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent.errors import ModelError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as HfTokenizer
 
 
 class ChatTemplateError(ValueError):
@@ -48,6 +51,11 @@ class Tokenizer:
         self.eos_token = _token_text(cfg.get("eos_token")) or ""
         self.chat_template: str | None = cfg.get("chat_template")
         self._template: Any = None
+
+    @property
+    def backend(self) -> HfTokenizer:
+        """The `tokenizers.Tokenizer` itself, for its DecodeStream (see detok.py)."""
+        return self._tok
 
     @property
     def vocab_size(self) -> int:

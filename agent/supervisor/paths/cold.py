@@ -17,6 +17,7 @@ class ColdStart:
     """Start the engine the way it would start without Pitstop."""
 
     name = "cold"
+    reuses_held_memory = False
 
     def __init__(self, adapter: EngineAdapter,
                  extra_args: Callable[[], list[str]] = lambda: []) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from agent.config import HolderConfig
 from agent.engines.base import EngineAdapter
 from agent.holder.client import HolderClient, holder_available, stale_reason
-from agent.holder.protocol import socket_path
+from agent.holder.protocol import DropReason, socket_path
 from agent.supervisor.paths.cold import ColdStart
 from agent.supervisor.paths.restore import FullRestore
 
@@ -51,6 +51,19 @@ class HolderLink:
             return []
         return ["--holder", str(self.path), "--weights-digest", str(self._digest())]
 
+    def drop(self, detail: str) -> str:
+        """Make the holder free everything it holds after a GPU fault; what it did, in words.
+
+        Raises HolderError when a holder answers but the drop fails: its memory stays suspect.
+        """
+        if not self.config.enabled:
+            return "no holder configured, nothing held to drop"
+        if holder_available(self.path) is not None:
+            return f"no holder answers at {self.path}, nothing held to drop"
+        with HolderClient(self.path) as c:
+            d = c.drop(DropReason.GPU_FAULT, detail)
+        return f"the holder dropped its {d.regions} regions ({d.bytes / 2**30:.2f} GiB)"
+
     def holds_weights(self) -> bool:
         with HolderClient(self.path) as c:
             return c.has_committed(str(self._digest()))
@@ -64,6 +77,7 @@ class WarmStart(ColdStart):
     """Start the engine fresh, mapping weights the holder already has instead of reading disk."""
 
     name = "warm"
+    reuses_held_memory = True
 
     def __init__(self, adapter: EngineAdapter, link: HolderLink) -> None:
         super().__init__(adapter, extra_args=link.engine_args)
@@ -85,6 +99,7 @@ class HybridRestore(FullRestore):
     """
 
     name = "hybrid"
+    reuses_held_memory = True
     kind = "hybrid"
 
     def __init__(self, link: HolderLink, **kwargs: object) -> None:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
 import time
 from collections.abc import Callable
 
+from agent import proc
 from agent.checkpoint.snapshotter import Snapshotter
 from agent.engines.base import EngineAdapter
 from agent.errors import EngineError, SnapshotError, StartPathError
@@ -41,6 +41,7 @@ class FullRestore:
     """Restore the newest snapshot whose identity matches this host and whose files verify."""
 
     name = "full"
+    reuses_held_memory = False
     kind = "full"
 
     def __init__(self, *, snapshotter: Snapshotter | None, unavailable: str,
@@ -94,9 +95,8 @@ class FullRestore:
         # The dumped engine re-binds its socket path on restore; a leftover file blocks it.
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._socket)
-        loop = asyncio.get_running_loop()
         try:
-            restored = await loop.run_in_executor(None, self._snap.restore, manifest)
+            restored = await proc.in_parent_thread(self._snap.restore, manifest)
         except SnapshotError as e:
             self.failed(str(e))
             raise StartPathError(f"restore of snapshot {manifest.id} failed: {e}") from e

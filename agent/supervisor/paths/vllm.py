@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from agent import proc
 from agent.config import Config
 from agent.drift import describe
 from agent.engines.base import EngineAdapter
@@ -56,6 +57,7 @@ class VllmSnapshotRestore:
     """
 
     name = "vllm-snapshot"
+    reuses_held_memory = False
 
     def __init__(self, backend: VllmSnapshotBackend, *, socket: Path,
                  identity: Callable[[], Identity], features: Callable[[], VllmFeatures],
@@ -119,10 +121,9 @@ class VllmSnapshotRestore:
         assert self._chosen is not None
         m = self._chosen
         await self._close_relay()
-        loop = asyncio.get_running_loop()
         try:
             with attempt.stage("vllm_restore"):
-                pid = await loop.run_in_executor(None, self._backend.restore, m)
+                pid = await proc.in_parent_thread(self._backend.restore, m)
         except VllmSnapshotError as e:
             if e.code in _BAD_SNAPSHOT:
                 self.failed(str(e))
@@ -182,6 +183,7 @@ class VllmPreloadStart(ColdStart):
     `vllm preload` daemon over CUDA IPC instead of read from disk."""
 
     name = "vllm-preload"
+    reuses_held_memory = True
 
     def __init__(self, adapter: EngineAdapter, link: PreloadLink,
                  features: Callable[[], VllmFeatures], has_gpu: Callable[[], bool]) -> None:
