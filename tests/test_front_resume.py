@@ -131,28 +131,6 @@ def test_any_cut_gives_the_uninterrupted_text_and_one_identity(endpoint: str) ->
 
 
 @pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
-def test_a_cut_inside_a_utf8_character_resumes_before_its_first_byte(endpoint: str) -> None:
-    # "é" is two byte-level tokens: the engine sends the first with no text and both bytes'
-    # text with the second. Cut between them: the continuation must start before the first,
-    # or the new engine's detokenizer, which starts after it, could never emit the "é".
-    pieces = [(40, "caf"), (41, ""), (42, "é"), (43, " au"), (44, " lait")]
-    chat = endpoint == CHAT
-    body = {"model": "m", "max_tokens": 5, "stream": True,
-            **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})}
-    t = Tracker(Plan.of(endpoint, body))
-    events = engine_stream(chat, pieces, PROMPT)
-    sent = b"".join(t.feed(ev) for ev in events[:3 if chat else 2])
-    assert t.out_ids == [40, 41]
-    _, cont = t.resume_request()
-    assert cont["prompt"] == PROMPT + [40] and cont["max_tokens"] == 4
-    t.begin_attempt()
-    for ev in engine_stream(False, pieces[1:], cont["prompt"], rid="cmpl-new"):
-        sent += t.feed(ev)
-    assert client_view(sent, chat)[0] == "café au lait"
-    assert t.out_ids == [40, 41, 42, 43, 44]
-
-
-@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_string_across_the_cut(endpoint: str, include: bool) -> None:
     body = {"model": "m", "max_tokens": 10, "stream": True, "stop": ["\n\n", "zzz"],
