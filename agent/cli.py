@@ -33,9 +33,16 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from agent.modelgen import make_model, spec_for
 
     spec = spec_for(args.size, target_gib=args.target_gib, seed=args.seed)
+    if args.max_position_embeddings is not None:
+        if args.max_position_embeddings < 16:
+            print("make-model: --max-position-embeddings must be at least 16", file=sys.stderr)
+            return EXIT_USAGE
+        spec = replace(spec, max_position_embeddings=args.max_position_embeddings)
     made = make_model(args.dir, spec, force=args.force)
     gib = spec.weight_bytes() / (1 << 30)
     verb = "wrote" if made else "already present:"
@@ -335,6 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--target-gib", type=_positive_float, default=None,
                    help="make a bf16 model of about this many GiB (overrides --size)")
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--max-position-embeddings", type=int, default=None, metavar="N",
+                   help="the longest context the model takes, prompt included (default "
+                        "2048; RoPE tables are made for it, no weight changes size)")
     m.add_argument("--force", action="store_true", help="replace whatever DIR holds")
     m.set_defaults(func=_cmd_make_model)
 

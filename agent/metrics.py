@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 import agent
 from agent.gpu_health import FaultKind
+from agent.holder.kvledger import KeptKVOutcome
 from agent.supervisor.states import Cause
 
 # Recovery times span a 1 s hybrid restore to a multi-minute cold start of a big model.
@@ -39,6 +40,8 @@ FALLTHROUGH_REASONS = ("skipped", "gpu_fault", "start_failed", "verify_failed")
 # The first streamed request an engine answers after it (re)started, and every later one.
 FIRST_TOKEN_PHASES = ("after_recovery", "steady")
 SNAPSHOT_KINDS = ("hybrid", "full")
+# What a resumed stream found on the recovered engine: kept KV, or why not.
+KV_RESUME_OUTCOMES = tuple(o.value for o in KeptKVOutcome)
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,12 @@ class Metrics:
             "pitstop_front_resumed_requests_total",
             "Requests continued on a recovered engine after the engine died mid-answer.",
             ["endpoint"], registry=registry)
+        self.front_kv_resumes = Counter(
+            "pitstop_front_kv_resumes_total",
+            "Resumed streams by what the recovered engine did with the dead one's KV: "
+            "kept (continued from it, no re-prefill) or why it prefilled again (no_entry, "
+            "torn, tokens_differ, kv_changed, slot_busy, not_held, not_reported).",
+            ["outcome"], registry=registry)
         self.front_stall = Histogram(
             "pitstop_front_stall_seconds",
             "Pause seen by a client whose answer was resumed across a recovery.",
@@ -185,6 +194,8 @@ class Metrics:
                 self.ladder_fallthroughs.labels(path=path, reason=reason)
         for cause in FAILURE_CAUSES:
             self.engine_failures.labels(cause=cause)
+        for outcome in KV_RESUME_OUTCOMES:
+            self.front_kv_resumes.labels(outcome=outcome)
         for result in RESULTS:
             self.regenerations.labels(result=result)
             for kind in SNAPSHOT_KINDS:

@@ -19,7 +19,7 @@ import pytest
 
 from tests.agentproc import REPO, RunningAgent, agent_config
 from tests.holder_proc import Holder
-from tests.test_agent_snapshots import _complete, _criu, _rewrite_a_weight, _snapshots  # noqa: F401
+from tests.test_agent_snapshots import _complete, _criu, _snapshots  # noqa: F401
 from tests.test_agent_vllm import BOOT_S, io_uring_off  # noqa: F401 - a fixture
 from tests.test_agent_vllm import NAME as VLLM_NAME
 from tests.test_agent_vllm import _prerequisites as _vllm_prerequisites
@@ -118,6 +118,18 @@ def test_a_connection_kept_open_from_outside_refuses_the_snapshot_and_names_it(
         a.stop()
 
 
+def _replace_a_weight(model: Path) -> None:
+    """A new weights file published as model updates are: written beside, renamed over.
+    Rewriting the file in place instead would truncate pages the serving engine has mapped
+    (safetensors maps the file), and its next request dies of SIGBUS: a crash, not a drift."""
+    w = model / "model.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-64] ^= 0x01
+    tmp = w.with_name(w.name + ".new")
+    tmp.write_bytes(bytes(data))
+    os.replace(tmp, w)
+
+
 def test_a_drift_under_traffic_regenerates_the_snapshot(tmp_path: Path, tiny_model: Path):
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
@@ -142,7 +154,7 @@ def test_a_drift_under_traffic_regenerates_the_snapshot(tmp_path: Path, tiny_mod
         t = threading.Thread(target=clients, daemon=True)
         t.start()
         a.wait_for(lambda s: served[0] >= 2, 60, "traffic")
-        _rewrite_a_weight(model)
+        _replace_a_weight(model)
         st = a.wait_for(lambda s: (s.get("last_recovery") or {}).get("cause") == "drift"
                         and "published" in s.get("reason", ""), 180, "the regeneration")
         served_at_snapshot = served[0]

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -393,3 +394,76 @@ def test_a_list_too_large_for_one_answer_is_refused_and_the_holder_serves_on(hol
         assert c.stats().regions_pending == 400 and c.list("other") == []
     wait_for(lambda: holder.stats().regions_pending == 0, "the writer's regions to go")
     assert holder.memfds() == []
+
+
+LEASED_TENANT = """
+import sys, time
+from agent.holder.client import HolderClient
+with HolderClient(sys.argv[1]) as c:
+    c.create("kv/pool", 1 << 20, "kv-1", lease_s=float(sys.argv[2])).close()
+    c.commit("kv/pool")
+print("committed", flush=True)
+time.sleep(600)
+"""
+
+
+def leased_tenant(holder: Holder, lease_s: float) -> subprocess.Popen:
+    """A process that leaves a committed region of `lease_s` and lives on (its connection
+    closed: the claim is the process, not a session)."""
+    t = subprocess.Popen([sys.executable, "-c", LEASED_TENANT, str(holder.sock), str(lease_s)],
+                         cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert t.stdout is not None and t.stdout.readline() == "committed\n"
+    return t
+
+
+def test_a_leased_region_outlives_its_tenant_for_the_lease_then_the_holder_releases_it(
+        holder):
+    t = leased_tenant(holder, 1.0)
+    time.sleep(1.5)  # claimed while its process lives: the lease does not run
+    assert holder.stats().regions_committed == 1
+    kill(t)
+    # A successor attaching within the lease finds it.
+    with holder.client() as c, c.attach("kv/pool") as g:
+        assert g.region.lease_s == 1.0
+    assert holder.stats().regions_committed == 1
+
+
+def test_a_leased_region_nobody_claims_is_released_after_its_lease(holder):
+    kill(leased_tenant(holder, 1.0))
+    wait_for(lambda: holder.stats().regions_committed == 0, "the lease to run out", 5)
+    assert holder.stats().bytes_held == 0
+    assert "unclaimed for its lease of 1s" in holder.log.read_text()
+
+
+def test_a_leased_region_is_one_processs_at_a_time(holder):
+    t = leased_tenant(holder, 60)
+    try:
+        with holder.client() as c, pytest.raises(HolderRefusedError) as e:
+            c.attach("kv/pool")
+        assert e.value.code == p.ErrorCode.BUSY and f"pid {t.pid}" in str(e.value)
+    finally:
+        kill(t)
+    with holder.client() as c, c.attach("kv/pool"):
+        pass  # its claimant exited: free to claim
+
+
+def test_host_memory_is_a_memfd_on_any_backend(holder):
+    with holder.client() as c:
+        with c.create("kv/ledger", 4096, "kvledger-1", memory=p.MemoryKind.HOST) as g:
+            assert g.region.memory is p.MemoryKind.HOST
+            assert os.readlink(f"/proc/self/fd/{g.fds[0]}").startswith(
+                "/memfd:pitstop:kv/ledger")
+        c.commit("kv/ledger")
+        [r] = c.list("kvledger-1")
+        assert r.memory is p.MemoryKind.HOST and r.lease_s is None
+
+
+def test_a_lease_out_of_range_is_a_bad_request(holder):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(str(holder.sock))
+    s.send(json.dumps({"v": 1, "op": "create", "name": "kv/x", "size": 1, "digest": "d",
+                       "lease_s": -1}).encode())
+    reply = p.parse_reply(s.recv(p.MAX_MESSAGE))
+    s.close()
+    assert reply.error is not None and reply.error.code == p.ErrorCode.BAD_REQUEST
+    assert "lease_s" in reply.error.message

@@ -282,6 +282,10 @@ def test_engine_refuses_a_missing_model_or_a_too_long_context(tmp_path: Path,
     r = start("--model", str(tiny_model), "--max-model-len", "100000")
     assert r.returncode == 2
     assert "max_position_embeddings (2048)" in r.stderr
+    r = start("--model", str(tiny_model), "--keep-kv")
+    assert r.returncode == 2 and "give --holder SOCK too" in r.stderr
+    r = start("--model", str(tiny_model), "--kv-lease-s", "0")
+    assert r.returncode == 2 and "--kv-lease-s 0 is out of range" in r.stderr
     assert not (tmp_path / "s.sock").exists()
 
 

@@ -8,6 +8,7 @@ import itertools
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,6 +22,13 @@ from agent.front.holding import Holding
 from agent.front.resume import CHAT, COMPLETIONS, Plan, Tracker
 from agent.front.sse import error_body, error_frame
 from agent.front.upstream import LOST, Upstream, forward_headers
+from agent.holder.kvledger import (
+    KV_HEADER,
+    KV_KEPT_HEADER,
+    REQUEST_HEADER,
+    RESUME_HEADER,
+    KeptKVOutcome,
+)
 from agent.metrics import Metrics
 from agent.supervisor.gate import EngineGate, Ready
 
@@ -401,6 +409,16 @@ class Front:
         await resp.write_eof()
         return resp
 
+    def _count_kv_resume(self, rid: str, outcome: str, kept: str) -> None:
+        try:
+            o = KeptKVOutcome(outcome)
+        except ValueError:
+            o = KeptKVOutcome.NOT_REPORTED  # vLLM, or an engine without the holder
+        self.metrics.front_kv_resumes.labels(outcome=o.value).inc()
+        log.info("request %s: the recovered engine %s", rid,
+                 f"continued from kept KV ({kept} positions)" if o is KeptKVOutcome.KEPT
+                 else f"prefilled the whole context again ({o.value})")
+
     async def _stream(self, request: web.Request, rid: str, ready: Ready,
                       body: dict[str, Any]) -> web.StreamResponse:
         """A streaming completion: forwarded as it comes, continued across engine deaths."""
@@ -408,6 +426,10 @@ class Front:
         tracker = Tracker(plan, self._dead_marker)
         headers = forward_headers(request.headers)
         headers["Content-Type"] = "application/json"
+        # One name for the answer on every engine it goes to: an engine that kept the dead
+        # one's KV finds it by this name (unique, unlike a client's X-Request-Id).
+        headers[REQUEST_HEADER] = uuid.uuid4().hex
+        headers.popall(RESUME_HEADER, None)  # only the front says what continues what
         path, fwd = plan.endpoint, plan.first_body()
         resp: web.StreamResponse | None = None
         attempts = 0
@@ -433,6 +455,9 @@ class Front:
                                         headers=forward_headers(up.headers.items()))
                                 raise _Failed("engine_error", "the recovered engine refused "
                                               f"the continuation: {up.status} {data[:500]!r}")
+                            if attempts:
+                                self._count_kv_resume(rid, up.headers.get(KV_HEADER, ""),
+                                                      up.headers.get(KV_KEPT_HEADER, "0"))
                             if resp is None:
                                 resp = web.StreamResponse(
                                     status=200, headers=forward_headers(up.headers.items()))
@@ -474,6 +499,7 @@ class Front:
                                   f"this request (front.max_resumes={self.config.max_resumes})")
                 new = await self._recovered(rid, ready, why)
                 path, fwd = tracker.resume_request()
+                headers[RESUME_HEADER] = str(len(tracker.out_ids))
                 attempts += 1
                 self.metrics.front_resumed.labels(endpoint=plan.endpoint).inc()
                 log.warning("request %s: resumed on recovery %d (lost on recovery %d) after "

@@ -117,9 +117,15 @@ class HolderClient:
                                      f"{len(reply.region.chunks)} chunks of {req.name!r}")
         return g
 
-    def create(self, name: str, size: int, digest: str, parts: int = 1) -> Grant:
-        """A new, uncommitted region; invisible to others until `commit`, freed if we die."""
-        return self._grant(p.CreateRequest(name=name, size=size, digest=digest, parts=parts))
+    def create(self, name: str, size: int, digest: str, parts: int = 1,
+               memory: p.MemoryKind = p.MemoryKind.DEVICE,
+               lease_s: float | None = None) -> Grant:
+        """A new, uncommitted region; invisible to others until `commit`, freed if we die.
+        With `lease_s`, the region is claimed by this process (and, once attached, by the
+        last process that attached it) until it exits; then, unclaimed for `lease_s`
+        seconds, the holder releases it."""
+        return self._grant(p.CreateRequest(name=name, size=size, digest=digest, parts=parts,
+                                           memory=memory, lease_s=lease_s))
 
     def commit(self, name: str) -> p.RegionInfo:
         reply, _ = self._call(p.NameRequest(op="commit", name=name))

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from agent.errors import HolderError, MappingError
 from agent.holder.client import Grant, HolderClient
-from agent.holder.protocol import RegionInfo
+from agent.holder.protocol import MemoryKind, RegionInfo
 
 PROT_NONE = 0
 PROT_READ_WRITE = mmap.PROT_READ | mmap.PROT_WRITE
@@ -182,7 +182,8 @@ class HeldSet:
 
     @classmethod
     def create(cls, client: HolderClient, digest: str, sizes: dict[str, int],
-               make_space: Callable[[int, int], Space]) -> HeldSet:
+               make_space: Callable[[int, int], Space],
+               memory: MemoryKind = MemoryKind.DEVICE, lease_s: float | None = None) -> HeldSet:
         """New regions of `digest` (name -> size), mapped for filling; `commit()` publishes.
 
         The client's session must stay open until `commit()`: if this process dies
@@ -191,7 +192,8 @@ class HeldSet:
         grants: list[Grant] = []
         try:
             for name, size in sorted(sizes.items()):
-                grants.append(client.create(name, size, digest, parts=len(sizes)))
+                grants.append(client.create(name, size, digest, parts=len(sizes),
+                                            memory=memory, lease_s=lease_s))
             align = max(g.region.align for g in grants)
             placements, total = layout([g.region for g in grants], align)
             held = cls(placements, make_space(total, align))

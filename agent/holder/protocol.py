@@ -36,6 +36,16 @@ class ErrorCode(StrEnum):
     NO_MEMORY = "no_memory"          # the backend could not allocate, or --max-bytes is reached
 
 
+class MemoryKind(StrEnum):
+    """What memory a region is made of."""
+
+    # The backend's own: device memory on the cuda backend, a memfd on the cpu backend.
+    DEVICE = "device"
+    # A memfd on every backend: small bookkeeping a tenant writes with plain stores and
+    # must find again after it dies (the KV ledger), which device memory would make slow.
+    HOST = "host"
+
+
 class _Msg(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -53,6 +63,13 @@ class CreateRequest(_Req):
     digest: str = Field(pattern=DIGEST_PATTERN)
     # How many regions share this digest; a set is complete when that many are committed.
     parts: int = Field(1, ge=1, le=100_000)
+    memory: MemoryKind = MemoryKind.DEVICE
+    # Seconds the committed region may stay unclaimed before the holder releases it
+    # itself: memory a dead tenant left for its successor, which must not be held forever
+    # when none comes. The process that created or last attached it claims it until it
+    # exits; another process's attach meanwhile is `busy`. None: kept until released,
+    # as weights are, and attachable by any number of processes.
+    lease_s: float | None = Field(None, gt=0, le=7 * 86400)
 
 
 class NameRequest(_Req):
@@ -109,6 +126,8 @@ class RegionInfo(_Msg):
     committed: bool
     chunks: list[int]
     align: int
+    memory: MemoryKind = MemoryKind.DEVICE
+    lease_s: float | None = None
 
     @property
     def mapped_size(self) -> int:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from agent.errors import HolderInvariantError
 from agent.holder.backends import Allocation, Backend, BackendError, GpuFaultError
-from agent.holder.protocol import ErrorCode, RegionInfo
+from agent.holder.protocol import ErrorCode, MemoryKind, RegionInfo
 
 log = logging.getLogger("pitstop.holder")
 
@@ -30,6 +32,18 @@ class Region:
     # The session writing it; None once committed.
     writer: object | None
     size: int
+    memory: MemoryKind = MemoryKind.DEVICE
+    backend: Backend | None = None
+    lease_s: float | None = None
+    # The process that created or last attached a leased region: while it lives, the
+    # lease does not run. `idle_since` is when it exited.
+    claimant: int | None = None
+    idle_since: float | None = None
+
+    def expires_at(self) -> float | None:
+        if self.lease_s is None or self.claimant is not None or self.idle_since is None:
+            return None
+        return self.idle_since + self.lease_s
 
     @property
     def committed(self) -> bool:
@@ -61,13 +75,31 @@ class RegionTable:
     epochs: dict[str, int] = field(default_factory=dict)
     bytes_committed: int = 0
     bytes_pending: int = 0
+    clock: Callable[[], float] = time.monotonic
+    # Processes holding claims, and how the table asks to hear of one's exit (`exited`).
+    alive: set[int] = field(default_factory=set)
+    watch: Callable[[int], None] = lambda pid: None
+    # memfds for host regions when the backend's own memory is a GPU's.
+    _host: Backend | None = None
 
     def info(self, r: Region) -> RegionInfo:
+        b = r.backend or self.backend
         return RegionInfo(name=r.name, size=r.size, digest=r.digest, parts=r.parts,
                           epoch=r.epoch, holder_id=self.holder_id, committed=r.committed,
-                          chunks=list(r.allocation.chunks), align=self.backend.align)
+                          chunks=list(r.allocation.chunks), align=b.align, memory=r.memory,
+                          lease_s=r.lease_s)
 
-    def create(self, session: object, name: str, size: int, digest: str, parts: int) -> Region:
+    def _backend_for(self, memory: MemoryKind) -> Backend:
+        if memory is MemoryKind.DEVICE or self.backend.name == "cpu":
+            return self.backend
+        if self._host is None:
+            from agent.holder.backends.cpu import CpuBackend
+
+            self._host = CpuBackend(getattr(self.backend, "gpu", "cpu"))
+        return self._host
+
+    def create(self, session: object, name: str, size: int, digest: str, parts: int,
+               memory: MemoryKind = MemoryKind.DEVICE, lease_s: float | None = None) -> Region:
         old = self.pending.get(name)
         if old is not None and old.writer is not session:
             raise RequestRefused(ErrorCode.BUSY, f"region {name!r} is being written by another "
@@ -79,8 +111,9 @@ class RegionTable:
             raise RequestRefused(ErrorCode.NO_MEMORY, f"region {name!r} of {size} bytes would "
                                  f"exceed --max-bytes {self.max_bytes} ({held} held); release "
                                  "regions first (pitstop holder release)")
+        backend = self._backend_for(memory)
         try:
-            alloc = self.backend.allocate(name, size)
+            alloc = backend.allocate(name, size)
         except GpuFaultError:
             raise  # not a client mistake: the server stops and all held memory goes
         except BackendError as e:
@@ -88,7 +121,8 @@ class RegionTable:
         epoch = self.epochs.get(name, 0) + 1
         self.epochs[name] = epoch
         r = Region(name=name, digest=digest, parts=parts, epoch=epoch, allocation=alloc,
-                   writer=session, size=size)
+                   writer=session, size=size, memory=memory, backend=backend, lease_s=lease_s)
+        self._claim(r, session)
         self.pending[name] = r
         self.bytes_pending += alloc.size
         log.info("created %s (%d bytes, epoch %d) for writing", name, alloc.size, epoch)
@@ -114,9 +148,10 @@ class RegionTable:
         log.info("committed %s (epoch %d, digest %s)", name, r.epoch, r.digest)
         return r
 
-    def attach(self, name: str) -> Region:
+    def attach(self, name: str, session: object | None = None) -> Region:
         r = self.committed.get(name)
         if r is not None:
+            self._claim(r, session)
             return r
         if name in self.pending:
             raise RequestRefused(ErrorCode.NOT_COMMITTED, f"region {name!r} is still being "
@@ -147,6 +182,47 @@ class RegionTable:
             self._drop_pending(r)
         return [r.name for r in dropped]
 
+    def _claim(self, r: Region, session: object | None) -> None:
+        pid = getattr(session, "pid", None)
+        if r.lease_s is None or pid is None:
+            return
+        if r.claimant not in (None, pid) and r.claimant in self.alive:
+            # A leased region is one process's at a time: two engines writing one KV
+            # pool would corrupt each other's requests.
+            raise RequestRefused(ErrorCode.BUSY, f"region {r.name!r} is claimed by pid "
+                                 f"{r.claimant}, which is still running; attach it after "
+                                 "that process exits")
+        r.claimant, r.idle_since = pid, None
+        if pid not in self.alive:
+            self.alive.add(pid)
+            self.watch(pid)
+
+    def exited(self, pid: int) -> None:
+        """A claiming process is gone: the leases of its regions start to run."""
+        self.alive.discard(pid)
+        now = self.clock()
+        for r in (*self.committed.values(), *self.pending.values()):
+            if r.claimant == pid:
+                r.claimant, r.idle_since = None, now
+
+    def next_expiry(self) -> float | None:
+        """When the first lease runs out (the clock's time), or None."""
+        times = [t for r in self.committed.values() if (t := r.expires_at()) is not None]
+        return min(times, default=None)
+
+    def expire(self) -> list[Region]:
+        """Release every committed region whose lease ran out unclaimed."""
+        now = self.clock()
+        gone = [r for r in self.committed.values()
+                if (t := r.expires_at()) is not None and t <= now]
+        for r in gone:
+            del self.committed[r.name]
+            self._free(r)
+            self.bytes_committed -= r.allocation.size
+            log.info("released %s (epoch %d): unclaimed for its lease of %gs", r.name, r.epoch,
+                     r.lease_s)
+        return gone
+
     def drop_all(self) -> tuple[int, int]:
         """Free every region, committed and pending: (regions, bytes) freed."""
         regions = len(self.committed) + len(self.pending)
@@ -162,6 +238,10 @@ class RegionTable:
         self.bytes_pending = self.bytes_committed = 0
         return freed
 
+    def close(self) -> None:
+        if self._host is not None:
+            self._host.close()
+
     def _drop_pending(self, r: Region) -> None:
         del self.pending[r.name]
         self.bytes_pending -= r.allocation.size
@@ -170,7 +250,7 @@ class RegionTable:
 
     def _free(self, r: Region) -> None:
         try:
-            self.backend.free(r.allocation)
+            (r.backend or self.backend).free(r.allocation)
         except BackendError as e:
             # Memory the holder cannot free is memory it can no longer account for.
             raise HolderInvariantError(f"freeing region {r.name!r} failed: {e}") from e

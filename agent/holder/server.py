@@ -78,7 +78,10 @@ class HolderServer:
     def __init__(self, backend: Backend, base: Path, max_bytes: int | None = None) -> None:
         self.backend = backend
         self.holder_id = uuid.uuid4().hex
-        self.table = RegionTable(backend, self.holder_id, max_bytes=max_bytes)
+        self.table = RegionTable(backend, self.holder_id, max_bytes=max_bytes,
+                                 watch=self._watch)
+        # pidfds of processes that claim leased regions: readable once the process exits.
+        self._pidfds: dict[int, int] = {}
         self.directory = prepare_directory(base, backend.gpu)
         self.path = self.directory / p.SOCKET_NAME
         self._sel = selectors.DefaultSelector()
@@ -128,8 +131,12 @@ class HolderServer:
         self._sel.register(self._wake_r, selectors.EVENT_READ, self._on_signal)
         try:
             while not self._stop:
-                for key, _ in self._sel.select():
+                due = self.table.next_expiry()
+                timeout = None if due is None else max(0.0, due - self.table.clock())
+                for key, _ in self._sel.select(timeout):
                     key.data(key.fileobj)
+                if due is not None:
+                    self.table.expire()
             return EXIT_STOPPED
         except HolderInvariantError as e:
             log.critical("%s; stopping and dropping all held memory", e)
@@ -149,7 +156,10 @@ class HolderServer:
         self._closed = True
         for sid in list(self._sessions):
             self._drop(sid)
+        for pid in list(self._pidfds):
+            self._exited(pid)
         freed = self.table.free_all()
+        self.table.close()
         if self._listener is not None:
             self._sel.unregister(self._listener)
             self._listener.close()
@@ -164,6 +174,22 @@ class HolderServer:
         self._wake_r.close()
         self._wake_w.close()
         log.info("holder stopped; freed %d bytes", freed)
+
+    def _watch(self, pid: int) -> None:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self.table.exited(pid)  # gone already: its lease starts now
+            return
+        self._pidfds[pid] = fd
+        self._sel.register(fd, selectors.EVENT_READ, lambda _f, pid=pid: self._exited(pid))
+
+    def _exited(self, pid: int) -> None:
+        fd = self._pidfds.pop(pid)
+        self._sel.unregister(fd)
+        os.close(fd)
+        self.table.exited(pid)
+        log.debug("pid %d exited; the leases of its regions run", pid)
 
     def _on_signal(self, sock: socket.socket) -> None:
         with contextlib.suppress(BlockingIOError):
@@ -247,7 +273,8 @@ class HolderServer:
             req = p.parse_request(data)
             t = self.table
             if isinstance(req, p.CreateRequest):
-                r = t.create(s, req.name, req.size, req.digest, req.parts)
+                r = t.create(s, req.name, req.size, req.digest, req.parts, req.memory,
+                             req.lease_s)
                 return p.Reply(ok=True, region=t.info(r)), list(r.allocation.fds)
             if isinstance(req, p.ListRequest):
                 regions = [t.info(r) for r in (*t.committed.values(), *t.pending.values())
@@ -264,7 +291,7 @@ class HolderServer:
             if req.op == "commit":
                 return p.Reply(ok=True, region=t.info(t.commit(s, req.name))), []
             if req.op == "attach":
-                r = t.attach(req.name)
+                r = t.attach(req.name, s)
                 return p.Reply(ok=True, region=t.info(r)), list(r.allocation.fds)
             return p.Reply(ok=True, region=t.info(t.release(s, req.name))), []
         except p.ProtocolError as e:

@@ -11,9 +11,10 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from agent.engines.refengine.keptkv import HeldKV
     from agent.holder.weights import HeldWeights
 
 log = logging.getLogger("refengine")
@@ -42,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--holder", type=Path, metavar="SOCK",
                    help="keep the weights in the holder at SOCK: attach them when held "
                         "(a warm start), else load them from disk into it and commit")
+    p.add_argument("--keep-kv", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --holder, keep the KV pool and its ledger in the holder, so a "
+                        "request resumed after a crash continues without prefilling again "
+                        "(default on with --holder)")
+    p.add_argument("--kv-lease-s", type=float, default=None, metavar="S",
+                   help="seconds the holder keeps a KV pool no engine claims (default 600)")
     p.add_argument("--weights-digest", metavar="DIGEST",
                    help="the weights' digest, as the agent computed it; without it the "
                         "engine hashes every weight file (reading them all)")
@@ -54,6 +61,14 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s refengine[%(process)d] %(message)s")
     if args.uds is None and args.port is None:
         print("refengine: give --uds PATH and/or --host/--port", file=sys.stderr)
+        return 2
+    if args.keep_kv and args.holder is None:
+        print("refengine: --keep-kv keeps the KV pool in the holder: give --holder SOCK too",
+              file=sys.stderr)
+        return 2
+    if args.kv_lease_s is not None and not 0 < args.kv_lease_s <= 7 * 86400:
+        print(f"refengine: --kv-lease-s {args.kv_lease_s:g} is out of range; give seconds "
+              "above 0, at most 604800 (a week)", file=sys.stderr)
         return 2
     if min(args.kv_slots, args.prefill_chunk, args.threads) < 1:
         print("refengine: --kv-slots, --prefill-chunk and --threads must be at least 1",
@@ -106,7 +121,8 @@ async def _serve(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer(args.model)
     cfg = model.config
     max_len = min(args.max_model_len or 2048, cfg.max_position_embeddings)
-    pool = KVPool(cfg, args.kv_slots, max_len, device, model.dtype)
+    pool = KVPool(cfg, args.kv_slots, max_len, device, model.dtype,
+                  held=_held_kv(args, cfg, max_len, device, model.dtype, held))
     eos = set(cfg.eos_token_ids)
     if not eos and tokenizer.token_id(tokenizer.eos_token) is not None:
         eos = {tokenizer.token_id(tokenizer.eos_token)}  # type: ignore[arg-type]
@@ -148,6 +164,26 @@ async def _serve(args: argparse.Namespace) -> int:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(args.uds)
     return 1 if failure else 0
+
+
+def _held_kv(args: argparse.Namespace, cfg: Any, max_len: int, device: Any, dtype: Any,
+             held: HeldWeights | None) -> HeldKV | None:
+    """The KV pool's place in the holder, or None (a private pool)."""
+    if args.holder is None or args.keep_kv is False:
+        return None
+    from agent.engines.refengine.keptkv import DEFAULT_LEASE_S, HeldKV, layout_digest
+    from agent.engines.refengine.kvpool import KVPool
+    from agent.holder.kvledger import LedgerShape
+
+    digest = held.digest if held is not None else args.weights_digest
+    if digest is None:
+        log.warning("kept KV off: the weights are not in the holder and have no digest to "
+                    "name their KV by")
+        return None
+    shape, nbytes = KVPool.layout(cfg, args.kv_slots, max_len, dtype)
+    ledger = LedgerShape(entries=args.kv_slots, max_tokens=max_len, max_blocks=1)
+    return HeldKV(args.holder, layout_digest(digest, shape, dtype, ledger), nbytes,
+                  ledger, device, args.kv_lease_s or DEFAULT_LEASE_S)
 
 
 def _held_weights(args: argparse.Namespace, device: object) -> HeldWeights | None:

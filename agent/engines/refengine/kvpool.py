@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+import logging
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from agent.engines.refengine.model import LlamaConfig
+from agent.errors import HolderError
+
+if TYPE_CHECKING:
+    from agent.engines.refengine.keptkv import HeldKV
+
+log = logging.getLogger("refengine")
 
 
 def _have_cuda_bindings() -> bool:
@@ -32,7 +39,7 @@ class KVPool:
     """
 
     def __init__(self, config: LlamaConfig, slots: int, max_len: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, held: HeldKV | None = None) -> None:
         self.shape = (config.num_layers, 2, slots, config.num_kv_heads, max_len, config.head_dim)
         self.slots = slots
         self.max_len = max_len
@@ -41,15 +48,29 @@ class KVPool:
         self._tensor: torch.Tensor | None = None
         self._free = list(range(slots - 1, -1, -1))
         self._space: Any = None
+        # In the holder (--holder): the pool outlives this process, for the next engine.
+        self.held = held
+        # Whether the memory now mapped came back from an earlier life (kept KV).
+        self.kept = False
         # On a GPU the pool lives in a VA range reserved for the life of the process: freed
         # before a checkpoint and made again at the same addresses after it, so CUDA graphs
         # captured over it stay valid (graphs.py). cuda-bindings is optional; without it
         # torch's allocator holds the pool, and graphs are captured again when it moves.
-        if device.type == "cuda" and _have_cuda_bindings():
+        if held is None and device.type == "cuda" and _have_cuda_bindings():
             from agent.holder.mapping_cuda import CudaSpace, local_granularity
 
             index = device.index if device.index is not None else torch.cuda.current_device()
             self._space = CudaSpace(self.nbytes, local_granularity(index), index)
+
+    @staticmethod
+    def layout(config: LlamaConfig, slots: int, max_len: int, dtype: torch.dtype
+               ) -> tuple[tuple[int, ...], int]:
+        """The pool's shape and size in bytes."""
+        shape = (config.num_layers, 2, slots, config.num_kv_heads, max_len, config.head_dim)
+        n = torch.tensor([], dtype=dtype).element_size()
+        for d in shape:
+            n *= d
+        return shape, n
 
     @property
     def nbytes(self) -> int:
@@ -70,7 +91,25 @@ class KVPool:
         """Make the pool tensor; returns its size in bytes (0 when it already existed)."""
         if self._tensor is not None:
             return 0
-        if self._space is not None:
+        if self.held is not None:
+            # The held pool's addresses last for the process's life, like the private
+            # reservation's; its bytes are not zeroed here: they are what the ledger
+            # vouches for (a new region starts zeroed).
+            try:
+                if self.held.pool is None:
+                    self.held.open()
+                else:
+                    self.held.reattach()
+            except HolderError as e:
+                # Serving matters more than keeping KV: a private pool, nothing kept.
+                log.warning("kept KV off: the holder cannot hold the KV pool (%s); using a "
+                            "private one", e)
+                self.held = None
+        if self.held is not None:
+            self.kept = self.held.kept
+            raw = self.held.pool_tensor()[:self.nbytes]
+            self._tensor = raw.view(self.dtype).view(self.shape)
+        elif self._space is not None:
             self._space.create(0, self._space.size)
             raw = self._space.tensor(0, self.nbytes)
             # Zeros on the GPU: a graph step attends over a whole span, positions not yet
@@ -96,14 +135,35 @@ class KVPool:
         if self._tensor is None:
             return 0
         self._tensor = None
-        if self._space is not None:
+        if self.held is not None:
+            self.held.detach()  # unmapped, out of any image; the holder keeps the bytes
+        elif self._space is not None:
             self._space.unmap(0, self._space.size)  # back to the driver; the range is kept
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # give cached memory back to the driver, not just the cache
         return self.nbytes
 
-    def acquire(self) -> int | None:
-        return self._free.pop() if self._free and self._tensor is not None else None
+    def acquire(self, avoid: set[int] | frozenset[int] = frozenset()) -> int | None:
+        """A free slot, one not in `avoid` (slots whose kept KV may yet be claimed) first."""
+        if not self._free or self._tensor is None:
+            return None
+        for i in range(len(self._free) - 1, -1, -1):
+            if self._free[i] not in avoid:
+                return self._free.pop(i)
+        return None
+
+    def take(self, slot: int) -> bool:
+        """Acquire this very slot (a resumed request's kept KV is there), if it is free."""
+        if self._tensor is None or slot not in self._free:
+            return False
+        self._free.remove(slot)
+        return True
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            raise RuntimeError("KV pool used while freed")  # the scheduler never admits then
+        return self._tensor
 
     def release(self, slot: int) -> None:
         if slot in self._free:

@@ -43,6 +43,10 @@ class EngineCollector(Collector):
         yield CounterMetricFamily(
             "refengine_generation_tokens", "Tokens generated", value=s["generation_tokens"]
         )
+        yield CounterMetricFamily(
+            "refengine_prefill_tokens",
+            "Prompt tokens run through the model (a resume with kept KV skips most)",
+            value=s["prefill_tokens"])
         gauges = [
             ("refengine_requests_running", "Requests holding a KV slot", "running"),
             ("refengine_requests_waiting", "Requests waiting for a KV slot", "waiting"),

@@ -8,6 +8,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from agent.holder.kvledger import (  # noqa: F401 - the engine's side of the headers
+    KV_HEADER,
+    KV_KEPT_HEADER,
+    REQUEST_HEADER,
+    RESUME_HEADER,
+)
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")

@@ -21,9 +21,10 @@ from agent.engines.refengine.detok import Detokenizer
 from agent.engines.refengine.metrics import EngineCollector
 from agent.engines.refengine.model import Llama
 from agent.engines.refengine.sampling import SamplingParams
-from agent.engines.refengine.scheduler import EngineBusy, Output, Scheduler, Sequence
+from agent.engines.refengine.scheduler import Admitted, EngineBusy, Output, Scheduler, Sequence
 from agent.engines.refengine.tokenizer import ChatTemplateError, Tokenizer
 from agent.errors import HolderError
+from agent.holder.kvledger import KeptKVOutcome
 
 if TYPE_CHECKING:
     from agent.holder.weights import HeldWeights
@@ -84,6 +85,7 @@ class EngineApp:
         c = self.sched.counters
         return {**self.sched.state(), "requests": dict(self.requests),
                 "finished": dict(c.finished), "prompt_tokens": c.prompt_tokens,
+                "prefill_tokens": c.prefill_tokens, "resumes": dict(c.resumes),
                 "generation_tokens": c.generation_tokens, "weight_bytes": self.model.weight_bytes}
 
     # --- plain endpoints ------------------------------------------------------------------
@@ -105,6 +107,8 @@ class EngineApp:
             **self.sched.state(), "model": self.served_name, "pid": os.getpid(),
             "device": str(self.model.device), "dtype": str(self.model.dtype).removeprefix("torch."),
             "max_model_len": self.max_model_len, "weight_bytes": self.model.weight_bytes,
+            "prefill_tokens": self.sched.counters.prefill_tokens,
+            "kv_resumes": dict(self.sched.counters.resumes),
             **self._held_state(),
         })
 
@@ -178,9 +182,13 @@ class EngineApp:
             return _error(e.status, e.message, e.err_type, e.param)
         queue: asyncio.Queue[Output] = asyncio.Queue()
         detok = Detokenizer(self.tok.backend, parsed.prompt, parsed.params.stop)
-        seq = self.sched.submit(parsed.prompt, parsed.params, detok,
-                                asyncio.get_running_loop(), queue)
         rid = P.new_id("chatcmpl" if chat else "cmpl")
+        # The front names the request across engines; a resumed one says so, and how many
+        # tokens of its prompt the client already has (they follow the original prompt).
+        key = request.headers.get(P.REQUEST_HEADER) or rid
+        resume = P.RESUME_HEADER in request.headers
+        seq = self.sched.submit(parsed.prompt, parsed.params, detok,
+                                asyncio.get_running_loop(), queue, key=key, resume=resume)
         try:
             if parsed.req.stream:
                 resp = await self._stream(request, parsed, seq, queue, rid, chat)
@@ -190,9 +198,9 @@ class EngineApp:
             if not seq.finished:
                 self.sched.cancel(seq)  # the client went away, or we failed: free the slot
         self.requests[(endpoint, resp.status)] += 1
-        log.info("%s %s %d prompt=%d generated=%d %.3fs%s", endpoint, rid, resp.status,
-                 len(parsed.prompt), seq.generated, time.monotonic() - t0,
-                 " stream" if parsed.req.stream else "")
+        log.info("%s %s %d prompt=%d prefilled=%d generated=%d %.3fs%s", endpoint, rid,
+                 resp.status, len(parsed.prompt), seq.prefilled, seq.generated,
+                 time.monotonic() - t0, " stream" if parsed.req.stream else "")
         return resp
 
     async def _parse(self, request: web.Request, chat: bool) -> Parsed:
@@ -263,6 +271,9 @@ class EngineApp:
         text, ids = "", []
         while True:
             out = await queue.get()
+            if out.admitted is not None:
+                _log_admitted(out.admitted, parsed)
+                continue
             if out.error is not None:
                 return _error(500, out.error, "InternalServerError")
             if out.delta is not None:
@@ -291,8 +302,17 @@ class EngineApp:
         want_ids = req.return_token_ids
         created = int(time.time())
         extra: dict[str, Any] = {"usage": None} if req.include_usage else {}
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        if seq.resume:
+            # Whether kept KV served it goes in the headers: the front counts it.
+            out = await queue.get()
+            if out.admitted is not None:
+                _log_admitted(out.admitted, parsed)
+                headers[P.KV_HEADER] = out.admitted.outcome.value
+                headers[P.KV_KEPT_HEADER] = str(out.admitted.kept)
+            else:
+                queue.put_nowait(out)  # an error before admission: sent below
+        resp = web.StreamResponse(headers=headers)
         await resp.prepare(request)
 
         async def send(choices: list[dict[str, Any]], **more: Any) -> None:
@@ -338,6 +358,15 @@ class EngineApp:
         except ConnectionResetError:
             log.info("%s: client went away after %d tokens", rid, seq.generated)
         return resp
+
+
+def _log_admitted(a: Admitted, parsed: Parsed) -> None:
+    n = len(parsed.prompt)
+    if a.outcome is KeptKVOutcome.KEPT:
+        log.info("resume: kept KV for %d of %d positions; prefilling %d", a.kept, n, n - a.kept)
+    else:
+        log.warning("resume: kept KV not used (%s: %s); prefilling all %d positions",
+                    a.outcome.value, a.detail, n)
 
 
 def _error(status: int, message: str, err_type: str = "BadRequestError",
