@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 vllm:
 	scripts/install-vllm.sh
 
-# CRIU >= 4.1 at $(CACHE)/criu/bin/criu (LAB.md fact 2); the script is idempotent.
+# CRIU >= 4.2 at $(CACHE)/criu/bin/criu (scripts/install-criu.sh says why); idempotent.
 criu: $(CACHE)/criu/.installed
 
 $(CACHE)/criu/.installed: scripts/install-criu.sh

@@ -30,13 +30,13 @@ class Check:
 
 def _criu(config: Config) -> list[Check]:
     from agent.checkpoint.criu import CriuBackend
-    from agent.checkpoint.criu_locate import locate
+    from agent.checkpoint.criu_locate import MIN_TEXT, locate
 
     try:
         binary = locate(config.snapshots.criu)
     except SnapshotError as e:
         return [
-            Check("criu", False, True, str(e), "run `make criu` (or install CRIU >= 4.1)"),
+            Check("criu", False, True, str(e), f"run `make criu` (or install CRIU >= {MIN_TEXT})"),
             Check("criu check", False, True, "skipped: no usable CRIU"),
         ]
     found = Check("criu", True, True, f"{binary.version} at {binary.path} (from {binary.source})")

@@ -17,7 +17,7 @@ import pytest
 
 from agent import proc
 from agent.checkpoint.criu import CriuBackend
-from agent.checkpoint.criu_locate import CriuBinary, locate
+from agent.checkpoint.criu_locate import MIN_TEXT, CriuBinary, locate
 from agent.checkpoint.snapshotter import Snapshotter
 from agent.errors import SnapshotError
 from agent.identity import Identity, collect
@@ -55,7 +55,7 @@ def criu() -> CriuBinary:
     try:
         return locate()
     except SnapshotError as e:
-        require(False, f"CRIU >= 4.1 is needed (run `make criu`): {e}")
+        require(False, f"CRIU >= {MIN_TEXT} is needed (run `make criu`): {e}")
         raise
 
 

@@ -48,7 +48,7 @@ class VllmAdapter:
     # death and its own exit, the API server answers requests 500 with this message.
     dead_marker = b"EngineCore encountered an issue"
     # vLLM has no endpoints that drop and rebuild what a snapshot need not hold (its sleep mode
-    # needs VLLM_SERVER_DEV_MODE and CUDA); snapshots of vLLM are not possible here anyway.
+    # needs VLLM_SERVER_DEV_MODE and CUDA): a full snapshot holds its whole tree as it is.
     prepare_path = None
     resume_path = None
 
