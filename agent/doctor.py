@@ -91,7 +91,7 @@ def _amx(proc_root: Path) -> Check:
 
 
 def _io_uring(config: Config, proc_root: Path) -> Check:
-    # CRIU cannot dump an io_uring instance, and vLLM's API server makes one (LAB.md fact 4).
+    # CRIU cannot dump an io_uring instance, and vLLM's API server makes one (vLLM's snapshot docs name the same need).
     needed = config.engine.kind == "vllm"
     path = proc_root / "sys" / "kernel" / "io_uring_disabled"
     try:

@@ -93,7 +93,7 @@ IO_URING = Path("/proc/sys/kernel/io_uring_disabled")
 @pytest.fixture(scope="module")
 def io_uring_off() -> Iterator[None]:
     """kernel.io_uring_disabled=2 while the module runs, as `pitstop install-units` and the
-    criu role set it on a node (LAB.md fact 4): vLLM then runs without io_uring, and what
+    criu role set it on a node: vLLM then runs without io_uring, and what
     stops CRIU is what stops it on a real node here, the workers' TCP sockets (fact 3)."""
     require(os.access(IO_URING, os.W_OK),
             f"{IO_URING} is not writable: run the vLLM agent tests as root")
