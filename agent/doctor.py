@@ -91,7 +91,8 @@ def _amx(proc_root: Path) -> Check:
 
 
 def _io_uring(config: Config, proc_root: Path) -> Check:
-    # CRIU cannot dump an io_uring instance, and vLLM's API server makes one (vLLM's snapshot docs name the same need).
+    # CRIU cannot dump an io_uring instance, and vLLM's API server makes one (vLLM's
+    # snapshot docs name the same need).
     needed = config.engine.kind == "vllm"
     path = proc_root / "sys" / "kernel" / "io_uring_disabled"
     try:

@@ -114,7 +114,8 @@ def inc(sock: Path) -> int:
 
 def kill_and_reap(pid: int, timeout_s: float = 30) -> None:
     """SIGKILL a restored process (re-parented to us, the subreaper) and reap it, so its
-    PID is free for the next restore (a restored tree is re-parented to the nearest subreaper, which must reap it)."""
+    PID is free for the next restore: a killed restored process nobody reaps stays a zombie
+    and keeps its PID."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, 9)
     deadline = time.monotonic() + timeout_s
