@@ -20,11 +20,11 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # Real vLLM (CPU build) in a venv of its own, for tests/test_vllm_engine.py; cached by a stamp
-# under $(CACHE), about 2 min the first time (LAB.md fact 7).
+# under $(CACHE), about 2 min the first time.
 vllm:
 	scripts/install-vllm.sh
 
-# CRIU >= 4.1 at $(CACHE)/criu/bin/criu (LAB.md fact 2); the script is idempotent.
+# CRIU >= 4.2 at $(CACHE)/criu/bin/criu (scripts/install-criu.sh says why); idempotent.
 criu: $(CACHE)/criu/.installed
 
 $(CACHE)/criu/.installed: scripts/install-criu.sh
@@ -55,8 +55,8 @@ run: venv model criu
 lint: venv
 	$(BIN)/ruff check agent tests bench scripts
 
-# A Debian 12 rootfs booted by systemd-nspawn: the real systemd the unit tests drive (LAB.md
-# fact 8). The script returns at once when its stamp matches. Debian 13 boots the same way
+# A Debian 12 rootfs booted by systemd-nspawn: the real systemd the unit tests drive
+# (`systemd-nspawn --register=no --keep-unit -b`: no host D-Bus needed). The script returns at once when its stamp matches. Debian 13 boots the same way
 # (rootfs-trixie; not needed by the tests).
 rootfs:
 	scripts/make-rootfs.sh bookworm $(CACHE)/rootfs/bookworm

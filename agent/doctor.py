@@ -30,13 +30,13 @@ class Check:
 
 def _criu(config: Config) -> list[Check]:
     from agent.checkpoint.criu import CriuBackend
-    from agent.checkpoint.criu_locate import locate
+    from agent.checkpoint.criu_locate import MIN_TEXT, locate
 
     try:
         binary = locate(config.snapshots.criu)
     except SnapshotError as e:
         return [
-            Check("criu", False, True, str(e), "run `make criu` (or install CRIU >= 4.1)"),
+            Check("criu", False, True, str(e), f"run `make criu` (or install CRIU >= {MIN_TEXT})"),
             Check("criu check", False, True, "skipped: no usable CRIU"),
         ]
     found = Check("criu", True, True, f"{binary.version} at {binary.path} (from {binary.source})")
@@ -91,7 +91,8 @@ def _amx(proc_root: Path) -> Check:
 
 
 def _io_uring(config: Config, proc_root: Path) -> Check:
-    # CRIU cannot dump an io_uring instance, and vLLM's API server makes one (LAB.md fact 4).
+    # CRIU cannot dump an io_uring instance, and vLLM's API server makes one (vLLM's
+    # snapshot docs name the same need).
     needed = config.engine.kind == "vllm"
     path = proc_root / "sys" / "kernel" / "io_uring_disabled"
     try:

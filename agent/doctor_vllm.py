@@ -8,26 +8,38 @@ import socket
 import sys
 from collections.abc import Callable
 
+from agent.checkpoint.criu_locate import locate
 from agent.config import Config
 from agent.doctor import Check
 from agent.engines.vllm_cli import VllmFeatures, gpu_present, read_features
 from agent.engines.vllm_preload import PreloadLink, engine_gpu
 from agent.engines.vllm_snapshot import choose_backend
-from agent.errors import EngineError
+from agent.errors import EngineError, SnapshotError
 from agent.supervisor.paths.vllm import host_unfit
 
 
-def criu_can_dump_tcp() -> tuple[bool, str]:
-    """CRIU reads SO_PASSCRED of every socket it dumps; some kernels refuse it on TCP sockets
-    (EOPNOTSUPP), and then no process holding one can be dumped (LAB.md fact 3)."""
+def kernel_hides_passcred() -> bool:
+    """Whether this kernel answers SO_PASSCRED on a TCP socket with EOPNOTSUPP (Linux >= 6.16
+    restricted it to Unix, netlink and Bluetooth sockets): what breaks CRIU 4.1's dumps."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.getsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED)
         except OSError as e:
-            if e.errno == errno.EOPNOTSUPP:
-                return False, "getsockopt(SO_PASSCRED) on a TCP socket: EOPNOTSUPP"
-            return False, f"getsockopt(SO_PASSCRED) on a TCP socket: {e}"
-    return True, "the kernel gives CRIU the state of TCP sockets"
+            return e.errno == errno.EOPNOTSUPP
+    return False
+
+
+def criu_can_dump_tcp(config: Config) -> tuple[bool, str]:
+    """Whether the CRIU Pitstop would use can dump vLLM's TCP sockets: CRIU >= 4.2 can on
+    every kernel; 4.1 asks every socket for SO_PASSCRED and fails where the kernel refuses
+    it on TCP ("sockets: Can't get 1:16 opt", CRIU issue 2705)."""
+    try:
+        binary = locate(config.snapshots.criu)
+    except SnapshotError as e:
+        hides = " (this kernel refuses SO_PASSCRED on TCP sockets)" \
+            if kernel_hides_passcred() else ""
+        return False, f"{e}{hides}"
+    return True, f"CRIU {binary.version} dumps the TCP sockets of vLLM's tree"
 
 
 def vllm_checks(
@@ -35,7 +47,7 @@ def vllm_checks(
     *,
     features: Callable[[], VllmFeatures] | None = None,
     has_gpu: Callable[[], bool] | None = None,
-    tcp_dump: Callable[[], tuple[bool, str]] = criu_can_dump_tcp,
+    tcp_dump: Callable[[Config], tuple[bool, str]] = criu_can_dump_tcp,
     preload_link: PreloadLink | None = None,
 ) -> list[Check]:
     """The vLLM items of `pitstop doctor`: the installed vLLM, and each recovery path beyond a
@@ -66,18 +78,17 @@ def vllm_checks(
     backend, why = choose_backend(config, lambda: f, lambda: gpu)
     snapshots = config.snapshots.enabled
 
-    dumpable, how = tcp_dump()
+    dumpable, how = tcp_dump(config)
     pitstop_needed = snapshots and backend == "pitstop"
     if dumpable:
         checks.append(Check("criu of vLLM", True, pitstop_needed,
-                            f"{how}; needs CUDA and kernel.io_uring_disabled=2 as well"))
+                            f"{how}; needs kernel.io_uring_disabled=2 as well (see io_uring)"))
     else:
         checks.append(Check(
             "criu of vLLM", False, pitstop_needed,
-            f"Pitstop's CRIU backend cannot snapshot vLLM here: its worker holds TCP "
-            f"listeners and this kernel hides their state from CRIU ({how})",
-            "use vLLM's own snapshots on a CUDA host (snapshots.backend: vllm), or run on a "
-            "kernel where CRIU can dump TCP sockets; until then every vLLM start is cold"))
+            f"Pitstop's CRIU backend cannot snapshot vLLM with this CRIU: {how}",
+            "run `make criu` (or the criu role) for CRIU >= 4.2; until then every vLLM "
+            "start is cold"))
 
     unfit = host_unfit(f, gpu, "snapshot")
     configured = config.vllm.snapshot.model is not None and config.vllm.snapshot.revision

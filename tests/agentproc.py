@@ -39,9 +39,16 @@ def agent_config(tmp: Path, model: Path, **overrides: dict) -> dict:
 _running: weakref.WeakSet[RunningAgent] = weakref.WeakSet()
 
 
-def stop_all() -> None:
+def running() -> set[RunningAgent]:
+    return set(_running)
+
+
+def stop_all(keep: set[RunningAgent] | None = None) -> None:
+    """Stop every running agent but those in `keep` (the agents of module-scoped fixtures,
+    which were running before the test began and are their fixture's to stop)."""
     for agent in list(_running):
-        agent.stop()
+        if keep is None or agent not in keep:
+            agent.stop()
 
 
 class RunningAgent:

@@ -63,13 +63,12 @@ def make_apt_repo(out: Path, kernel_release: str) -> None:
 
 
 def make_criu_bundle(out: Path) -> Path:
-    """Debian 13's CRIU with its loader and libraries, from the Debian 13 test root: the
-    bundle the criu role copies to Debian 12 hosts (criu_prefix_bundle)."""
+    """The bundle the criu role copies to every host whose distribution's CRIU is older than
+    4.2 (criu_prefix_bundle), made as an operator makes it on the controller: `make
+    criu-bundle` (scripts/install-criu.sh bundle), Debian forky's CRIU with its loader."""
     if not (out / "sbin" / "criu").exists():
-        subprocess.run([str(ROOT / "roles/criu/files/build-criu-prefix.sh"), str(out), "trixie",
-                        "unused"], check=True, capture_output=True, text=True,
-                       env={"CRIU_FROM_ROOT": str(ROOTFS["deb13"]),
-                            "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+        subprocess.run([str(ROOT / "scripts/install-criu.sh"), "bundle", str(out)], check=True,
+                       capture_output=True, text=True, timeout=900)
     return out
 
 

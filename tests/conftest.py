@@ -30,8 +30,10 @@ def cached_model(size: str = "tiny", seed: int = 0) -> Path:
 
 @pytest.fixture(autouse=True)
 def _no_agent_outlives_its_test() -> Iterator[None]:
+    # Wider-scoped fixtures are set up first: agents running now belong to them.
+    before = agentproc.running()
     yield
-    agentproc.stop_all()
+    agentproc.stop_all(keep=before)
 
 
 @pytest.fixture(scope="session")

@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
         with open(cfg["events"], "a") as f:
             f.write(f"{what}\n")
 
-    # A restored tree is re-parented to the nearest subreaper (LAB.md fact 5): be it.
+    # A restored tree is re-parented to the nearest subreaper: be it.
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")

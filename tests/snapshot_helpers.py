@@ -17,7 +17,7 @@ import pytest
 
 from agent import proc
 from agent.checkpoint.criu import CriuBackend
-from agent.checkpoint.criu_locate import CriuBinary, locate
+from agent.checkpoint.criu_locate import MIN_TEXT, CriuBinary, locate
 from agent.checkpoint.snapshotter import Snapshotter
 from agent.errors import SnapshotError
 from agent.identity import Identity, collect
@@ -55,7 +55,7 @@ def criu() -> CriuBinary:
     try:
         return locate()
     except SnapshotError as e:
-        require(False, f"CRIU >= 4.1 is needed (run `make criu`): {e}")
+        require(False, f"CRIU >= {MIN_TEXT} is needed (run `make criu`): {e}")
         raise
 
 
@@ -114,7 +114,8 @@ def inc(sock: Path) -> int:
 
 def kill_and_reap(pid: int, timeout_s: float = 30) -> None:
     """SIGKILL a restored process (re-parented to us, the subreaper) and reap it, so its
-    PID is free for the next restore (LAB.md fact 5)."""
+    PID is free for the next restore: a killed restored process nobody reaps stays a zombie
+    and keeps its PID."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, 9)
     deadline = time.monotonic() + timeout_s

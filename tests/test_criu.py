@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -28,6 +29,8 @@ from tests.snapshot_helpers import (
 )
 
 pytestmark = pytest.mark.integration
+
+PTRACE_SEIZE = 0x4206
 
 
 def test_restore_one_image_three_times_state_continues_same_pid_pipe_rewired(tmp_path: Path):
@@ -90,9 +93,11 @@ def test_leave_running_keeps_serving_and_the_image_restores_the_dump_time_state(
 def test_a_failed_dump_names_the_criu_error_publishes_nothing_and_the_process_serves_on(
     tmp_path: Path,
 ):
-    # A TCP socket cannot be dumped on these kernels (LAB.md fact 3): a real CRIU failure.
+    # A process another tracer holds: CRIU cannot seize it, a real CRIU failure.
     snap = snapshotter(tmp_path / "snaps", tmp_path / "logs")
-    c = Counter(tmp_path / "c.sock", 0, "--tcp")
+    c = Counter(tmp_path / "c.sock")
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.ptrace(PTRACE_SEIZE, c.pid, 0, 0) == 0, os.strerror(ctypes.get_errno())
     try:
         with pytest.raises(SnapshotError) as e:
             snap.capture(c.pid, canary=CANARY, identity=identity(snap.criu.version))

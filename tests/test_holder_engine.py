@@ -241,3 +241,30 @@ def test_a_warm_start_continues_a_killed_stream_from_the_kept_kv(holder: Holder,
         assert int(headers[KV_KEPT_HEADER.lower()]) == len(context) - 1
         assert got + rest == want
         assert state(e)["prefill_tokens"] == 1  # the last token only; the rest was kept
+
+
+def test_a_request_that_took_a_dead_engines_slot_is_kept_through_the_next_canary(
+        holder: Holder, model):
+    # Every slot holds an entry of a dead engine, so a new request takes one over; it is
+    # killed in turn. After every recovery the supervisor's canary (a new request) comes
+    # before the client's resume, with no slot free again: it must take the oldest entry,
+    # not the one just killed.
+    args = ("--holder", str(holder.sock), "--weights-digest", "sha256-takeover",
+            "--kv-slots", "2")
+    with run_engine(model, *args) as e:
+        prompt, want, _ = stream_ids(e, LONG, 40, {})
+        stream_ids(e, LONG, 40, {REQUEST_HEADER: "a"}, stop_after=5)
+    with run_engine(model, *args) as e:
+        stream_ids(e, LONG, 40, {REQUEST_HEADER: "b"}, stop_after=5)
+    with run_engine(model, *args) as e:
+        assert state(e)["kv_orphans"] == 2
+        _, got, _ = stream_ids(e, LONG, 40, {REQUEST_HEADER: "new"}, stop_after=10)
+    with run_engine(model, *args) as e:
+        assert state(e)["kv_orphans"] == 2
+        assert complete(e)  # the canary
+        context = prompt + got
+        _, rest, headers = stream_ids(e, context, 40 - len(got),
+                                      {REQUEST_HEADER: "new", RESUME_HEADER: str(len(got))})
+        assert headers[KV_HEADER.lower()] == KeptKVOutcome.KEPT
+        assert int(headers[KV_KEPT_HEADER.lower()]) == len(context) - 1
+        assert got + rest == want

@@ -7,7 +7,7 @@ import contextlib
 import torch
 
 from agent.engines.refengine.keptkv import kv_fingerprints
-from agent.holder.kvledger import Entry, KeptKVOutcome, Ledger, LedgerShape, Torn
+from agent.holder.kvledger import HEADER_BYTES, Entry, KeptKVOutcome, Ledger, LedgerShape, Torn
 
 SHAPE = LedgerShape(entries=2, max_tokens=64, max_blocks=1, fp_block=4)
 
@@ -119,3 +119,22 @@ def test_fingerprints_follow_the_bits_of_every_layer_and_position():
     assert [i for i, (a, b) in enumerate(zip(fps, changed, strict=True)) if a != b] == [2]
     pool[0, 0, 0, 0, 0, 0] = 0.0  # another slot: not this slot's business
     assert kv_fingerprints(pool, 1, 0, 30, 4) == changed
+
+
+def test_occupied_lists_torn_entries_first_then_the_least_recently_written():
+    shape = LedgerShape(entries=4, max_tokens=64, max_blocks=1, fp_block=4)
+    data = bytearray(shape.nbytes)
+    first = Ledger(memoryview(data), shape)
+    for slot in (3, 0, 2):
+        first.begin(slot, f"req-{slot}", [5, 6], [slot])
+    first.record(3, [5, 6, 7], 2, {}, 0)  # 3 began first but was written last
+    # The next life continues the order: what it writes is newer than all of the above.
+    later = Ledger(memoryview(data), shape)
+    assert later.occupied() == [0, 2, 3]
+    later.begin(0, "req-new", [9], [0])
+    assert later.occupied() == [2, 3, 0]
+    for copy in (0, 1):  # tear entry 2: no resume can claim it, so it goes first
+        at = 2 * shape.entry_bytes + copy * HEADER_BYTES + 20
+        data[at:at + 4] = b"\xff\xff\xff\xff"
+    assert isinstance(later.read(2), Torn)
+    assert Ledger(memoryview(data), shape).occupied() == [2, 3, 0]

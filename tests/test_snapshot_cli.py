@@ -105,6 +105,23 @@ def test_doctor_fails_with_a_fix_when_criu_is_missing(tmp_path: Path, capsys):
     assert "FAIL  criu" in out and "fix: run `make criu`" in out
 
 
+def test_doctor_names_the_tcp_bug_of_criu_4_1(tmp_path: Path, capsys):
+    old = tmp_path / "criu-4.1"
+    old.write_text("#!/bin/sh\necho 'Version: 4.1.1'\n")
+    old.chmod(0o755)
+    cfg = tmp_path / "pitstop.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "engine": {"kind": "reference", "model": str(tmp_path / "model")},
+        "paths": {"state_dir": str(tmp_path / "state")},
+        "snapshots": {"criu": str(old)},
+    }))  # fmt: skip
+    assert main(["doctor", "--config", str(cfg), "--json"]) == 1
+    said = {c["name"]: c for c in _json(capsys)}["criu"]
+    assert not said["ok"] and "is 4.1.1; Pitstop needs >= 4.2" in said["detail"]
+    assert "Linux >= 6.16" in said["detail"] and "CRIU issue 2705" in said["detail"]
+    assert "make criu" in said["fix"]
+
+
 def test_build_snapshotter_follows_the_config(setup):
     from agent.checkpoint import build_snapshotter
     from agent.config import load_config

@@ -197,7 +197,7 @@ def test_holders_outlive_agent_restarts_and_stops(stand_in: SystemdContainer) ->
 
 
 def _criu_argv() -> list[str] | None:
-    """CRIU >= 4.1 through the project's wrapper (`make criu`); the container sees the repo."""
+    """CRIU >= 4.2 through the project's wrapper (`make criu`); the container sees the repo."""
     wrapper = REPO / ".cache" / "criu" / "bin" / "criu"
     return [str(wrapper)] if wrapper.exists() else None
 
@@ -207,7 +207,7 @@ def test_criu_dumps_and_restores_across_invocations_of_the_agent_unit(
     """The hardening of pitstop-agent.service leaves CRIU working, restart after restart."""
     c = stand_in
     criu = _criu_argv()
-    require(criu, "no CRIU >= 4.1 at .cache/criu/bin/criu (`make criu` installs it)")
+    require(criu, "no CRIU >= 4.2 at .cache/criu/bin/criu (`make criu` installs it)")
     prog = SCRATCH / "criu-pitstop"
     events, count = SCRATCH / "criu-events", SCRATCH / "count"
     c.write_file(str(prog), "#!/bin/sh\n"

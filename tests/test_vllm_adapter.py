@@ -69,7 +69,7 @@ def test_shutdown_timeout_must_end_before_the_agent_kills(tmp_path: Path):
 
 def test_every_exit_is_a_failure(tmp_path: Path):
     adapter = VllmAdapter(_config(tmp_path))
-    # Status 0 included: vLLM's API server exits 0 when its engine core dies (LAB.md fact 15).
+    # Status 0 included: vLLM's API server exits 0 when its engine core dies.
     assert all(adapter.exit_is_failure(rc) for rc in (0, 1, -9, -15))
     assert adapter.metrics_path == "/metrics"
 

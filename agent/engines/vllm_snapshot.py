@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from agent import commands
+from agent.checkpoint.criu_locate import MIN_TEXT
 from agent.commands import CommandResult, Runner
 from agent.config import Config
 from agent.drift import Difference
@@ -170,7 +171,8 @@ def map_failure(action: str, path: Path, returncode: int, stderr: str) -> VllmSn
     if m:
         return VllmSnapshotError(
             f"{what}: `{m.group(1)}` is not on PATH: vLLM runs CRIU by that name; set "
-            "snapshots.criu (Pitstop puts its directory first on PATH) or install CRIU >= 4.1",
+            "snapshots.criu (Pitstop puts its directory first on PATH) or install CRIU >= "
+            f"{MIN_TEXT}",
             "no_criu")
     if "CRIU_CUDA_PLUGIN_DIR" in msg or "CRIU CUDA plugin" in msg:
         return VllmSnapshotError(

@@ -11,8 +11,10 @@ valid is written (on a GPU, synchronised: the step's logits reached the host), a
 writes token ids and block fingerprints before the header that declares them. Headers
 come in two copies written alternately, each with a sequence number and a CRC over
 itself and every byte it vouches for, so a writer killed mid-write leaves the previous
-header valid. A header whose CRC fails is *torn*; an entry whose request id, tokens or
-KV fingerprints do not match what a resume expects is treated as absent.
+header valid. Every header also carries a ledger-wide stamp, larger on each write, so the
+entries a dead engine left can be given away oldest first. A header whose CRC fails is
+*torn*; an entry whose request id, tokens or KV fingerprints do not match what a resume
+expects is treated as absent.
 
 Example::
 
@@ -40,10 +42,10 @@ RESUME_HEADER = "X-Pitstop-Resume"
 KV_HEADER = "X-Pitstop-KV"
 KV_KEPT_HEADER = "X-Pitstop-KV-Kept"
 
-MAGIC = b"PKV1"
+MAGIC = b"PKV2"  # PKV1 headers had no stamp: read as empty, not as torn
 # magic, seq, request key, n_prompt, kv_valid, n_tokens, n_blocks, fp_block, partial fp,
-# then the CRC of all of it (the CRC field as zero) and the arrays it covers.
-_HEADER = struct.Struct("<4sQ32sIIIIIq")
+# stamp, then the CRC of all of it (the CRC field as zero) and the arrays it covers.
+_HEADER = struct.Struct("<4sQ32sIIIIIqQ")
 _CRC = struct.Struct("<I")
 HEADER_BYTES = 128  # each copy, padded: room to grow without moving the arrays
 
@@ -101,6 +103,7 @@ class Entry:
     fp_block: int
     fingerprints: list[int]  # one per full block below kv_valid
     partial: int             # of positions [len(fingerprints) * fp_block, kv_valid)
+    stamp: int = 0           # ledger-wide write order: larger is written later
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,9 @@ class Ledger:
         self.buf = buf
         self.shape = shape
         self._w: dict[int, _Writer] = {}
+        # Continues the order an earlier life wrote in: its entries stay older than ours.
+        self._stamp = max((e.stamp for i in range(shape.entries)
+                           if isinstance(e := self.read(i), Entry)), default=0)
 
     # --- where things are ---------------------------------------------------------------
     def _base(self, entry: int) -> int:
@@ -184,8 +190,9 @@ class Ledger:
             self.buf[f0 + 8 * k:f0 + 8 * k + 8] = struct.pack("<q", fp)
         w.n_fps = kv_valid // s.fp_block
         w.seq += 1
+        self._stamp += 1
         head = _HEADER.pack(MAGIC, w.seq, w.key, w.n_prompt, kv_valid, w.n_tokens, w.n_blocks,
-                            s.fp_block, partial)
+                            s.fp_block, partial, self._stamp)
         crc = self._crc(entry, head, w.n_tokens, w.n_blocks, w.n_fps)
         at = self._base(entry) + (w.seq % 2) * HEADER_BYTES
         self.buf[at:at + _HEADER.size + _CRC.size] = head + _CRC.pack(crc)
@@ -207,8 +214,8 @@ class Ledger:
         for copy in (0, 1):
             at = base + copy * HEADER_BYTES
             raw = bytes(self.buf[at:at + _HEADER.size + _CRC.size])
-            magic, seq, key, n_prompt, kv_valid, n_tokens, n_blocks, fp_block, partial = (
-                _HEADER.unpack(raw[:_HEADER.size]))
+            (magic, seq, key, n_prompt, kv_valid, n_tokens, n_blocks, fp_block, partial,
+             stamp) = _HEADER.unpack(raw[:_HEADER.size])
             if magic != MAGIC:
                 continue
             written = True
@@ -229,7 +236,7 @@ class Ledger:
                 blocks=list(struct.unpack(f"<{n_blocks}i", self.buf[b0:b0 + 4 * n_blocks])),
                 fp_block=fp_block,
                 fingerprints=list(struct.unpack(f"<{n_fps}q", self.buf[f0:f0 + 8 * n_fps])),
-                partial=partial)
+                partial=partial, stamp=stamp)
         if best is not None:
             return best
         return Torn() if written else None
@@ -248,8 +255,14 @@ class Ledger:
         return KeptKVOutcome.TORN if torn else KeptKVOutcome.NO_ENTRY
 
     def occupied(self) -> list[int]:
-        """Entries that hold something (valid or torn): what a previous life left."""
-        return [i for i in range(self.shape.entries) if self.read(i) is not None]
+        """Entries that hold something (valid or torn): what a previous life left, oldest
+        first, so the one given away first is the least likely to be resumed. Torn
+        entries come first (no resume can claim them), then by their last write: the
+        entries of the life that died last, whose clients are resuming now, come last."""
+        found = [(i, e) for i in range(self.shape.entries) if (e := self.read(i)) is not None]
+        found.sort(key=lambda ie: (-1, ie[0]) if isinstance(ie[1], Torn) else
+                   (ie[1].stamp, ie[0]))
+        return [i for i, _ in found]
 
     def adopt(self, entry: int, e: Entry, kept: int) -> None:
         """Continue an entry a previous life left, from its first `kept` positions: what

@@ -54,6 +54,13 @@ class ProcessTree(_Strict):
     # The PIDs that held a CUDA context (vLLM's engine core is a child, not the root);
     # each was CUDA-checkpointed before the dump and is CUDA-restored after a restore.
     cuda_pids: tuple[int, ...] = ()
+    # Files of /dev/shm the tree mapped or held (vLLM's shared-memory ring buffer and
+    # semaphores, CRIU's link_remap.N of unlinked ones), saved in the image as
+    # "outside.<name>" at the dump and put back before every restore.
+    shm_files: tuple[str, ...] = ()
+    # Paths the tree's Unix sockets bind (vLLM's ZeroMQ ipc sockets in /tmp): a stale
+    # socket file left there by the dead tree is removed before a restore.
+    socket_paths: tuple[str, ...] = ()
 
 
 class Canary(_Strict):

@@ -72,6 +72,9 @@ class Skipped:
 
     id: str
     reason: str
+    # Its files no longer verify against the manifest: it is never usable again, so the
+    # caller moves it to quarantine (stale or older ones may serve another day).
+    corrupt: bool = False
 
 
 @dataclass(frozen=True)
@@ -349,7 +352,8 @@ class SnapshotStore:
                 if v.ok:
                     chosen = v.manifest
                 else:
-                    skipped.append(Skipped(e.id, "corrupt: " + "; ".join(v.reasons)))
+                    skipped.append(Skipped(e.id, "corrupt: " + "; ".join(v.reasons),
+                                           corrupt=True))
         return Selection(chosen, tuple(skipped))
 
     # --- removing -----------------------------------------------------------------

@@ -35,11 +35,16 @@ def _first_line(e: BaseException) -> str:
 
 # Known CRIU refusals, by a piece of their first error line, and what they mean to the user.
 _HINTS = (
-    # getsockopt(SO_PASSCRED, SO_PASSSEC) on an AF_INET socket: EOPNOTSUPP on some kernels
-    # (LAB.md fact 3); CRIU says "sockets: Can't get 1:16 opt: Operation not supported".
-    ("sockets: Can't get 1:", "the engine holds TCP sockets, which CRIU cannot dump on this "
-     "kernel (vLLM's workers always do)"),
-    # vLLM's API server opens one unless kernel.io_uring_disabled=2 (LAB.md fact 4).
+    # CRIU 4.1 asks a TCP socket for SO_PASSCRED, which Linux >= 6.16 answers EOPNOTSUPP:
+    # "sockets: Can't get 1:16 opt: Operation not supported" (CRIU issue 2705, fixed in 4.2).
+    # Pitstop refuses such a CRIU, so this is one named by snapshots.criu behind our back.
+    ("sockets: Can't get 1:", "this CRIU is older than 4.2 and cannot dump TCP sockets on "
+     "Linux >= 6.16 (CRIU issue 2705); install CRIU >= 4.2 with `make criu`"),
+    # CRIU's default network lock runs iptables, which a dump without `--network-lock`
+    # needs as soon as the tree holds a TCP connection.
+    ("Iptables configuration failed", "CRIU's default network lock needs iptables, which "
+     "is not installed"),
+    # vLLM's API server opens one unless kernel.io_uring_disabled=2.
     ("anon_inode:[io_uring]", "the engine uses io_uring, which CRIU refuses; set "
      "sysctl kernel.io_uring_disabled=2 before the engine starts"),
 )

@@ -5,11 +5,6 @@ import socket
 import sys
 
 path, ballast_mib = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0
-# --tcp: also hold a TCP listener, which CRIU cannot dump on these kernels (LAB.md fact 3).
-tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM) if "--tcp" in sys.argv else None
-if tcp:
-    tcp.bind(("127.0.0.1", 0))
-    tcp.listen(1)
 # Memory with content, so that an image has a known, incompressible size.
 ballast = os.urandom(ballast_mib << 20)
 count = 0

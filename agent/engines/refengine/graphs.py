@@ -7,7 +7,7 @@ itself. A captured step launches as one graph. Graphs bake in the addresses of t
 weights and the KV pool; both stay put across a hybrid restore (the holder's regions
 are mapped back at the same addresses, and the KV pool is made again in the VA range it
 keeps for the life of the process), so graphs captured before a snapshot replay after it
-(LAB.md fact 12).
+(their kernels' baked-in addresses point at the same memory again).
 """
 
 from __future__ import annotations

@@ -115,8 +115,9 @@ class Scheduler:
         self._running: list[Sequence] = []
         self._paused = False
         self._stopping = False
-        # Ledger entries an earlier life left: slots a resumed request may still claim,
-        # given to new requests only when no other slot is free.
+        # Ledger entries an earlier life left, oldest first: slots a resumed request may
+        # still claim, given to new requests only when no other slot is free, in that order
+        # (the supervisor's canary comes before the resumes of the life that just died).
         self._orphans: list[int] = []
         self._thread = threading.Thread(target=self._loop, name="refengine-loop", daemon=True)
 
@@ -254,8 +255,10 @@ class Scheduler:
             else:
                 slot = self.pool.acquire(avoid=set(self._orphans))
                 if slot is None and self._orphans:
-                    slot = self._orphans[0]  # no free slot: an earlier life's entry gives way
-                    self.pool.take(slot)
+                    # No free slot: the oldest entry an earlier life left gives way.
+                    slot = self._orphans[0]
+                    if not self.pool.take(slot):  # invariant: an orphan's slot is free
+                        raise RuntimeError(f"KV slot {slot} is both an orphan and in use")
                 if slot is None:
                     return
                 if self.ledger is not None:

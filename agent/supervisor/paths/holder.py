@@ -94,7 +94,7 @@ class WarmStart(ColdStart):
 class HybridRestore(FullRestore):
     """Restore a small image taken with the weights detached, then map the held weights again.
 
-    LAB.md facts 10-12: the image holds the engine, not its weights, so its restore takes
+    The image holds the engine, not its weights, so its restore takes
     about a second whatever the model's size; the engine re-attaches the holder's regions
     at the addresses it had (POST /pitstop/resume).
     """

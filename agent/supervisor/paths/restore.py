@@ -76,6 +76,8 @@ class FullRestore:
             code = reason_code(s.reason)
             codes.append(code)
             self._metrics.snapshots_rejected.labels(reason=code).inc()
+            if s.corrupt:
+                self._quarantine(s.id, s.reason)
         self.stale_reasons = tuple(sorted(set(codes))) if selection.chosen is None else ()
         if selection.chosen is None:
             if selection.skipped:
@@ -131,11 +133,15 @@ class FullRestore:
     def failed(self, reason: str) -> None:
         if self._snap is None or self._chosen is None:
             return
-        try:
-            where = self._snap.store.quarantine(self._chosen.id, reason)
-            log.error("snapshot %s quarantined (%s): %s", self._chosen.id, where, reason)
-        except (OSError, SnapshotError) as e:
-            log.error("snapshot %s failed (%s) and could not be quarantined: %s",
-                      self._chosen.id, reason, e)
+        self._quarantine(self._chosen.id, reason)
         self._metrics.snapshots_rejected.labels(reason="restore_failed").inc()
         self._chosen = None
+
+    def _quarantine(self, snapshot_id: str, reason: str) -> None:
+        assert self._snap is not None
+        try:
+            where = self._snap.store.quarantine(snapshot_id, reason)
+            log.error("snapshot %s quarantined (%s): %s", snapshot_id, where, reason)
+        except (OSError, SnapshotError) as e:
+            log.error("snapshot %s failed (%s) and could not be quarantined: %s",
+                      snapshot_id, reason, e)

@@ -3,7 +3,7 @@
 #   build-criu-prefix.sh PREFIX SUITE MIRROR
 # debootstrap resolves criu's library closure into a scratch root, which is thrown away;
 # only the binary, the loader and the libraries the loader lists are kept (about 13 MB).
-# The same recipe as the project's scripts/install-criu.sh (LAB.md fact 2).
+# The same recipe as the project's scripts/install-criu.sh.
 # CRIU_FROM_ROOT=DIR takes criu from an existing root with it installed instead (no debootstrap).
 set -eu
 prefix=$1 suite=$2 mirror=$3
@@ -21,11 +21,18 @@ trap drop_scratch EXIT
 
 if [ -n "$from_root" ]; then
     ln -s "$(cd "$from_root" && pwd)" "$scratch/root"
-elif ! debootstrap --variant=minbase --include=criu "$suite" "$scratch/root" "$mirror" \
-    >"$scratch/debootstrap.log" 2>&1; then
-    tail -n 20 "$scratch/debootstrap.log" >&2
-    echo "build-criu-prefix: debootstrap of $suite from $mirror failed" >&2
-    exit 1
+else
+    # An older debootstrap (Debian 12's) has no script for a newer suite by name; forky is
+    # built like sid.
+    script=
+    [ -e "/usr/share/debootstrap/scripts/$suite" ] || script=/usr/share/debootstrap/scripts/sid
+    # shellcheck disable=SC2086
+    if ! debootstrap --variant=minbase --include=criu "$suite" "$scratch/root" "$mirror" \
+        $script >"$scratch/debootstrap.log" 2>&1; then
+        tail -n 20 "$scratch/debootstrap.log" >&2
+        echo "build-criu-prefix: debootstrap of $suite from $mirror failed" >&2
+        exit 1
+    fi
 fi
 multi=$scratch/root/usr/lib/x86_64-linux-gnu
 ldso=$multi/ld-linux-x86-64.so.2

@@ -1,0 +1,227 @@
+"""What a dumped tree keeps outside itself (shared memory files, socket paths): saved, put back."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.errors import SnapshotError
+
+SHM_DIR = Path("/dev/shm")
+# Image files saved by the post-dump script are named PREFIX + their name in the shm dir.
+PREFIX = "outside."
+# CRIU's name for the link it makes to an open but deleted file (--link-remap).
+REMAP = "link_remap."
+_DELETED = " (deleted)"
+
+
+@dataclass(frozen=True)
+class Survey:
+    """Files of the shm dir the tree maps or holds open, and the paths its Unix sockets bind.
+
+    vLLM's engine core and workers talk through POSIX shared memory (`/dev/shm/psm_*`, a
+    ring buffer) and multiprocessing semaphores (`/dev/shm/sem.*`, some already unlinked),
+    and the API server and the engine core through ZeroMQ `ipc://` sockets bound in /tmp.
+    CRIU keeps none of these in the image: it records a shared mapping of a file by path
+    (the content lives in the file, which the running tree goes on changing after a
+    `--leave-running` dump), links an unlinked one back as `link_remap.N` only until the
+    dump ends, and re-binds a socket path only if no file is there.
+    """
+
+    shm_files: tuple[str, ...]
+    socket_paths: tuple[str, ...]
+
+
+def _linked(path: str) -> str | None:
+    return None if path.endswith(_DELETED) else path
+
+
+def survey(pids: tuple[int, ...], proc_root: Path = Path("/proc"),
+           shm_dir: Path = SHM_DIR) -> Survey:
+    """What the tree `pids` uses outside itself, read from /proc (maps, fds, net/unix)."""
+    shm: set[str] = set()
+    inodes: set[int] = set()
+    top = f"{shm_dir}/"
+    for pid in pids:
+        base = proc_root / str(pid)
+        with contextlib.suppress(OSError):
+            for line in (base / "maps").read_text().splitlines():
+                parts = line.split(maxsplit=5)
+                name = _linked(parts[5].strip()) if len(parts) == 6 else None
+                if name and name.startswith(top) and "/" not in name[len(top):]:
+                    shm.add(name[len(top):])
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(base / "fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(base / "fd" / fd)
+                    if target.startswith("socket:["):
+                        inodes.add(int(target[8:-1]))
+                    elif (name := _linked(target)) and name.startswith(top) \
+                            and "/" not in name[len(top):]:
+                        shm.add(name[len(top):])
+    paths: set[str] = set()
+    if pids:
+        with contextlib.suppress(OSError):
+            for line in (proc_root / str(pids[0]) / "net" / "unix").read_text().splitlines()[1:]:
+                f = line.split()
+                # Abstract names start with '@' and leave no file behind.
+                if len(f) >= 8 and int(f[6]) in inodes and f[7].startswith("/"):
+                    paths.add(f[7])
+    return Survey(tuple(sorted(shm)), tuple(sorted(paths)))
+
+
+def post_dump_script(script: Path, survey: Survey, image_dir: Path,
+                     shm_dir: Path = SHM_DIR) -> None:
+    """Write the `criu dump --action-script` that copies the shm files into the image.
+
+    CRIU runs it at post-dump, while the tree is still frozen: the copies are the content
+    the dumped pages expect, before the tree (left running) changes them again. The
+    link_remap files this dump made are copied too: CRIU removes them when the tree is
+    left running, and a restore needs them."""
+    before = {n for n in _names(shm_dir) if n.startswith(REMAP)}
+    q = shlex.quote
+    lines = [
+        "#!/bin/sh",
+        "# Written by Pitstop for one CRIU dump: save what the tree keeps in the shm dir.",
+        '[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0',
+        "set -e",
+        f"cd {q(str(shm_dir))}",
+    ]
+    for name in survey.shm_files:
+        lines.append(f"cp -p -- {q(name)} {q(str(image_dir / (PREFIX + name)))}")
+    lines += [
+        f"for f in {REMAP}*; do",
+        '    [ -f "$f" ] || continue',
+        '    case " ' + " ".join(sorted(before)) + ' " in *" $f "*) continue ;; esac',
+        f'    cp -p -- "$f" {q(str(image_dir))}/{PREFIX}"$f"',
+        "done",
+    ]
+    script.write_text("\n".join(lines) + "\n")
+    script.chmod(0o700)
+
+
+def saved(image_dir: Path) -> tuple[str, ...]:
+    """The shm names the post-dump script saved into `image_dir`."""
+    return tuple(sorted(n[len(PREFIX):] for n in _names(image_dir) if n.startswith(PREFIX)))
+
+
+def put_back(image_dir: Path, names: tuple[str, ...], socket_paths: tuple[str, ...],
+             shm_dir: Path = SHM_DIR) -> tuple[Path, ...]:
+    """Before a restore: each saved shm file in place again (the dump-time content, written
+    whole then renamed), and every stale socket file at a path the tree binds removed.
+    Returns the link_remap files written, which CRIU consumes; on a failed restore the
+    caller removes them (`drop_remaps`)."""
+    remaps: list[Path] = []
+    try:
+        for name in names:
+            target = shm_dir / name
+            tmp = shm_dir / f".pitstop-{os.getpid()}-{name}"
+            try:
+                copy_sparse(image_dir / (PREFIX + name), tmp)
+                os.replace(tmp, target)
+            finally:
+                tmp.unlink(missing_ok=True)
+            if name.startswith(REMAP):
+                remaps.append(target)
+    except OSError as e:
+        drop_remaps(tuple(remaps))
+        raise SnapshotError(f"could not put {name} back into {shm_dir} before the restore: "
+                            f"{e}; check that {shm_dir} is writable and has room") from e
+    for path in socket_paths:
+        try:
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                # Left by the dead tree; CRIU's bind of the same path would fail on it.
+                os.unlink(path)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise SnapshotError(f"could not remove the stale socket {path} that the restored "
+                                f"engine binds again: {e}") from e
+    return tuple(remaps)
+
+
+def copy_sparse(src: Path, dst: Path) -> None:
+    """Copy only the data of `src` (vLLM's 160-250 MB ring buffers are mostly holes): the
+    copy in /dev/shm costs the memory the original did, not its apparent size."""
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        size = os.fstat(fin.fileno()).st_size
+        os.fchmod(fout.fileno(), stat.S_IMODE(os.fstat(fin.fileno()).st_mode))
+        pos = 0
+        while pos < size:
+            try:
+                start = os.lseek(fin.fileno(), pos, os.SEEK_DATA)
+            except OSError:  # ENXIO: only a hole is left
+                break
+            end = os.lseek(fin.fileno(), start, os.SEEK_HOLE)
+            # pread/pwrite: copy_file_range refuses a copy from the image's filesystem to
+            # tmpfs (EXDEV).
+            while start < end:
+                chunk = os.pread(fin.fileno(), min(end - start, 1 << 20), start)
+                if not chunk:
+                    break
+                os.pwrite(fout.fileno(), chunk, start)
+                start += len(chunk)
+            pos = end
+        os.ftruncate(fout.fileno(), size)
+
+
+def drop_stale_remaps(tree: tuple[int, ...], shm_dir: Path = SHM_DIR,
+                      proc_root: Path = Path("/proc")) -> tuple[str, ...]:
+    """Before a dump of `tree`: remove the link_remap.N files in `shm_dir` that no process
+    outside `tree` maps or holds open.
+
+    CRIU names them after the file's id in the dump, so the next dump picks the same name;
+    one left by a CRIU that was killed mid-dump fails every later dump ("Can't link ...
+    link_remap.N: File exists"). Another tree's dump under way keeps its own: that frozen
+    tree still maps the file its link_remap points at. One that only `tree` holds is left
+    from an earlier dump of it, as the agent never runs two dumps of one tree at once."""
+    candidates: dict[tuple[int, int], str] = {}
+    for name in _names(shm_dir):
+        if name.startswith(REMAP):
+            with contextlib.suppress(OSError):
+                st = os.lstat(shm_dir / name)
+                if stat.S_ISREG(st.st_mode):
+                    candidates[(st.st_dev, st.st_ino)] = name
+    if not candidates:
+        return ()
+    inodes = {ino for _, ino in candidates}
+    held: set[tuple[int, int]] = set()
+    mine = {str(p) for p in tree}
+    for pid in _names(proc_root):
+        if not pid.isdigit() or pid in mine:
+            continue
+        with contextlib.suppress(OSError):
+            for line in (proc_root / pid / "maps").read_text().splitlines():
+                parts = line.split(maxsplit=5)
+                if len(parts) >= 5 and parts[4].isdigit() and int(parts[4]) in inodes:
+                    major, minor = (int(x, 16) for x in parts[3].split(":"))
+                    held.add((os.makedev(major, minor), int(parts[4])))
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(proc_root / pid / "fd"):
+                with contextlib.suppress(OSError):
+                    st = os.stat(proc_root / pid / "fd" / fd)
+                    held.add((st.st_dev, st.st_ino))
+    dropped = []
+    for key, name in candidates.items():
+        if key not in held:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(shm_dir / name)
+                dropped.append(name)
+    return tuple(sorted(dropped))
+
+
+def drop_remaps(paths: tuple[Path, ...]) -> None:
+    for p in paths:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+
+
+def _names(d: Path) -> list[str]:
+    try:
+        return os.listdir(d)
+    except OSError:
+        return []

@@ -1,0 +1,157 @@
+"""Real CRIU on a process that keeps state where vLLM does: TCP, /dev/shm, a socket path."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent import proc
+from agent.checkpoint.connections import Outside
+from agent.checkpoint.criu import DumpOptions
+from agent.errors import OpenConnectionsError
+from tests.snapshot_helpers import (
+    CANARY,
+    REPO,
+    identity,
+    kill_and_reap,
+    snapshotter,
+    subreaper,  # noqa: F401 - autouse: this process reaps restored trees
+)
+
+pytestmark = pytest.mark.integration
+
+TALKER = REPO / "tests" / "workloads" / "talker.py"
+
+
+class Talker:
+    """tests/workloads/talker.py, started as the supervisor starts an engine."""
+
+    def __init__(self, sock: Path, *extra: str) -> None:
+        self.sock = sock
+        with proc.spawn_lock():
+            self.popen = subprocess.Popen(
+                [sys.executable, str(TALKER), str(sock), *extra], stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+            proc.own(self.popen.pid)
+        assert self.popen.stdout is not None
+        line = self.popen.stdout.readline()
+        assert line.startswith(b"ready"), line
+        self.pid = self.popen.pid
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.popen.kill()
+        self.popen.wait(timeout=30)
+        proc.disown(self.pid)
+        if self.popen.stdout:
+            self.popen.stdout.close()
+
+
+def ping(sock: Path) -> tuple[int, int, int]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(str(sock))
+        s.sendall(b"ping\n")
+        a, b, c = s.recv(64).split()
+        return int(a), int(b), int(c)
+
+
+@pytest.fixture
+def shm_clean() -> Iterator[None]:
+    yield
+    for p in glob.glob("/dev/shm/pitstop-test-*"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+
+
+def test_a_running_tree_with_internal_tcp_and_shared_memory_restores_twice_as_dumped(
+        tmp_path: Path, shm_clean: None):
+    snap = snapshotter(tmp_path / "snaps", tmp_path / "logs")
+    t = Talker(tmp_path / "t.sock")
+    assert ping(t.sock) == (1, 1, 1)
+    info = snap.capture(t.pid, canary=CANARY, identity=identity(snap.criu.version),
+                        options=DumpOptions(leave_running=True))
+    m = info.manifest
+    # Both ends of the connection are in the tree: dumped, with no network lock.
+    flags = m.criu_flags
+    assert "--tcp-established" in flags and flags[flags.index("--network-lock") + 1] == "skip"
+    # The mapped /dev/shm file and CRIU's link to the unlinked one are in the image.
+    assert f"pitstop-test-{t.pid}" in m.process.shm_files
+    assert any(n.startswith("link_remap.") for n in m.process.shm_files), m.process
+    assert m.process.socket_paths == (str(t.sock),)
+    # Left running, the process changes its shared memory after the dump.
+    assert [ping(t.sock) for _ in range(3)][-1] == (4, 4, 4)
+    t.stop()
+    # Its socket file stays behind, as a killed engine's do.
+    assert t.sock.exists()
+    for _ in range(2):
+        chosen = snap.store.select(identity(snap.criu.version)).chosen
+        assert chosen is not None and chosen.id == info.id
+        r = snap.restore(chosen)
+        try:
+            assert r.pid == t.pid
+            # The counters continue from the dump, not from what the live process wrote
+            # after it, and the restored TCP connection carries data.
+            assert ping(t.sock) == (2, 2, 2)
+        finally:
+            kill_and_reap(r.pid)
+            for f in set(r.outputs.values()):
+                f.close()
+    assert snap.store.verify(info.id).ok
+
+
+def test_a_tcp_connection_to_outside_the_tree_refuses_the_snapshot_and_names_it(
+        tmp_path: Path, shm_clean: None):
+    snap = snapshotter(tmp_path / "snaps", tmp_path / "logs")
+    outside = socket.socket()
+    outside.bind(("127.0.0.1", 0))
+    outside.listen(1)
+    port = outside.getsockname()[1]
+    t = Talker(tmp_path / "t.sock", "--peer", f"127.0.0.1:{port}")
+    accepted, _ = outside.accept()
+    try:
+        with pytest.raises(OpenConnectionsError) as refused:
+            snap.capture(t.pid, canary=CANARY, identity=identity(snap.criu.version),
+                         options=DumpOptions(leave_running=True))
+        said = str(refused.value)
+        assert f"PID {t.pid} (python" in said and f"peer 127.0.0.1:{port}" in said, said
+        [conn] = refused.value.connections
+        assert (conn.reason, conn.holder.pid, conn.peer) == (
+            Outside.TCP_PEER, t.pid, f"127.0.0.1:{port}")
+        # The peer's holder is named: this test process.
+        assert os.getpid() in [h.pid for h in conn.peer_holders]
+        # Refused before CRIU ran: nothing published, the process serves on.
+        assert snap.store.entries() == []
+        assert ping(t.sock) == (1, 1, 0)
+    finally:
+        t.stop()
+        accepted.close()
+        outside.close()
+
+
+def test_a_link_remap_left_by_a_killed_criu_is_removed_before_the_next_dump(
+        tmp_path: Path, shm_clean: None):
+    snap = snapshotter(tmp_path / "snaps", tmp_path / "logs")
+    t = Talker(tmp_path / "t.sock")
+    try:
+        first = snap.capture(t.pid, canary=CANARY, identity=identity(snap.criu.version),
+                             options=DumpOptions(leave_running=True))
+        remap = min(n for n in first.manifest.process.shm_files if n.startswith("link_remap."))
+        # What a CRIU killed mid-dump leaves: its link to the file, under the same name the
+        # next dump of this tree wants.
+        os.link(f"/dev/shm/pitstop-test-{t.pid}-sem", f"/dev/shm/{remap}")
+        second = snap.capture(t.pid, canary=CANARY, identity=identity(snap.criu.version),
+                              options=DumpOptions(leave_running=True))
+        assert remap in second.manifest.process.shm_files
+        assert not os.path.exists(f"/dev/shm/{remap}")
+    finally:
+        t.stop()
+
