@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 
 import pytest
 
-from tests.agentproc import RunningAgent, agent_config
+from tests.agentproc import REPO, RunningAgent, agent_config
 from tests.prereq import require
 from tests.test_agent_snapshots import _complete, _criu, _snapshots  # noqa: F401 - _criu: CRIU
 
@@ -54,5 +55,13 @@ def test_a_crash_while_the_snapshot_disk_is_full_is_restored_and_the_snapshot_ke
         assert rec["path"] == "full", rec
         assert [s["id"] for s in _snapshots(a)] == [snap["id"]]
         assert _complete(a) == before
+        # A snapshot asked for while the disk is full fails, and the agent serves on.
+        r = subprocess.run([sys.executable, "-m", "agent", "snapshot", "create", "--config",
+                            str(a.config_path)], capture_output=True, text=True, cwd=REPO,
+                           timeout=120)
+        assert r.returncode != 0, r.stdout
+        assert a.proc.poll() is None, a.log()[-3000:]
+        assert a.status()["state"] == "ready" and _complete(a) == before
+        assert [s["id"] for s in _snapshots(a)] == [snap["id"]]
     finally:
         a.stop()

@@ -149,7 +149,27 @@ class Snapshotter:
         anything runs (TCP included: the engine is left running and goes on talking to
         that peer, so no restore could match the peer's view of it). The TCP connections
         left have both ends in the tree: they are dumped with `--tcp-established` and no
-        network lock, as both ends freeze and come back together."""
+        network lock, as both ends freeze and come back together.
+
+        A write that fails (the store's file system full: CRIU's action script, the
+        manifest) raises SnapshotError too; the draft is removed."""
+        try:
+            return self._capture(pid, canary=canary, identity=identity, kind=kind,
+                                 options=options, held=held)
+        except OSError as e:
+            raise SnapshotError(f"the snapshot of PID {pid} could not be written: {e}; is "
+                                f"the file system of {self.store.root} full?") from e
+
+    def _capture(
+        self,
+        pid: int,
+        *,
+        canary: Canary,
+        identity: Identity,
+        kind: SnapshotKind,
+        options: DumpOptions | None,
+        held: dict[str, dict[str, Any]] | None,
+    ) -> SnapshotInfo:
         opts = options or DumpOptions()
         timings: dict[str, float] = {}
         created = datetime.now(UTC)
