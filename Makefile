@@ -78,10 +78,11 @@ ansible-hosts: ansible
 prometheus:
 	bash scripts/install-prometheus.sh
 
-# The dashboard pictures in docs/img/, from a short real run (matplotlib: the docs extra).
+# The dashboard pictures in docs/img/, from a short soak run (matplotlib: the docs extra; root,
+# since the soak node mounts a tmpfs for its snapshots).
 docs-images: venv prometheus model
 	$(BIN)/pip install -q -e '.[docs]'
-	$(BIN)/python scripts/render_dashboards.py --model $(MODEL) --out docs/img
+	$(BIN)/python scripts/render_dashboards.py --soak --minutes 3.5 --model $(MODEL) --out docs/img
 
 test: venv criu prometheus vllm rootfs ansible-hosts
 	$(BIN)/ruff check agent tests bench scripts

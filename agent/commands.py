@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import IO, Protocol
 
 from agent.errors import CommandError
 from agent.proc import disown, own, spawn_lock
@@ -90,39 +91,48 @@ def run(
     args = [str(a) for a in argv]
     full_env = {**os.environ, **env} if env is not None else None
     start = time.monotonic()
-    try:
-        with spawn_lock():
-            p = subprocess.Popen(
-                args,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env=full_env,
-                cwd=cwd,
-                pass_fds=tuple(pass_fds),
-                text=True,
-                errors="replace",
-            )
-            own(p.pid)
-    except OSError as e:
-        raise CommandError(
-            f"cannot start {args[0]}: {e.strerror}; check that it is installed"
-        ) from e
-    try:
+    # Output goes to unlinked files, not pipes: a child the command leaves behind (a CRIU
+    # helper whose parent was killed mid-dump, seen in the soak) keeps a pipe open for as
+    # long as it lives, and reading to EOF would wait for it. A file is read at exit.
+    with tempfile.TemporaryFile() as out_f, tempfile.TemporaryFile() as err_f:
         try:
-            out, err = p.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, err = p.communicate()
+            with spawn_lock():
+                p = subprocess.Popen(
+                    args,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out_f,
+                    stderr=err_f,
+                    env=full_env,
+                    cwd=cwd,
+                    pass_fds=tuple(pass_fds),
+                )
+                own(p.pid)
+        except OSError as e:
             raise CommandError(
-                _describe(args, f"timed out after {timeout_s:g} s and was killed", err, log_path)
-            ) from None
-    finally:
-        disown(p.pid)
+                f"cannot start {args[0]}: {e.strerror}; check that it is installed"
+            ) from e
+        try:
+            try:
+                p.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+                raise CommandError(
+                    _describe(args, f"timed out after {timeout_s:g} s and was killed",
+                              _read(err_f), log_path)
+                ) from None
+        finally:
+            disown(p.pid)
+        out, err = _read(out_f), _read(err_f)
     result = CommandResult(tuple(args), p.returncode, out, err, time.monotonic() - start)
     if check and not result.ok:
         raise CommandError(_describe(args, f"exited with status {p.returncode}", err, log_path))
     return result
+
+
+def _read(f: IO[bytes]) -> str:
+    f.seek(0)
+    return f.read().decode(errors="replace")
 
 
 def _describe(args: list[str], what: str, stderr: str, log_path: Path | None) -> str:

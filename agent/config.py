@@ -86,6 +86,9 @@ class FrontConfig(_Strict):
     resume_wait_s: float = Field(120.0, gt=0)
     # Largest request body accepted (long prompts as token id lists are big).
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    # How long a client may take to send its whole request body: a client that stops
+    # half-way gets a 408 instead of holding a connection and a handler forever.
+    body_timeout_s: float = Field(30.0, gt=0)
 
 
 class PathsConfig(_Strict):

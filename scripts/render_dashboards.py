@@ -7,6 +7,7 @@ health check (a crash loop). Then every panel of dashboards/pitstop-*.json is qu
 the run, with Grafana's variables filled in, and drawn at its place in the grid.
 
     .venv/bin/python scripts/render_dashboards.py --model .cache/tiny-llama --out docs/img
+    .venv/bin/python scripts/render_dashboards.py --soak --minutes 4   # as docs/img has them
 
 Needs matplotlib (`pip install -e '.[docs]'`) and Prometheus (scripts/install-prometheus.sh).
 """
@@ -81,6 +82,60 @@ def run_scenario(work: Path, model: Path, python: str | None, minutes: float
         time.sleep(gap)
         disturb(agent, how)
     time.sleep(gap)
+    return prom, stack, start, time.time()
+
+
+def run_soak_scenario(work: Path, model: Path, minutes: float
+                      ) -> tuple[ph.PrometheusServer, Any, float, float]:
+    """gpu-node-1 is a soak node (bench/chaos.py: holder, front under load, snapshots) whose
+    injector runs the mixed failure schedule for `minutes`; gpu-node-3 crash-loops, so that
+    the fleet and alert panels have a broken node too."""
+    import asyncio
+    import shutil
+    import threading
+    from contextlib import ExitStack
+
+    sys.path.insert(0, str(ph.REPO / "bench"))
+    from chaos import DEFAULT_MIX, Injector, Load, Node, schedule
+
+    stack = ExitStack()
+    shutil.copytree(model, work / "soak-model")
+    node = Node(work / "soak", work / "soak-model", store_mib=1024)
+    node.start()
+    stack.callback(node.stop)
+    broken = stack.enter_context(ph.running_agent(work, "gpu-node-3", ph.agent_config(
+        work / "gpu-node-3", model, health={"start_timeout_s": 0.3},
+        restart={"crash_loop_limit": 3, "backoff_initial_s": 2.0, "backoff_max_s": 8.0})))
+    st = asyncio.run(node.wait_for(lambda s: s.get("state") == "ready"
+                                   and "published" in s.get("reason", ""), "a snapshot"))
+    rules = ph.short_for_rules(ph.RULES, work / "rules.yml", "5s")
+    prom = stack.enter_context(ph.running_prometheus(
+        work / "prom", {"gpu-node-1": st["metrics"], "gpu-node-3": broken.metrics}, [rules]))
+    start = time.time()
+    done = threading.Event()
+
+    async def soak() -> None:
+        load = Load(f"http://{st['front']}")
+        await load.references()
+        load.start()
+        inj = Injector(node, seed=4)
+        await asyncio.sleep(20)  # a calm start: steady traffic before the first failure
+        for kind in schedule(10_000, DEFAULT_MIX, seed=4):
+            if time.time() - start > minutes * 60 - 20:
+                break
+            await inj.inject(kind)
+            await asyncio.sleep(2.0)
+        await asyncio.sleep(15)
+        t = await load.stop()
+        print(f"  soak: {len(inj.done)} failures, {t.sent} requests, {t.failed} failed, "
+              f"{t.wrong} wrong", flush=True)
+        done.set()
+
+    worker = threading.Thread(target=asyncio.run, args=(soak(),), daemon=True)
+    worker.start()
+    worker.join(minutes * 60 + 300)
+    if not done.is_set():
+        raise SystemExit("the soak scenario did not finish")
     return prom, stack, start, time.time()
 
 
@@ -327,13 +382,19 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ph.REPO / "docs" / "img")
     ap.add_argument("--minutes", type=float, default=3.0, help="length of the run")
     ap.add_argument("--engine-python", help="engine.python for the agents (default: this one)")
+    ap.add_argument("--soak", action="store_true",
+                    help="gpu-node-1 runs the soak (holder, front under load, mixed failures, "
+                    "snapshots on a tmpfs): every snapshot, holder and front panel has data")
     args = ap.parse_args()
     model = ph.ensure_model(args.model.resolve())
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="pitstop-render-") as tmp:
         print(f"running the agents for {args.minutes:g} minutes ...", flush=True)
-        prom, stack, start, end = run_scenario(Path(tmp), model, args.engine_python,
-                                               args.minutes)
+        if args.soak:
+            prom, stack, start, end = run_soak_scenario(Path(tmp), model, args.minutes)
+        else:
+            prom, stack, start, end = run_scenario(Path(tmp), model, args.engine_python,
+                                                   args.minutes)
         with stack:
             time.sleep(2)  # one more scrape and evaluation after the last event
             span = (start, end)

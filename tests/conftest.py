@@ -57,3 +57,16 @@ def holder(tmp_path: Path) -> Iterator[Holder]:
     finally:
         rc = h.stop()
         assert rc == 0, h.log.read_text()
+
+
+# Hypothesis keeps its example database under .cache (ignored), never in the repository.
+def _hypothesis_profile() -> None:
+    from hypothesis import settings
+    from hypothesis.database import DirectoryBasedExampleDatabase
+
+    settings.register_profile(
+        "pitstop", database=DirectoryBasedExampleDatabase(str(REPO / ".cache" / "hypothesis")))
+    settings.load_profile("pitstop")
+
+
+_hypothesis_profile()

@@ -38,6 +38,15 @@ def test_a_timeout_kills_the_command():
     assert time.monotonic() - t < 10
 
 
+def test_a_child_left_behind_holding_the_output_does_not_keep_the_command_running():
+    # A CRIU killed mid-dump leaves a helper behind with its stdout: the command is over
+    # when its own process exits, whatever its orphans still hold.
+    t = time.monotonic()
+    r = run(["sh", "-c", "echo before; sleep 30 & echo after"], timeout_s=20)
+    assert time.monotonic() - t < 5
+    assert r.stdout == "before\nafter\n"
+
+
 def test_a_missing_program_says_so():
     with pytest.raises(CommandError, match="cannot start /nonexistent/tool"):
         run(["/nonexistent/tool"], timeout_s=5)

@@ -234,3 +234,16 @@ def test_prune_keeps_the_newest_n_within_the_budget(store: SnapshotStore):
     # Over budget, the newest good one still stays.
     assert store.prune(keep=2, budget_bytes=10) == [b.id]
     assert [e.id for e in store.entries()] == [c.id]
+
+
+def test_a_stray_file_in_the_store_is_listed_as_a_problem_and_never_stops_the_selection(
+        store: SnapshotStore):
+    m = publish(store)
+    (store.root / "filler").write_bytes(b"\0" * 64)
+    entries = {e.id: e for e in store.entries()}
+    assert entries[m.id].problem is None
+    assert entries["filler"].manifest is None
+    assert "is not a snapshot directory" in entries["filler"].problem
+    sel = store.select(IDENT)
+    assert sel.chosen == m
+    assert [s.id for s in sel.skipped] == ["filler"]

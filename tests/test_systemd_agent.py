@@ -237,3 +237,36 @@ def test_the_real_holder_outlives_agent_restarts_and_stops(agent: SystemdContain
     assert r.returncode == 0, r.stdout + r.stderr
     mode = c.run(["stat", "-c", "%a", "/run/pitstop/holder"]).stdout.strip()
     assert mode == "700"
+
+
+# The shipped unit allows 5 starts in 10 minutes (StartLimitBurst): a sixth agent death in
+# that window is a crash loop that systemd stops, on purpose. Four kills stay inside it.
+AGENT_KILLS = 4
+
+
+def test_repeated_sigkills_of_the_agent_are_each_restarted_by_systemd_through_a_restore(
+        agent: SystemdContainer) -> None:
+    c = agent
+    c.systemctl("reset-failed", AGENT, check=False)
+    _ensure_started(c)
+    c.wait_for("a snapshot", lambda: "published" in _status(c).get("reason", "")
+               or _recovery(c).get("path") == "full", 180, interval_s=0.5)
+    snapshots = c.run(["ls", str(STATE / "snapshots")]).stdout.split()
+    times = []
+    for _ in range(AGENT_KILLS):
+        before = c.show(AGENT, "MainPID", "NRestarts")
+        t0 = time.monotonic()
+        c.systemctl("kill", "--kill-who=main", "--signal=SIGKILL", AGENT)
+        c.wait_for("a restart", lambda b=before: int(c.show(AGENT, "NRestarts")["NRestarts"])
+                   > int(b["NRestarts"]), 60, interval_s=0.2)
+        c.wait_for("active again", lambda: _active(c) and _status(c).get("state") == "ready",
+                   240, interval_s=0.2)
+        times.append(time.monotonic() - t0)
+        assert c.show(AGENT, "MainPID")["MainPID"] != before["MainPID"]
+        assert _recovery(c)["path"] == "full", _recovery(c)
+        _engine_is_the_agents_child(c)
+    print(f"\nagent SIGKILLed {AGENT_KILLS} times: back (RestartSec=2s included) in "
+          + ", ".join(f"{t:.1f}" for t in times) + " s")
+    # No snapshot was lost to the kills (a restore keeps the one it came from).
+    after = c.run(["ls", str(STATE / "snapshots")]).stdout.split()
+    assert set(snapshots) <= set(after), (snapshots, after)

@@ -30,6 +30,7 @@ def build_snapshotter(config: Config) -> Snapshotter:
         store,
         CriuBackend(locate(config.snapshots.criu)),
         CudaCheckpoint(config.snapshots.cuda_lock_timeout_ms),
+        restore_log_dir=config.paths.run / "criu",
         keep=config.snapshots.keep,
         budget_bytes=int(config.snapshots.disk_budget_gib * 2**30),
     )

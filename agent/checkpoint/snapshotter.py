@@ -27,6 +27,9 @@ from agent.store.files import DIR_MODE
 logger = logging.getLogger("pitstop.snapshot")
 
 LOG_DIR = ".logs"
+# CRIU's logs (-v4: about 0.5 MB a dump) are kept for the last few operations only: a node
+# that restores a thousand times must not fill its disk with them.
+LOG_KEEP = 16
 # Only the standard streams are re-wired on restore; the supervisor gives the engine
 # stdin /dev/null and stdout/stderr pipes.
 STD_FDS = (1, 2)
@@ -99,6 +102,7 @@ class Snapshotter:
         cuda: CudaCheckpoint | None = None,
         *,
         log_dir: Path | None = None,
+        restore_log_dir: Path | None = None,
         proc_root: Path = Path("/proc"),
         shm_dir: Path = outside.SHM_DIR,
         clock: Callable[[], float] = time.monotonic,
@@ -110,6 +114,9 @@ class Snapshotter:
         self.criu = criu
         self.cuda = cuda
         self.log_dir = log_dir or store.root / LOG_DIR
+        # A restore writes its log and pidfile here, not beside the images: with the store's
+        # file system full, a restore must still work (it only reads the image).
+        self.restore_log_dir = restore_log_dir or self.log_dir
         self._proc = proc_root
         self._shm = shm_dir
         self._clock = clock
@@ -117,9 +124,11 @@ class Snapshotter:
         self.budget_bytes = budget_bytes
         self.regrant = regrant
 
-    def _log(self, name: str) -> Path:
-        self.log_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        return self.log_dir / name
+    def _log(self, name: str, where: Path | None = None) -> Path:
+        d = where or self.log_dir
+        d.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        _prune_logs(d, LOG_KEEP - 1)
+        return d / name
 
     def capture(
         self,
@@ -140,7 +149,27 @@ class Snapshotter:
         anything runs (TCP included: the engine is left running and goes on talking to
         that peer, so no restore could match the peer's view of it). The TCP connections
         left have both ends in the tree: they are dumped with `--tcp-established` and no
-        network lock, as both ends freeze and come back together."""
+        network lock, as both ends freeze and come back together.
+
+        A write that fails (the store's file system full: CRIU's action script, the
+        manifest) raises SnapshotError too; the draft is removed."""
+        try:
+            return self._capture(pid, canary=canary, identity=identity, kind=kind,
+                                 options=options, held=held)
+        except OSError as e:
+            raise SnapshotError(f"the snapshot of PID {pid} could not be written: {e}; is "
+                                f"the file system of {self.store.root} full?") from e
+
+    def _capture(
+        self,
+        pid: int,
+        *,
+        canary: Canary,
+        identity: Identity,
+        kind: SnapshotKind,
+        options: DumpOptions | None,
+        held: dict[str, dict[str, Any]] | None,
+    ) -> SnapshotInfo:
         opts = options or DumpOptions()
         timings: dict[str, float] = {}
         created = datetime.now(UTC)
@@ -240,7 +269,8 @@ class Snapshotter:
         """Restore a snapshot `select` chose. On any failure the restored tree is killed
         and SnapshotError raised: the caller quarantines it and falls to a cold start."""
         image_dir = self.store.path(manifest.id)
-        log = self._log(f"{manifest.id}-restore-{int(time.time() * 1000)}.log")
+        log = self._log(f"{manifest.id}-restore-{int(time.time() * 1000)}.log",
+                        self.restore_log_dir)
         flags = restore_flags(manifest.criu_flags)
         # One new pipe per old pipe inode; the write end goes to CRIU, we keep the read end.
         readers: dict[str, int] = {}
@@ -291,3 +321,17 @@ class Snapshotter:
                 f.close()
             raise
         return restored
+
+
+def _prune_logs(d: Path, keep: int) -> None:
+    """Delete all but the newest `keep` logs in `d` (a pidfile goes with its log)."""
+    logs = []
+    for e in os.scandir(d):
+        if e.name.endswith(".log") and e.is_file(follow_symlinks=False):
+            with contextlib.suppress(FileNotFoundError):
+                logs.append((e.stat(follow_symlinks=False).st_mtime_ns, e.path))
+    logs.sort()
+    for _, path in logs[:max(0, len(logs) - keep)]:
+        for p in (path, path + ".pid"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)

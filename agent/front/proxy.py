@@ -45,6 +45,12 @@ def _endpoint(path: str) -> str:
     return path if path in _ENDPOINTS else "other"
 
 
+# The `type` OpenAI's API gives the errors a router or the front itself answers.
+_ERROR_KINDS = {400: "BadRequestError", 404: "NotFoundError", 405: "BadRequestError",
+                408: "BadRequestError", 413: "BadRequestError", 415: "BadRequestError",
+                422: "UnprocessableEntityError"}
+
+
 def _json_error(status: int, message: str, retry_after: int | None = None,
                 kind: str = "ServiceUnavailableError") -> web.Response:
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
@@ -187,8 +193,10 @@ class Front:
     async def start(self) -> None:
         # handler_cancellation: a client that goes away cancels its handler, which closes
         # the engine request (the engine aborts it) and frees its place at once.
+        # lingering_time: after refusing a body (too large, too slow) aiohttp drains what the
+        # client still sends before closing; one second bounds that for any client.
         runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                               shutdown_timeout=1.0)
+                               shutdown_timeout=1.0, lingering_time=1.0)
         await runner.setup()
         site = web.TCPSite(runner, self.config.host, self.config.port)
         try:
@@ -322,7 +330,23 @@ class Front:
         return resp
 
     async def _serve(self, request: web.Request, rid: str) -> web.StreamResponse:
-        raw = await request.read()
+        cfg = self.config
+        try:
+            async with asyncio.timeout(cfg.body_timeout_s):
+                raw = await request.read()
+        except TimeoutError:
+            log.info("request %s: body not received within %g s", rid, cfg.body_timeout_s)
+            resp = _json_error(408, f"the request body did not arrive within "
+                               f"front.body_timeout_s={cfg.body_timeout_s:g} s",
+                               kind="BadRequestError")
+            resp.force_close()  # never wait on that client again
+            return resp
+        except web.HTTPRequestEntityTooLarge:
+            resp = _json_error(413, f"the request body is larger than front.max_body_bytes="
+                               f"{cfg.max_body_bytes} bytes; send a shorter one or raise it",
+                               kind="BadRequestError")
+            resp.force_close()  # the rest of the body is not read, only dropped with the socket
+            return resp
         body: dict[str, Any] | None = None
         if request.method == "POST" and request.path in (COMPLETIONS, CHAT) and raw:
             with contextlib.suppress(ValueError):
@@ -363,6 +387,11 @@ class Front:
                             return await self._pass_stream(request, rid, up)
                         data = await up.read()
                         self._check_alive(up.status, data)
+                        if up.status >= 400 and up.content_type != "application/json":
+                            # A router's plain-text 404/405: clients (the openai library)
+                            # expect the OpenAI error shape from every endpoint.
+                            return _json_error(up.status, data.decode(errors="replace")[:1000],
+                                               kind=_ERROR_KINDS.get(up.status, "APIError"))
                         return web.Response(status=up.status, body=data,
                                             headers=forward_headers(up.headers.items()))
             except (*LOST, _EngineDead) as e:

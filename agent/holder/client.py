@@ -96,7 +96,16 @@ class HolderClient:
             self.close()
             raise HolderUnavailableError(f"the holder at {self.path} closed the session "
                                          "(it stopped, or refused this process)")
-        reply = p.parse_reply(data)
+        try:
+            reply = p.parse_reply(data)
+        except ValueError as e:
+            # A holder of another Pitstop version (its unit restarted first in an upgrade):
+            # the ladder falls through, the agent does not exit (seen in the soak).
+            self.close()
+            raise HolderUnavailableError(
+                f"the holder at {self.path} answered what this agent cannot read ({e}"[:600]
+                + "); are the holder and the agent the same Pitstop version? Restart both "
+                "after an upgrade") from e
         if not reply.ok:
             for fd in fds:
                 os.close(fd)

@@ -231,6 +231,13 @@ def receive(sock: socket.socket) -> tuple[bytes, list[int]]:
         for fd in fds:
             _close_quietly(fd)
         raise ProtocolError(ErrorCode.BAD_REQUEST, "fds were truncated in transit")
+    if flags & socket.MSG_TRUNC:
+        # The kernel dropped the rest of the datagram: what is left may still parse (a
+        # request padded past the limit), and must not be carried out.
+        for fd in fds:
+            _close_quietly(fd)
+        raise ProtocolError(ErrorCode.BAD_REQUEST,
+                            f"message longer than {MAX_MESSAGE} bytes; send a shorter one")
     return data, list(fds)
 
 

@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import os
 import stat
+from collections.abc import Sequence
 from concurrent.futures import Executor
 from pathlib import Path
 
@@ -109,6 +110,11 @@ def stat_key(st: os.stat_result) -> list[int]:
     """What changes whenever a file's content is written through the kernel: ctime cannot
     be set back by anyone, so a file with the same key was not written since."""
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def chunks_key(sha256_chunks: Sequence[str]) -> str:
+    """One string for a file's chunk checksums, as a sealed record keeps it."""
+    return hashlib.sha256(",".join(sha256_chunks).encode()).hexdigest()
 
 
 def _hash_range(fd: int, offset: int, length: int) -> str:

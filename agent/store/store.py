@@ -26,6 +26,7 @@ from agent.store.files import (
     check_private_dir,
     check_root,
     chunk_digests,
+    chunks_key,
     fsync_dir,
     fsync_file,
     make_private_dir,
@@ -150,7 +151,11 @@ class Draft:
         write_private(self.dir / MANIFEST_NAME, manifest.model_dump_json(indent=1).encode())
         # The files as seal() hashed them: a later verify may trust a file that still has
         # the same inode, size, mtime and ctime (any write through the kernel changes ctime).
-        write_private(self.dir / SEALED_NAME, json.dumps(self.sealed).encode())
+        # Each record also names the checksums the manifest gives the file: a manifest edited
+        # afterwards (a flipped digest) no longer matches it, and the file is hashed again.
+        sealed = {f.name: [*self.sealed[f.name], chunks_key(f.sha256_chunks)]
+                  for f in manifest.files if f.name in self.sealed}
+        write_private(self.dir / SEALED_NAME, json.dumps(sealed).encode())
         final = self.store.path(self.id)
         os.rename(self.dir, final)
         fsync_dir(self.store.root)
@@ -260,6 +265,12 @@ class SnapshotStore:
         out = []
         for sid in self.ids():
             d = self.root / sid
+            if not stat.S_ISDIR(os.lstat(d).st_mode):
+                # A stray file with a snapshot-like name (a filler, a note): listed as a
+                # problem, never read as a snapshot, and it must not stop the listing.
+                out.append(Entry(sid, None, f"{d} is not a snapshot directory; move it out "
+                                 f"of {self.root}", 0))
+                continue
             size = sum(p.stat().st_size for p in d.iterdir() if p.is_file() and not p.is_symlink())
             try:
                 out.append(Entry(sid, self.load(sid), None, size))
@@ -296,7 +307,7 @@ class SnapshotStore:
                 reasons.append(f"{p}: not private (uid {st.st_uid}, mode {st.st_mode & 0o777:o})")
             elif st.st_size != f.size:
                 reasons.append(f"{p}: size {st.st_size}, manifest says {f.size}")
-            elif sealed.get(f.name) != stat_key(st):
+            elif sealed.get(f.name) != [*stat_key(st), chunks_key(f.sha256_chunks)]:
                 to_hash.append(f)
         with ThreadPoolExecutor(HASH_WORKERS) as pool:
             digests = chunk_digests(d, [f.name for f in to_hash], pool, m.chunk_bytes)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from agent.config import HolderConfig
 from agent.engines.base import EngineAdapter
+from agent.errors import HolderError
 from agent.holder.client import HolderClient, holder_available, stale_reason
 from agent.holder.protocol import DropReason, socket_path
 from agent.supervisor.paths.cold import ColdStart
@@ -117,7 +118,12 @@ class HybridRestore(FullRestore):
         if not held:
             self._chosen = None
             return "the newest hybrid snapshot records no held regions"
-        stale = self._link.stale_reason(held)
+        try:
+            stale = self._link.stale_reason(held)
+        except HolderError as e:
+            # It answered a moment ago (unavailable() above) and no longer does, or answers
+            # what this agent cannot read: a reason to take the next rung, not to exit.
+            stale = f"the holder at {self._link.path} cannot tell what it holds: {e}"
         if stale is not None:
             self._chosen = None
             return stale

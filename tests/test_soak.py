@@ -1,0 +1,55 @@
+"""The soak, CI-sized: the real node under load through 40 mixed failures, nothing lost."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+
+import pytest
+
+from bench.chaos import DEFAULT_MIX, Injector, Kind, Load, Node, schedule, summary
+from tests.prereq import require
+from tests.test_agent_snapshots import _criu  # noqa: F401 - _criu: CRIU
+
+pytestmark = pytest.mark.integration
+
+FAILURES = 40
+
+
+def test_forty_mixed_failures_under_load_cost_no_request_and_no_snapshot(tmp_path, tiny_model):
+    require(os.geteuid() == 0, "the soak mounts a tmpfs for the snapshot store: needs root")
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)  # the weights-rewrite injection edits it
+    node = Node(tmp_path / "node", model, store_mib=1024)
+    plan = schedule(FAILURES, DEFAULT_MIX, seed=20)
+    assert set(plan) == set(DEFAULT_MIX)
+
+    async def soak() -> dict:
+        node.start()
+        inj = Injector(node, seed=20)
+        try:
+            st = await node.wait_for(lambda s: s.get("state") == "ready"
+                                     and "published" in s.get("reason", ""), "a snapshot")
+            load = Load(f"http://{st['front']}")
+            await load.references()
+            load.start()
+            for kind in plan:
+                await asyncio.sleep(0.2)
+                await inj.inject(kind)
+            await asyncio.sleep(0.5)
+            inj.final_audit()
+            tally = await load.stop()
+            return summary(inj.done, tally, inj.books, node.holder_starts - 1, 0)
+        finally:
+            node.stop()
+
+    s = asyncio.run(asyncio.wait_for(soak(), 420))
+    assert s["failures_injected"] == FAILURES
+    assert s["injections_not_recovered"] == 0
+    assert s["requests_sent"] > 10 * FAILURES
+    assert (s["requests_failed"], s["requests_wrong"]) == (0, 0), s["failure_samples"]
+    assert s["good_snapshots_lost"] == 0, s["lost"]
+    assert s["bad_snapshots_restored"] == 0, s["bad_restored"]
+    # A crash with a held image comes back through the hybrid restore.
+    assert s["recoveries"]["hybrid"]["n"] >= s["by_kind"][Kind.ENGINE_KILL] // 2
