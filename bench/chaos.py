@@ -468,7 +468,7 @@ class Injector:
         criu = None
         deadline = time.monotonic() + 120
         while criu is None and not create.done() and time.monotonic() < deadline:
-            criu = _criu_dump_pid()
+            criu = _criu_dump_pid(self.node.store_dir)
             await asyncio.sleep(0.005)
         if criu is not None:
             await asyncio.sleep(self.rng.uniform(0.0, 0.15))
@@ -581,7 +581,9 @@ def _proc_state(pid: int) -> str:
         return ""
 
 
-def _criu_dump_pid() -> int | None:
+def _criu_dump_pid(store_dir: Path) -> int | None:
+    """The `criu dump` writing into this node's store: never another one on the machine."""
+    prefix = os.fsencode(store_dir)
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
@@ -590,7 +592,8 @@ def _criu_dump_pid() -> int | None:
         except OSError:
             continue
         # `make criu`'s wrapper execs CRIU through its own ld.so: argv[0] is not criu.
-        if b"dump" in cmd and any(c.endswith(b"/criu") or c == b"criu" for c in cmd[:5]):
+        if (b"dump" in cmd and any(c.endswith(b"/criu") or c == b"criu" for c in cmd[:5])
+                and any(c.startswith(prefix) for c in cmd)):
             return int(d.name)
     return None
 
