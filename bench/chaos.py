@@ -502,8 +502,10 @@ class Injector:
             except RuntimeError:
                 # A snapshot that began meanwhile took the stop (CRIU seizes the engine
                 # with ptrace); the engine ran on. Stop it again.
-                if _proc_state(pid) not in ("T", "t"):
-                    os.kill(pid, signal.SIGSTOP)
+                # (Gone: the agent replaced it, by a slower rung than 15 s.)
+                if _proc_state(pid) not in ("T", "t", ""):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGSTOP)
 
     async def _holder_kill(self, st: dict[str, Any]) -> str:
         h = self.node.holder
