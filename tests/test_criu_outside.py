@@ -6,20 +6,19 @@ import contextlib
 import glob
 import os
 import socket
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from agent import proc
 from agent.checkpoint.connections import Outside
 from agent.checkpoint.criu import DumpOptions
 from agent.errors import OpenConnectionsError
 from tests.snapshot_helpers import (
     CANARY,
     REPO,
+    Workload,
     identity,
     kill_and_reap,
     snapshotter,
@@ -31,28 +30,11 @@ pytestmark = pytest.mark.integration
 TALKER = REPO / "tests" / "workloads" / "talker.py"
 
 
-class Talker:
-    """tests/workloads/talker.py, started as the supervisor starts an engine."""
+class Talker(Workload):
+    """tests/workloads/talker.py: loopback TCP, /dev/shm state and a socket path."""
 
     def __init__(self, sock: Path, *extra: str) -> None:
-        self.sock = sock
-        with proc.spawn_lock():
-            self.popen = subprocess.Popen(
-                [sys.executable, str(TALKER), str(sock), *extra], stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-            proc.own(self.popen.pid)
-        assert self.popen.stdout is not None
-        line = self.popen.stdout.readline()
-        assert line.startswith(b"ready"), line
-        self.pid = self.popen.pid
-
-    def stop(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.popen.kill()
-        self.popen.wait(timeout=30)
-        proc.disown(self.pid)
-        if self.popen.stdout:
-            self.popen.stdout.close()
+        super().__init__([sys.executable, str(TALKER), str(sock), *extra], sock)
 
 
 def ping(sock: Path) -> tuple[int, int, int]:
