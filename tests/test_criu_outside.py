@@ -6,12 +6,14 @@ import contextlib
 import glob
 import os
 import socket
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from agent.checkpoint import outside
 from agent.checkpoint.connections import Outside
 from agent.checkpoint.criu import DumpOptions
 from agent.errors import OpenConnectionsError
@@ -137,3 +139,16 @@ def test_a_link_remap_left_by_a_killed_criu_is_removed_before_the_next_dump(
     finally:
         t.stop()
 
+
+
+def test_a_dump_or_restore_holds_the_hosts_link_remap_names_alone(tmp_path: Path):
+    """Two agents' CRIU runs on one host would use the same link_remap.N in /dev/shm."""
+    probe = ("import fcntl, os, sys\n"
+             "fd = os.open(sys.argv[1], os.O_RDWR)\n"
+             "try:\n    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+             "except BlockingIOError:\n    sys.exit(3)\n")
+    lock = tmp_path / outside.REMAP_LOCK
+    with outside.remap_window(tmp_path):
+        held = subprocess.run([sys.executable, "-c", probe, str(lock)], timeout=30)
+    free = subprocess.run([sys.executable, "-c", probe, str(lock)], timeout=30)
+    assert (held.returncode, free.returncode) == (3, 0)
