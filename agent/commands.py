@@ -51,6 +51,7 @@ class Runner(Protocol):
         cwd: Path | None = None,
         pass_fds: Sequence[int] = (),
         log_path: Path | None = None,
+        inherit_env: bool = True,
     ) -> CommandResult: ...
 
 
@@ -81,15 +82,20 @@ def run(
     cwd: Path | None = None,
     pass_fds: Sequence[int] = (),
     log_path: Path | None = None,
+    inherit_env: bool = True,
 ) -> CommandResult:
     """Run `argv` to completion with stdin from /dev/null, capturing stdout and stderr.
+    `env` is added to this process's environment, or, with `inherit_env=False`, is the
+    whole environment (an engine's interpreter probed with the engine's own).
 
     Raises CommandError when it cannot start, runs past `timeout_s` (it is killed),
     or, with `check`, exits non-zero; the message holds the tails of stderr and of
     `log_path` (the command's own log file, such as CRIU's `-o` log).
     """
     args = [str(a) for a in argv]
-    full_env = {**os.environ, **env} if env is not None else None
+    full_env = None
+    if env is not None:
+        full_env = {**os.environ, **env} if inherit_env else dict(env)
     start = time.monotonic()
     # Output goes to unlinked files, not pipes: a child the command leaves behind (a CRIU
     # helper whose parent was killed mid-dump, seen in the soak) keeps a pipe open for as

@@ -9,7 +9,6 @@ import logging
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import threading
 from collections.abc import Mapping, Sequence
@@ -21,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict
 
 import agent
-from agent.errors import IdentityError, SourceUnavailable
+from agent import commands
+from agent.errors import CommandError, IdentityError, SourceUnavailable
 
 if TYPE_CHECKING:
     from agent.config import Config
@@ -239,9 +239,11 @@ def read_engine_runtime(
         if cached and _stat_key(cached[1].watched) == cached[0]:
             return cached[1]
     try:
-        done = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True,
-                              timeout=timeout_s, check=False, env=env)
-    except (OSError, subprocess.TimeoutExpired) as e:
+        # Through the one runner: inside the agent, the subreaper's orphan reaper must not
+        # take this child's exit status.
+        done = commands.run([python, "-c", _PROBE], timeout_s=timeout_s, check=False, env=env,
+                            inherit_env=False)
+    except CommandError as e:
         raise IdentityError(
             f"cannot run the engine's interpreter {python} to read its package versions: {e}; "
             "check engine.python in the configuration") from e

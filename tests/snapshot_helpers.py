@@ -67,19 +67,16 @@ def snapshotter(root: Path, logs: Path) -> Snapshotter:
     return Snapshotter(SnapshotStore(root), CriuBackend(criu()), None, log_dir=logs)
 
 
-class Counter:
-    """tests/workloads/counter.py started as the supervisor starts an engine: its own
-    session, stdin /dev/null, stdout and stderr one pipe to us."""
+class Workload:
+    """A test workload started as the supervisor starts an engine: its own session, stdin
+    /dev/null, stdout and stderr one pipe to us; ready once it prints a line "ready..."."""
 
-    def __init__(self, sock: Path, ballast_mib: int = 0, *extra: str) -> None:
+    def __init__(self, argv: list[str], sock: Path) -> None:
         self.sock = sock
         with proc.spawn_lock():
             self.popen = subprocess.Popen(
-                [sys.executable, str(COUNTER), str(sock), str(ballast_mib), *extra],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+                argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, start_new_session=True,
             )
             proc.own(self.popen.pid)
         assert self.popen.stdout is not None
@@ -87,20 +84,29 @@ class Counter:
         assert line.startswith(b"ready"), line
         self.pid = self.popen.pid
 
-    def inc(self) -> int:
-        return inc(self.sock)
-
     def read_line(self) -> bytes:
         assert self.popen.stdout is not None
         return self.popen.stdout.readline()
 
     def stop(self) -> None:
+        """Kill it if CRIU did not, and reap it: its PID must be free for a restore."""
         with contextlib.suppress(ProcessLookupError):
             self.popen.kill()
         self.popen.wait(timeout=30)
         proc.disown(self.pid)
         if self.popen.stdout:
             self.popen.stdout.close()
+
+
+class Counter(Workload):
+    """tests/workloads/counter.py: a Unix-socket server whose state is a counter."""
+
+    def __init__(self, sock: Path, ballast_mib: int = 0, *extra: str) -> None:
+        super().__init__([sys.executable, str(COUNTER), str(sock), str(ballast_mib), *extra],
+                         sock)
+
+    def inc(self) -> int:
+        return inc(self.sock)
 
 
 def inc(sock: Path) -> int:

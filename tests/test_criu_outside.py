@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from agent import proc
+from agent.checkpoint import outside
 from agent.checkpoint.connections import Outside
 from agent.checkpoint.criu import DumpOptions
 from agent.errors import OpenConnectionsError
 from tests.snapshot_helpers import (
     CANARY,
     REPO,
+    Workload,
     identity,
     kill_and_reap,
     snapshotter,
@@ -31,28 +32,11 @@ pytestmark = pytest.mark.integration
 TALKER = REPO / "tests" / "workloads" / "talker.py"
 
 
-class Talker:
-    """tests/workloads/talker.py, started as the supervisor starts an engine."""
+class Talker(Workload):
+    """tests/workloads/talker.py: loopback TCP, /dev/shm state and a socket path."""
 
     def __init__(self, sock: Path, *extra: str) -> None:
-        self.sock = sock
-        with proc.spawn_lock():
-            self.popen = subprocess.Popen(
-                [sys.executable, str(TALKER), str(sock), *extra], stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-            proc.own(self.popen.pid)
-        assert self.popen.stdout is not None
-        line = self.popen.stdout.readline()
-        assert line.startswith(b"ready"), line
-        self.pid = self.popen.pid
-
-    def stop(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.popen.kill()
-        self.popen.wait(timeout=30)
-        proc.disown(self.pid)
-        if self.popen.stdout:
-            self.popen.stdout.close()
+        super().__init__([sys.executable, str(TALKER), str(sock), *extra], sock)
 
 
 def ping(sock: Path) -> tuple[int, int, int]:
@@ -155,3 +139,16 @@ def test_a_link_remap_left_by_a_killed_criu_is_removed_before_the_next_dump(
     finally:
         t.stop()
 
+
+
+def test_a_dump_or_restore_holds_the_hosts_link_remap_names_alone(tmp_path: Path):
+    """Two agents' CRIU runs on one host would use the same link_remap.N in /dev/shm."""
+    probe = ("import fcntl, os, sys\n"
+             "fd = os.open(sys.argv[1], os.O_RDWR)\n"
+             "try:\n    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+             "except BlockingIOError:\n    sys.exit(3)\n")
+    lock = tmp_path / outside.REMAP_LOCK
+    with outside.remap_window(tmp_path):
+        held = subprocess.run([sys.executable, "-c", probe, str(lock)], timeout=30)
+    free = subprocess.run([sys.executable, "-c", probe, str(lock)], timeout=30)
+    assert (held.returncode, free.returncode) == (3, 0)

@@ -40,6 +40,7 @@ from tests.prereq import require
 from tests.snapshot_helpers import (
     CANARY,
     REPO,
+    Workload,
     identity,
     kill_and_reap,
     snapshotter,
@@ -67,30 +68,11 @@ def tiles_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-class Tiles:
-    """tests/workloads/tiles.c started as the supervisor starts an engine."""
+class Tiles(Workload):
+    """tests/workloads/tiles.c: a process that uses AMX tiles on request."""
 
     def __init__(self, binary: Path, sock: Path, *extra: str) -> None:
-        self.sock = sock
-        with proc.spawn_lock():
-            self.popen = subprocess.Popen(
-                [str(binary), str(sock), *extra], stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
-            proc.own(self.popen.pid)
-        assert self.popen.stdout is not None
-        line = self.popen.stdout.readline()
-        assert line.startswith(b"ready"), line
-        self.pid = self.popen.pid
-
-    def stop(self) -> None:
-        """Reap it after CRIU killed it (or kill it): its PID must be free for the restore."""
-        with contextlib.suppress(ProcessLookupError):
-            self.popen.kill()
-        self.popen.wait(timeout=30)
-        proc.disown(self.pid)
-        if self.popen.stdout:
-            self.popen.stdout.close()
+        super().__init__([str(binary), str(sock), *extra], sock)
 
 
 def ask(sock: Path, what: str) -> str | None:

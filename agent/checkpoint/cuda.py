@@ -57,8 +57,10 @@ class CudaCheckpoint:
             cc.resume(pid)    # restore + unlock
     """
 
-    def __init__(self, lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS) -> None:
-        self._driver: Any = None
+    def __init__(self, lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS,
+                 driver: Any = None) -> None:
+        # `driver`: cuda.bindings.driver, or a stand-in in unit tests; imported when needed.
+        self._driver: Any = driver
         self.lock_timeout_ms = lock_timeout_ms
 
     def available(self) -> Availability:
@@ -111,12 +113,17 @@ class CudaCheckpoint:
                 "cuCheckpointProcessCheckpoint",
                 pid,
             )
-        except SnapshotError:
-            self._check(
-                cu.cuCheckpointProcessUnlock(pid, cu.CUcheckpointUnlockArgs()),
-                "cuCheckpointProcessUnlock (after a failed checkpoint)",
-                pid,
-            )
+        except SnapshotError as first:
+            try:
+                self._check(
+                    cu.cuCheckpointProcessUnlock(pid, cu.CUcheckpointUnlockArgs()),
+                    "cuCheckpointProcessUnlock (after a failed checkpoint)",
+                    pid,
+                )
+            except SnapshotError as second:
+                # Both matter: why the checkpoint failed, and that the process stays locked.
+                raise SnapshotError(f"{first}\nand then {second}; PID {pid} stays locked: "
+                                    "kill the engine and cold start") from first
             raise
         return CudaTimings(t1 - t0, time.monotonic() - t1)
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shlex
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -212,6 +214,33 @@ def drop_stale_remaps(tree: tuple[int, ...], shm_dir: Path = SHM_DIR,
                 os.unlink(shm_dir / name)
                 dropped.append(name)
     return tuple(sorted(dropped))
+
+
+# Every agent on the host takes it around a dump and around a restore (put back, CRIU,
+# cleanup): CRIU names its links to deleted files after the file's id in the image, so two
+# vLLM trees dumped or restored at once on one host would use the same link_remap.N.
+REMAP_LOCK = ".pitstop-link-remap.lock"
+
+
+@contextlib.contextmanager
+def remap_window(shm_dir: Path = SHM_DIR) -> Iterator[None]:
+    """Hold the host-wide lock on `shm_dir`'s link_remap names (blocking; flock(2)).
+
+    Example::
+
+        with remap_window():
+            criu.dump(...)
+    """
+    try:
+        fd = os.open(shm_dir / REMAP_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise SnapshotError(f"cannot open {shm_dir / REMAP_LOCK}: {e.strerror}; "
+                            f"{shm_dir} must be writable by the agent") from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def drop_remaps(paths: tuple[Path, ...]) -> None:

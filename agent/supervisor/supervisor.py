@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from agent.config import Config
 from agent.engines.base import EngineAdapter
-from agent.errors import EngineError, SnapshotError, StartPathError, VerifyError
+from agent.errors import EngineError, IdentityError, SnapshotError, StartPathError, VerifyError
 from agent.gpu_health import GpuCheck, GpuFault, PeakSampler, Verdict
 from agent.metrics import Metrics
 from agent.supervisor.canary import CanaryBook, CanaryRecord, setup_key
@@ -202,8 +202,16 @@ class Supervisor:
         if check is None:
             return
         if self._before_start is not None:
-            with attempt.stage("identity"):
-                await self._before_start()
+            try:
+                with attempt.stage("identity"):
+                    await self._before_start()
+            except IdentityError as e:
+                # Weights rewritten while they were hashed, an engine interpreter that cannot
+                # run: this start fails and is retried with backoff; the agent lives on.
+                self._stop_sampling()
+                self.record_failure()
+                self._fire(Event.START_FAILED, f"cannot read what the engine depends on: {e}")
+                return
         last_path = "cold"
         for path in self.paths:
             if self._stop.is_set():
