@@ -17,6 +17,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,6 +46,7 @@ class Kind(enum.StrEnum):
     """One kind of failure the injector causes."""
 
     ENGINE_KILL = "engine_kill"        # SIGKILL of the engine
+    ENGINE_CORE_KILL = "engine_core_kill"  # SIGKILL of vLLM's engine core (VLLM::EngineCore)
     ENGINE_HANG = "engine_hang"        # SIGSTOP of the engine: health checks time out
     HOLDER_KILL = "holder_kill"        # SIGKILL of the holder; restarted as systemd would
     DUMP_KILLED = "dump_killed"        # criu SIGKILLed while `pitstop snapshot create` runs
@@ -59,6 +61,13 @@ class Kind(enum.StrEnum):
 DEFAULT_MIX: dict[Kind, int] = {
     Kind.ENGINE_KILL: 45, Kind.ENGINE_HANG: 12, Kind.HOLDER_KILL: 8, Kind.DUMP_KILLED: 12,
     Kind.DISK_FULL: 8, Kind.IMAGE_FLIP: 8, Kind.WEIGHTS_REWRITE: 7,
+}
+# Real vLLM (CPU build, --engine vllm): no holder, so no holder kill; the engine core is a
+# process of its own to kill; no weights rewrite (each one is a cold start of 25-75 s and a
+# 3.6 GB snapshot, like the image flips, which stay).
+VLLM_MIX: dict[Kind, int] = {
+    Kind.ENGINE_KILL: 30, Kind.ENGINE_CORE_KILL: 20, Kind.ENGINE_HANG: 12,
+    Kind.DUMP_KILLED: 14, Kind.DISK_FULL: 12, Kind.IMAGE_FLIP: 12,
 }
 
 
@@ -80,8 +89,12 @@ def schedule(n: int, mix: dict[Kind, int], seed: int) -> list[Kind]:
 class Node:
     """The holder and `pitstop run` as child processes, the store on a tmpfs of `store_mib`."""
 
-    def __init__(self, work: Path, model: Path, store_mib: int = 1024) -> None:
+    def __init__(self, work: Path, model: Path, store_mib: int = 1024,
+                 engine: str = "reference") -> None:
         self.work = work
+        self.engine = engine
+        # How long one engine start may take: vLLM on 2 shared cores takes 25-150 s.
+        self.boot_s = 400.0 if engine == "vllm" else 180.0
         self.model = model
         # The tmpfs holds the store and, beside it, the filler of a disk-full injection.
         self.fs = work / "fs"
@@ -97,6 +110,8 @@ class Node:
         self.holder_starts = 0
 
     def config(self) -> dict[str, Any]:
+        if self.engine == "vllm":
+            return self._vllm_config()
         return {
             "engine": {"kind": "reference", "model": str(self.model), "device": "cpu",
                        "served_model_name": MODEL_NAME, "args": ["--kv-slots", "8"]},
@@ -113,6 +128,30 @@ class Node:
             "holder": {"enabled": True, "dir": str(self.holder_dir), "gpu": "cpu"},
         }
 
+    def _vllm_config(self) -> dict[str, Any]:
+        """Real vLLM as tests/test_agent_vllm.py runs it: no holder (a crash comes back
+        through the full restore), one after-serving snapshot (3.6 GB) kept."""
+        sys.path.insert(0, str(ROOT))
+        from tests.vllmproc import CPU_ARGS, VLLM_PYTHON
+
+        boot = self.boot_s
+        return {
+            "engine": {"kind": "vllm", "model": str(self.model), "python": str(VLLM_PYTHON),
+                       "served_model_name": MODEL_NAME, "args": CPU_ARGS,
+                       "stop_timeout_s": 20},
+            "paths": {"state_dir": str(self.work / "state"),
+                      "snapshot_dir": str(self.store_dir)},
+            "front": {"host": "127.0.0.1", "port": 0, "max_resumes": 50,
+                      "resume_wait_s": boot, "queue": {"deadline_s": boot}},
+            "metrics": {"host": "127.0.0.1", "port": 0},
+            "health": {"interval_s": 1.0, "timeout_s": 5.0, "failures_before_restart": 3,
+                       "start_timeout_s": boot},
+            "restart": {"backoff_initial_s": 0.0, "backoff_max_s": 1.0,
+                        "crash_loop_limit": 100_000, "crash_loop_window_s": 1.0},
+            "snapshots": {"enabled": True, "regenerate": "after-serving", "keep": 1,
+                          "quiet_timeout_s": 30},
+        }
+
     def start(self) -> None:
         self.work.mkdir(parents=True, exist_ok=True)
         self.fs.mkdir(mode=0o700, exist_ok=True)
@@ -120,7 +159,8 @@ class Node:
                      "pitstop-soak", str(self.fs)], timeout_s=30)
         self.store_dir.mkdir(mode=0o700)
         self.config_path.write_text(yaml.safe_dump(self.config()))
-        self.start_holder()
+        if self.engine != "vllm":
+            self.start_holder()
         self.start_agent()
 
     def start_holder(self) -> None:
@@ -149,7 +189,9 @@ class Node:
         except (OSError, ValueError):
             return {}
 
-    async def wait_for(self, pred: Any, what: str, timeout: float = 180) -> dict[str, Any]:
+    async def wait_for(self, pred: Any, what: str,
+                       timeout: float | None = None) -> dict[str, Any]:
+        timeout = self.boot_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             st = self.status()
@@ -161,7 +203,7 @@ class Node:
             await asyncio.sleep(0.05)
         raise RuntimeError(f"timed out after {timeout:g} s waiting for {what}: {self.status()}")
 
-    async def ready(self, timeout: float = 180) -> dict[str, Any]:
+    async def ready(self, timeout: float | None = None) -> dict[str, Any]:
         return await self.wait_for(lambda s: s.get("state") == "ready" and s.get("engine_pid"),
                                    "the engine ready", timeout)
 
@@ -439,6 +481,17 @@ class Injector:
         await self._replaced(st)
         return f"killed {pid}"
 
+    async def _engine_core_kill(self, st: dict[str, Any]) -> str:
+        from agent import proc
+
+        cores = [pid for pid in proc.descendants(st["engine_pid"])
+                 if "EngineCore" in _cmd0(pid)]
+        if len(cores) != 1:
+            raise RuntimeError(f"want one EngineCore under {st['engine_pid']}: {cores}")
+        os.kill(cores[0], signal.SIGKILL)
+        await self._replaced(st)
+        return f"engine core {cores[0]} killed"
+
     async def _engine_hang(self, st: dict[str, Any]) -> str:
         pid = st["engine_pid"]
         os.kill(pid, signal.SIGSTOP)
@@ -449,8 +502,10 @@ class Injector:
             except RuntimeError:
                 # A snapshot that began meanwhile took the stop (CRIU seizes the engine
                 # with ptrace); the engine ran on. Stop it again.
-                if _proc_state(pid) not in ("T", "t"):
-                    os.kill(pid, signal.SIGSTOP)
+                # (Gone: the agent replaced it, by a slower rung than 15 s.)
+                if _proc_state(pid) not in ("T", "t", ""):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGSTOP)
 
     async def _holder_kill(self, st: dict[str, Any]) -> str:
         h = self.node.holder
@@ -521,6 +576,11 @@ class Injector:
         self.books.spoiled.add(sid)
         self.books.good.pop(sid, None)
         await self._engine_kill(self.node.status())
+        # The agent quarantines the refused image and nothing ever prunes the quarantine: on
+        # a node whose images are 3.6 GB (vLLM), a few would fill the store. Clear it, as an
+        # operator would after looking.
+        for q in (self.node.store_dir / ".quarantine").glob(f"{sid}.*"):
+            shutil.rmtree(q, ignore_errors=True)
         return f"{sid}/{victim.name}@{offset}"
 
     async def _weights_rewrite(self, st: dict[str, Any]) -> str:
@@ -531,7 +591,7 @@ class Injector:
         await self._replaced(st, timeout=240)
         return f"{target.name} rewritten (version {self.weights_version})"
 
-    async def _replaced(self, st: dict[str, Any], timeout: float = 180) -> None:
+    async def _replaced(self, st: dict[str, Any], timeout: float | None = None) -> None:
         since = (st.get("last_recovery") or {}).get("at", 0)
         await self.node.wait_for(
             lambda s: (s.get("last_recovery") or {}).get("at", 0) > since
@@ -572,6 +632,15 @@ class Injector:
         for sid in list(self.books.good):
             if sid in set(store.ids()) and not store.verify(sid).ok:
                 self.books.lost.append(f"{sid}: no longer verifies")
+
+
+def _cmd0(pid: int) -> str:
+    """A process's title (argv[0]) and name: vLLM's engine core says EngineCore in both."""
+    try:
+        return (Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+                + " " + Path(f"/proc/{pid}/comm").read_text().strip())
+    except OSError:
+        return ""
 
 
 def _proc_state(pid: int) -> str:
