@@ -161,7 +161,7 @@ def _cmd_vllm_preload(args: argparse.Namespace) -> int:
     import logging
 
     from agent.config import load_config
-    from agent.engines.vllm_preload import run_daemon
+    from agent.engines.vllm.preload import run_daemon
 
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     cfg = load_config(args.config)
@@ -179,7 +179,7 @@ def _cmd_vllm_snapshot(args: argparse.Namespace) -> int:
 
     from agent.checkpoint.criu_locate import locate
     from agent.config import load_config
-    from agent.engines.vllm_snapshot import VllmSnapshotBackend
+    from agent.engines.vllm.snapshot import VllmSnapshotBackend
     from agent.errors import SnapshotError, VllmSnapshotError
 
     cfg = load_config(args.config)

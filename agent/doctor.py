@@ -180,7 +180,7 @@ def run_checks(
         _space(config, min_free),
     ]
     if config.engine.kind == "vllm":
-        from agent.doctor_vllm import vllm_checks
+        from agent.engines.vllm.doctor import vllm_checks
 
         checks += vllm_checks(config)
     return checks

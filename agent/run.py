@@ -22,6 +22,7 @@ from agent.control import ControlServer
 from agent.drift import Difference, describe
 from agent.drift_watch import DriftWatcher, build_reader
 from agent.engines import build_adapter
+from agent.engines.vllm.rungs import vllm_rungs
 from agent.errors import (
     ConfigError,
     HolderError,
@@ -43,7 +44,6 @@ from agent.supervisor.ownership import EngineLedger, StateLock, Tether
 from agent.supervisor.paths.cold import ColdStart
 from agent.supervisor.paths.holder import HolderLink, HybridRestore, WarmStart
 from agent.supervisor.paths.restore import FullRestore
-from agent.supervisor.paths.vllm import vllm_rungs
 from agent.supervisor.states import State
 from agent.supervisor.status import AgentStatus, StatusFile
 from agent.supervisor.supervisor import Supervisor

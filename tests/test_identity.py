@@ -214,8 +214,8 @@ def engine_venv(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 class VllmLaunch:
-    """The vLLM adapter's launch line (agent/engines/vllm.py is on its own branch until
-    merged); identity reads only launch_spec() from an adapter."""
+    """The vLLM adapter's launch line (as agent/engines/vllm/adapter.py builds it);
+    identity reads only launch_spec() from an adapter."""
 
     kind = "vllm"
 

@@ -14,7 +14,7 @@ SPAWNERS = {
     "supervisor/engine.py": "the engine: long-lived, watched through a pidfd",
     "supervisor/ownership.py": "the tether: long-lived, outside the engine tree",
     # These two never run inside the agent's (subreaper) process.
-    "engines/vllm_preload.py": "`pitstop vllm-preload`: the daemon's own unit process",
+    "engines/vllm/preload.py": "`pitstop vllm-preload`: the daemon's own unit process",
     "units.py": "`pitstop install-units`: a command run once by an operator",
 }
 # Inside the agent a long-lived spawner must hold the spawn lock while it forks, so that

@@ -11,7 +11,7 @@ import pytest
 
 from agent.config import parse_config
 from agent.engines import build_adapter
-from agent.engines.vllm import ENTRYPOINT, VllmAdapter, read_package
+from agent.engines.vllm.adapter import ENTRYPOINT, VllmAdapter, read_package
 from agent.errors import ConfigError, EngineError
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.engines.vllm import VllmAdapter
-from agent.engines.vllm_preload import daemon_argv, engine_args, run_daemon
-from agent.engines.vllm_snapshot import VllmSnapshotBackend
+from agent.engines.vllm.adapter import VllmAdapter
+from agent.engines.vllm.preload import daemon_argv, engine_args, run_daemon
+from agent.engines.vllm.snapshot import VllmSnapshotBackend
 from agent.errors import VllmSnapshotError
 from tests.snapshot_helpers import criu
 from tests.vllm_paths_kit import REVISION, vllm_config, vllm_parse, vllm_python
@@ -115,7 +115,7 @@ def test_real_vllm_snapshot_failures_on_this_cpu_host_map_to_pitstop_errors(
 
 
 def _manifest_stub(path: Path):
-    from agent.engines.vllm_snapshot import VllmManifest
+    from agent.engines.vllm.snapshot import VllmManifest
 
     return VllmManifest(path=path, created_at="", model="", model_revision="",
                         served_model_name="", engine_argv=(), identity={}, root_pid=1,

@@ -13,9 +13,9 @@ import pytest
 
 from agent import units
 from agent.config import parse_config
-from agent.engines.vllm_cli import VllmFeatures, last_error, usage_error
-from agent.engines.vllm_preload import gpu_index, weight_args
-from agent.engines.vllm_snapshot import choose_backend, map_failure
+from agent.engines.vllm.cli import VllmFeatures, last_error, usage_error
+from agent.engines.vllm.preload import gpu_index, weight_args
+from agent.engines.vllm.snapshot import choose_backend, map_failure
 from agent.errors import ConfigError
 from tests.prereq import require
 from tests.vllm_paths_kit import REVISION

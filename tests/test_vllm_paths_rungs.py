@@ -19,14 +19,14 @@ from aiohttp import web
 
 from agent import commands
 from agent.commands import CommandResult
-from agent.engines.vllm import VllmAdapter
-from agent.engines.vllm_cli import VllmFeatures, gpu_present, read_features
-from agent.engines.vllm_preload import PreloadLink
-from agent.engines.vllm_snapshot import SUBDIR, VllmSnapshotBackend
+from agent.engines.vllm.adapter import VllmAdapter
+from agent.engines.vllm.cli import VllmFeatures, gpu_present, read_features
+from agent.engines.vllm.preload import PreloadLink
+from agent.engines.vllm.rungs import VllmPreloadStart, VllmSnapshotRestore, vllm_rungs
+from agent.engines.vllm.snapshot import SUBDIR, VllmSnapshotBackend
 from agent.errors import EngineError, StartPathError
 from agent.identity import Identity
 from agent.supervisor.ladder import Attempt
-from agent.supervisor.paths.vllm import VllmPreloadStart, VllmSnapshotRestore, vllm_rungs
 from agent.supervisor.probe import EngineProbe
 from agent.supervisor.relay import UnixTcpRelay
 from tests.snapshot_helpers import criu
@@ -210,7 +210,7 @@ def test_a_bad_snapshot_is_set_aside(tmp_path: Path, py: Path) -> None:
     rung = _snapshot_rung(tmp_path, py, _host())
     path = tmp_path / "state/snapshots" / SUBDIR / "20261129T110000Z-vllm"
     _write_manifest(path, rung._backend.expected_argv())
-    from agent.engines.vllm_snapshot import VllmManifest
+    from agent.engines.vllm.snapshot import VllmManifest
 
     rung._chosen = VllmManifest(path=path, created_at="", model="", model_revision="",
                                 served_model_name="", engine_argv=(), identity={}, root_pid=1,

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.config import Config, parse_config
-from agent.engines.vllm_cli import VERSION_PATCH
+from agent.engines.vllm.cli import VERSION_PATCH
 from tests.prereq import require
 from tests.vllmproc import VLLM_PYTHON
 

@@ -14,7 +14,7 @@ import httpx2 as httpx
 
 from agent import proc
 from agent.config import parse_config
-from agent.engines.vllm import VllmAdapter
+from agent.engines.vllm.adapter import VllmAdapter
 
 REPO = Path(__file__).resolve().parent.parent
 # Where scripts/install-vllm.sh (make vllm) puts vLLM; PITSTOP_VLLM_PYTHON points elsewhere.

@@ -20,7 +20,7 @@ def build_adapter(config: Config) -> EngineAdapter:
 
         return ReferenceAdapter(config)
     if kind == "vllm":
-        from agent.engines.vllm import VllmAdapter
+        from agent.engines.vllm.adapter import VllmAdapter
 
         return VllmAdapter(config)
     raise ValueError(f"unknown engine kind {kind!r}")  # config validation makes this unreachable

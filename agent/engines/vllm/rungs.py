@@ -14,9 +14,9 @@ from agent import proc
 from agent.config import Config
 from agent.drift import describe
 from agent.engines.base import EngineAdapter
-from agent.engines.vllm_cli import VllmFeatures
-from agent.engines.vllm_preload import PreloadLink
-from agent.engines.vllm_snapshot import VllmManifest, VllmSnapshotBackend, precheck
+from agent.engines.vllm.cli import VllmFeatures
+from agent.engines.vllm.preload import PreloadLink
+from agent.engines.vllm.snapshot import VllmManifest, VllmSnapshotBackend, precheck
 from agent.errors import EngineError, StartPathError, VllmSnapshotError
 from agent.identity import Identity
 from agent.supervisor.canary import CanaryRecord
@@ -212,9 +212,9 @@ def vllm_rungs(config: Config, adapter: EngineAdapter, identity: Callable[[], Id
         return [], []
     from functools import cache
 
-    from agent.engines.vllm_cli import gpu_present, read_features
-    from agent.engines.vllm_preload import engine_gpu
-    from agent.engines.vllm_snapshot import choose_backend
+    from agent.engines.vllm.cli import gpu_present, read_features
+    from agent.engines.vllm.preload import engine_gpu
+    from agent.engines.vllm.snapshot import choose_backend
 
     python = str(config.engine.python) if config.engine.python else sys.executable
     env = {**os.environ, **config.engine.env}

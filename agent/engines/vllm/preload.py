@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from agent.config import Config
-from agent.engines.vllm_cli import cli_argv
+from agent.engines.vllm.cli import cli_argv
 from agent.errors import IdentityError, SourceUnavailable, VllmPreloadError
 
 HEALTH_HOST = "127.0.0.1"
@@ -94,7 +94,7 @@ def daemon_argv(config: Config, python: str, index: int) -> list[str]:
 
 def daemon_env(config: Config, gpu: str) -> dict[str, str]:
     """The daemon sees only its GPU; the engine's environment otherwise (same dtype, caches)."""
-    from agent.engines.vllm import BASE_ENV
+    from agent.engines.vllm.adapter import BASE_ENV
 
     return {**BASE_ENV, **config.engine.env, "CUDA_VISIBLE_DEVICES": gpu}
 

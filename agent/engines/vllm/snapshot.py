@@ -16,7 +16,7 @@ from agent.checkpoint.criu_locate import MIN_TEXT
 from agent.commands import CommandResult, Runner
 from agent.config import Config
 from agent.drift import Difference
-from agent.engines.vllm_cli import VllmFeatures, cli_argv, last_error, usage_error
+from agent.engines.vllm.cli import VllmFeatures, cli_argv, last_error, usage_error
 from agent.errors import CommandError, VllmSnapshotError
 from agent.identity import Identity
 
@@ -222,7 +222,7 @@ class VllmSnapshotBackend:
             raise VllmSnapshotError(
                 "vllm.snapshot.model and vllm.snapshot.revision are not set: vLLM's snapshots "
                 "need the Hugging Face repo id and its 40-character commit", "not_configured")
-        from agent.engines.vllm import BASE_ENV
+        from agent.engines.vllm.adapter import BASE_ENV
 
         return cls(python=python, root=config.paths.snapshots / SUBDIR, model=snap.model,
                    revision=snap.revision, served_model_name=config.engine.model_name,

@@ -11,11 +11,11 @@ from collections.abc import Callable
 from agent.checkpoint.criu_locate import locate
 from agent.config import Config
 from agent.doctor import Check
-from agent.engines.vllm_cli import VllmFeatures, gpu_present, read_features
-from agent.engines.vllm_preload import PreloadLink, engine_gpu
-from agent.engines.vllm_snapshot import choose_backend
+from agent.engines.vllm.cli import VllmFeatures, gpu_present, read_features
+from agent.engines.vllm.preload import PreloadLink, engine_gpu
+from agent.engines.vllm.rungs import host_unfit
+from agent.engines.vllm.snapshot import choose_backend
 from agent.errors import EngineError, SnapshotError
-from agent.supervisor.paths.vllm import host_unfit
 
 
 def kernel_hides_passcred() -> bool:
