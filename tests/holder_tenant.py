@@ -11,7 +11,7 @@ import time
 import torch
 
 from agent.holder.client import HolderClient
-from agent.holder.mapping import HeldSet, HostSpace
+from agent.tenant.mapping import HeldSet, HostSpace
 
 
 def pattern(seed: int, size: int) -> bytes:

@@ -15,7 +15,7 @@ import pytest
 from agent.errors import HolderRefusedError, HolderUnavailableError, MappingError
 from agent.holder import protocol as p
 from agent.holder.client import HolderClient
-from agent.holder.mapping import HeldSet, HostSpace
+from agent.tenant.mapping import HeldSet, HostSpace
 from tests.holder_proc import Holder, wait_for
 from tests.holder_tenant import digest_of, pattern
 

@@ -10,7 +10,7 @@ import pytest
 from agent.holder import protocol as p
 from agent.holder.backends import BackendError, GpuFaultError
 from agent.holder.backends.cuda import check, format_uuid, plan_chunks
-from agent.holder.mapping import layout
+from agent.tenant.mapping import layout
 
 GIB = 1 << 30
 G2M = 2 << 20

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from agent.engines.refengine.keptkv import HeldKV
-    from agent.holder.weights import HeldWeights
+    from agent.tenant.weights import HeldWeights
 
 log = logging.getLogger("refengine")
 
@@ -192,7 +192,7 @@ def _held_weights(args: argparse.Namespace, device: object) -> HeldWeights | Non
     asked for a warm start and falls to a cold one."""
     from agent.engines.refengine.model import weight_files
     from agent.errors import HolderRefusedError
-    from agent.holder.weights import HeldWeights
+    from agent.tenant.weights import HeldWeights
     from agent.weights import WeightsDigester
 
     files = weight_files(args.model)

@@ -13,8 +13,8 @@ import torch
 from agent.errors import HolderError, MappingError
 from agent.holder.client import HolderClient
 from agent.holder.kvledger import Ledger, LedgerShape
-from agent.holder.mapping import HeldSet, HostSpace
 from agent.holder.protocol import MemoryKind
+from agent.tenant.mapping import HeldSet, HostSpace
 
 log = logging.getLogger("refengine")
 
@@ -105,7 +105,7 @@ class HeldKV:
 
     def _device_space(self) -> Any:
         if self.device.type == "cuda":
-            from agent.holder.mapping_cuda import cuda_space_factory
+            from agent.tenant.mapping_cuda import cuda_space_factory
 
             index = self.device.index if self.device.index is not None \
                 else torch.cuda.current_device()

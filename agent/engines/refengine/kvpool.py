@@ -57,7 +57,7 @@ class KVPool:
         # captured over it stay valid (graphs.py). cuda-bindings is optional; without it
         # torch's allocator holds the pool, and graphs are captured again when it moves.
         if held is None and device.type == "cuda" and _have_cuda_bindings():
-            from agent.holder.mapping_cuda import CudaSpace, local_granularity
+            from agent.tenant.mapping_cuda import CudaSpace, local_granularity
 
             index = device.index if device.index is not None else torch.cuda.current_device()
             self._space = CudaSpace(self.nbytes, local_granularity(index), index)

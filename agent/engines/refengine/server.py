@@ -27,7 +27,7 @@ from agent.errors import HolderError
 from agent.holder.kvledger import KeptKVOutcome
 
 if TYPE_CHECKING:
-    from agent.holder.weights import HeldWeights
+    from agent.tenant.weights import HeldWeights
 
 log = logging.getLogger("refengine")
 

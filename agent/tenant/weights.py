@@ -12,7 +12,7 @@ from typing import Any
 
 from agent.errors import ModelError
 from agent.holder.client import HolderClient
-from agent.holder.mapping import HeldSet, HostSpace, Space
+from agent.tenant.mapping import HeldSet, HostSpace, Space
 
 log = logging.getLogger("pitstop.holder.weights")
 
@@ -155,7 +155,7 @@ def _space_factory(device: Any) -> Callable[[int, int], Space]:
     if getattr(device, "type", "cpu") == "cuda":
         import torch
 
-        from agent.holder.mapping_cuda import cuda_space_factory
+        from agent.tenant.mapping_cuda import cuda_space_factory
 
         return cuda_space_factory(device.index if device.index is not None
                                   else torch.cuda.current_device())
