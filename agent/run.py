@@ -122,7 +122,7 @@ class Agent:
                        capture_failure=lambda: self.capture.failure if self.capture else "")
         self.full = FullRestore(**restore)
         self.holder = HolderLink(config.holder, config.paths.run, gpu=self._gpu_uuid,
-                                 digest=self._weights_digest)
+                                 digest=self._weights_digest, adapter=self.adapter)
         self.hybrid = HybridRestore(self.holder, **restore)
         self.gpu = GpuGuard(self._watch_gpu(config), drop_held=self.holder.drop,
                             metrics=self.metrics)

@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import agent
 from agent.config import Config
-from agent.engines.base import LaunchSpec
+from agent.engines.base import LaunchSpec, Prepared
+
+if TYPE_CHECKING:
+    from agent.supervisor.probe import EngineProbe
+
+# The reference engine's control endpoints (agent/engines/refengine/server.py).
+PREPARE_PATH = "/pitstop/prepare"
+RESUME_PATH = "/pitstop/resume"
 
 
 class ReferenceAdapter:
@@ -16,8 +25,6 @@ class ReferenceAdapter:
     health_path = "/health"
     metrics_path = None
     dead_marker = None
-    prepare_path = "/pitstop/prepare"
-    resume_path = "/pitstop/resume"
 
     def __init__(self, config: Config) -> None:
         self._config = config
@@ -52,3 +59,17 @@ class ReferenceAdapter:
 
     def exit_is_failure(self, returncode: int) -> bool:
         return True
+
+    def holder_refusal(self) -> str | None:
+        return None
+
+    def holder_args(self, socket: Path, digest: str) -> list[str]:
+        return ["--holder", str(socket), "--weights-digest", digest]
+
+    async def prepare(self, probe: EngineProbe) -> Prepared:
+        answer = await probe.control(PREPARE_PATH)
+        return Prepared(freed_bytes=int(answer.get("freed_bytes", 0)),
+                        held=(answer.get("held") or {}).get("regions") or None)
+
+    async def resume(self, probe: EngineProbe) -> None:
+        await probe.control(RESUME_PATH)
