@@ -28,7 +28,10 @@ if TYPE_CHECKING:
 ENTRYPOINT = "vllm.entrypoints.openai.api_server"
 
 # vLLM phones home with usage statistics unless told not to; a node agent must not.
-BASE_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+# PYTHONSAFEPATH: `python -m` would put the agent's working directory first on vLLM's
+# sys.path, so whatever lies there (a checkout's agent/ and pitstop.egg-info, say) would be
+# imported, and found as the Pitstop plugin, ahead of what is installed.
+BASE_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONSAFEPATH": "1"}
 
 # The adapter sets these itself from the config; the same flag in engine.args would contradict it.
 OWNED_FLAGS = ("--model", "--served-model-name", "--uds", "--host", "--port")
