@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -85,9 +85,12 @@ class VllmAdapter:
     # death and its own exit, the API server answers requests 500 with this message.
     dead_marker = b"EngineCore encountered an issue"
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config,
+                 read: Callable[[str, Mapping[str, str]], VllmFeatures] = read_features) -> None:
         _check_args(config)
         self._config = config
+        # Asks the engine's interpreter what it has (a subprocess); injectable for tests.
+        self._read = read
 
     def reconfigure(self, config: Config) -> None:
         _check_args(config)
@@ -97,7 +100,7 @@ class VllmAdapter:
     @cached_property
     def features(self) -> VllmFeatures:
         """What the engine's interpreter has (vLLM, the Pitstop plugin), read once."""
-        return read_features(self.python(), self._probe_env())
+        return self._read(self.python(), self._probe_env())
 
     def _probe_env(self) -> dict[str, str]:
         return {**os.environ, **BASE_ENV, **self._config.engine.env}
@@ -251,6 +254,11 @@ def _check_args(config: Config) -> None:
                 f"engine.args[{i}]: {flag} is set by Pitstop when holder.enabled is true (the "
                 "weights come from the holder through its vLLM plugin); remove it from "
                 "engine.args or set holder.enabled: false")
+    if config.holder.enabled and config.vllm.preload.enabled:
+        raise ConfigError(
+            "holder.enabled and vllm.preload.enabled are both true: each gives vLLM its own "
+            "--load-format (Pitstop's holder plugin, vLLM's ipc_cache daemon); choose one "
+            "(docs/vllm.md, section 8)")
     drain = _shutdown_timeout(args)
     if drain is not None and drain >= config.engine.stop_timeout_s:
         raise ConfigError(

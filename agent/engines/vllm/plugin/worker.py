@@ -7,7 +7,9 @@ steps, so no forward pass reads the weights while they are unmapped.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
 from typing import Any
 
 from agent.engines.vllm.plugin import state
@@ -15,6 +17,24 @@ from agent.errors import HolderError, MappingError
 
 # Under vLLM's logger: its handlers print it with the process name, like its own lines.
 log = logging.getLogger("vllm.pitstop")
+
+MADV_DONTNEED = 4
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def drop_pages(ptr: int, nbytes: int) -> int:
+    """Give the whole pages of [ptr, ptr + nbytes) back to the kernel; they read as zeros
+    when next touched, and CRIU has nothing of them to dump. The bytes dropped."""
+    page = mmap.PAGESIZE
+    start = -(-ptr // page) * page
+    end = (ptr + nbytes) // page * page
+    if end <= start:
+        return 0
+    if _libc.madvise(start, end - start, MADV_DONTNEED) != 0:
+        raise OSError(ctypes.get_errno(), f"madvise(MADV_DONTNEED) of {end - start} bytes "
+                      f"at {start:#x} failed")
+    return end - start
 
 
 class PitstopWorkerExtension:
@@ -56,10 +76,25 @@ class PitstopWorkerExtension:
             before = torch.cuda.mem_get_info()[0]
             self.sleep(level=1)  # type: ignore[attr-defined]
             freed = torch.cuda.mem_get_info()[0] - before
+        else:
+            freed = self._pitstop_drop_host_kv()
         held.detach()
         freed += held.nbytes
         log.info("pitstop: held weights detached (%d bytes, addresses kept)", held.nbytes)
         return {"freed_bytes": freed, **self.pitstop_state()}
+
+    def _pitstop_drop_host_kv(self) -> int:
+        """The CPU worker's KV pool: its pages dropped, its tensors (and addresses) kept.
+
+        The agent reset the prefix cache first and no request runs, so no block's content
+        is needed again: they are written before they are read, as after a fresh start."""
+        runner = getattr(self, "model_runner", None)
+        seen: dict[int, int] = {}
+        for t in getattr(runner, "kv_caches", None) or []:
+            if t is not None and t.device.type == "cpu":
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+        return sum(drop_pages(ptr, n) for ptr, n in seen.items())
 
     def pitstop_attach(self) -> dict[str, Any]:
         held = state.current()
