@@ -348,8 +348,8 @@ def test_the_ladder_gets_the_rungs_the_config_chooses(tmp_path: Path, py: Path) 
 
 
 def test_the_agent_puts_the_vllm_rungs_in_its_ladder(tmp_path: Path, py: Path) -> None:
-    from agent.run import Agent
     from agent.systemd import Notifier
+    from agent.wiring import Agent
 
     cfg = vllm_config(tmp_path, python=py, snapshots={"backend": "vllm"},
                       vllm={"snapshot": SNAP, "preload": {"enabled": True}})
