@@ -80,6 +80,7 @@ class Agent:
         # vLLM's own paths (docs/vllm.md): `vllm snapshot` first, `vllm preload` above cold.
         criu_path = self.snapshotter.criu.binary.path if self.snapshotter is not None else None
         vllm_first, vllm_warm = vllm_rungs(config, self.adapter, self.identity, criu_path)
+        self._vllm_first = vllm_first
         if vllm_first:
             # The configuration chose vLLM's snapshots: Pitstop's CRIU backend takes none.
             self.snapshotter = None
@@ -196,6 +197,8 @@ class Agent:
             self.snapshotter.cuda.lock_timeout_ms = snaps.cuda_lock_timeout_ms
         for rung in (self.full, self.hybrid):
             rung.timeout_s = config.health.timeout_s * RESTORE_TIMEOUTS
+        for vllm_rung in self._vllm_first:
+            vllm_rung.reconfigure(config)
         if self.front is not None:
             self.front.reconfigure(config.front)
         if self.watcher is not None:
