@@ -22,7 +22,8 @@ class HolderLink:
 
     Example::
 
-        link = HolderLink(config.holder, config.paths.run, gpu=lambda: "cpu", digest=...)
+        link = HolderLink(config.holder, config.paths.run, gpu=lambda: "cpu", digest=...,
+                          adapter=adapter)
         link.unavailable()  # None, or why the holder rungs are skipped
     """
 
