@@ -107,24 +107,7 @@ class VllmAdapter:
 
     def plugin_refusal(self) -> PluginRefusal | None:
         """Why the Pitstop plugin cannot map this engine's weights from the holder."""
-        f = self.features
-        if f.distribution is None or f.version is None:
-            return PluginRefusal(Refusal.NO_VLLM, f"engine.python {self.python()} has no vLLM")
-        if f.plugin is None:
-            return PluginRefusal(
-                Refusal.NOT_INSTALLED,
-                f"the Pitstop plugin is not installed in vLLM's interpreter {self.python()}; "
-                "install it with `scripts/install-vllm-plugin.sh "
-                f"{self.python()}` (pip install --no-deps pitstop=={agent.__version__})")
-        if f.plugin != agent.__version__:
-            return PluginRefusal(
-                Refusal.OTHER_PITSTOP,
-                f"vLLM's interpreter has the Pitstop plugin {f.plugin}, this agent is "
-                f"{agent.__version__}; install the same version in both")
-        unsupported = support.version_refusal(f.version, f.cuda_build)
-        if unsupported is not None:
-            return PluginRefusal(Refusal.UNSUPPORTED_VLLM, unsupported)
-        return None
+        return plugin_refusal(self.features, self.python())
 
     def plugin_on(self) -> bool:
         """Whether this engine runs with the plugin: a holder configured, the plugin fit."""
@@ -224,6 +207,28 @@ class VllmAdapter:
         # When vLLM's engine core dies the API server may exit 0: any exit the
         # agent did not ask for is a crash, whatever its status.
         return True
+
+
+def plugin_refusal(f: VllmFeatures, python: str) -> PluginRefusal | None:
+    """Why the Pitstop plugin in `python` (what its probe found: `f`) cannot serve the vLLM
+    hybrid and warm rungs; None when it can."""
+    if f.distribution is None or f.version is None:
+        return PluginRefusal(Refusal.NO_VLLM, f"engine.python {python} has no vLLM")
+    if f.plugin is None:
+        return PluginRefusal(
+            Refusal.NOT_INSTALLED,
+            f"the Pitstop plugin is not installed in vLLM's interpreter {python}; install it "
+            f"with `scripts/install-vllm-plugin.sh {python}` (pip install --no-deps "
+            f"pitstop=={agent.__version__})")
+    if f.plugin != agent.__version__:
+        return PluginRefusal(
+            Refusal.OTHER_PITSTOP,
+            f"vLLM's interpreter has the Pitstop plugin {f.plugin}, this agent is "
+            f"{agent.__version__}; install the same version in both")
+    unsupported = support.version_refusal(f.version, f.cuda_build)
+    if unsupported is not None:
+        return PluginRefusal(Refusal.UNSUPPORTED_VLLM, unsupported)
+    return None
 
 
 def read_package(python: str, env: Mapping[str, str] | None = None) -> VllmPackage:

@@ -132,6 +132,15 @@ class HeldParams:
         log.info("held weights %s committed (%.1f MB)", self.layout.region(self.digest),
                  self.layout.size / 1e6)
 
+    def close(self) -> None:
+        """Unmap everything; an uncommitted set is freed by the holder with our session."""
+        try:
+            self.held.close()
+        finally:
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+
     def outside(self, params: dict[str, Any]) -> list[str]:
         """Parameters whose storage is no longer in held memory (vLLM post-processing
         replaced it): those bytes are in the process, and so in a hybrid image."""

@@ -101,7 +101,7 @@ class PitstopModelLoader(BaseModelLoader):
                 if held.source == "disk":
                     held.commit()
             except BaseException:
-                held.held.close()
+                held.close()
                 raise
         outside = held.outside(params)
         if outside:
