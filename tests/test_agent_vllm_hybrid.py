@@ -140,7 +140,7 @@ def test_the_first_start_loads_the_weights_into_the_holder_and_snapshots_without
     assert st["last_recovery"]["path"] == "cold", st["last_recovery"]
     node.first_answer = _greedy(client)
     [snap] = _snapshots(node.agent)
-    assert snap["kind"] == "hybrid", snap
+    assert snap["kind"] == "hybrid", (snap, node.agent.log()[-4000:])
     node.first_image = snap["image_bytes"]
     m = _manifest(node.agent, snap["id"])
     [(region, held)] = m.held.items()

@@ -94,8 +94,10 @@ class VllmAdapter:
 
     def reconfigure(self, config: Config) -> None:
         _check_args(config)
-        self._config = config
-        self.__dict__.pop("features", None)
+        old, self._config = self._config.engine, config
+        if (old.python, old.env) != (config.engine.python, config.engine.env):
+            # Another interpreter or environment: ask it again (once, at the next use).
+            self.__dict__.pop("features", None)
 
     @cached_property
     def features(self) -> VllmFeatures:
@@ -107,7 +109,11 @@ class VllmAdapter:
 
     def plugin_refusal(self) -> PluginRefusal | None:
         """Why the Pitstop plugin cannot map this engine's weights from the holder."""
-        return plugin_refusal(self.features, self.python())
+        try:
+            features = self.features
+        except EngineError as e:
+            return PluginRefusal(Refusal.NO_VLLM, str(e))
+        return plugin_refusal(features, self.python())
 
     def plugin_on(self) -> bool:
         """Whether this engine runs with the plugin: a holder configured, the plugin fit."""
