@@ -51,8 +51,9 @@ class PitstopWorkerExtension:
         # buffers are copied out, the KV pool released, its addresses kept), so the image
         # is flat in model size; vLLM's CPU worker has no sleep mode.
         cfg = getattr(self, "vllm_config", None)
-        return bool(cfg is not None and cfg.model_config.enable_sleep_mode
-                    and cfg.device_config.device_type == "cuda")
+        if cfg is None or not cfg.model_config.enable_sleep_mode:
+            return False
+        return str(cfg.device_config.device).startswith("cuda")
 
     def pitstop_state(self) -> dict[str, Any]:
         loaded = state.loaded()
