@@ -188,7 +188,8 @@ class EngineApp:
         key = request.headers.get(P.REQUEST_HEADER) or rid
         resume = P.RESUME_HEADER in request.headers
         seq = self.sched.submit(parsed.prompt, parsed.params, detok,
-                                asyncio.get_running_loop(), queue, key=key, resume=resume)
+                                asyncio.get_running_loop(), queue, key=key, resume=resume,
+                                prefill=parsed.req.prefill)
         try:
             if parsed.req.stream:
                 resp = await self._stream(request, parsed, seq, queue, rid, chat)
