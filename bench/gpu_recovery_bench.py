@@ -355,7 +355,10 @@ def first_snapshot(agent: Agent) -> dict:
         raise SystemExit("no snapshot was published; see agent.log")
     m = manifest(agent.path, snaps[0]["id"])
     snap = {"id": m["id"], "kind": m.get("kind"),
-            "image_bytes": sum(f["size"] for f in m["files"]), "timings": m["timings"]}
+            "image_bytes": sum(f["size"] for f in m["files"]), "timings": m["timings"],
+            # Where the image's bytes are (CRIU's pages-N.img per process dominate).
+            "largest_files": {f["name"]: f["size"] for f in
+                              sorted(m["files"], key=lambda f: -f["size"])[:6]}}
     log(f"snapshot {snap}")
     return snap
 
