@@ -436,23 +436,8 @@ def main() -> None:
             log(f"full restore skipped: {why}")
             paths.remove("full")
 
-    if "full" in paths:
-        agent = Agent(cfg, work)
-        try:
-            st = agent.wait(lambda s: s.get("state") == "ready", 900, "first start")
-            result["first_cold"] = st["last_recovery"]
-            log(f"cold start {st['last_recovery']['duration_s']:.2f}s")
-            result["snapshot"] = first_snapshot(agent)
-            result["full"] = [recover(agent, n, a.steady_requests)
-                              for n in range(1, a.runs + 1)]
-        finally:
-            agent.stop()
-        log_text = (work / "agent.log").read_text(errors="replace")
-        result["freed_lines"] = [x for x in log_text.splitlines() if "freed" in x][-2:]
-
-    if "cold" in paths:
-        result["cold"] = starts(cfg, work, a.runs, "cold start", a.steady_requests)
-
+    # The holder's paths first: hybrid is the one this bench is for, and a run cut short
+    # keeps it.
     if {"hybrid", "refill", "warm"} & set(paths):
         gpu = gpu_id(a.device)
         holder_dir = work / "holder"
@@ -473,6 +458,7 @@ def main() -> None:
                 if "hybrid" in paths:
                     result["hybrid"] = [recover(agent, n, a.steady_requests)
                                         for n in range(1, a.runs + 1)]
+                    save(result, a, tag, finished=False)
                 if "refill" in paths:
                     result["refill"] = []
                     for n in range(done + 1, done + 1 + a.runs):
@@ -484,6 +470,7 @@ def main() -> None:
                     result["refill_fell_to"] = [r["path"] for r in result["refill"]
                                                 if r.get("path") != "refill"]
                 result["canary_method"] = canary_method(Path(hcfg["paths"]["state_dir"]))
+                save(result, a, tag, finished=False)
             finally:
                 agent.stop()
             if "warm" in paths:
@@ -491,13 +478,40 @@ def main() -> None:
         finally:
             holder.send_signal(signal.SIGTERM)
             holder.wait(120)
-        shutil.copy(work / "holder.log", a.out / f"holder-{tag}.log")
+        save(result, a, tag, finished=False)
 
-    shutil.copy(work / "agent.log", a.out / f"agent-{tag}.log")
-    result["rows"] = rows(result, a.gib, " ".join(["python3", *sys.argv]))
-    result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    (a.out / f"recovery-{tag}.json").write_text(json.dumps(result, indent=1))
+    if "full" in paths:
+        agent = Agent(cfg, work)
+        try:
+            st = agent.wait(lambda s: s.get("state") == "ready", 900, "first start")
+            result["first_cold"] = st["last_recovery"]
+            log(f"cold start {st['last_recovery']['duration_s']:.2f}s")
+            result["snapshot"] = first_snapshot(agent)
+            result["full"] = [recover(agent, n, a.steady_requests)
+                              for n in range(1, a.runs + 1)]
+        finally:
+            agent.stop()
+        log_text = (work / "agent.log").read_text(errors="replace")
+        result["freed_lines"] = [x for x in log_text.splitlines() if "freed" in x][-2:]
+        save(result, a, tag, finished=False)
+
+    if "cold" in paths:
+        result["cold"] = starts(cfg, work, a.runs, "cold start", a.steady_requests)
+        save(result, a, tag, finished=False)
+
+    save(result, a, tag)
     log("wrote", a.out / f"recovery-{tag}.json")
+
+
+def save(result: dict, a: argparse.Namespace, tag: str, finished: bool = True) -> None:
+    """The result so far: written after each path, so a run cut short keeps what it measured."""
+    result["rows"] = rows(result, a.gib, " ".join(["python3", *sys.argv]))
+    result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()) if finished else None
+    (a.out / f"recovery-{tag}.json").write_text(json.dumps(result, indent=1))
+    work = a.work / tag
+    for name in ("agent", "holder"):
+        if (work / f"{name}.log").exists():
+            shutil.copy(work / f"{name}.log", a.out / f"{name}-{tag}.log")
 
 
 if __name__ == "__main__":
