@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from agent.errors import ModelError
 from agent.fsutil import write_private
-from agent.weights import FileDigest, is_model_file, manifest_digest, stat_key
+from agent.weights import FileDigest, WeightsDigester, is_model_file, manifest_digest, stat_key
 
 # Where a tenant-independent description of the held weights lives: the holder's own
 # directory (<dir>/<gpu>/), so a holder that starts after a reboot finds it with no agent.
@@ -212,19 +212,37 @@ class Drift:
         return f"{self.where}: {self.detail}" if self.where else self.detail
 
 
-def build_plan(model: Path, files: tuple[FileDigest, ...], digest: str) -> RefillPlan:
-    """The plan for `model` whose digest (`files`, `digest`) was just taken.
+def _keys(model: Path, names: list[str]) -> dict[str, list[int]]:
+    return {n: stat_key(os.stat(model / n)) for n in names}
 
-    Raises ModelError when a file changed since it was digested (its size differs), and
-    the stat keys are read now: a plan is only written from a digest that still holds.
-    """
+
+def plan_for(model: Path, digester: WeightsDigester, expected: str) -> RefillPlan:
+    """The plan for `model`, whose digest must still be `expected` (the one the held regions
+    are named by). Every file's stat key is read before and after the digest: equal, no
+    file was written in between, so each key belongs to the bytes its sha256 was taken of
+    (a write always moves ctime). ModelError otherwise: try again later."""
     model = Path(model)
+    names = digester.list_files(model)
+    before = _keys(model, names)
+    d = digester.digest(model)
+    if _keys(model, names) != before or [f.name for f in d.files] != names:
+        raise ModelError(f"{model} changed while its refill plan was made; try again")
+    if d.digest != expected:
+        raise ModelError(f"{model} now has weights {d.digest}, not the {expected} held")
+    return build_plan(model, d.files, d.digest, before)
+
+
+def build_plan(model: Path, files: tuple[FileDigest, ...], digest: str,
+               keys: dict[str, list[int]] | None = None) -> RefillPlan:
+    """The plan for `model` whose digest (`files`, `digest`) was taken while its files had
+    `keys` (read now when None: then the caller vouches that nothing changed since)."""
+    model = Path(model)
+    keys = keys if keys is not None else _keys(model, [f.name for f in files])
     out, weights = [], []
     for f in files:
-        st = os.stat(model / f.name)
-        if st.st_size != f.size:
+        if keys[f.name][0] != f.size:
             raise ModelError(f"{model / f.name} changed since it was digested; try again")
-        out.append(PlanFile(name=f.name, size=f.size, sha256=f.sha256, key=stat_key(st)))
+        out.append(PlanFile(name=f.name, size=f.size, sha256=f.sha256, key=keys[f.name]))
         if is_weight_file(f.name):
             weights.append(WeightFile.read_header(model / f.name))
     regions = [PlanRegion(name=r.name, file=r.path.name, offset=r.offset, size=r.size)
@@ -268,6 +286,6 @@ def load_plan(directory: Path) -> RefillPlan | None:
     return plan
 
 
-__all__ = ["DTYPES", "Drift", "DriftCode", "PlanFile", "PlanRegion",
-           "RefillPlan", "TensorEntry", "WeightFile", "WeightRegion", "build_plan",
-           "content_addressed", "load_plan", "region_name", "weight_regions", "write_plan"]
+__all__ = ["DTYPES", "Drift", "DriftCode", "PlanFile", "PlanRegion", "RefillPlan",
+           "TensorEntry", "WeightFile", "WeightRegion", "build_plan", "content_addressed",
+           "load_plan", "plan_for", "region_name", "weight_regions", "write_plan"]
