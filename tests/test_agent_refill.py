@@ -175,3 +175,33 @@ def test_a_holder_that_starts_beside_its_plan_refills_by_itself_before_the_engin
         assert _complete(a) == before
     finally:
         rebooted.stop()
+
+
+def test_after_a_gpu_fault_the_refill_rung_stays_on_the_ladder_and_hybrid_does_not():
+    """The refill loads the weights into new memory: nothing a GPU fault made suspect is
+    reused (the holder dropped it, or, when it could not, still holds it, and then the
+    refill is skipped as 'held already')."""
+    from agent.gpu_health import FaultKind, GpuCheck, GpuFault, Verdict
+    from agent.supervisor.gpu import ruled_out
+    from agent.supervisor.paths.holder import HybridRestore
+    from agent.supervisor.paths.refill import RefillRestore
+
+    fault = GpuCheck(faults=(GpuFault(FaultKind.XID_MEMORY, "Xid 48", xid=48),))
+    assert fault.verdict is Verdict.MEMORY_SUSPECT
+    assert ruled_out(RefillRestore, fault) is None
+    assert ruled_out(HybridRestore, fault) is not None
+
+
+def test_after_the_holder_dropped_everything_the_refill_loads_the_weights_again(held, tmp_path):
+    """What a GPU fault leaves: the same holder, told to drop all it held."""
+    from agent.holder import protocol as p
+
+    a, holder = held
+    before = _complete(a)
+    with holder.client() as c:
+        assert c.drop(p.DropReason.GPU_FAULT, "the test's fault").regions > 0
+    os.kill(a.status()["engine_pid"], signal.SIGKILL)
+    rec = a.wait_recovered(1)["last_recovery"]
+    assert rec["path"] == "refill", rec
+    assert _complete(a) == before
+    assert holder.stats().regions_committed > 0
