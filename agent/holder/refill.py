@@ -156,7 +156,7 @@ class CudaSink:
             return lane
         cu, check = self._cu, self._check
         check(cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
-        stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING),
+        stream = check(cu.cuStreamCreate(int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)),
                        "cuStreamCreate")
         lane = _Lane(stream=stream, buffers=[], events=[])
         with self._lock:
@@ -164,7 +164,7 @@ class CudaSink:
         for _ in range(2):
             lane.buffers.append(int(check(cu.cuMemHostAlloc(self._piece, 0), "cuMemHostAlloc")))
             lane.events.append(check(cu.cuEventCreate(
-                cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate"))
+                int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)), "cuEventCreate"))
         self._local.lane = lane
         return lane
 
