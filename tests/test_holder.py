@@ -490,3 +490,31 @@ def test_a_lease_out_of_range_is_a_bad_request(holder):
     s.close()
     assert reply.error is not None and reply.error.code == p.ErrorCode.BAD_REQUEST
     assert "lease_s" in reply.error.message
+
+
+def test_a_set_attached_by_digest_reattaches_the_same_weights_loaded_into_a_new_holder(
+        tmp_path):
+    """What a refill gives a restored engine: another holder, epoch 1 again, the same
+    digest, sizes and bytes. A set attached by digest maps them; a strict one refuses."""
+    first = Holder(tmp_path / "first")
+    sums = write_here(first, SIZES)
+    with first.client() as c:
+        by_digest = HeldSet.attach(c, DIGEST, HostSpace, by_digest=True)
+        strict = HeldSet.attach(c, DIGEST, HostSpace)
+    by_digest.detach()
+    strict.detach()
+    assert first.stop() == 0
+    second = Holder(tmp_path / "second")
+    try:
+        write_here(second, SIZES)  # the same bytes: what loading the same files gives
+        with second.client() as c:
+            by_digest.reattach(c)
+            with pytest.raises(MappingError, match="holder_id"):
+                strict.reattach(c)
+        assert all(digest_of(by_digest.tensor(n)) == sums[n] for n in SIZES)
+        assert {pl.region.holder_id for pl in by_digest.placements.values()} == \
+            {second.stats().holder_id}  # what the next image records
+    finally:
+        by_digest.close()
+        strict.close()
+        assert second.stop() == 0
