@@ -43,6 +43,7 @@ from agent.supervisor.gpu import GpuGuard
 from agent.supervisor.ownership import EngineLedger, StateLock, Tether
 from agent.supervisor.paths.cold import ColdStart
 from agent.supervisor.paths.holder import HolderLink, HybridRestore, WarmStart
+from agent.supervisor.paths.refill import RefillRestore
 from agent.supervisor.paths.restore import FullRestore
 from agent.supervisor.states import State
 from agent.supervisor.status import AgentStatus, StatusFile
@@ -124,9 +125,14 @@ class Agent:
         self.holder = HolderLink(config.holder, config.paths.run, gpu=self._gpu_uuid,
                                  digest=self._weights_digest)
         self.hybrid = HybridRestore(self.holder, **restore)
+        self.refill = RefillRestore(
+            self.holder, enabled=config.holder.refill, model=config.engine.model,
+            digester=lambda: self.reader.digester, on_refilled=self.metrics.refilled, **restore)
+        self._tasks: set[asyncio.Task] = set()
         self.gpu = GpuGuard(self._watch_gpu(config), drop_held=self.holder.drop,
                             metrics=self.metrics)
-        ladder = [*vllm_first, self.hybrid, self.full, WarmStart(self.adapter, self.holder),
+        ladder = [*vllm_first, self.hybrid, self.refill, self.full,
+                  WarmStart(self.adapter, self.holder),
                   *vllm_warm, ColdStart(self.adapter, extra_args=self._cold_args)]
         self.supervisor = Supervisor(
             config=config, adapter=self.adapter, paths=ladder,
@@ -199,6 +205,13 @@ class Agent:
     def _on_ready(self) -> None:
         if self.watcher is not None and self.engine_identity is not None:
             self.watcher.rebase(self.engine_identity)
+        digest = self._weights_digest()
+        if self.config.holder.enabled and digest:
+            # So that a holder that restarts (or a reboot) can load these weights by itself.
+            task = asyncio.get_running_loop().create_task(
+                asyncio.to_thread(self.refill.remember, digest))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     def _on_drift(self, diffs: list[Difference]) -> None:
         self.drifted = tuple(sorted({d.field for d in diffs}))
