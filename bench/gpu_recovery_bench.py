@@ -303,10 +303,10 @@ def gpu_id(device: str) -> str:
     return out.stdout.strip()
 
 
-def start_holder(gpu: str, holder_dir: Path, workdir: Path) -> subprocess.Popen:
+def start_holder(gpu: str, holder_dir: Path, workdir: Path, *extra: str) -> subprocess.Popen:
     backend = "cpu" if gpu == "cpu" else "cuda"
     p = subprocess.Popen([sys.executable, "-m", "agent", "holder", "--backend", backend,
-                          "--gpu", gpu, "--dir", str(holder_dir)], cwd=REPO,
+                          "--gpu", gpu, "--dir", str(holder_dir), *extra], cwd=REPO,
                          stdout=(workdir / "holder.log").open("ab"), stderr=subprocess.STDOUT)
     sock = holder_dir / gpu / "holder.sock"
     end = time.monotonic() + 60
@@ -322,7 +322,8 @@ def restart_holder(holder: subprocess.Popen, gpu: str, holder_dir: Path,
     holder.send_signal(signal.SIGTERM)
     holder.wait(120)
     (holder_dir / gpu / "holder.sock").unlink(missing_ok=True)
-    return start_holder(gpu, holder_dir, workdir)
+    # Empty when the engine dies: a holder left to refill at its start would race the kill.
+    return start_holder(gpu, holder_dir, workdir, "--no-refill")
 
 
 def canary_method(state_dir: Path) -> str | None:
