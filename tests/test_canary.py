@@ -29,6 +29,7 @@ from agent.supervisor.supervisor import Supervisor
 from agent.systemd import Notifier
 from tests.agentproc import agent_config
 from tests.frontkit import socket_dir
+from tests.refengine_proc import Engine
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -111,6 +112,19 @@ def test_the_request_field_is_the_engines_choice_of_prefill() -> None:
     assert CompletionRequest(prompt="x", prefill="one_pass").prefill is Prefill.ONE_PASS
     with pytest.raises(ValueError, match="prefill"):
         CompletionRequest(prompt="x", prefill="all_at_once")
+
+
+def test_the_engine_answers_a_one_pass_request_with_the_same_tokens(refengine: Engine) -> None:
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "return_token_ids": True, "ignore_eos": True}
+    with refengine.http() as c:
+        plain = c.post("/v1/completions", json=body)
+        one_pass = c.post("/v1/completions", json={**body, "prefill": "one_pass"})
+        wrong = c.post("/v1/completions", json={**body, "prefill": "all_at_once"})
+    assert plain.status_code == one_pass.status_code == 200
+    ids = one_pass.json()["choices"][0]["token_ids"]
+    assert len(ids) == MAX_TOKENS and ids == plain.json()["choices"][0]["token_ids"]
+    assert wrong.status_code == 400 and "prefill" in wrong.text
 
 
 def test_a_record_without_a_method_was_made_the_engines_default_way(tmp_path: Path) -> None:
