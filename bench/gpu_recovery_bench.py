@@ -419,6 +419,9 @@ def main() -> None:
         "metrics": {"host": "127.0.0.1", "port": 0},
         "health": {"start_timeout_s": 900, "timeout_s": 5},
         "snapshots": {"drift_check_interval_s": 0, "quiet_timeout_s": 60},
+        # Every kill here is the bench's own: hybrid and refill together are 2 x --runs of
+        # them within a minute, which the default limit (5 in 300 s) calls a crash loop.
+        "restart": {"crash_loop_limit": 1000},
     }
     if a.snapshot_dir:
         shutil.rmtree(a.snapshot_dir, ignore_errors=True)
@@ -468,6 +471,7 @@ def main() -> None:
                         # the held weights gone.
                         holder = restart_holder(holder, gpu, holder_dir, work)
                         result["refill"].append(recover(agent, n, a.steady_requests))
+                        save(result, a, tag, finished=False)
                     result["refill_fell_to"] = [r["path"] for r in result["refill"]
                                                 if r.get("path") != "refill"]
                 result["canary_method"] = canary_method(Path(hcfg["paths"]["state_dir"]))
