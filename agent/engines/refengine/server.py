@@ -138,6 +138,15 @@ class EngineApp:
             await asyncio.to_thread(self.held.detach)
             log.info("prepare: held weights detached (%d bytes, address range kept)",
                      self.held.nbytes)
+        if self.model.device.type == "cuda":
+            import torch
+
+            # What the CUDA checkpoint will move into the image besides the CUDA context's
+            # own memory: the size of the image, and so of the restore, follows it.
+            log.info("prepare: torch still holds %d bytes of GPU memory (%d in use: graph "
+                     "pools, cuBLAS workspaces, tables); they go into a snapshot's image",
+                     torch.cuda.memory_reserved(self.model.device),
+                     torch.cuda.memory_allocated(self.model.device))
         return web.json_response({"freed_bytes": freed, **self.sched.state(),
                                   **self._held_state()})
 
