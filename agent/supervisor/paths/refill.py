@@ -71,7 +71,7 @@ class RefillRestore(HybridRestore):
                  on_refilled: Callable[[int, float], None] = lambda n, s: None,
                  **kwargs: object) -> None:
         super().__init__(link, **kwargs)
-        self._enabled = enabled
+        self.enabled = enabled
         self._model = model
         self._digester = digester
         self._on_refilled = on_refilled
@@ -83,7 +83,7 @@ class RefillRestore(HybridRestore):
         reason = self._link.unavailable()
         if reason is not None:
             return reason
-        if not self._enabled:
+        if not self.enabled:
             return self._skip(RefillSkip.DISABLED, "refill is off (holder.refill: false)")
         try:
             if self._link.holds_weights():
@@ -167,7 +167,7 @@ class RefillRestore(HybridRestore):
     def remember(self, digest: str) -> Path | None:
         """Leave a refill plan for `digest` in the holder's directory when the holder holds
         those weights; the path written, or None. Blocking: call it from a thread."""
-        if not self._enabled or self._link.unavailable() is not None:
+        if not self.enabled or self._link.unavailable() is not None:
             return None
         try:
             if not self._link.holds_weights():
