@@ -22,6 +22,13 @@ class ConfigError(PitstopError):
     """The configuration file is missing, malformed or invalid."""
 
 
+class MissingExtraError(ConfigError):
+    """What the configuration or command asks for needs a pip extra that is not installed.
+
+    A ConfigError: starting again cannot fix it, installing the extra named does.
+    """
+
+
 class AgentRunningError(PitstopError):
     """Another agent already holds this state directory: this one refuses to start."""
 
