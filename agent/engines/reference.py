@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import agent
 from agent.config import Config
 from agent.engines.base import LaunchSpec
+from agent.engines.refengine.protocol import Prefill
 from agent.extras import Extra, require
+from agent.store.manifest import CanaryMethod
 
 
 class ReferenceAdapter:
@@ -19,6 +22,9 @@ class ReferenceAdapter:
     dead_marker = None
     prepare_path = "/pitstop/prepare"
     resume_path = "/pitstop/resume"
+    # One forward call for the prompt, then decode steps from CUDA graphs: the canary costs
+    # what a real request costs (one read of the weights a token), not one read a prompt token.
+    canary_method = CanaryMethod.ONE_PASS_PREFILL
 
     def __init__(self, config: Config) -> None:
         _check_extra(config)
@@ -52,6 +58,11 @@ class ReferenceAdapter:
 
     def model_name(self) -> str:
         return self._config.engine.model_name
+
+    def canary_fields(self, method: CanaryMethod) -> dict[str, Any]:
+        if method is CanaryMethod.ONE_PASS_PREFILL:
+            return {"prefill": Prefill.ONE_PASS.value}
+        return {}
 
     def exit_is_failure(self, returncode: int) -> bool:
         return True
