@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from agent.config import Config
+    from agent.store.manifest import CanaryMethod
     from agent.supervisor.probe import EngineProbe
 
 
@@ -49,6 +50,9 @@ class EngineAdapter(Protocol):
     # just this request: the front then holds the request for the next engine instead of
     # passing the error on. None when the engine has no such answer (it just goes away).
     dead_marker: bytes | None
+    # How this engine's new canary records are made; a record made another way (an older
+    # Pitstop's) is checked the way it was made (canary_fields), then made again this way.
+    canary_method: CanaryMethod
 
     def reconfigure(self, config: Config) -> None:
         """Take a reloaded configuration of the same engine kind."""
@@ -64,6 +68,10 @@ class EngineAdapter(Protocol):
 
     def model_name(self) -> str:
         """The name clients use in the `model` field."""
+        ...
+
+    def canary_fields(self, method: CanaryMethod) -> dict[str, Any]:
+        """What the canary request adds to its body to be answered by `method`."""
         ...
 
     def exit_is_failure(self, returncode: int) -> bool:

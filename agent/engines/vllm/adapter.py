@@ -19,6 +19,7 @@ from agent.engines.vllm.plugin import support
 from agent.engines.vllm.plugin.support import Refusal
 from agent.errors import ConfigError, EngineError, IdentityError
 from agent.identity import read_vllm_package
+from agent.store.manifest import CanaryMethod
 
 if TYPE_CHECKING:
     from agent.supervisor.probe import EngineProbe
@@ -84,6 +85,9 @@ class VllmAdapter:
     # vLLM's EngineDeadError (vllm/v1/engine/exceptions.py, 0.32): between its engine core's
     # death and its own exit, the API server answers requests 500 with this message.
     dead_marker = b"EngineCore encountered an issue"
+    # vLLM's own scheduler already prefills a short prompt in one step and decodes from its
+    # graphs: a plain request is the cheap one, and records have always been made that way.
+    canary_method = CanaryMethod.ENGINE_DEFAULT
 
     def __init__(self, config: Config,
                  read: Callable[[str, Mapping[str, str]], VllmFeatures] = read_features) -> None:
@@ -208,6 +212,9 @@ class VllmAdapter:
 
     def model_name(self) -> str:
         return self._config.engine.model_name
+
+    def canary_fields(self, method: CanaryMethod) -> dict[str, Any]:
+        return {}
 
     def exit_is_failure(self, returncode: int) -> bool:
         # When vLLM's engine core dies the API server may exit 0: any exit the
