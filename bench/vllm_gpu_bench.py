@@ -111,13 +111,16 @@ def sleep_wake(sock: Path, model: str, runs: int) -> list[dict]:
         t0 = time.monotonic()
         s1, b1 = engine_call(sock, "POST", "/sleep?level=1")
         t1 = time.monotonic()
+        # A vLLM without sleep mode answers /sleep 200 and does nothing: ask.
+        _, asleep = engine_call(sock, "GET", "/is_sleeping")
+        t1b = time.monotonic()
         s2, b2 = engine_call(sock, "POST", "/wake_up")
         t2 = time.monotonic()
         answer = greedy(sock, model)
         t3 = time.monotonic()
-        r = {"sleep_s": round(t1 - t0, 3), "wake_s": round(t2 - t1, 3),
-             "first_answer_s": round(t3 - t2, 3), "wake_to_answer_s": round(t3 - t1, 3),
-             "status": [s1, s2], "same_answer": answer == before}
+        r = {"sleep_s": round(t1 - t0, 3), "wake_s": round(t2 - t1b, 3),
+             "first_answer_s": round(t3 - t2, 3), "wake_to_answer_s": round(t3 - t1b, 3),
+             "status": [s1, s2], "asleep": _is_sleeping(asleep), "same_answer": answer == before}
         if (s1, s2) != (200, 200):
             r["error"] = (b1 if s1 != 200 else b2)[:300].decode(errors="replace")
         log(f"sleep/wake {n}: {r}")
@@ -132,6 +135,13 @@ def started(st: dict) -> bool:
     of ready, too quick to poll)."""
     rec = st.get("last_recovery") or {}
     return rec.get("result") == "success" and st.get("state") in ("ready", "snapshotting")
+
+
+def _is_sleeping(body: bytes) -> bool:
+    try:
+        return bool(json.loads(body).get("is_sleeping"))
+    except (ValueError, AttributeError):
+        return False
 
 
 def compile_cache_entries() -> int:
@@ -188,6 +198,13 @@ def image_on_disk(snapshot_dir: Path, sid: str) -> int:
     return sum(p.stat().st_blocks * 512 for p in (snapshot_dir / sid).rglob("*") if p.is_file())
 
 
+def _mem_available() -> int | None:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
 def check_disk(where: Path, need: int) -> dict:
     where.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(where).free
@@ -216,7 +233,7 @@ def summarize(path: str, recs: list[dict], gib: float, command: str) -> dict | N
 
 
 def sleep_row(recs: list[dict], gib: float, command: str) -> dict | None:
-    ok = [r for r in recs if r["status"] == [200, 200] and r["same_answer"]]
+    ok = [r for r in recs if r["status"] == [200, 200] and r["asleep"] and r["same_answer"]]
     if not ok:
         return None
     where, host = machine()
@@ -270,6 +287,8 @@ def main() -> None:
     if a.device == "cpu":
         a.gib = round(weights / (1 << 30), 4)
     log(f"model {model}: {weights / 1e9:.2f} GB ({result['make_model_s']} s)")
+    result["memory"] = {"shm_free_bytes": shutil.disk_usage("/dev/shm").free,
+                        "ram_available_bytes": _mem_available()}
 
     # Disk: the images of an earlier size go first (a 32 GiB image and an 8 GiB one do not
     # both fit the device's 64 GiB disk).
@@ -298,7 +317,7 @@ def main() -> None:
         "health": {"interval_s": 1.0, "timeout_s": 10.0, "failures_before_restart": 3,
                    "start_timeout_s": BOOT_S},
         "restart": {"backoff_initial_s": 0.2, "backoff_max_s": 1.0},
-        "snapshots": {"enabled": True, "regenerate": "after-serving",
+        "snapshots": {"enabled": "full" in paths, "regenerate": "after-serving",
                       "drift_check_interval_s": 0, "quiet_timeout_s": 60, "keep": 1},
     }
     result["engine_args"] = cfg["engine"]["args"]
