@@ -14,7 +14,9 @@ One run measures, on one model of --gib GiB (`pitstop make-model --target-gib`, 
   until --runs cold starts were seen.
 - **full**: agent A, snapshots on, takes its after-serving snapshot (CUDA checkpoint of every
   process of the tree holding a CUDA context, CRIU dump), then its API server is SIGKILLed
-  --runs times; each recovery is a full restore (CRIU restore, CUDA restore, canary).
+  --runs times; each recovery is a full restore (CRIU restore, CUDA restore, canary). A
+  recovery that falls through to a cold start (the restore failed: its reason is in the
+  record's fallthroughs) ends the series and counts as a cold start.
 - **sleep**: vLLM's own sleep level 1 and wake_up (`VLLM_SERVER_DEV_MODE=1`) on agent B's
   first engine, --runs times, each checked by the same greedy answer: the in-process
   reference a restore can approach. Agent B's engines run with `--enable-sleep-mode` (vLLM's
@@ -216,7 +218,8 @@ def check_disk(where: Path, need: int) -> dict:
 
 
 def summarize(path: str, recs: list[dict], gib: float, command: str) -> dict | None:
-    ok = [r for r in recs if r.get("result", "success") == "success"]
+    # A recovery that fell through to another path is not a run of this one.
+    ok = [r for r in recs if r.get("result") == "success" and r.get("path") == path]
     if not ok:
         return None
     runs = [r["duration_s"] for r in ok]
@@ -278,7 +281,13 @@ def main() -> None:
                 sleep_row(result.get("sleep", []), a.gib, command)]
         result["rows"] = [r for r in rows if r]
         out_json.write_text(json.dumps(result, indent=1) + "\n")
+        # The agents' logs too, each time: a run stopped by its time limit keeps them.
+        for log_file, name in ((work / "agent.log", "agent"), (work / "cold" / "agent.log",
+                                                               "agent-cold")):
+            with contextlib.suppress(OSError):
+                shutil.copy(log_file, a.out / f"{name}-{tag}.log")
 
+    work = a.work / tag
     t0 = time.monotonic()
     model = model_dir(a)
     result["make_model_s"] = round(time.monotonic() - t0, 2)
@@ -295,7 +304,6 @@ def main() -> None:
     if a.work.exists():
         for old in a.work.iterdir():
             shutil.rmtree(old, ignore_errors=True)
-    work = a.work / tag
     work.mkdir(parents=True)
     snap_dir = a.snapshot_dir or work / "state" / "snapshots"
     if a.snapshot_dir:
@@ -341,7 +349,17 @@ def main() -> None:
                 save()
                 result["full"] = []
                 for n in range(1, a.runs + 1):
-                    result["full"].append(recover(agent, n, a.steady_requests))
+                    rec = recover(agent, n, a.steady_requests)
+                    result["full"].append(rec)
+                    if rec["path"] != "full":
+                        # The restore failed (fallthroughs say why) and the image is
+                        # quarantined: what follows would be cold starts, measured below.
+                        log(f"recovery {n} fell through to {rec['path']}: {rec['fallthroughs']}")
+                        result["cold"].append({**rec, "after_failed_restore": True,
+                                               "compile_cache_entries": None,
+                                               "sleep_mode": False})
+                        save()
+                        break
                     save()
         finally:
             agent.stop()
