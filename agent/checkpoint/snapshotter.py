@@ -20,7 +20,7 @@ from agent.checkpoint.cuda import CudaCheckpoint, uses_cuda
 from agent.checkpoint.xcomp import Grant, Regrant, continue_tree, process_tree, regrant_tree
 from agent.errors import RestoreBlockedError, SnapshotError
 from agent.identity import Identity
-from agent.proc import descendants, ids_in_use, kill_tree
+from agent.proc import descendants, ids_in_use, kill_tree, stat
 from agent.store import Canary, Manifest, ProcessTree, SnapshotKind, SnapshotStore
 from agent.store.files import DIR_MODE
 
@@ -279,7 +279,7 @@ class Snapshotter:
         and SnapshotError raised: the caller quarantines it and falls to a cold start.
         RestoreBlockedError (a PID of the image still taken) is the host's failure, not the
         image's: nothing ran, and the snapshot stays good."""
-        self._wait_pids_free(manifest)
+        waited = self._wait_pids_free(manifest)
         image_dir = self.store.path(manifest.id)
         log = self._log(f"{manifest.id}-restore-{int(time.time() * 1000)}.log",
                         self.restore_log_dir)
@@ -291,7 +291,7 @@ class Snapshotter:
             r, w = os.pipe()
             readers[what] = r
             writers[w] = what
-        timings: dict[str, float] = {}
+        timings: dict[str, float] = {"pid_wait": waited}
         remaps: tuple[Path, ...] = ()
         # CRIU does not restore the AMX permission: the tree stays stopped until each of
         # its processes has asked for it again (agent/checkpoint/xcomp.py).
@@ -339,14 +339,20 @@ class Snapshotter:
         return restored
 
 
-    def _wait_pids_free(self, manifest: Manifest) -> None:
-        """Return once no process, thread, process group or session holds a PID the image
-        was dumped with; RestoreBlockedError after `pid_wait_s`."""
-        end = self._clock() + self.pid_wait_s
+    def _wait_pids_free(self, manifest: Manifest) -> float:
+        """Return (the seconds it waited) once no process, thread, process group or session
+        holds a PID the image was dumped with; RestoreBlockedError after `pid_wait_s`."""
+        t0 = self._clock()
+        end = t0 + self.pid_wait_s
+        first: dict[int, int] = {}
         while True:
             held = ids_in_use(manifest.process.pids, self._proc)
             if not held:
-                return
+                if first:
+                    logger.info("snapshot %s: waited %.2f s for its PIDs (%s)", manifest.id,
+                                self._clock() - t0, _holders(first, self._proc))
+                return self._clock() - t0
+            first = first or held
             if self._clock() >= end:
                 break
             self._sleep(0.05)
@@ -360,6 +366,20 @@ class Snapshotter:
             f"snapshot {manifest.id}: PID {pid}, which the restore must give back to its "
             f"process, is still taken after {self.pid_wait_s:g} s: process {holder} ({comm}) "
             f"holds it {how}; stop that process, or let it exit")
+
+
+def _holders(held: dict[int, int], proc_root: Path) -> str:
+    """"PID 12 by 34 (python3), ..." for a log line."""
+    out = []
+    for pid, holder in sorted(held.items()):
+        try:
+            comm = (proc_root / str(holder) / "comm").read_text().strip()
+        except OSError:
+            comm = "gone"
+        st = stat(holder, proc_root)
+        state = f", state {st.state}" if st else ""
+        out.append(f"PID {pid} by {holder} ({comm}{state})")
+    return ", ".join(out)
 
 
 def _prune_logs(d: Path, keep: int) -> None:
