@@ -70,14 +70,16 @@ def test_a_pid_still_taken_fails_the_restore_and_keeps_the_snapshot(tmp_path: Pa
         holder.wait()
 
 
-def test_a_pid_freed_within_the_wait_lets_the_restore_run(tmp_path: Path):
+def test_a_pid_freed_within_the_wait_lets_the_restore_run(tmp_path: Path, caplog):
     holder = subprocess.Popen(["sleep", "0.5"])
     reaped = threading.Thread(target=holder.wait)
     reaped.start()
     snap = _snapshotter(tmp_path, wait_s=30)
     m = _publish(snap.store, (holder.pid,))
     # CRIU ran (and refused the fake image): the PID was free by then.
-    with pytest.raises(SnapshotError) as e:
+    with caplog.at_level("INFO", logger="pitstop.snapshot"), pytest.raises(SnapshotError) as e:
         snap.restore(m)
     assert not isinstance(e.value, RestoreBlockedError), e.value
     reaped.join()
+    # The wait is said, with who held the PID.
+    assert f"for its PIDs (PID {holder.pid} by {holder.pid} (sleep, state S))" in caplog.text

@@ -344,15 +344,15 @@ class Snapshotter:
         holds a PID the image was dumped with; RestoreBlockedError after `pid_wait_s`."""
         t0 = self._clock()
         end = t0 + self.pid_wait_s
-        first: dict[int, int] = {}
+        first = ""  # who held them when first seen: gone by the time they are free
         while True:
             held = ids_in_use(manifest.process.pids, self._proc)
             if not held:
                 if first:
                     logger.info("snapshot %s: waited %.2f s for its PIDs (%s)", manifest.id,
-                                self._clock() - t0, _holders(first, self._proc))
+                                self._clock() - t0, first)
                 return self._clock() - t0
-            first = first or held
+            first = first or _holders(held, self._proc)
             if self._clock() >= end:
                 break
             self._sleep(0.05)
