@@ -7,6 +7,7 @@ import sys
 import agent
 from agent.config import Config
 from agent.engines.base import LaunchSpec
+from agent.extras import Extra, require
 
 
 class ReferenceAdapter:
@@ -20,9 +21,11 @@ class ReferenceAdapter:
     resume_path = "/pitstop/resume"
 
     def __init__(self, config: Config) -> None:
+        _check_extra(config)
         self._config = config
 
     def reconfigure(self, config: Config) -> None:
+        _check_extra(config)
         self._config = config
 
     def launch_spec(self) -> LaunchSpec:
@@ -52,3 +55,10 @@ class ReferenceAdapter:
 
     def exit_is_failure(self, returncode: int) -> bool:
         return True
+
+
+def _check_extra(config: Config) -> None:
+    """Refuse at start, not in a restart loop, an engine that cannot import torch. Only the
+    agent's own interpreter is looked at: engine.python is another, asked when it starts."""
+    if config.engine.python is None:
+        require(Extra.REFERENCE, "the reference engine (engine.kind: reference)")

@@ -71,6 +71,12 @@ class VllmSnapshotRestore:
         self._relay: UnixTcpRelay | None = None
         self.stale_reasons: tuple[str, ...] = ()
 
+    def reconfigure(self, config: Config) -> None:
+        """A reload changed what the engine is started with (agent/reload.py applies these
+        keys): a snapshot taken with the old arguments must now be stale, not restored."""
+        self._backend.served_model_name = config.engine.model_name
+        self._backend.engine_args = tuple(config.engine.args)
+
     def skip_reason(self) -> str | None:
         self._chosen = None
         unfit = host_unfit(self._features(), self._has_gpu(), "snapshot")
