@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -167,7 +168,6 @@ class Draft:
         names = self._image_names(scratch)
         for name in names:
             path = self.dir / name
-            st = os.lstat(path)
             os.chmod(path, FILE_MODE)
             fsync_file(path)
             # Taken before hashing: a write during or after it moves ctime off this record,
@@ -468,10 +468,9 @@ class SnapshotStore:
                 continue
             record = _quarantine_record(d)
             manifest = None
-            try:
+            # Quarantined for being unreadable, perhaps: listed all the same.
+            with contextlib.suppress(OSError, ValueError, SnapshotError):
                 manifest = Manifest.model_validate_json(read_private(d / MANIFEST_NAME))
-            except (OSError, ValueError, SnapshotError):
-                pass  # quarantined for being unreadable, perhaps: listed all the same
             out.append(Quarantined(
                 id=sid, path=d, manifest=manifest, code=str(record.get("code", "")),
                 reason=str(record.get("reason", "")),
