@@ -15,7 +15,7 @@ from pathlib import Path
 from prometheus_client import start_http_server
 
 from agent import proc
-from agent.checkpoint import build_snapshotter
+from agent.checkpoint import build_snapshotter, build_store
 from agent.checkpoint.snapshotter import Snapshotter
 from agent.config import Config, load_config
 from agent.control import ControlServer
@@ -99,7 +99,11 @@ class Agent:
         self.snapshotter, unavailable = self._snapshotter(config)
         # vLLM's own paths (docs/vllm.md): `vllm snapshot` first, `vllm preload` above cold.
         criu_path = self.snapshotter.criu.binary.path if self.snapshotter is not None else None
-        vllm_first, vllm_warm = vllm_rungs(config, self.adapter, self.identity, criu_path)
+        # One store for every backend: vLLM's snapshots are published, verified and
+        # quarantined in it like Pitstop's own.
+        store = self.snapshotter.store if self.snapshotter is not None else build_store(config)
+        vllm_first, vllm_warm = vllm_rungs(config, self.adapter, self.identity, criu_path,
+                                           store, self.metrics)
         if vllm_first:
             # The configuration chose vLLM's snapshots: Pitstop's CRIU backend takes none.
             self.snapshotter = None
@@ -112,9 +116,11 @@ class Agent:
         self.drifted: tuple[str, ...] = ()
         self.capture = None
         if self.snapshotter is not None:
-            self.capture = Capture(self.snapshotter, self.adapter, config.engine_socket,
+            snap = self.snapshotter
+            self.capture = Capture(snap, snap.store, self.adapter, config.engine_socket,
                                    self.gate, self.metrics, self.identity,
-                                   config.snapshots.quiet_timeout_s)
+                                   config.snapshots.quiet_timeout_s, keep=snap.keep,
+                                   budget_bytes=snap.budget_bytes or 0)
         restore = dict(snapshotter=self.snapshotter, unavailable=unavailable,
                        adapter=self.adapter, socket=config.engine_socket,
                        identity=self.identity, metrics=self.metrics,

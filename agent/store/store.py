@@ -82,6 +82,9 @@ class Skipped:
     # Its files no longer verify against the manifest: it is never usable again, so the
     # caller moves it to quarantine (stale or older ones may serve another day).
     corrupt: bool = False
+    # A metric label for the reason when the one who refused it knows it (a backend's
+    # error code); "" leaves it to the caller.
+    code: str = ""
 
 
 @dataclass(frozen=True)

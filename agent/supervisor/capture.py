@@ -10,13 +10,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.checkpoint.criu import DumpOptions
-from agent.checkpoint.snapshotter import SnapshotInfo, Snapshotter
+from agent.checkpoint.backend import CheckpointBackend, CreateRequest, SnapshotInfo, take
 from agent.engines.base import EngineAdapter
 from agent.errors import EngineError, OpenConnectionsError, SnapshotError
 from agent.identity import Identity
 from agent.metrics import Metrics
-from agent.store import Canary
+from agent.store import Canary, SnapshotStore
 from agent.supervisor.canary import CanaryRecord
 from agent.supervisor.engine import EngineProcess
 from agent.supervisor.gate import EngineGate
@@ -81,10 +80,16 @@ class Capture:
         result = await capture.take(engine, canary_record)
     """
 
-    def __init__(self, snapshotter: Snapshotter, adapter: EngineAdapter, socket: Path,
-                 gate: EngineGate, metrics: Metrics, identity: Callable[[], Identity],
-                 quiet_timeout_s: float, control_timeout_s: float = 60.0) -> None:
-        self.snapshotter = snapshotter
+    def __init__(self, backend: CheckpointBackend, store: SnapshotStore, adapter: EngineAdapter,
+                 socket: Path, gate: EngineGate, metrics: Metrics,
+                 identity: Callable[[], Identity], quiet_timeout_s: float,
+                 control_timeout_s: float = 60.0, *, keep: int | None = None,
+                 budget_bytes: int = 0) -> None:
+        self._backend = backend
+        self._store = store
+        # After each publish the store is pruned to these (snapshots.keep, disk_budget_gib).
+        self._keep = keep
+        self._budget = budget_bytes
         self._adapter = adapter
         self._socket = socket
         self._gate = gate
@@ -160,8 +165,13 @@ class Capture:
 
     def _capture(self, pid: int, canary: CanaryRecord, kind: str,
                  held: dict | None) -> SnapshotInfo:
-        return self.snapshotter.capture(
-            pid, canary=Canary(prompt=canary.prompt, max_tokens=canary.max_tokens,
-                               text=canary.text, token_ids=tuple(canary.token_ids)),
-            identity=self._identity(), kind=kind, options=DumpOptions(leave_running=True),
-            held=held)
+        request = CreateRequest(
+            kind=kind, pid=pid, leave_running=True, held=held,  # type: ignore[arg-type]
+            canary=Canary(prompt=canary.prompt, max_tokens=canary.max_tokens,
+                          text=canary.text, token_ids=tuple(canary.token_ids)))
+        try:
+            return take(self._store, self._backend, request, self._identity(), keep=self._keep,
+                        budget_bytes=self._budget)
+        except OSError as e:
+            raise SnapshotError(f"the snapshot of PID {pid} could not be written: {e}; is "
+                                f"the file system of {self._store.root} full?") from e
