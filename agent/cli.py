@@ -263,10 +263,16 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
         return EXIT_OK
     store = SnapshotStore(cfg.paths.snapshots)
     if args.action == "list":
-        # Published first, then the quarantine: every backend's, in one list.
-        entries, aside = store.entries(), store.quarantined()
-        out = json.dumps([*map(views.entry_json, entries), *map(views.quarantined_json, aside)],
-                         indent=1) if args.json else views.entries_text(entries, aside)
+        # Every backend's snapshots in one list; the quarantine (every backend's) in the same
+        # shape.
+        if args.quarantined:
+            aside = store.quarantined()
+            out = json.dumps([views.quarantined_json(q) for q in aside], indent=1) \
+                if args.json else views.quarantined_text(aside)
+        else:
+            entries = store.entries()
+            out = json.dumps([views.entry_json(e) for e in entries], indent=1) if args.json \
+                else views.entries_text(entries)
     elif args.action == "inspect":
         m = store.load(args.id)
         out = m.model_dump_json(indent=1) if args.json else views.manifest_text(m)
@@ -397,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
             a.add_argument("ids", nargs="*", metavar="ID", help="default: all")
         elif name == "delete":
             a.add_argument("ids", nargs="+", metavar="ID")
+        elif name == "list":
+            a.add_argument("--quarantined", action="store_true",
+                           help="the quarantine instead, newest first, in the same columns")
     sn.set_defaults(func=_cmd_snapshot)
 
     dr = sub.add_parser("drift", help="compare a snapshot's identity with this host's "

@@ -528,16 +528,18 @@ def test_a_corrupt_vllm_image_and_a_corrupt_criu_image_end_up_in_the_one_quarant
     assert registry.get_sample_value("pitstop_snapshots_rejected_total",
                                      {"reason": "corrupt"}) == 2
 
-    # `pitstop snapshot list` shows both, the same way.
+    # `pitstop snapshot list --quarantined` shows both, the same way.
     cfg = tmp_path / "pitstop.yaml"
     cfg.write_text(json.dumps({"engine": {"kind": "vllm", "model": str(tmp_path / "m")},
                                "paths": {"state_dir": str(tmp_path / "state")}}))
     assert main(["snapshot", "list", "--config", str(cfg), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == []
+    assert main(["snapshot", "list", "--quarantined", "--config", str(cfg), "--json"]) == 0
     rows = {r["id"]: r for r in json.loads(capsys.readouterr().out)}
     assert {i: (r["kind"], r["quarantined"]["code"]) for i, r in rows.items()} == {
         criu_info.id: ("full", "corrupt"), vllm_m.id: ("vllm", "corrupt")}
     assert all("sha256 differs" in r["problem"] for r in rows.values())
-    assert main(["snapshot", "list", "--config", str(cfg)]) == 0
+    assert main(["snapshot", "list", "--quarantined", "--config", str(cfg)]) == 0
     text = capsys.readouterr().out
     for sid in rows:
         line = next(x for x in text.splitlines() if x.startswith(sid))

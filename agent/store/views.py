@@ -44,20 +44,27 @@ def quarantined_json(q: Quarantined) -> dict[str, Any]:
     }
 
 
-def entries_text(entries: list[Entry], quarantined: Sequence[Quarantined] = ()) -> str:
-    if not entries and not quarantined:
-        return "no snapshots"
+def _table(rows: list[tuple[str, Manifest | None, int, str]], empty: str) -> str:
+    if not rows:
+        return empty
     lines = [f"{'ID':<34} {'KIND':<7} {'CREATED (UTC)':<20} {'SIZE':>10}  STATUS"]
-    rows = [(e.id, e.manifest, e.bytes_on_disk,
-             "ok (checksums not read; use verify)" if e.manifest else f"BROKEN: {e.problem}")
-            for e in entries]
-    rows += [(q.id, q.manifest, q.bytes_on_disk,
-              f"QUARANTINED ({q.code or 'no code'}): {q.reason}") for q in quarantined]
     for sid, m, size, status in rows:
         created = m.created_at.strftime("%Y-%m-%d %H:%M:%S") if m else "-"
         lines.append(f"{sid:<34} {m.kind if m else '-':<7} {created:<20} {_size(size):>10}  "
                      f"{status}")
     return "\n".join(lines)
+
+
+def entries_text(entries: Sequence[Entry]) -> str:
+    return _table([(e.id, e.manifest, e.bytes_on_disk,
+                    "ok (checksums not read; use verify)" if e.manifest
+                    else f"BROKEN: {e.problem}") for e in entries], "no snapshots")
+
+
+def quarantined_text(aside: Sequence[Quarantined]) -> str:
+    return _table([(q.id, q.manifest, q.bytes_on_disk,
+                    f"QUARANTINED ({q.code or 'no code'}): {q.reason}") for q in aside],
+                  "no quarantined snapshots")
 
 
 def manifest_text(m: Manifest) -> str:
