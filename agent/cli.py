@@ -74,6 +74,35 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK if data["state"] == "ready" else EXIT_FAIL
 
 
+def _cmd_reload(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+
+    from agent.config import load_config
+    from agent.control import call
+
+    cfg = load_config(args.config)
+    result = asyncio.run(call(cfg.paths.run / "control.sock", "reload", timeout=60))
+    print(json.dumps(result, indent=1) if args.json else format_reload(result))
+    # Refused keys leave the agent running on their old values: worth a non-zero exit.
+    return EXIT_FAIL if result["error"] or result["refused"] else EXIT_OK
+
+
+def format_reload(result: dict) -> str:
+    """A reload report (agent/reload.py's ReloadResult as JSON) for people."""
+    if result["error"]:
+        return f"reload refused, the running configuration is kept: {result['error']}"
+    if not result["applied"] and not result["refused"]:
+        return f"reloaded {result['source']}: nothing changed"
+    lines = [f"reloaded {result['source']}"]
+    if result["applied"]:
+        lines.append("applied: " + ", ".join(result["applied"])
+                     + (" (the engine is being replaced)" if result["engine_restart"] else ""))
+    for r in result["refused"]:
+        lines.append(f"refused, needs a restart of the agent: {r['key']} ({r['why']})")
+    return "\n".join(lines)
+
+
 def _cmd_install_units(args: argparse.Namespace) -> int:
     from agent import units
 
@@ -123,11 +152,29 @@ def format_status(data: dict) -> str:
     lines.append(f"restarts: {data.get('restarts', 0)}")
     if data.get("snapshot_error"):
         lines.append(f"snapshot: {data['snapshot_error']}")
+    newest = data.get("newest_snapshot")
+    if newest:
+        lines.append(f"snapshot: {newest['id']} ({newest['kind']}, "
+                     f"{newest['bytes_on_disk'] / 1e6:.1f} MB)")
+    holder = data.get("holder")
+    if holder:
+        lines.append("holder:   " + (f"up, {holder['bytes_held'] / 2**30:.2f} GiB held"
+                                     if holder["up"] else "not answering"))
+    reload = data.get("last_reload")
+    if reload:
+        lines.append("reload:   " + format_reload(reload).replace("\n", "\n  "))
     if data.get("front"):
         lines.append(f"front:    http://{data['front']}/v1")
     if data.get("metrics"):
         lines.append(f"metrics:  http://{data['metrics']}/metrics")
     return "\n".join(lines)
+
+
+def _positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be at least 1")
+    return n
 
 
 def _cmd_holder(args: argparse.Namespace) -> int:
@@ -146,7 +193,16 @@ def _cmd_holder(args: argparse.Namespace) -> int:
         if args.names or args.all:
             print("pitstop: holder: names and --all go with `release`", file=sys.stderr)
             return EXIT_USAGE
-        return run_holder(args.backend, gpu, args.dir, max_bytes=args.max_bytes)
+        from agent.holder.refill import DEFAULT_THREADS
+
+        if args.refill_rate is not None and args.refill_rate <= 0:
+            print("pitstop: holder: --refill-rate must be a positive number of MB/s",
+                  file=sys.stderr)
+            return EXIT_USAGE
+        rate = args.refill_rate * 1e6 if args.refill_rate else None
+        return run_holder(args.backend, gpu, args.dir, max_bytes=args.max_bytes,
+                          refill_threads=args.refill_threads or DEFAULT_THREADS,
+                          refill_rate=rate, refill_at_start=not args.no_refill)
     from agent.holder.cli import holder_release, holder_status
 
     if args.action == "status":
@@ -200,8 +256,7 @@ def _cmd_vllm_snapshot(args: argparse.Namespace) -> int:
         # The identity the agent compares a vLLM snapshot with: read the way the agent reads
         # it when vLLM's backend is chosen (Pitstop's CRIU then has no part in it).
         identity = build_reader(cfg, build_adapter(cfg), None)()
-        info = take(store, backend, CreateRequest("vllm"), identity, keep=cfg.snapshots.keep,
-                    budget_bytes=int(cfg.snapshots.disk_budget_gib * 2**30))
+        info = take(store, backend, CreateRequest("vllm"), identity)
         m = backend.read(backend.artifact(info.path))
     elif args.action == "inspect":
         path = Path(args.id) if "/" in args.id else backend.artifact(store.path(args.id))
@@ -380,6 +435,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=_cmd_status)
 
+    rl = sub.add_parser("reload", help="re-read the configuration in the running agent; say "
+                        "which changed keys apply and which need a restart (exit 1 then)")
+    rl.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
+    rl.add_argument("--json", action="store_true")
+    rl.set_defaults(func=_cmd_reload)
+
     d = sub.add_parser("doctor", help="can this host snapshot and restore? (exit 1 when not)")
     d.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
     d.add_argument("--json", action="store_true")
@@ -432,6 +493,12 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--dir", type=Path, default=Path("/run/pitstop/holder"),
                    help="the socket is DIR/<gpu>/holder.sock (default /run/pitstop/holder)")
     h.add_argument("--max-bytes", type=int, help="refuse regions beyond this many bytes held")
+    h.add_argument("--no-refill", action="store_true", help="do not load the weights the "
+                   "refill plan in DIR/<gpu>/ names at start-up (the agent still may ask)")
+    h.add_argument("--refill-threads", type=_positive_int, metavar="N",
+                   help="reads in flight during a refill (default: the cores, at most 8)")
+    h.add_argument("--refill-rate", type=float, metavar="MB_PER_S",
+                   help="cap a refill's reads at this many MB/s (default: no cap)")
     h.add_argument("--all", action="store_true", help="release: every committed region")
     h.add_argument("--json", action="store_true", help="status: print JSON")
     h.add_argument("-v", "--verbose", action="store_true")

@@ -8,7 +8,16 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from agent.checkpoint.snapshotter import Snapshotter
     from agent.config import Config
-    from agent.store import SnapshotStore
+    from agent.store import Retention, SnapshotStore
+
+
+def retention(config: Config) -> Retention:
+    """What the store keeps, from snapshots.keep, disk_budget_gib and quarantine_keep."""
+    from agent.store import Retention
+
+    snaps = config.snapshots
+    return Retention(keep=snaps.keep, budget_bytes=int(snaps.disk_budget_gib * 2**30),
+                     quarantine_keep=snaps.quarantine_keep)
 
 
 def build_store(config: Config) -> SnapshotStore:
@@ -19,13 +28,11 @@ def build_store(config: Config) -> SnapshotStore:
         store = build_store(load_config(path))
         store.quarantined()
     """
-    from agent.store import Retention, SnapshotStore
+    from agent.store import SnapshotStore
 
-    snaps = config.snapshots
-    return SnapshotStore(
-        config.paths.snapshots, trust_sealed=snaps.verify == "changed",
-        retention=Retention(quarantine_keep=snaps.quarantine_keep,
-                            budget_bytes=int(snaps.disk_budget_gib * 2**30)))
+    return SnapshotStore(config.paths.snapshots,
+                         trust_sealed=config.snapshots.verify == "changed",
+                         retention=retention(config))
 
 
 def build_snapshotter(config: Config) -> Snapshotter:
@@ -47,6 +54,4 @@ def build_snapshotter(config: Config) -> Snapshotter:
         CriuBackend(locate(config.snapshots.criu)),
         CudaCheckpoint(config.snapshots.cuda_lock_timeout_ms),
         restore_log_dir=config.paths.run / "criu",
-        keep=config.snapshots.keep,
-        budget_bytes=int(config.snapshots.disk_budget_gib * 2**30),
     )

@@ -138,11 +138,10 @@ class CheckpointBackend(Protocol):
 
 
 def take(store: SnapshotStore, backend: CheckpointBackend, request: CreateRequest,
-         identity: Identity, *, keep: int | None = None, budget_bytes: int = 0,
-         clock: Callable[[], float] = time.monotonic) -> SnapshotInfo:
+         identity: Identity, *, clock: Callable[[], float] = time.monotonic) -> SnapshotInfo:
     """Have `backend` make an image in a draft of `store`, seal and publish it, then prune
-    to `keep` within `budget_bytes` (when `keep` is given). Nothing is published when the
-    backend or the seal fails, and no older snapshot is touched before the new one is."""
+    to the store's retention. Nothing is published when the backend or the seal fails, and
+    no older snapshot is touched before the new one is."""
     if request.kind not in backend.kinds:
         raise ValueError(f"the {backend.name} backend makes no {request.kind} snapshots")
     created = datetime.now(UTC)
@@ -157,7 +156,8 @@ def take(store: SnapshotStore, backend: CheckpointBackend, request: CreateReques
             chunk_bytes=draft.chunk_bytes, criu_flags=image.criu_flags, held=image.held,
             scratch=image.scratch)
         path = draft.publish(manifest)
-    if keep is not None:
+    r = store.retention
+    if r is not None and r.keep is not None:
         # Only now, with the replacement published, may older good ones go.
-        store.prune(keep, budget_bytes)
+        store.prune(r.keep, r.budget_bytes)
     return SnapshotInfo(manifest.id, path, manifest)

@@ -27,7 +27,15 @@ from agent.checkpoint.xcomp import Regrant, continue_tree, process_tree, regrant
 from agent.errors import SnapshotError
 from agent.identity import Identity
 from agent.proc import descendants, kill_tree
-from agent.store import Canary, Manifest, ProcessTree, Skipped, SnapshotKind, SnapshotStore
+from agent.store import (
+    Canary,
+    Manifest,
+    ProcessTree,
+    Retention,
+    Skipped,
+    SnapshotKind,
+    SnapshotStore,
+)
 from agent.store.files import DIR_MODE
 
 __all__ = ["RestoredProcess", "SnapshotInfo", "Snapshotter", "std_pipes", "tree_pids"]
@@ -101,9 +109,30 @@ class Snapshotter:
         self._proc = proc_root
         self._shm = shm_dir
         self._clock = clock
-        self.keep = keep
-        self.budget_bytes = budget_bytes
+        if keep is not None or budget_bytes is not None:
+            self.keep, self.budget_bytes = keep, budget_bytes
         self.regrant = regrant
+
+    # Retention is the store's (one definition, whoever publishes into it); these read and
+    # set it, as a reload does.
+    @property
+    def keep(self) -> int | None:
+        return self.store.retention.keep if self.store.retention else None
+
+    @keep.setter
+    def keep(self, keep: int | None) -> None:
+        self.store.retention = replace(self._retention(), keep=keep)
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return self.store.retention.budget_bytes if self.store.retention else None
+
+    @budget_bytes.setter
+    def budget_bytes(self, budget: int | None) -> None:
+        self.store.retention = replace(self._retention(), budget_bytes=budget or 0)
+
+    def _retention(self) -> Retention:
+        return self.store.retention or Retention(keep=None, budget_bytes=0)
 
     def _log(self, name: str, where: Path | None = None) -> Path:
         d = where or self.log_dir
@@ -138,8 +167,7 @@ class Snapshotter:
                                 leave_running=(options or DumpOptions()).leave_running,
                                 dump_options=options)
         try:
-            return take(self.store, self, request, identity, keep=self.keep,
-                        budget_bytes=self.budget_bytes or 0, clock=self._clock)
+            return take(self.store, self, request, identity, clock=self._clock)
         except OSError as e:
             raise SnapshotError(f"the snapshot of PID {pid} could not be written: {e}; is "
                                 f"the file system of {self.store.root} full?") from e

@@ -124,12 +124,20 @@ class Quarantined:
 
 @dataclass(frozen=True)
 class Retention:
-    """How much the store keeps on its own: the quarantine's newest `quarantine_keep`
-    directories, and only while they fit in `budget_bytes` beside the published snapshots
-    (snapshots.quarantine_keep, snapshots.disk_budget_gib)."""
+    """What the store keeps (snapshots.keep, disk_budget_gib, quarantine_keep): after each
+    publish the newest `keep` good snapshots within `budget_bytes`; after each quarantine or
+    prune the quarantine's newest `quarantine_keep` within what the good ones leave. None
+    leaves that part alone.
 
-    quarantine_keep: int
+    Example::
+
+        SnapshotStore(root, retention=Retention(keep=2, budget_bytes=64 << 30,
+                                                quarantine_keep=2))
+    """
+
+    keep: int | None
     budget_bytes: int
+    quarantine_keep: int | None = None
 
 
 @dataclass
@@ -241,7 +249,7 @@ class SnapshotStore:
         self._clock = clock
         # select(): skip hashing files unchanged since seal (snapshots.verify: changed).
         self.trust_sealed = trust_sealed
-        # None: the quarantine is pruned only when asked (prune_quarantine).
+        # None: nothing is pruned unless asked (prune, prune_quarantine). A reload replaces it.
         self.retention = retention
 
     # --- layout -------------------------------------------------------------------
@@ -454,9 +462,13 @@ class SnapshotStore:
         write_private(dst / QUARANTINE_NOTE, (reason.rstrip("\n") + "\n").encode())
         write_private(dst / QUARANTINE_RECORD, json.dumps(
             {"code": code, "reason": reason, "quarantined_at": now}).encode())
-        if self.retention is not None:
-            self.prune_quarantine(self.retention.quarantine_keep, self.retention.budget_bytes)
+        self._bound_quarantine()
         return dst
+
+    def _bound_quarantine(self) -> None:
+        r = self.retention
+        if r is not None and r.quarantine_keep is not None:
+            self.prune_quarantine(r.quarantine_keep, r.budget_bytes)
 
     def quarantined(self) -> list[Quarantined]:
         """Every quarantined snapshot, newest first; never selected, only listed."""
@@ -523,9 +535,8 @@ class SnapshotStore:
                 doomed.append(e.id)
         for sid in doomed:
             self.delete(sid)
-        if self.retention is not None:
-            # What the published ones now take leaves the quarantine less (or more) room.
-            self.prune_quarantine(self.retention.quarantine_keep, self.retention.budget_bytes)
+        # What the published ones now take leaves the quarantine less (or more) room.
+        self._bound_quarantine()
         return doomed
 
 

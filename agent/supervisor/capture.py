@@ -15,7 +15,7 @@ from agent.engines.base import EngineAdapter
 from agent.errors import EngineError, OpenConnectionsError, SnapshotError
 from agent.identity import Identity
 from agent.metrics import Metrics
-from agent.store import Canary, SnapshotStore
+from agent.store import SnapshotStore
 from agent.supervisor.canary import CanaryRecord
 from agent.supervisor.engine import EngineProcess
 from agent.supervisor.gate import EngineGate
@@ -83,19 +83,17 @@ class Capture:
     def __init__(self, backend: CheckpointBackend, store: SnapshotStore, adapter: EngineAdapter,
                  socket: Path, gate: EngineGate, metrics: Metrics,
                  identity: Callable[[], Identity], quiet_timeout_s: float,
-                 control_timeout_s: float = 60.0, *, keep: int | None = None,
-                 budget_bytes: int = 0) -> None:
+                 control_timeout_s: float = 60.0) -> None:
         self._backend = backend
+        # Publishes into it, pruned to its retention after each publish.
         self._store = store
-        # After each publish the store is pruned to these (snapshots.keep, disk_budget_gib).
-        self._keep = keep
-        self._budget = budget_bytes
         self._adapter = adapter
         self._socket = socket
         self._gate = gate
         self._metrics = metrics
         self._identity = identity
-        self._quiet_timeout = quiet_timeout_s
+        # Public: a reload sets it (snapshots.quiet_timeout_s), the next capture uses it.
+        self.quiet_timeout_s = quiet_timeout_s
         self._control_timeout = control_timeout_s
         self.last: SnapshotInfo | None = None
         # Why the last attempt failed, one line; "" once one succeeds. The restore rungs give
@@ -110,10 +108,13 @@ class Capture:
         try:
             # Quiet also closes the front's idle connections to the engine (CRIU cannot
             # dump half of a Unix connection); the snapshotter refuses any still open.
-            if not await self._gate.quiesce(self._quiet_timeout):
+            log.info("snapshot of engine %d: waiting up to %gs for %d requests in flight "
+                     "(snapshots.quiet_timeout_s)", engine.pid, self.quiet_timeout_s,
+                     self._gate.inflight)
+            if not await self._gate.quiesce(self.quiet_timeout_s):
                 raise SnapshotError(
                     f"{self._gate.inflight} requests still in flight after "
-                    f"{self._quiet_timeout:.0f}s (snapshots.quiet_timeout_s); try again later")
+                    f"{self.quiet_timeout_s:.0f}s (snapshots.quiet_timeout_s); try again later")
             result = await self._dump(engine, canary, t0)
             kind = result.info.manifest.kind
         except (SnapshotError, EngineError) as e:
@@ -165,13 +166,10 @@ class Capture:
 
     def _capture(self, pid: int, canary: CanaryRecord, kind: str,
                  held: dict | None) -> SnapshotInfo:
-        request = CreateRequest(
-            kind=kind, pid=pid, leave_running=True, held=held,  # type: ignore[arg-type]
-            canary=Canary(prompt=canary.prompt, max_tokens=canary.max_tokens,
-                          text=canary.text, token_ids=tuple(canary.token_ids)))
+        request = CreateRequest(kind=kind, pid=pid, leave_running=True,  # type: ignore[arg-type]
+                                held=held, canary=canary.to_manifest())
         try:
-            return take(self._store, self._backend, request, self._identity(), keep=self._keep,
-                        budget_bytes=self._budget)
+            return take(self._store, self._backend, request, self._identity())
         except OSError as e:
             raise SnapshotError(f"the snapshot of PID {pid} could not be written: {e}; is "
                                 f"the file system of {self._store.root} full?") from e

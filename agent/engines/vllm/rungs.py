@@ -79,6 +79,12 @@ class VllmSnapshotRestore(SnapshotRestore):
         return (f"no vLLM snapshot yet in {self._store.root}; take one with "
                 "`pitstop vllm-snapshot create`")
 
+    def reconfigure(self, config: Config) -> None:
+        """A reload changed what the engine is started with (agent/reload.py applies these
+        keys): a snapshot taken with the old arguments must now be stale, not restored."""
+        self._vllm.served_model_name = config.engine.model_name
+        self._vllm.engine_args = tuple(config.engine.args)
+
     def skip_reason(self) -> str | None:
         self._chosen = None
         unfit = host_unfit(self._features(), self._has_gpu(), "snapshot")

@@ -131,7 +131,9 @@ class FullRestore(SnapshotRestore):
                          capture_failure=capture_failure)
         self._adapter = adapter
         self._socket = socket
-        self._timeout = timeout_s
+        # How long the restored engine may take to answer its resume (health.timeout_s x 10):
+        # public so that a reload sets it.
+        self.timeout_s = timeout_s
 
     def skip_reason(self) -> str | None:
         return self._select()
@@ -161,7 +163,7 @@ class FullRestore(SnapshotRestore):
         if self._adapter.resume_path:
             with attempt.stage("resume"):
                 try:
-                    async with EngineProbe(self._socket, timeout=self._timeout) as probe:
+                    async with EngineProbe(self._socket, timeout=self.timeout_s) as probe:
                         await probe.control(self._adapter.resume_path)
                 except EngineError as e:
                     await engine.kill()
@@ -173,9 +175,7 @@ class FullRestore(SnapshotRestore):
     def expected_canary(self) -> CanaryRecord | None:
         if self._chosen is None:
             return None
-        c = self._chosen.canary
-        return CanaryRecord(key="snapshot:" + self._chosen.id, prompt=c.prompt,
-                            max_tokens=c.max_tokens, text=c.text, token_ids=c.token_ids)
+        return CanaryRecord.from_manifest("snapshot:" + self._chosen.id, self._chosen.canary)
 
     async def after_verified(self, engine: EngineProcess) -> None:
         return None
