@@ -259,7 +259,7 @@ def _quarantine_one(store: SnapshotStore, size: int, minutes: int, now: list[flo
 def test_the_quarantine_keeps_its_newest_n(tmp_path: Path):
     now = [1_000_000.0]
     store = SnapshotStore(tmp_path / "snaps", clock=lambda: now[0],
-                          retention=Retention(quarantine_keep=2, budget_bytes=1 << 30))
+                          retention=Retention(keep=None, quarantine_keep=2, budget_bytes=1 << 30))
     store.open()
     ids = [_quarantine_one(store, 1000, i, now) for i in range(4)]
     # Newest first; the two oldest went as the third and fourth arrived.
@@ -273,7 +273,7 @@ def test_the_quarantine_keeps_its_newest_n(tmp_path: Path):
 def test_the_quarantine_fits_in_the_disk_budget_beside_the_published_ones(tmp_path: Path):
     now = [1_000_000.0]
     store = SnapshotStore(tmp_path / "snaps", clock=lambda: now[0],
-                          retention=Retention(quarantine_keep=5, budget_bytes=25_000))
+                          retention=Retention(keep=None, quarantine_keep=5, budget_bytes=25_000))
     store.open()
     a = _quarantine_one(store, 10_000, 0, now)
     b = _quarantine_one(store, 10_000, 1, now)
