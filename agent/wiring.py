@@ -101,7 +101,7 @@ class Agent:
         self.engine_identity: Identity | None = None
         self.drifted: tuple[str, ...] = ()
         self.holder = HolderLink(config.holder, config.paths.run, gpu=self._gpu_uuid,
-                                 digest=self._weights_digest)
+                                 digest=self._weights_digest, adapter=self.adapter)
         if config.front.enabled:
             from agent.front.proxy import Front
 
