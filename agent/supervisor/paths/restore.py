@@ -12,7 +12,7 @@ from agent import proc
 from agent.checkpoint.backend import CheckpointBackend
 from agent.checkpoint.snapshotter import Snapshotter
 from agent.engines.base import EngineAdapter
-from agent.errors import EngineError, SnapshotError, StartPathError
+from agent.errors import EngineError, RestoreBlockedError, SnapshotError, StartPathError
 from agent.identity import Identity
 from agent.metrics import Metrics
 from agent.store import Manifest, SnapshotKind, SnapshotStore
@@ -149,6 +149,10 @@ class FullRestore(SnapshotRestore):
         try:
             restored = await proc.in_parent_thread(self._backend.restore, manifest,
                                                    self._store.path(manifest.id))
+        except RestoreBlockedError as e:
+            # The host's failure (a PID still taken), not the image's: it stays a candidate.
+            self._chosen = None
+            raise StartPathError(f"restore of snapshot {manifest.id} could not run: {e}") from e
         except SnapshotError as e:
             self.failed(str(e))
             raise StartPathError(f"restore of snapshot {manifest.id} failed: {e}") from e
