@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from agent.refusal import Refusal, RefusalCode
+
 if TYPE_CHECKING:
     from agent.checkpoint.connections import Outside, OutsideConnection
 
@@ -33,7 +35,14 @@ class VerifyError(EngineError):
 
 
 class StartPathError(PitstopError):
-    """One rung of the recovery ladder failed; the supervisor falls to the next."""
+    """One rung of the recovery ladder failed; the supervisor falls to the next.
+
+    `refusal` says why, typed: `StartPathError(Refusal(RefusalCode.RESTORE_FAILED, "..."))`.
+    """
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(refusal.detail)
+        self.refusal = refusal
 
 
 class CommandError(PitstopError):
@@ -42,6 +51,14 @@ class CommandError(PitstopError):
 
 class SnapshotError(PitstopError):
     """A snapshot could not be taken, verified or restored."""
+
+
+class SnapshotUnusableError(SnapshotError):
+    """A published snapshot cannot be read as one; `refusal` says why (permissions, ...)."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(refusal.detail)
+        self.refusal = refusal
 
 
 class OpenConnectionsError(SnapshotError):
@@ -128,9 +145,10 @@ class UnitsError(PitstopError):
 class VllmSnapshotError(SnapshotError):
     """`vllm snapshot create|inspect|restore` failed; `code` says how (stale, canary...)."""
 
-    def __init__(self, message: str, code: str = "failed") -> None:
+    def __init__(self, message: str, code: RefusalCode | str = RefusalCode.FAILED) -> None:
         super().__init__(message)
-        self.code = code
+        # A code outside RefusalCode is a bug here, not a new label: ValueError at once.
+        self.code = RefusalCode(code)
 
 
 class VllmPreloadError(EngineError):

@@ -122,7 +122,8 @@ def vllm_checks(
         reason = link.unavailable()
         gpu_name = engine_gpu(config) or "?"
         checks.append(Check("vllm preload", reason is None, True,
-                            reason or f"the daemon for GPU {gpu_name} is healthy",
+                            reason.detail if reason is not None
+                            else f"the daemon for GPU {gpu_name} is healthy",
                             None if reason is None else
                             f"systemctl enable --now pitstop-vllm-preload@{gpu_name}.service"))
     return checks

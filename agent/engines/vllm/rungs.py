@@ -19,32 +19,33 @@ from agent.engines.vllm.preload import PreloadLink
 from agent.engines.vllm.snapshot import VllmManifest, VllmSnapshotBackend, precheck
 from agent.errors import EngineError, StartPathError, VllmSnapshotError
 from agent.identity import Identity
-from agent.supervisor.canary import CanaryRecord
+from agent.refusal import Refusal, RefusalCode
 from agent.supervisor.engine import EngineProcess
-from agent.supervisor.ladder import Attempt
-from agent.supervisor.paths.cold import ColdStart
+from agent.supervisor.ladder import Attempt, Prepared
+from agent.supervisor.paths.cold import ColdStart, ExtraArgs
 from agent.supervisor.relay import UnixTcpRelay
 
 log = logging.getLogger("pitstop.vllm")
 
 # Failures that say the snapshot itself is bad: it is set aside, never tried again.
-_BAD_SNAPSHOT = ("canary", "corrupt", "stale")
+_BAD_SNAPSHOT = frozenset({RefusalCode.CANARY, RefusalCode.CORRUPT, RefusalCode.STALE})
 
 
-def host_unfit(features: VllmFeatures, has_gpu: bool, what: str) -> str | None:
+def host_unfit(features: VllmFeatures, has_gpu: bool, what: str) -> Refusal | None:
     """Why this host cannot run vLLM's `what` subcommand (snapshot, preload); None if it can."""
     if features.distribution is None:
-        return "engine.python has no vLLM installed"
+        return Refusal(RefusalCode.NO_VLLM, "engine.python has no vLLM installed")
     present = features.snapshot if what == "snapshot" else features.preload
     if not present:
-        return f"the installed vLLM ({features.describe()}) has no `vllm {what}`"
+        return Refusal(RefusalCode.UNSUPPORTED,
+                       f"the installed vLLM ({features.describe()}) has no `vllm {what}`")
     missing = []
     if not features.cuda_build:
         missing.append(f"the installed vLLM ({features.describe()}) is not a CUDA build")
     if not has_gpu:
         missing.append("this host has no NVIDIA GPU")
     if missing:
-        return f"{' and '.join(missing)}; `vllm {what}` needs CUDA"
+        return Refusal(RefusalCode.NO_CUDA, f"{' and '.join(missing)}; `vllm {what}` needs CUDA")
     return None
 
 
@@ -67,20 +68,26 @@ class VllmSnapshotRestore:
         self._identity = identity
         self._features = features
         self._has_gpu = has_gpu
-        self._chosen: VllmManifest | None = None
         self._relay: UnixTcpRelay | None = None
-        self.stale_reasons: tuple[str, ...] = ()
+        # The refusal codes of the snapshots passed over when none was usable, for
+        # `pitstop_snapshot_stale`; () once one is chosen.
+        self.stale_reasons: tuple[RefusalCode, ...] = ()
 
-    def skip_reason(self) -> str | None:
-        self._chosen = None
+    async def prepare(self, attempt: Attempt) -> Prepared[VllmManifest] | Refusal:
+        # Reading vLLM's features and `vllm snapshot inspect` run vLLM's interpreter.
+        return await asyncio.to_thread(self._choose)
+
+    def _choose(self) -> Prepared[VllmManifest] | Refusal:
         unfit = host_unfit(self._features(), self._has_gpu(), "snapshot")
         if unfit is not None:
             return unfit
         paths = self._backend.candidates()
         if not paths:
-            return (f"no vLLM snapshot yet in {self._backend.root}; take one with "
-                    "`pitstop vllm-snapshot create`")
-        refused, codes = [], set()
+            return Refusal(RefusalCode.NO_SNAPSHOT,
+                           f"no vLLM snapshot yet in {self._backend.root}; take one with "
+                           "`pitstop vllm-snapshot create`")
+        refused: list[str] = []
+        codes: set[RefusalCode] = set()
         host = self._identity()
         for path in paths:
             try:
@@ -89,21 +96,24 @@ class VllmSnapshotRestore:
                 refused.append(f"{path.name}: {e}")
                 codes.add(e.code)
                 continue
-            reason = self._mismatch(m, host)
-            if reason is None:
-                self._chosen = m
+            mismatch = self._mismatch(m, host)
+            if mismatch is None:
                 self.stale_reasons = ()
-                return None
-            refused.append(f"{path.name}: {reason}")
-            codes.add("stale")
+                # vLLM checked its own canary; the agent's recorded answer for this model
+                # must hold too (canary None).
+                return Prepared(self.name, m)
+            refused.append(f"{path.name}: {mismatch.code}: {mismatch.detail}")
+            codes.add(mismatch.code)
         self.stale_reasons = tuple(sorted(codes))
-        return "no usable vLLM snapshot: " + "; ".join(refused)
+        return Refusal(RefusalCode.NO_USABLE_SNAPSHOT,
+                       "no usable vLLM snapshot: " + "; ".join(refused))
 
-    def _mismatch(self, m: VllmManifest, host: Identity) -> str | None:
+    def _mismatch(self, m: VllmManifest, host: Identity) -> Refusal | None:
         b = self._backend
         if (m.model, m.model_revision) != (b.model, b.revision):
-            return (f"stale: it holds {m.model}@{m.model_revision[:12]}, vllm.snapshot asks for "
-                    f"{b.model}@{b.revision[:12]}")
+            return Refusal(RefusalCode.STALE,
+                           f"it holds {m.model}@{m.model_revision[:12]}, vllm.snapshot asks for "
+                           f"{b.model}@{b.revision[:12]}")
         want = b.expected_argv()
         if m.engine_argv != want:
             # Positions shift when a flag is added; naming the words on either side reads best.
@@ -112,35 +122,37 @@ class VllmSnapshotRestore:
             parts = ([f"only the snapshot has {old}"] if old else []) + \
                 ([f"only the configuration has {new}"] if new else [])
             said = " and ".join(parts) or "same words, another order"
-            return (f"stale: engine_args differ: {said} (engine.args or "
-                    "engine.served_model_name changed)")
+            return Refusal(RefusalCode.STALE, f"engine_args differ: {said} (engine.args or "
+                           "engine.served_model_name changed)")
         diffs = precheck(m, host)
-        return f"stale: {describe(diffs)}" if diffs else None
+        return Refusal(RefusalCode.STALE, describe(diffs)) if diffs else None
 
-    async def start(self, attempt: Attempt) -> EngineProcess:
-        assert self._chosen is not None
-        m = self._chosen
+    async def start(self, attempt: Attempt, prepared: Prepared[VllmManifest]) -> EngineProcess:
+        m = prepared.plan
         await self._close_relay()
         try:
             with attempt.stage("vllm_restore"):
                 pid = await proc.in_parent_thread(self._backend.restore, m)
         except VllmSnapshotError as e:
             if e.code in _BAD_SNAPSHOT:
-                self.failed(str(e))
-            raise StartPathError(f"vllm snapshot restore of {m.id} failed: {e}") from e
+                self.failed(prepared, str(e))
+            raise StartPathError(Refusal(
+                e.code, f"vllm snapshot restore of {m.id} failed: {e}")) from e
         try:
             engine = EngineProcess.adopt(pid)
         except OSError as e:
-            raise StartPathError(f"vllm snapshot restore of {m.id} said PID {pid}, which is "
-                                 f"gone: {e}") from e
+            raise StartPathError(Refusal(
+                RefusalCode.RESTORE_FAILED,
+                f"vllm snapshot restore of {m.id} said PID {pid}, which is gone: {e}")) from e
         relay = UnixTcpRelay(self._socket, self._backend.port)
         try:
             await relay.start()
         except OSError as e:
             await engine.kill()
             await engine.close()
-            raise StartPathError(f"cannot relay {self._socket} to the restored engine: {e}") \
-                from e
+            raise StartPathError(Refusal(
+                RefusalCode.RELAY_FAILED,
+                f"cannot relay {self._socket} to the restored engine: {e}")) from e
         self._relay = relay
         asyncio.ensure_future(self._close_relay_after(engine))
         log.info("restored vLLM snapshot %s as PID %d (relay %s -> 127.0.0.1:%d)", m.id, pid,
@@ -157,17 +169,12 @@ class VllmSnapshotRestore:
         if relay is not None:
             await relay.close()
 
-    def expected_canary(self) -> CanaryRecord | None:
-        # vLLM checked its own canary; the agent's recorded answer for this model must hold too.
+    async def after_verified(self, engine: EngineProcess,
+                             prepared: Prepared[VllmManifest]) -> None:
         return None
 
-    async def after_verified(self, engine: EngineProcess) -> None:
-        return None
-
-    def failed(self, reason: str) -> None:
-        m, self._chosen = self._chosen, None
-        if m is None:
-            return
+    def failed(self, prepared: Prepared[VllmManifest], reason: str) -> None:
+        m = prepared.plan
         # A dot name: never a candidate again, kept for a post-mortem (vLLM's child.log).
         dest = m.path.with_name(f".refused-{m.id}")
         try:
@@ -192,11 +199,19 @@ class VllmPreloadStart(ColdStart):
         self._features = features
         self._has_gpu = has_gpu
 
-    def skip_reason(self) -> str | None:
+    async def prepare(self, attempt: Attempt) -> Prepared[ExtraArgs] | Refusal:
+        # Reading vLLM's features runs its interpreter; the daemon's health is an HTTP call.
+        return await asyncio.to_thread(self._choose)
+
+    def _choose(self) -> Prepared[ExtraArgs] | Refusal:
         if not self._link.config.vllm.preload.enabled:
-            return "vllm.preload.enabled is false"
+            return Refusal(RefusalCode.DISABLED, "vllm.preload.enabled is false")
         unfit = host_unfit(self._features(), self._has_gpu(), "preload")
-        return unfit if unfit is not None else self._link.unavailable()
+        if unfit is None:
+            unfit = self._link.unavailable()
+        if unfit is not None:
+            return unfit
+        return Prepared(self.name, tuple(self._link.engine_args()))
 
 
 def vllm_rungs(config: Config, adapter: EngineAdapter, identity: Callable[[], Identity],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -14,27 +15,14 @@ from agent.engines.base import EngineAdapter
 from agent.errors import EngineError, SnapshotError, StartPathError
 from agent.identity import Identity
 from agent.metrics import Metrics
+from agent.refusal import Refusal, RefusalCode
 from agent.store import Manifest
 from agent.supervisor.canary import CanaryRecord
 from agent.supervisor.engine import EngineProcess
-from agent.supervisor.ladder import Attempt
+from agent.supervisor.ladder import Attempt, Prepared
 from agent.supervisor.probe import EngineProbe
 
 log = logging.getLogger("pitstop.restore")
-
-
-def reason_code(reason: str) -> str:
-    """A low-cardinality label for a refusal reason (the full text goes to the log)."""
-    text = reason.lower()
-    if text.startswith("stale"):
-        return "stale"
-    if text.startswith("corrupt"):
-        return "corrupt"
-    if any(w in text for w in ("mode", "owner", "owned", "symlink", "private")):
-        return "permissions"
-    if "manifest" in text:
-        return "unreadable"
-    return "other"
 
 
 class FullRestore:
@@ -58,48 +46,55 @@ class FullRestore:
         self._identity = identity
         self._metrics = metrics
         self._timeout = timeout_s
-        self._chosen: Manifest | None = None
-        self._select_s = 0.0
-        self.stale_reasons: tuple[str, ...] = ()
+        # The refusal codes of the snapshots passed over when none was usable, for
+        # `pitstop_snapshot_stale`; () once one is chosen.
+        self.stale_reasons: tuple[RefusalCode, ...] = ()
 
-    def skip_reason(self) -> str | None:
-        self._chosen = None
+    async def prepare(self, attempt: Attempt) -> Prepared[Manifest] | Refusal:
+        # Reading the identity and verifying every chunk of a multi-GB image take seconds.
+        return await asyncio.to_thread(self._choose)
+
+    def _choose(self) -> Prepared[Manifest] | Refusal:
+        """The newest usable snapshot, or why there is none; blocking (hashes files)."""
         if self._snap is None:
-            return self._unavailable
+            return Refusal(RefusalCode.SNAPSHOTS_UNAVAILABLE, self._unavailable)
         t0 = time.monotonic()
         selection = self._snap.store.select(self._identity(), kind=self.kind)
         # Verifying every chunk of a multi-GB image is part of the restore's cost.
-        self._select_s = time.monotonic() - t0
-        codes = []
+        select_s = time.monotonic() - t0
         for s in selection.skipped:
-            log.warning("snapshot %s refused: %s", s.id, s.reason)
-            code = reason_code(s.reason)
-            codes.append(code)
-            self._metrics.snapshots_rejected.labels(reason=code).inc()
+            log.warning("snapshot %s refused (%s): %s", s.id, s.refusal.code, s.refusal.detail)
+            self._metrics.snapshots_rejected.labels(reason=s.refusal.code.value).inc()
             if s.corrupt:
-                self._quarantine(s.id, s.reason)
-        self.stale_reasons = tuple(sorted(set(codes))) if selection.chosen is None else ()
-        if selection.chosen is None:
+                self._quarantine(s.id, s.refusal.detail)
+        m = selection.chosen
+        if m is None:
+            self.stale_reasons = tuple(sorted({s.refusal.code for s in selection.skipped}))
             if selection.skipped:
-                return "no usable snapshot: " + "; ".join(
-                    f"{s.id}: {s.reason}" for s in selection.skipped)
+                return Refusal(RefusalCode.NO_USABLE_SNAPSHOT, "no usable snapshot: " + "; ".join(
+                    f"{s.id}: {s.refusal.code}: {s.refusal.detail}" for s in selection.skipped))
             failure = self._capture_failure()
-            return f"no snapshot: {failure}" if failure else "no snapshot yet"
-        self._chosen = selection.chosen
-        return None
+            return Refusal(RefusalCode.NO_SNAPSHOT,
+                           f"no snapshot: {failure}" if failure else "no snapshot yet")
+        self.stale_reasons = ()
+        c = m.canary
+        canary = CanaryRecord(key="snapshot:" + m.id, prompt=c.prompt, max_tokens=c.max_tokens,
+                              text=c.text, token_ids=c.token_ids)
+        return Prepared(self.name, m, canary=canary, stages={"select": select_s})
 
-    async def start(self, attempt: Attempt) -> EngineProcess:
-        assert self._snap is not None and self._chosen is not None
-        manifest = self._chosen
-        attempt.stages["select"] = self._select_s
+    async def start(self, attempt: Attempt, prepared: Prepared[Manifest]) -> EngineProcess:
+        assert self._snap is not None
+        manifest = prepared.plan
         # The dumped engine re-binds its socket path on restore; a leftover file blocks it.
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._socket)
         try:
             restored = await proc.in_parent_thread(self._snap.restore, manifest)
         except SnapshotError as e:
-            self.failed(str(e))
-            raise StartPathError(f"restore of snapshot {manifest.id} failed: {e}") from e
+            self.failed(prepared, str(e))
+            raise StartPathError(Refusal(
+                RefusalCode.RESTORE_FAILED,
+                f"restore of snapshot {manifest.id} failed: {e}")) from e
         for stage, secs in restored.timings.items():
             attempt.stages[stage] = attempt.stages.get(stage, 0.0) + secs
         out = restored.outputs.get(1) or restored.outputs.get(2)
@@ -116,26 +111,21 @@ class FullRestore:
                 except EngineError as e:
                     await engine.kill()
                     await engine.close()
-                    self.failed(f"resume after restore failed: {e}")
-                    raise StartPathError(f"restored engine did not resume: {e}") from e
+                    self.failed(prepared, f"resume after restore failed: {e}")
+                    raise StartPathError(Refusal(
+                        RefusalCode.RESUME_FAILED,
+                        f"restored engine did not resume: {e}")) from e
         return engine
 
-    def expected_canary(self) -> CanaryRecord | None:
-        if self._chosen is None:
-            return None
-        c = self._chosen.canary
-        return CanaryRecord(key="snapshot:" + self._chosen.id, prompt=c.prompt,
-                            max_tokens=c.max_tokens, text=c.text, token_ids=c.token_ids)
-
-    async def after_verified(self, engine: EngineProcess) -> None:
+    async def after_verified(self, engine: EngineProcess, prepared: Prepared[Manifest]) -> None:
         return None
 
-    def failed(self, reason: str) -> None:
-        if self._snap is None or self._chosen is None:
+    def failed(self, prepared: Prepared[Manifest], reason: str) -> None:
+        if self._snap is None:
             return
-        self._quarantine(self._chosen.id, reason)
-        self._metrics.snapshots_rejected.labels(reason="restore_failed").inc()
-        self._chosen = None
+        # Quarantine is a rename and an fsync: quick, and this runs once per failed restore.
+        self._quarantine(prepared.plan.id, reason)
+        self._metrics.snapshots_rejected.labels(reason=RefusalCode.RESTORE_FAILED.value).inc()
 
     def _quarantine(self, snapshot_id: str, reason: str) -> None:
         assert self._snap is not None
