@@ -227,6 +227,8 @@ class Supervisor:
             # Off the event loop: choosing a snapshot hashes its files, asking the holder is
             # a socket round trip; health probes and the front keep running meanwhile.
             prepared = await path.prepare(attempt)
+            if self._stop.is_set():
+                return
             if isinstance(prepared, Refusal):
                 self._fall(path.name, Fall.SKIPPED, prepared, fallthroughs)
                 continue
@@ -258,12 +260,11 @@ class Supervisor:
                     return
                 path.failed(prepared, str(e))
                 if isinstance(e, VerifyError):
-                    fall = Fallthrough(path.name, Fall.VERIFY_FAILED,
-                                       Refusal(RefusalCode.VERIFY_FAILED, str(e)))
+                    self._fall(path.name, Fall.VERIFY_FAILED,
+                               Refusal(RefusalCode.VERIFY_FAILED, str(e)), fallthroughs)
                 else:
-                    fall = Fallthrough(path.name, Fall.START_FAILED,
-                                       Refusal(RefusalCode.ENGINE_FAILED, str(e)))
-                self._fall(fall.path, fall.kind, fall.refusal, fallthroughs)
+                    self._fall(path.name, Fall.START_FAILED,
+                               Refusal(RefusalCode.ENGINE_FAILED, str(e)), fallthroughs)
                 continue
             self._ready(path.name, attempt, self._clock() - t0, fallthroughs)
             return
