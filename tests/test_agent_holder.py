@@ -55,6 +55,8 @@ def test_without_the_holder_the_ladder_falls_through_with_its_reasons(held):
     falls = " | ".join(fallthroughs(rec))
     assert "hybrid skipped: holder at" in falls and "does not answer" in falls
     assert "warm skipped: holder at" in falls
+    codes = {(f["path"], f["kind"]): f["refusal"]["code"] for f in rec["fallthroughs"]}
+    assert codes["hybrid", "skipped"] == codes["warm", "skipped"] == "holder_down", codes
     assert _complete(a)
 
 
@@ -70,6 +72,9 @@ def test_a_restarted_holder_makes_the_hybrid_image_stale_and_a_warm_start_refill
         falls = " | ".join(fallthroughs(rec))
         assert "hybrid skipped" in falls and "gone" in falls, rec
         assert "warm skipped: the holder holds no committed weights" in falls
+        codes = {(f["path"], f["kind"]): f["refusal"]["code"] for f in rec["fallthroughs"]}
+        assert codes["hybrid", "skipped"] == "held_stale", codes
+        assert codes["warm", "skipped"] == "weights_not_held", codes
         # The cold rung starts the engine with the holder, which it fills; then a fresh
         # hybrid snapshot is taken against the new holder's regions.
         assert rec["path"] == "cold"

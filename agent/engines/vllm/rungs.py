@@ -194,7 +194,7 @@ class VllmPreloadStart(ColdStart):
 
     def __init__(self, adapter: EngineAdapter, link: PreloadLink,
                  features: Callable[[], VllmFeatures], has_gpu: Callable[[], bool]) -> None:
-        super().__init__(adapter, extra_args=link.engine_args)
+        super().__init__(adapter)
         self._link = link
         self._features = features
         self._has_gpu = has_gpu

@@ -58,8 +58,10 @@ class HolderLink:
 
     def engine_args(self) -> list[str]:
         """The engine's holder flags when a holder answers; none (load from disk) otherwise."""
-        if self.unavailable() is not None:
-            return []
+        return [] if self.unavailable() is not None else self.flags()
+
+    def flags(self) -> list[str]:
+        """The engine's holder flags, for a rung that already knows the holder answers."""
         return ["--holder", str(self.path), "--weights-digest", str(self._digest())]
 
     def drop(self, detail: str) -> str:
@@ -91,7 +93,7 @@ class WarmStart(ColdStart):
     reuses_held_memory = True
 
     def __init__(self, adapter: EngineAdapter, link: HolderLink) -> None:
-        super().__init__(adapter, extra_args=link.engine_args)
+        super().__init__(adapter)
         self._link = link
 
     async def prepare(self, attempt: Attempt) -> Prepared[ExtraArgs] | Refusal:
@@ -109,7 +111,7 @@ class WarmStart(ColdStart):
         if not held:
             return Refusal(RefusalCode.WEIGHTS_NOT_HELD,
                            "the holder holds no committed weights of this model yet")
-        return Prepared(self.name, tuple(self._link.engine_args()))
+        return Prepared(self.name, tuple(self._link.flags()))
 
 
 class HybridRestore(FullRestore):
