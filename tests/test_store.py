@@ -49,6 +49,15 @@ def test_select_prefers_the_newest_and_names_the_older(store: SnapshotStore):
         (old.id, Refusal(RefusalCode.SUPERSEDED, f"older than the chosen {new.id}"))]
 
 
+def test_select_of_a_kind_passes_over_the_other_kind(store: SnapshotStore):
+    full = publish(store)
+    sel = store.select(IDENT, kind="hybrid")
+    assert sel.chosen is None
+    assert [(s.id, s.refusal) for s in sel.skipped] == [
+        (full.id, Refusal(RefusalCode.WRONG_KIND, "kind full, wanted hybrid"))]
+    assert not sel.skipped[0].corrupt
+
+
 def test_a_flipped_byte_is_refused_with_the_reason(store: SnapshotStore):
     good, bad = publish(store, minutes=0), publish(store, 1000, minutes=5, chunk=256)
     assert len(bad.files[1].sha256_chunks) == 4  # pages-1.img, 1000 bytes in 256-byte chunks
