@@ -74,6 +74,35 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK if data["state"] == "ready" else EXIT_FAIL
 
 
+def _cmd_reload(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+
+    from agent.config import load_config
+    from agent.control import call
+
+    cfg = load_config(args.config)
+    result = asyncio.run(call(cfg.paths.run / "control.sock", "reload", timeout=60))
+    print(json.dumps(result, indent=1) if args.json else format_reload(result))
+    # Refused keys leave the agent running on their old values: worth a non-zero exit.
+    return EXIT_FAIL if result["error"] or result["refused"] else EXIT_OK
+
+
+def format_reload(result: dict) -> str:
+    """A reload report (agent/reload.py's ReloadResult as JSON) for people."""
+    if result["error"]:
+        return f"reload refused, the running configuration is kept: {result['error']}"
+    if not result["applied"] and not result["refused"]:
+        return f"reloaded {result['source']}: nothing changed"
+    lines = [f"reloaded {result['source']}"]
+    if result["applied"]:
+        lines.append("applied: " + ", ".join(result["applied"])
+                     + (" (the engine is being replaced)" if result["engine_restart"] else ""))
+    for r in result["refused"]:
+        lines.append(f"refused, needs a restart of the agent: {r['key']} ({r['why']})")
+    return "\n".join(lines)
+
+
 def _cmd_install_units(args: argparse.Namespace) -> int:
     from agent import units
 
@@ -125,6 +154,17 @@ def format_status(data: dict) -> str:
     lines.append(f"restarts: {data.get('restarts', 0)}")
     if data.get("snapshot_error"):
         lines.append(f"snapshot: {data['snapshot_error']}")
+    newest = data.get("newest_snapshot")
+    if newest:
+        lines.append(f"snapshot: {newest['id']} ({newest['kind']}, "
+                     f"{newest['bytes_on_disk'] / 1e6:.1f} MB)")
+    holder = data.get("holder")
+    if holder:
+        lines.append("holder:   " + (f"up, {holder['bytes_held'] / 2**30:.2f} GiB held"
+                                     if holder["up"] else "not answering"))
+    reload = data.get("last_reload")
+    if reload:
+        lines.append("reload:   " + format_reload(reload).replace("\n", "\n  "))
     if data.get("front"):
         lines.append(f"front:    http://{data['front']}/v1")
     if data.get("metrics"):
@@ -359,6 +399,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=_cmd_status)
+
+    rl = sub.add_parser("reload", help="re-read the configuration in the running agent; say "
+                        "which changed keys apply and which need a restart (exit 1 then)")
+    rl.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
+    rl.add_argument("--json", action="store_true")
+    rl.set_defaults(func=_cmd_reload)
 
     d = sub.add_parser("doctor", help="can this host snapshot and restore? (exit 1 when not)")
     d.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")

@@ -76,9 +76,12 @@ async def call(path: Path, action: str, body: dict[str, Any] | None = None,
                 timeout=aiohttp.ClientTimeout(total=timeout)) as s, \
                 s.post(f"http://agent/{action}", json=body or {}) as r:
             data = json.loads(await r.read())
+            refused = r.status >= 400
     except (aiohttp.ClientConnectionError, FileNotFoundError) as e:
         raise StatusError(f"no agent answers on {path}: is `pitstop run` running with this "
                           f"config? ({e})") from e
-    if "error" in data:
+    # By the status, not by the body: an answer may carry an `error` field of its own (a
+    # reload report says why a file was not applied).
+    if refused:
         raise PitstopError(f"the agent refused {action}: {data['error']}")
     return data

@@ -100,11 +100,12 @@ class DriftWatcher:
         return diffs
 
     async def run(self) -> None:
-        """Check every interval until cancelled; an interval of 0 (config: off) returns."""
-        if self.interval_s <= 0:
-            return
-        while True:
+        """Check every interval until cancelled; an interval of 0 (config: off) returns,
+        at once or, when a reload sets it, after the sleep in progress."""
+        while self.interval_s > 0:
             await asyncio.sleep(self.interval_s)
+            if self.interval_s <= 0:
+                return
             try:
                 await self.check()
             except Exception:

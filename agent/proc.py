@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import logging
 import os
 import signal
 import sys
@@ -141,6 +142,15 @@ def reap_orphans(proc: Path = Path("/proc")) -> list[tuple[int, int]]:
     finally:
         _lock.release()
     return reaped
+
+
+async def reap_forever(interval_s: float = 1.0) -> None:
+    """Reap orphans every `interval_s` until cancelled: a SIGCHLD can be coalesced or come
+    while a spawn holds the lock, and a restored tree's processes are ours to reap."""
+    while True:
+        for pid, status in reap_orphans():
+            logging.getLogger("pitstop").debug("reaped orphan %d (status %d)", pid, status)
+        await asyncio.sleep(interval_s)
 
 
 def kill_tree(root: int, sig: int = signal.SIGKILL, proc: Path = Path("/proc")) -> None:

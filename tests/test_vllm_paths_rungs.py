@@ -173,6 +173,20 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
 """
 
 
+def test_a_reload_of_engine_args_makes_the_snapshot_taken_with_the_old_ones_stale(
+        tmp_path: Path, py: Path) -> None:
+    rung = _snapshot_rung(tmp_path, py, _host(), criu=criu().path)
+    _write_manifest(tmp_path / "state/snapshots" / SUBDIR / "20261129T110000Z-vllm",
+                    rung._backend.expected_argv())
+    assert rung.skip_reason() is None
+    cfg = vllm_config(tmp_path, python=py, engine={"args": ["--seed", "7"]},
+                      snapshots={"backend": "vllm"}, vllm={"snapshot": SNAP})
+    rung.reconfigure(cfg)
+    reason = rung.skip_reason()
+    assert reason is not None and "stale: engine_args differ: only the configuration has " \
+        "['--seed', '7']" in reason, reason
+
+
 def test_a_restored_engine_is_adopted_and_reached_through_engine_socket(
         tmp_path: Path, py: Path) -> None:
     """The rung's wiring after a successful restore. vLLM's restore itself needs CUDA, so the
@@ -371,8 +385,8 @@ def test_the_ladder_gets_the_rungs_the_config_chooses(tmp_path: Path, py: Path) 
 
 
 def test_the_agent_puts_the_vllm_rungs_in_its_ladder(tmp_path: Path, py: Path) -> None:
-    from agent.run import Agent
     from agent.systemd import Notifier
+    from agent.wiring import Agent
 
     cfg = vllm_config(tmp_path, python=py, snapshots={"backend": "vllm"},
                       vllm={"snapshot": SNAP, "preload": {"enabled": True}})

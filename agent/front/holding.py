@@ -38,6 +38,10 @@ class Holding:
         self._stopping = asyncio.Event()
         self.depth = 0
 
+    def reconfigure(self, config: QueueConfig) -> None:
+        """A reloaded front.queue: requests held from now on use it."""
+        self._config = config
+
     def stop(self) -> None:
         """Reject every waiting and future request: the front is shutting down."""
         self._stopping.set()

@@ -185,6 +185,12 @@ class Front:
             self.app.router.add_get("/metrics", self._engine_metrics)
         self.app.router.add_route("*", "/v1/{tail:.*}", self._proxy)
 
+    def reconfigure(self, config: FrontConfig) -> None:
+        """Take a reloaded front section; host, port and max_body_bytes keep their values
+        from the start (the reload policy refuses changes to them)."""
+        self.config = config
+        self.holding.reconfigure(config.queue)
+
     @property
     def queue_depth(self) -> int:
         return self.holding.depth

@@ -90,7 +90,8 @@ class Capture:
         self._gate = gate
         self._metrics = metrics
         self._identity = identity
-        self._quiet_timeout = quiet_timeout_s
+        # Public: a reload sets it (snapshots.quiet_timeout_s), the next capture uses it.
+        self.quiet_timeout_s = quiet_timeout_s
         self._control_timeout = control_timeout_s
         self.last: SnapshotInfo | None = None
         # Why the last attempt failed, one line; "" once one succeeds. The restore rungs give
@@ -105,10 +106,13 @@ class Capture:
         try:
             # Quiet also closes the front's idle connections to the engine (CRIU cannot
             # dump half of a Unix connection); the snapshotter refuses any still open.
-            if not await self._gate.quiesce(self._quiet_timeout):
+            log.info("snapshot of engine %d: waiting up to %gs for %d requests in flight "
+                     "(snapshots.quiet_timeout_s)", engine.pid, self.quiet_timeout_s,
+                     self._gate.inflight)
+            if not await self._gate.quiesce(self.quiet_timeout_s):
                 raise SnapshotError(
                     f"{self._gate.inflight} requests still in flight after "
-                    f"{self._quiet_timeout:.0f}s (snapshots.quiet_timeout_s); try again later")
+                    f"{self.quiet_timeout_s:.0f}s (snapshots.quiet_timeout_s); try again later")
             result = await self._dump(engine, canary, t0)
             kind = result.info.manifest.kind
         except (SnapshotError, EngineError) as e:

@@ -11,6 +11,7 @@ from pathlib import Path
 from agent.errors import StatusError
 from agent.fsutil import write_private
 from agent.refusal import Refusal
+from agent.reload import ReloadResult
 from agent.supervisor.states import Fall, State
 
 
@@ -50,6 +51,24 @@ class Recovery:
     gpu_peak_bytes: int | None = None
 
 
+@dataclass(frozen=True)
+class NewestSnapshot:
+    """The newest snapshot with a readable manifest, as the store listed it last."""
+
+    id: str
+    kind: str
+    created: float
+    bytes_on_disk: int
+
+
+@dataclass(frozen=True)
+class HolderFacts:
+    """What the holder answered at its last poll."""
+
+    up: bool
+    bytes_held: int | None = None
+
+
 @dataclass
 class AgentStatus:
     """Everything `pitstop status` prints, persisted to `status.json` on every change."""
@@ -74,6 +93,12 @@ class AgentStatus:
     gpu_peak_bytes: dict[str, int] = field(default_factory=dict)
     # The engine's GPU as NVML last saw it (a Verdict); "" without a GPU watch.
     gpu: str = ""
+    # From the status view's last read of the store and poll of the holder (off the loop);
+    # None until the first one, or without snapshots / a holder.
+    newest_snapshot: NewestSnapshot | None = None
+    holder: HolderFacts | None = None
+    # What the last reload (SIGHUP or `pitstop reload`) applied and refused.
+    last_reload: ReloadResult | None = None
 
     def to_json(self) -> dict:
         return asdict(self)

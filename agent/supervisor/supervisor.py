@@ -91,6 +91,7 @@ class Supervisor:
         self._snapshot_wanted = ""
         self._snapshot_requests: list[asyncio.Future[dict]] = []
         self._verified_canary: CanaryRecord | None = None
+        self._reconfigured = False
 
     # --- control from outside (signals) -------------------------------------------------
     def request_stop(self) -> None:
@@ -101,12 +102,15 @@ class Supervisor:
         self._cause = cause
         self._restart.set()
 
-    def apply_config(self, config: Config) -> None:
-        """Take a reloaded configuration; an engine change restarts the engine."""
-        engine_changed = config.engine != self.config.engine
+    def apply_config(self, config: Config, *, restart_engine: bool) -> None:
+        """Take a reloaded configuration (agent/reload.py decided what is in it); with
+        `restart_engine`, replace a serving engine through the ladder."""
         self.config = config
         self.request_reset()
-        if engine_changed and self.state in (State.READY, State.BACKOFF):
+        # The serving loop holds the health settings it started with: make it start again.
+        self._reconfigured = True
+        self._wake.set()
+        if restart_engine and self.state in (State.READY, State.BACKOFF):
             self.request_restart("reload")
 
     def request_snapshot(self) -> asyncio.Future[dict]:
@@ -455,6 +459,9 @@ class Supervisor:
                     self._restart.clear()
                     await self._replace(engine)
                     return
+                if self._reconfigured:
+                    self._reconfigured = False
+                    return  # run() serves again, with the reloaded health settings
                 if engine.exited.done():
                     exit = engine.exited.result()
                     cause = "crash" if self.adapter.exit_is_failure(exit.code or 0) else "exit"

@@ -73,6 +73,12 @@ class VllmSnapshotRestore:
         # `pitstop_snapshot_stale`; () once one is chosen.
         self.stale_reasons: tuple[RefusalCode, ...] = ()
 
+    def reconfigure(self, config: Config) -> None:
+        """A reload changed what the engine is started with (agent/reload.py applies these
+        keys): a snapshot taken with the old arguments must now be stale, not restored."""
+        self._backend.served_model_name = config.engine.model_name
+        self._backend.engine_args = tuple(config.engine.args)
+
     async def prepare(self, attempt: Attempt) -> Prepared[VllmManifest] | Refusal:
         # Reading vLLM's features and `vllm snapshot inspect` run vLLM's interpreter.
         return await asyncio.to_thread(self._choose)

@@ -45,7 +45,9 @@ class FullRestore:
         self._socket = socket
         self._identity = identity
         self._metrics = metrics
-        self._timeout = timeout_s
+        # How long the restored engine may take to answer its resume (health.timeout_s x 10):
+        # public so that a reload sets it.
+        self.timeout_s = timeout_s
         # The refusal codes of the snapshots passed over when none was usable, for
         # `pitstop_snapshot_stale`; () once one is chosen.
         self.stale_reasons: tuple[RefusalCode, ...] = ()
@@ -106,7 +108,7 @@ class FullRestore:
         if self._adapter.resume_path:
             with attempt.stage("resume"):
                 try:
-                    async with EngineProbe(self._socket, timeout=self._timeout) as probe:
+                    async with EngineProbe(self._socket, timeout=self.timeout_s) as probe:
                         await probe.control(self._adapter.resume_path)
                 except EngineError as e:
                     await engine.kill()
