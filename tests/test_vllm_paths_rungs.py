@@ -178,13 +178,15 @@ def test_a_reload_of_engine_args_makes_the_snapshot_taken_with_the_old_ones_stal
     rung = _snapshot_rung(tmp_path, py, _host(), criu=criu().path)
     _write_manifest(tmp_path / "state/snapshots" / SUBDIR / "20261129T110000Z-vllm",
                     rung._backend.expected_argv())
-    assert rung.skip_reason() is None
+    assert isinstance(_prepare(rung), Prepared)
     cfg = vllm_config(tmp_path, python=py, engine={"args": ["--seed", "7"]},
                       snapshots={"backend": "vllm"}, vllm={"snapshot": SNAP})
     rung.reconfigure(cfg)
-    reason = rung.skip_reason()
-    assert reason is not None and "stale: engine_args differ: only the configuration has " \
-        "['--seed', '7']" in reason, reason
+    refusal = _refusal(rung)
+    assert refusal.code is RefusalCode.NO_USABLE_SNAPSHOT
+    assert "stale: engine_args differ: only the configuration has " \
+        "['--seed', '7']" in refusal.detail, refusal
+    assert rung.stale_reasons == (RefusalCode.STALE,)
 
 
 def test_a_restored_engine_is_adopted_and_reached_through_engine_socket(
