@@ -172,6 +172,13 @@ def format_status(data: dict) -> str:
     return "\n".join(lines)
 
 
+def _positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be at least 1")
+    return n
+
+
 def _cmd_holder(args: argparse.Namespace) -> int:
     gpu = args.gpu or ("cpu" if args.backend == "cpu" else None)
     if gpu is None:
@@ -188,7 +195,16 @@ def _cmd_holder(args: argparse.Namespace) -> int:
         if args.names or args.all:
             print("pitstop: holder: names and --all go with `release`", file=sys.stderr)
             return EXIT_USAGE
-        return run_holder(args.backend, gpu, args.dir, max_bytes=args.max_bytes)
+        from agent.holder.refill import DEFAULT_THREADS
+
+        if args.refill_rate is not None and args.refill_rate <= 0:
+            print("pitstop: holder: --refill-rate must be a positive number of MB/s",
+                  file=sys.stderr)
+            return EXIT_USAGE
+        rate = args.refill_rate * 1e6 if args.refill_rate else None
+        return run_holder(args.backend, gpu, args.dir, max_bytes=args.max_bytes,
+                          refill_threads=args.refill_threads or DEFAULT_THREADS,
+                          refill_rate=rate, refill_at_start=not args.no_refill)
     from agent.holder.cli import holder_release, holder_status
 
     if args.action == "status":
@@ -455,6 +471,12 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--dir", type=Path, default=Path("/run/pitstop/holder"),
                    help="the socket is DIR/<gpu>/holder.sock (default /run/pitstop/holder)")
     h.add_argument("--max-bytes", type=int, help="refuse regions beyond this many bytes held")
+    h.add_argument("--no-refill", action="store_true", help="do not load the weights the "
+                   "refill plan in DIR/<gpu>/ names at start-up (the agent still may ask)")
+    h.add_argument("--refill-threads", type=_positive_int, metavar="N",
+                   help="reads in flight during a refill (default: the cores, at most 8)")
+    h.add_argument("--refill-rate", type=float, metavar="MB_PER_S",
+                   help="cap a refill's reads at this many MB/s (default: no cap)")
     h.add_argument("--all", action="store_true", help="release: every committed region")
     h.add_argument("--json", action="store_true", help="status: print JSON")
     h.add_argument("-v", "--verbose", action="store_true")

@@ -151,6 +151,9 @@ class HolderConfig(_Strict):
     # The holder's id: a GPU UUID, or "cpu" for the memfd backend; auto picks the GPU's
     # UUID when the host has one, else "cpu".
     gpu: str = "auto"
+    # The refill rung: when the holder lost the weights, it loads them again from the model
+    # files (a plan the agent leaves in its directory) and the hybrid image is restored.
+    refill: bool = True
 
 
 

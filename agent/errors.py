@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from enum import StrEnum
+from typing import Protocol
 
+# A leaf module: this one stays low, importing nothing else of agent/.
 from agent.refusal import Refusal, RefusalCode
 
-if TYPE_CHECKING:
-    from agent.checkpoint.connections import Outside, OutsideConnection
+
+class BlockingConnection(Protocol):
+    """One connection that stops a dump: agent.checkpoint.connections.OutsideConnection is the
+    one kind there is. Named by shape, since this low module imports no checkpoint code."""
+
+    @property
+    def reason(self) -> StrEnum: ...
 
 
 class PitstopError(Exception):
@@ -16,6 +23,13 @@ class PitstopError(Exception):
 
 class ConfigError(PitstopError):
     """The configuration file is missing, malformed or invalid."""
+
+
+class MissingExtraError(ConfigError):
+    """What the configuration or command asks for needs a pip extra that is not installed.
+
+    A ConfigError: starting again cannot fix it, installing the extra named does.
+    """
 
 
 class AgentRunningError(PitstopError):
@@ -67,7 +81,7 @@ class OpenConnectionsError(SnapshotError):
     `connections` names each one (its reason code, inode, both addresses, the holder).
     """
 
-    def __init__(self, connections: tuple[OutsideConnection, ...]) -> None:
+    def __init__(self, connections: tuple[BlockingConnection, ...]) -> None:
         self.connections = connections
         n = len(connections)
         super().__init__(
@@ -78,7 +92,7 @@ class OpenConnectionsError(SnapshotError):
             "engine open) and snapshot again")
 
     @property
-    def reasons(self) -> tuple[Outside, ...]:
+    def reasons(self) -> tuple[StrEnum, ...]:
         return tuple(dict.fromkeys(c.reason for c in self.connections))
 
 

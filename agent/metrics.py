@@ -30,7 +30,7 @@ FIRST_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 
                        60.0)
 
 # Every rung a ladder may hold (agent/supervisor/paths/*: each class's `name`), fastest first.
-RECOVERY_PATHS = ("vllm-snapshot", "hybrid", "full", "warm", "vllm-preload", "cold")
+RECOVERY_PATHS = ("vllm-snapshot", "hybrid", "refill", "full", "warm", "vllm-preload", "cold")
 RESULTS = ("success", "failure")
 # What makes the supervisor walk the ladder, and the failures it did not ask for.
 RECOVERY_CAUSES = tuple(c.value for c in Cause)
@@ -176,8 +176,22 @@ class Metrics:
             "Requests the front could not finish, by reason (deadline, queue_full, draining, "
             "resume_limit, not_resumable, engine_lost, engine_error, client_gone).",
             ["reason"], registry=registry)
+        self.refill_bytes = Counter(
+            "pitstop_holder_refill_bytes",
+            "Bytes of weights the holder loaded from the model files for the refill rung.",
+            registry=registry)
+        self.refill_duration = Histogram(
+            "pitstop_holder_refill_duration_seconds",
+            "How long the holder took to load and commit the weights for the refill rung "
+            "(GB/s: rate of the bytes counter over rate of this histogram's sum).",
+            buckets=STAGE_BUCKETS, registry=registry)
         self._initialise_known_labels()
         registry.register(StatusCollector(status))
+
+    def refilled(self, nbytes: int, seconds: float) -> None:
+        """The holder loaded `nbytes` of weights in `seconds` for the refill rung."""
+        self.refill_bytes.inc(nbytes)
+        self.refill_duration.observe(seconds)
 
     def _initialise_known_labels(self) -> None:
         """Export 0 for every known label set before its first event.

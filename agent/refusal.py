@@ -56,6 +56,13 @@ class RefusalCode(StrEnum):
     NO_HELD_REGIONS = "no_held_regions"
     # The holder's regions are not those the hybrid snapshot was taken with.
     HELD_STALE = "held_stale"
+    # The refill rung (agent/supervisor/paths/refill.py): the holder holds the weights
+    # already (the hybrid rung's case), no refill plan for them, the files changed since the
+    # plan was made, or the plan's regions are not the image's.
+    WEIGHTS_HELD = "weights_held"
+    NO_REFILL_PLAN = "no_refill_plan"
+    WEIGHTS_CHANGED = "weights_changed"
+    REFILL_LAYOUT = "refill_layout"
     NO_VLLM = "no_vllm"
     NO_GPU = "no_gpu"
     PRELOAD_DOWN = "preload_down"
@@ -63,6 +70,8 @@ class RefusalCode(StrEnum):
     GPU_FAULT = "gpu_fault"
     # --- a rung that was tried and failed ---------------------------------------------
     RESUME_FAILED = "resume_failed"
+    # The holder could not load the weights from their files (nothing was committed).
+    REFILL_FAILED = "refill_failed"
     RELAY_FAILED = "relay_failed"
     # The engine could not be started, died or stayed unhealthy.
     ENGINE_FAILED = "engine_failed"

@@ -78,6 +78,7 @@ POLICY: dict[str, tuple[Apply, str]] = {
     "snapshots.disk_budget_gib": (Apply.LIVE, "the next prune (after the next capture)"),
     "snapshots.cuda_lock_timeout_ms": (Apply.LIVE, "the next capture"),
     "holder.enabled": (Apply.LIVE, "the next ladder walk"),
+    "holder.refill": (Apply.LIVE, "the next ladder walk"),
     "holder.dir": (Apply.RESTART, "the serving engine and its hybrid snapshots map the "
                                   "holder found at start"),
     "holder.gpu": (Apply.RESTART, "the serving engine and its hybrid snapshots map the holder "

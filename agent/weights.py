@@ -83,7 +83,8 @@ def manifest_digest(files: tuple[FileDigest, ...]) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def _key(st: os.stat_result) -> list[int]:
+def stat_key(st: os.stat_result) -> list[int]:
+    """What tells a file unchanged without reading it: size, mtime, ctime, inode, device."""
     # ctime cannot be set by a user process: a rewrite whose mtime was put back with
     # os.utime still changes it. ino/dev catch a file replaced by rename.
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
@@ -199,7 +200,7 @@ class WeightsDigester:
                 h.update(view[:got])  # releases the GIL: files hash in parallel
                 n += got
             after = os.fstat(f.fileno())
-        if _key(before) != _key(after):
+        if stat_key(before) != stat_key(after):
             raise WeightsError(f"{path} changed while it was being hashed; try again")
         return h.hexdigest(), n, after
 
@@ -221,7 +222,7 @@ class WeightsDigester:
             except OSError as e:
                 raise WeightsError(f"cannot stat {model / name}: {e.strerror}") from e
             hit = cache.get(real)
-            if not rehash and hit and hit.get("key") == _key(st):
+            if not rehash and hit and hit.get("key") == stat_key(st):
                 files[name] = FileDigest(name, st.st_size, hit["sha256"])
             else:
                 todo.append((name, real))
@@ -238,7 +239,7 @@ class WeightsDigester:
                     files[name] = FileDigest(name, st.st_size, sha)
                     newest = max(st.st_mtime_ns, st.st_ctime_ns)
                     if self._clock_ns() - newest > self.racy_ns:
-                        cache[real] = {"key": _key(st), "sha256": sha}
+                        cache[real] = {"key": stat_key(st), "sha256": sha}
                         changed = True
                     elif cache.pop(real, None) is not None:
                         changed = True

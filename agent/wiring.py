@@ -34,6 +34,7 @@ from agent.supervisor.gpu import GpuGuard
 from agent.supervisor.ownership import EngineLedger, Tether
 from agent.supervisor.paths.cold import ColdStart
 from agent.supervisor.paths.holder import HolderLink, HybridRestore, WarmStart
+from agent.supervisor.paths.refill import RefillRestore
 from agent.supervisor.paths.restore import FullRestore
 from agent.supervisor.status import AgentStatus, HolderFacts, NewestSnapshot, StatusFile
 from agent.supervisor.supervisor import Supervisor
@@ -114,9 +115,14 @@ class Agent:
                        capture_failure=lambda: self.capture.failure if self.capture else "")
         self.full = FullRestore(**restore)
         self.hybrid = HybridRestore(self.holder, **restore)
+        self.refill = RefillRestore(
+            self.holder, enabled=config.holder.refill, model=config.engine.model,
+            digester=lambda: self.reader.digester, on_refilled=self.metrics.refilled, **restore)
+        self._tasks: set[asyncio.Task] = set()
         self.gpu = GpuGuard(self._watch_gpu(config), drop_held=self.holder.drop,
                             metrics=self.metrics)
-        ladder = [*vllm_first, self.hybrid, self.full, WarmStart(self.adapter, self.holder),
+        ladder = [*vllm_first, self.hybrid, self.refill, self.full,
+                  WarmStart(self.adapter, self.holder),
                   *vllm_warm, ColdStart(self.adapter, extra_args=self._cold_args)]
         self.supervisor = Supervisor(
             config=config, adapter=self.adapter, paths=ladder,
@@ -195,8 +201,9 @@ class Agent:
             self.snapshotter.budget_bytes = int(snaps.disk_budget_gib * 2**30)
             self.snapshotter.store.trust_sealed = snaps.verify == "changed"
             self.snapshotter.cuda.lock_timeout_ms = snaps.cuda_lock_timeout_ms
-        for rung in (self.full, self.hybrid):
+        for rung in (self.full, self.hybrid, self.refill):
             rung.timeout_s = config.health.timeout_s * RESTORE_TIMEOUTS
+        self.refill.enabled = config.holder.refill
         for vllm_rung in self._vllm_first:
             vllm_rung.reconfigure(config)
         if self.front is not None:
@@ -241,6 +248,13 @@ class Agent:
     def _on_ready(self) -> None:
         if self.watcher is not None and self.engine_identity is not None:
             self.watcher.rebase(self.engine_identity)
+        digest = self._weights_digest()
+        if self.config.holder.enabled and digest:
+            # So that a holder that restarts (or a reboot) can load these weights by itself.
+            task = asyncio.get_running_loop().create_task(
+                asyncio.to_thread(self.refill.remember, digest))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     def _on_drift(self, diffs: list[Difference]) -> None:
         self.drifted = tuple(sorted({d.field for d in diffs}))

@@ -28,13 +28,13 @@ def wait_for(cond, what: str, timeout: float = 10.0) -> None:
 class Holder:
     """A `pitstop holder --backend cpu` process on a private directory."""
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, *args: str) -> None:
         self.base = base
         self.sock = base / "cpu" / p.SOCKET_NAME
         self.log = base.parent / f"{base.name}.log"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "agent", "holder", "--backend", "cpu", "--gpu", "cpu",
-             "--dir", str(base)], cwd=REPO, stdout=self.log.open("w"),
+             "--dir", str(base), *args], cwd=REPO, stdout=self.log.open("w"),
             stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 30
         while True:

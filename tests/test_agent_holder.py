@@ -8,7 +8,7 @@ import signal
 import pytest
 
 from tests.agentproc import RunningAgent, agent_config, fallthroughs
-from tests.holder_proc import Holder
+from tests.holder_proc import Holder, wait_for
 from tests.test_agent_snapshots import _complete, _criu, _snapshots  # noqa: F401 - _criu: CRIU
 
 pytestmark = pytest.mark.integration
@@ -64,6 +64,10 @@ def test_a_restarted_holder_makes_the_hybrid_image_stale_and_a_warm_start_refill
         held, tmp_path):
     a, holder = held
     holder.stop()
+    # Without its refill plan the holder cannot load the weights again by itself.
+    plan = tmp_path / "holder" / "cpu" / "refill.json"
+    wait_for(plan.exists, "the refill plan the agent leaves")
+    plan.unlink()
     fresh = Holder(tmp_path / "holder")  # a new holder: another id, nothing held
     try:
         os.kill(a.status()["engine_pid"], signal.SIGKILL)
@@ -71,6 +75,7 @@ def test_a_restarted_holder_makes_the_hybrid_image_stale_and_a_warm_start_refill
         rec = st["last_recovery"]
         falls = " | ".join(fallthroughs(rec))
         assert "hybrid skipped" in falls and "gone" in falls, rec
+        assert "refill skipped: no refill plan" in falls
         assert "warm skipped: the holder holds no committed weights" in falls
         codes = {(f["path"], f["kind"]): f["refusal"]["code"] for f in rec["fallthroughs"]}
         assert codes["hybrid", "skipped"] == "held_stale", codes

@@ -368,16 +368,39 @@ def test_pattern_is_seeded():
 def test_stale_reason_names_what_changed_in_the_holder(holder):
     from agent.holder.client import stale_reason
 
-    write_here(holder, SIZES)
+    # Named otherwise than by their digest: not content-addressed, every version counts.
+    sizes = {"kv/a": 3 * MIB, "kv/b": MIB}
+    write_here(holder, sizes)
     with holder.client() as c:
         held = HeldSet.attach(c, DIGEST, HostSpace)
     expected = held.identity
     held.close()
     with holder.client() as c:
         assert stale_reason(c, expected) is None
-    write_here(holder, SIZES, seed=3)
+    write_here(holder, sizes, seed=3)
     with holder.client() as c:
         assert "epoch 1 -> 2" in (stale_reason(c, expected) or "")
+        c.release("kv/a")
+        assert "is gone" in (stale_reason(c, expected) or "")
+
+
+def test_weights_loaded_again_under_their_digest_are_not_stale_but_other_chunks_are(holder):
+    """Weights regions are named by their digest, which fixes their bytes: loaded again (by
+    a tenant, or by the holder's refill) they are the same weights at another epoch."""
+    from agent.holder.client import stale_reason
+
+    write_here(holder, SIZES)
+    with holder.client() as c:
+        held = HeldSet.attach(c, DIGEST, HostSpace)
+    expected = held.identity
+    held.close()
+    write_here(holder, SIZES)
+    with holder.client() as c:
+        assert {r.epoch for r in c.committed_set(DIGEST)} == {2}
+        assert stale_reason(c, expected) is None
+    write_here(holder, {**SIZES, f"{DIGEST}/a.safetensors": 5 * MIB})
+    with holder.client() as c:
+        assert "chunks" in (stale_reason(c, expected) or "")
         c.release(f"{DIGEST}/a.safetensors")
         assert "is gone" in (stale_reason(c, expected) or "")
     assert "holder unavailable" in (stale_reason(HolderClient(holder.base / "nope"), expected)
@@ -467,3 +490,31 @@ def test_a_lease_out_of_range_is_a_bad_request(holder):
     s.close()
     assert reply.error is not None and reply.error.code == p.ErrorCode.BAD_REQUEST
     assert "lease_s" in reply.error.message
+
+
+def test_a_set_attached_by_digest_reattaches_the_same_weights_loaded_into_a_new_holder(
+        tmp_path):
+    """What a refill gives a restored engine: another holder, epoch 1 again, the same
+    digest, sizes and bytes. A set attached by digest maps them; a strict one refuses."""
+    first = Holder(tmp_path / "first")
+    sums = write_here(first, SIZES)
+    with first.client() as c:
+        by_digest = HeldSet.attach(c, DIGEST, HostSpace, by_digest=True)
+        strict = HeldSet.attach(c, DIGEST, HostSpace)
+    by_digest.detach()
+    strict.detach()
+    assert first.stop() == 0
+    second = Holder(tmp_path / "second")
+    try:
+        write_here(second, SIZES)  # the same bytes: what loading the same files gives
+        with second.client() as c:
+            by_digest.reattach(c)
+            with pytest.raises(MappingError, match="holder_id"):
+                strict.reattach(c)
+        assert all(digest_of(by_digest.tensor(n)) == sums[n] for n in SIZES)
+        assert {pl.region.holder_id for pl in by_digest.placements.values()} == \
+            {second.stats().holder_id}  # what the next image records
+    finally:
+        by_digest.close()
+        strict.close()
+        assert second.stop() == 0

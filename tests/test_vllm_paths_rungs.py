@@ -394,7 +394,8 @@ def test_the_agent_puts_the_vllm_rungs_in_its_ladder(tmp_path: Path, py: Path) -
                       vllm={"snapshot": SNAP, "preload": {"enabled": True}})
     agent = Agent(cfg, None, Notifier({}))
     skips = {p.name: _prepare(p) for p in agent.supervisor.paths}
-    assert list(skips) == ["vllm-snapshot", "hybrid", "full", "warm", "vllm-preload", "cold"]
+    assert list(skips) == ["vllm-snapshot", "hybrid", "refill", "full", "warm", "vllm-preload",
+                           "cold"]
     # vLLM's snapshots were chosen: Pitstop's CRIU backend is off, and says so.
     assert agent.snapshotter is None
     assert skips["full"] == Refusal(

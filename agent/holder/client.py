@@ -165,6 +165,14 @@ class HolderClient:
         assert reply.dropped is not None
         return reply.dropped
 
+    def refill(self, digest: str) -> p.Refilled:
+        """Make the holder load `digest` from its refill plan and commit it; returns when the
+        weights are committed (HolderRefusedError with code no_plan, drift, refill_failed,
+        busy otherwise). Give the client a timeout that fits the load."""
+        reply, _ = self._call(p.RefillRequest(digest=digest))
+        assert reply.refilled is not None
+        return reply.refilled
+
     def committed_set(self, digest: str) -> list[p.RegionInfo] | None:
         """The committed regions of `digest` when all `parts` of them are there, else None."""
         regions = [r for r in self.list(digest) if r.committed]
@@ -192,8 +200,12 @@ def stale_reason(client: HolderClient, expected: dict[str, dict[str, object]]) -
 
     `expected` is the `held.regions` an engine reported at prepare time (name -> holder_id,
     epoch, digest, chunks). A hybrid restore is worth trying only when every region is
-    still committed in this very holder at the same epoch: the skip reason otherwise.
+    still committed in this very holder at the same epoch, or, for a weights region
+    (content-addressed: its digest fixes its bytes), committed with the same digest and
+    chunks, whoever loaded it: the skip reason otherwise.
     """
+    from agent.holder.weightplan import content_addressed
+
     try:
         now = {r.name: r for r in client.list() if r.committed}
     except (HolderUnavailableError, HolderRefusedError) as e:
@@ -202,8 +214,9 @@ def stale_reason(client: HolderClient, expected: dict[str, dict[str, object]]) -
         r = now.get(name)
         if r is None:
             return f"held region {name} is gone (released, or the holder restarted)"
-        got = {"holder_id": r.holder_id, "epoch": r.epoch, "digest": r.digest,
-               "chunks": r.chunks}
+        got: dict[str, object] = {"digest": r.digest, "chunks": r.chunks}
+        if not content_addressed(name, str(want.get("digest"))):
+            got = {"holder_id": r.holder_id, "epoch": r.epoch, **got}
         diffs = [f"{k} {want.get(k)!r} -> {v!r}" for k, v in got.items() if want.get(k) != v]
         if diffs:
             return f"held region {name} changed since the image was taken: {'; '.join(diffs)}"

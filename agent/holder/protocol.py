@@ -34,6 +34,9 @@ class ErrorCode(StrEnum):
     BUSY = "busy"                    # another session is writing a region of that name
     NOT_OWNER = "not_owner"          # commit/abort of a region this session did not create
     NO_MEMORY = "no_memory"          # the backend could not allocate, or --max-bytes is reached
+    NO_PLAN = "no_plan"              # refill: no refill plan for that digest in the directory
+    DRIFT = "drift"                  # refill: the plan's files changed on disk since it was made
+    REFILL_FAILED = "refill_failed"  # refill: a read or copy failed; nothing was committed
 
 
 class MemoryKind(StrEnum):
@@ -109,7 +112,17 @@ class DropRequest(_Req):
     detail: str = Field("", max_length=1000)
 
 
-AnyRequest = CreateRequest | NameRequest | ListRequest | StatsRequest | DropRequest
+class RefillRequest(_Req):
+    """Load the weights of `digest` from the refill plan in the holder's directory and
+    commit them; answered when they are committed (or not). A refill of that digest
+    already running is joined, not started twice."""
+
+    op: Literal["refill"] = "refill"
+    digest: str = Field(pattern=DIGEST_PATTERN)
+
+
+AnyRequest = (CreateRequest | NameRequest | ListRequest | StatsRequest | DropRequest
+              | RefillRequest)
 Request = Annotated[AnyRequest, Field(discriminator="op")]
 _request_adapter: TypeAdapter[AnyRequest] = TypeAdapter(Request)
 
@@ -160,6 +173,20 @@ class Dropped(_Msg):
     bytes: int
 
 
+class Refilled(_Msg):
+    """What a refill loaded; `bytes` is 0 when the set was held already."""
+
+    digest: str
+    regions: int
+    bytes: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        """Load throughput in GB/s (10^9 bytes a second)."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
 class ErrorInfo(_Msg):
     code: ErrorCode
     message: str
@@ -175,6 +202,7 @@ class Reply(_Msg):
     regions: list[RegionInfo] | None = None
     stats: Stats | None = None
     dropped: Dropped | None = None
+    refilled: Refilled | None = None
 
 
 class ProtocolError(ValueError):

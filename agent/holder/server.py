@@ -15,10 +15,12 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.errors import HolderError, HolderInvariantError
+from agent.errors import HolderError, HolderInvariantError, ModelError
 from agent.holder import protocol as p
-from agent.holder.backends import Backend, GpuFaultError
+from agent.holder.backends import Backend, BackendError, GpuFaultError
+from agent.holder.refill import DEFAULT_THREADS, RefillFailure, RefillJob, make_sink
 from agent.holder.regions import RegionTable, RequestRefused
+from agent.holder.weightplan import load_plan
 
 log = logging.getLogger("pitstop.holder")
 
@@ -37,6 +39,13 @@ class Session:
     @property
     def allowed(self) -> bool:
         return self.uid in (os.getuid(), 0)
+
+
+@dataclass(eq=False)
+class RefillWriter:
+    """The writer of a refill's regions: the holder itself, until the job commits them."""
+
+    pid: int
 
 
 def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
@@ -75,7 +84,9 @@ class HolderServer:
         raise SystemExit(server.serve())   # until SIGTERM
     """
 
-    def __init__(self, backend: Backend, base: Path, max_bytes: int | None = None) -> None:
+    def __init__(self, backend: Backend, base: Path, max_bytes: int | None = None,
+                 refill_threads: int = DEFAULT_THREADS, refill_rate: float | None = None
+                 ) -> None:
         self.backend = backend
         self.holder_id = uuid.uuid4().hex
         self.table = RegionTable(backend, self.holder_id, max_bytes=max_bytes,
@@ -91,6 +102,13 @@ class HolderServer:
         self._stop = False
         self._closed = False
         self._wake_r, self._wake_w = socket.socketpair()
+        # The one refill that may run, its writer, and how its thread says it ended.
+        self._refill: RefillJob | None = None
+        self._refill_writer: RefillWriter | None = None
+        self._refill_threads = refill_threads
+        self._refill_rate = refill_rate
+        self._done_r, self._done_w = socket.socketpair()
+        self.last_refill: p.Refilled | p.ErrorInfo | None = None
 
     def bind(self) -> None:
         """Take the per-GPU lock, then the socket; a second holder for the GPU is refused."""
@@ -119,6 +137,8 @@ class HolderServer:
         s.setblocking(False)
         self._listener = s
         self._sel.register(s, selectors.EVENT_READ, self._accept)
+        self._done_r.setblocking(False)
+        self._sel.register(self._done_r, selectors.EVENT_READ, self._refill_ended)
         log.info("holder %s serving %s (backend %s, gpu %s)", self.holder_id, self.path,
                  self.backend.name, self.backend.gpu)
 
@@ -154,6 +174,10 @@ class HolderServer:
         if self._closed:
             return
         self._closed = True
+        if self._refill is not None:
+            # Stopped mid-load: the job ends between pieces and its regions go uncommitted.
+            self._refill.cancel()
+            self._refill = None
         for sid in list(self._sessions):
             self._drop(sid)
         for pid in list(self._pidfds):
@@ -173,6 +197,8 @@ class HolderServer:
         self._sel.close()
         self._wake_r.close()
         self._wake_w.close()
+        self._done_r.close()
+        self._done_w.close()
         log.info("holder stopped; freed %d bytes", freed)
 
     def _watch(self, pid: int) -> None:
@@ -246,8 +272,15 @@ class HolderServer:
                 self._drop(id(s))
             return
         reply, out_fds = self._handle(s, data)
-        self._answer(s, reply, out_fds)
-        self.table.check({sid for sid in self._sessions})
+        if reply is not None:  # None: a refill answers this session when it ends
+            self._answer(s, reply, out_fds)
+        self._check()
+
+    def _check(self) -> None:
+        live = set(self._sessions)
+        if self._refill_writer is not None:
+            live.add(id(self._refill_writer))
+        self.table.check(live)
 
     def _answer(self, s: Session, reply: p.Reply, fds: list[int] | None = None) -> None:
         try:
@@ -268,10 +301,12 @@ class HolderServer:
             log.warning("cannot answer pid %d (%s); closing its session", s.pid, e)
             self._drop(id(s))
 
-    def _handle(self, s: Session, data: bytes) -> tuple[p.Reply, list[int]]:
+    def _handle(self, s: Session, data: bytes) -> tuple[p.Reply | None, list[int]]:
         try:
             req = p.parse_request(data)
             t = self.table
+            if isinstance(req, p.RefillRequest):
+                return self.refill(req.digest, s), []
             if isinstance(req, p.CreateRequest):
                 r = t.create(s, req.name, req.size, req.digest, req.parts, req.memory,
                              req.lease_s)
@@ -283,6 +318,9 @@ class HolderServer:
             if isinstance(req, p.StatsRequest):
                 return p.Reply(ok=True, stats=self._stats()), []
             if isinstance(req, p.DropRequest):
+                if self._refill is not None:
+                    self._refill.cancel()
+                    self._refill_ended(None, dropped=req.reason.value)
                 regions, freed = t.drop_all()
                 log.warning("dropped all %d regions (%d bytes) at the request of pid %d (%s)%s",
                             regions, freed, s.pid, req.reason,
@@ -307,12 +345,129 @@ class HolderServer:
                        regions_pending=len(t.pending), sessions=len(self._sessions))
 
 
+    # --- refill --------------------------------------------------------------------
+
+    def refill(self, digest: str, waiter: Session | None = None) -> p.Reply | None:
+        """Start loading `digest` from the plan in the holder's directory; None when the
+        answer comes at the end of the load (to `waiter`), else the answer now."""
+        job = self._refill
+        if job is not None:
+            if job.digest != digest:
+                return _error(p.ErrorCode.BUSY, f"a refill of {job.digest} is running; ask "
+                              "again when it ended")
+            if waiter is not None:
+                job.waiters.append(waiter)
+            return None
+        try:
+            plan = load_plan(self.directory)
+        except ModelError as e:
+            return _error(p.ErrorCode.NO_PLAN, str(e))
+        if plan is None:
+            return _error(p.ErrorCode.NO_PLAN, f"no refill plan in {self.directory}: the agent "
+                          "writes one once an engine has committed weights to this holder")
+        if plan.digest != digest:
+            return _error(p.ErrorCode.NO_PLAN, f"the refill plan in {self.directory} is for "
+                          f"weights {plan.digest}, not {digest}")
+        if self._complete(digest):
+            return p.Reply(ok=True, refilled=p.Refilled(digest=digest, regions=len(plan.regions),
+                                                        bytes=0, seconds=0.0))
+        drift = plan.drift()
+        if drift is not None:
+            return _error(p.ErrorCode.DRIFT, f"refill of {digest} refused: {drift}")
+        writer = RefillWriter(pid=os.getpid())
+        try:
+            allocations = []
+            for r in plan.regions:
+                region = self.table.create(writer, r.name, r.size, digest, len(plan.regions))
+                allocations.append(region.allocation)
+            sink = make_sink(self.backend, allocations)
+        except GpuFaultError:
+            self.table.session_closed(writer)
+            raise
+        except (RequestRefused, BackendError) as e:
+            self.table.session_closed(writer)
+            code = e.code if isinstance(e, RequestRefused) else p.ErrorCode.REFILL_FAILED
+            return _error(code, f"refill of {digest}: {e}")
+        self._refill_writer = writer
+        self._refill = RefillJob(plan, allocations, sink, on_done=self._refill_wake,
+                                 threads=self._refill_threads, rate=self._refill_rate)
+        if waiter is not None:
+            self._refill.waiters.append(waiter)
+        log.info("refill of %s started: %d regions, %d bytes from %s", digest,
+                 len(plan.regions), plan.bytes, plan.model)
+        self._refill.start()
+        return None
+
+    def refill_from_plan(self) -> None:
+        """At start-up: load the weights the plan in the directory names, if there is one."""
+        try:
+            plan = load_plan(self.directory)
+        except ModelError as e:
+            log.warning("no refill at start-up: %s", e)
+            return
+        if plan is None:
+            return
+        reply = self.refill(plan.digest)
+        if reply is not None and reply.error is not None:
+            self.last_refill = reply.error
+            log.warning("no refill at start-up: %s", reply.error.message)
+
+    def _complete(self, digest: str) -> bool:
+        regions = [r for r in self.table.committed.values() if r.digest == digest]
+        return bool(regions) and all(r.parts == len(regions) for r in regions)
+
+    def _refill_wake(self) -> None:
+        # From the job's thread: the table is the loop's, so the loop finishes the job.
+        with contextlib.suppress(OSError):
+            self._done_w.send(b"x")
+
+    def _refill_ended(self, sock: socket.socket | None, dropped: str = "") -> None:
+        if sock is not None:
+            with contextlib.suppress(BlockingIOError):
+                sock.recv(64)
+        job, writer = self._refill, self._refill_writer
+        if job is None or writer is None:
+            return
+        job.join()
+        self._refill, self._refill_writer = None, None
+        if job.fault is not None:
+            raise job.fault  # serve() stops: the GPU's memory is not to be trusted
+        mine = [r for r in self.table.pending.values() if r.writer is writer]
+        error = job.error
+        if error is None and dropped:
+            error = RefillFailure(p.ErrorCode.REFILL_FAILED, f"dropped ({dropped}) mid-load")
+        if error is None and len(mine) != len(job.plan.regions):
+            error = RefillFailure(p.ErrorCode.REFILL_FAILED, "its regions were dropped mid-load")
+        if error is not None:
+            self.table.session_closed(writer)  # uncommitted: freed, never shown
+            reply = _error(error.code, f"refill of {job.digest} failed: {error}; nothing "
+                           "was committed")
+            log.error("%s", reply.error.message if reply.error else error)
+        else:
+            # All on this thread, between two requests: a reader sees none or all of them.
+            for r in mine:
+                self.table.commit(writer, r.name)
+            done = p.Refilled(digest=job.digest, regions=len(mine), bytes=job.bytes,
+                              seconds=job.seconds)
+            reply = p.Reply(ok=True, refilled=done)
+            log.info("refill of %s committed: %d bytes in %.2fs (%.2f GB/s)", job.digest,
+                     done.bytes, done.seconds, done.gbps)
+        self.last_refill = reply.refilled or reply.error
+        for w in job.waiters:
+            if id(w) in self._sessions:
+                self._answer(w, reply)
+        self._check()
+
+
 def _error(code: p.ErrorCode, message: str) -> p.Reply:
     return p.Reply(ok=False, error=p.ErrorInfo(code=code, message=message))
 
 
-def run_holder(backend_kind: str, gpu: str, base: Path, max_bytes: int | None = None) -> int:
-    """`pitstop holder`: build the backend, bind, tell systemd, serve until told to stop."""
+def run_holder(backend_kind: str, gpu: str, base: Path, max_bytes: int | None = None,
+               refill_threads: int = DEFAULT_THREADS, refill_rate: float | None = None,
+               refill_at_start: bool = True) -> int:
+    """`pitstop holder`: build the backend, bind, tell systemd, start the refill its plan
+    asks for, serve until told to stop."""
     from agent.holder.backends import BackendError, make_backend
     from agent.systemd import Notifier
 
@@ -320,9 +475,14 @@ def run_holder(backend_kind: str, gpu: str, base: Path, max_bytes: int | None = 
         backend = make_backend(backend_kind, gpu)
     except BackendError as e:
         raise HolderError(f"holder for {gpu}: {e}") from e
-    server = HolderServer(backend, base, max_bytes=max_bytes)
+    server = HolderServer(backend, base, max_bytes=max_bytes, refill_threads=refill_threads,
+                          refill_rate=refill_rate)
     try:
         server.bind()
+        if refill_at_start:
+            # Ready before the load ends: the agent's refill request joins this load, and
+            # the regions stay invisible to tenants until all of them are committed.
+            server.refill_from_plan()
     except BaseException:
         server.close()
         raise

@@ -156,15 +156,19 @@ class HeldSet:
             held.reattach(h)                   # after the restore
     """
 
-    def __init__(self, placements: list[Placement], space: Space) -> None:
+    def __init__(self, placements: list[Placement], space: Space, by_digest: bool = False
+                 ) -> None:
         self.placements = {pl.region.name: pl for pl in placements}
         self.space = space
         self.attached = False
+        # Content-addressed regions (weights): `reattach` takes any version of the same
+        # digest and chunks, e.g. one the holder refilled after it restarted.
+        self.by_digest = by_digest
         self._writer: HolderClient | None = None
 
     @classmethod
     def attach(cls, client: HolderClient, digest: str,
-               make_space: Callable[[int, int], Space]) -> HeldSet:
+               make_space: Callable[[int, int], Space], by_digest: bool = False) -> HeldSet:
         """Map every committed region of `digest`; raises HolderError when the set is not held."""
         regions = client.committed_set(digest)
         if regions is None:
@@ -172,7 +176,7 @@ class HeldSet:
                               f"for digest {digest}")
         align = max(r.align for r in regions)
         placements, total = layout(regions, align)
-        held = cls(placements, make_space(total, align))
+        held = cls(placements, make_space(total, align), by_digest=by_digest)
         try:
             held._map_all(client, expect=None)
         except BaseException:
@@ -183,7 +187,8 @@ class HeldSet:
     @classmethod
     def create(cls, client: HolderClient, digest: str, sizes: dict[str, int],
                make_space: Callable[[int, int], Space],
-               memory: MemoryKind = MemoryKind.DEVICE, lease_s: float | None = None) -> HeldSet:
+               memory: MemoryKind = MemoryKind.DEVICE, lease_s: float | None = None,
+               by_digest: bool = False) -> HeldSet:
         """New regions of `digest` (name -> size), mapped for filling; `commit()` publishes.
 
         The client's session must stay open until `commit()`: if this process dies
@@ -196,7 +201,7 @@ class HeldSet:
                                             memory=memory, lease_s=lease_s))
             align = max(g.region.align for g in grants)
             placements, total = layout([g.region for g in grants], align)
-            held = cls(placements, make_space(total, align))
+            held = cls(placements, make_space(total, align), by_digest=by_digest)
             try:
                 for g, pl in zip(grants, placements, strict=True):
                     held.space.map(pl.offset, g.fds, g.region.chunks)
@@ -245,7 +250,9 @@ class HeldSet:
 
         Refuses (MappingError) when the holder now has other bytes under a name: another
         holder (a restart lost the memory), another epoch (the region was replaced), or
-        another digest. The caller then falls back to a full restore or a start.
+        another digest. The caller then falls back to a full restore or a start. A set
+        made `by_digest` (weights, whose bytes the digest fixes) takes another holder or
+        epoch of the same digest, size and chunks: the holder loaded the same files again.
         """
         if self.attached:
             return
@@ -257,13 +264,15 @@ class HeldSet:
             for name, pl in self.placements.items():
                 with client.attach(name) as g:
                     if expect is not None:
-                        _same_version(expect[name].region, g.region)
+                        _same_version(expect[name].region, g.region, self.by_digest)
                     self.space.map(pl.offset, g.fds, g.region.chunks)
-                    mapped.append(pl)
+                    mapped.append(Placement(g.region, pl.offset))
         except BaseException:
             for pl in mapped:
                 self.space.unmap(pl.offset, pl.region.mapped_size)
             raise
+        # What is mapped now: a refilled region's holder and epoch, for the next image.
+        self.placements.update({pl.region.name: pl for pl in mapped})
         self.attached = True
 
     def close(self) -> None:
@@ -271,10 +280,11 @@ class HeldSet:
         self.attached = False
 
 
-def _same_version(was: RegionInfo, now: RegionInfo) -> None:
+def _same_version(was: RegionInfo, now: RegionInfo, by_digest: bool = False) -> None:
+    fields = ("digest", "size", "chunks") if by_digest else ("holder_id", "epoch", "digest",
+                                                             "chunks")
     diffs = [f"{k} {getattr(was, k)!r} -> {getattr(now, k)!r}"
-             for k in ("holder_id", "epoch", "digest", "chunks")
-             if getattr(was, k) != getattr(now, k)]
+             for k in fields if getattr(was, k) != getattr(now, k)]
     if diffs:
         raise MappingError(f"region {was.name!r} is not the one this process had mapped "
                            f"({'; '.join(diffs)}); its memory cannot be re-attached")

@@ -2,70 +2,29 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import struct
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agent.errors import ModelError
 from agent.holder.client import HolderClient
+from agent.holder.weightplan import (
+    DTYPES,
+    TensorEntry,
+    WeightFile,
+    region_name,
+    weight_regions,
+)
 from agent.tenant.mapping import HeldSet, HostSpace, Space
+
+# Kept importable from here: tenants name them through this module.
+__all__ = ["HeldWeights", "TensorEntry", "WeightFile", "region_name"]
 
 log = logging.getLogger("pitstop.holder.weights")
 
-# safetensors dtype names -> torch attribute names
-_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-           "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-           "BOOL": "bool"}
 # Staging buffer for copies from disk to the GPU.
 _STAGE = 64 << 20
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-
-@dataclass(frozen=True)
-class WeightFile:
-    """One safetensors file: where its data section starts and what tensors it holds."""
-
-    path: Path
-    data_offset: int
-    data_size: int
-    tensors: dict[str, TensorEntry]
-
-    @classmethod
-    def read_header(cls, path: Path) -> WeightFile:
-        """Only the header (a few KB): the tensors' bytes stay on disk."""
-        try:
-            with path.open("rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(n))
-            size = path.stat().st_size
-        except (OSError, ValueError, struct.error) as e:
-            raise ModelError(f"{path}: not a readable safetensors file: {e}") from e
-        tensors = {}
-        for name, meta in header.items():
-            if name == "__metadata__":
-                continue
-            if meta["dtype"] not in _DTYPES:
-                raise ModelError(f"{path}: tensor {name} has dtype {meta['dtype']}, which the "
-                                 "holder path does not map")
-            begin, end = meta["data_offsets"]
-            tensors[name] = TensorEntry(meta["dtype"], tuple(meta["shape"]), begin, end)
-        return cls(path=path, data_offset=8 + n, data_size=size - 8 - n, tensors=tensors)
-
-
-def region_name(digest: str, path: Path) -> str:
-    """The digest leads every name, so weights of another content never share a region."""
-    return f"{digest}/{path.name}"
 
 
 class HeldWeights:
@@ -94,15 +53,16 @@ class HeldWeights:
         """Attach the committed set of `digest`, or load it from disk and commit it."""
         files = [WeightFile.read_header(p) for p in sorted(paths)]
         files = [f for f in files if f.data_size > 0]
+        regions = weight_regions(digest, files)
         make_space = _space_factory(device)
         with HolderClient(socket) as client:
             if client.has_committed(digest):
-                held = HeldSet.attach(client, digest, make_space)
+                held = HeldSet.attach(client, digest, make_space, by_digest=True)
                 log.info("attached %d held regions of %s (%.1f MB): no weights read from disk",
                          len(files), digest, held.space.size / 1e6)
                 return cls(socket, digest, files, held, "holder", device)
-            sizes = {region_name(digest, f.path): f.data_size for f in files}
-            held = HeldSet.create(client, digest, sizes, make_space)
+            sizes = {r.name: r.size for r in regions}
+            held = HeldSet.create(client, digest, sizes, make_space, by_digest=True)
             try:
                 for f in files:
                     _fill(held.tensor(region_name(digest, f.path)), f, device)
@@ -121,7 +81,7 @@ class HeldWeights:
         for f in self.files:
             region = self.held.tensor(region_name(self.digest, f.path))
             for name, e in f.tensors.items():
-                dtype = getattr(torch, _DTYPES[e.dtype])
+                dtype = getattr(torch, DTYPES[e.dtype])
                 raw = region[e.begin:e.end]
                 if e.begin % dtype.itemsize:
                     raise ModelError(f"{f.path}: tensor {name} starts at byte {e.begin}, not "

@@ -6,7 +6,7 @@ import logging
 import os
 from typing import Any
 
-from agent.holder.backends import Allocation, BackendError, GpuFaultError
+from agent.holder.backends.base import Allocation, BackendError, GpuFaultError
 
 log = logging.getLogger("pitstop.holder.cuda")
 
@@ -85,7 +85,12 @@ def _uuid_bytes(uuid_obj: Any) -> bytes:
 
 
 class CudaBackend:
-    """VMM allocations on one GPU, found by UUID; needs no CUDA context (LAB fact 11)."""
+    """VMM allocations on one GPU, found by UUID.
+
+    Creating and exporting allocations needs no CUDA context (cuMemCreate works without
+    one on current drivers); a refill does, for its copies, and holds one only while it
+    loads (agent/holder/refill.py).
+    """
 
     name = "cuda"
 
@@ -110,6 +115,11 @@ class CudaBackend:
             self._prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
             "cuMemGetAllocationGranularity"))
         self._ctx: Any = None
+
+    @property
+    def ordinal(self) -> int:
+        """The device's index in this process (what cuDeviceGet takes)."""
+        return self._ordinal
 
     def _find(self, gpu: str) -> int:
         cu = self._cu

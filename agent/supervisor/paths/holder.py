@@ -45,6 +45,11 @@ class HolderLink:
         gpu = self.config.gpu if self.config.gpu != "auto" else (self._gpu() or "cpu")
         return Path(socket_path(str(self.config.dir or self._run_dir / "holder"), gpu))
 
+    @property
+    def digest(self) -> str | None:
+        """The weights digest of this start: what the held regions are named by."""
+        return self._digest()
+
     def unavailable(self) -> Refusal | None:
         if not self.config.enabled:
             return Refusal(RefusalCode.DISABLED, "no holder configured (holder.enabled: false)")

@@ -79,10 +79,9 @@ class FullRestore:
             return Refusal(RefusalCode.NO_SNAPSHOT,
                            f"no snapshot: {failure}" if failure else "no snapshot yet")
         self.stale_reasons = ()
-        c = m.canary
-        canary = CanaryRecord(key="snapshot:" + m.id, prompt=c.prompt, max_tokens=c.max_tokens,
-                              text=c.text, token_ids=c.token_ids)
-        return Prepared(self.name, m, canary=canary, stages={"select": select_s})
+        return Prepared(self.name, m, canary=CanaryRecord.from_manifest("snapshot:" + m.id,
+                                                                        m.canary),
+                        stages={"select": select_s})
 
     async def start(self, attempt: Attempt, prepared: Prepared[Manifest]) -> EngineProcess:
         assert self._snap is not None

@@ -1,0 +1,190 @@
+"""Refill, then hybrid: the holder lost the weights but the hybrid image still matches."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.errors import HolderError, HolderRefusedError, ModelError, StartPathError, WeightsError
+from agent.holder.client import HolderClient
+from agent.holder.weightplan import DriftCode, RefillPlan, load_plan, plan_for, write_plan
+from agent.refusal import Refusal, RefusalCode
+from agent.store import Manifest
+from agent.supervisor.engine import EngineProcess
+from agent.supervisor.ladder import Attempt, Prepared
+from agent.supervisor.paths.holder import HolderLink, HybridRestore
+from agent.supervisor.paths.restore import FullRestore
+from agent.weights import WeightsDigester
+
+log = logging.getLogger("pitstop.refill")
+
+# The slowest refill worth waiting for, in bytes a second: a cold NVMe or a network disk.
+# The holder answers when the load ends; the client's timeout must outlast it.
+SLOWEST_RATE = 100e6
+MIN_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class RefillWork:
+    """What the refill rung's prepare found: the plan the holder loads, then the hybrid
+    image restored over it (the hybrid rung's own preparation of it)."""
+
+    plan: RefillPlan
+    image: Prepared[Manifest]
+
+
+class RefillRestore(HybridRestore):
+    """Make the holder load the weights from the model's files, then restore the hybrid image.
+
+    For a holder that is up but empty (restarted, rebooted, or told to drop everything
+    after a GPU fault) while the newest hybrid image matches the host: the holder reads
+    the files named by the refill plan it keeps beside its socket, into new regions that
+    no one can attach until all are loaded and committed; the restored engine then
+    re-attaches them by digest at the addresses it had.
+
+    It reuses no held memory (the regions are new), so it stays on the ladder after a GPU
+    fault, once the holder dropped what it held.
+
+    Benches reach it by restarting the holder empty (`systemctl restart
+    pitstop-holder@GPU`, or a new `pitstop holder` with `--no-refill`) and killing the
+    engine: the ladder skips hybrid ("held region ... is gone") and serves from here;
+    `last_recovery.stages.refill` is the load, the rest the hybrid restore.
+    """
+
+    name = "refill"
+    reuses_held_memory = False
+    kind = "hybrid"
+
+    def __init__(self, link: HolderLink, *, enabled: bool, model: Path,
+                 digester: Callable[[], WeightsDigester],
+                 on_refilled: Callable[[int, float], None] = lambda n, s: None,
+                 **kwargs: object) -> None:
+        super().__init__(link, **kwargs)
+        self.enabled = enabled
+        self._model = model
+        self._digester = digester
+        self._on_refilled = on_refilled
+
+    async def prepare(self, attempt: Attempt) -> Prepared[RefillWork] | Refusal:  # type: ignore[override]
+        # Asking the holder, reading the plan and stat-ing (or hashing) its files block.
+        return await asyncio.to_thread(self._choose)
+
+    def _choose(self) -> Prepared[RefillWork] | Refusal:  # type: ignore[override]
+        refusal = self._link.unavailable()
+        if refusal is not None:
+            return refusal
+        if not self.enabled:
+            return Refusal(RefusalCode.DISABLED, "refill is off (holder.refill: false)")
+        try:
+            if self._link.holds_weights():
+                return Refusal(RefusalCode.WEIGHTS_HELD, "the holder holds the weights "
+                               "already; nothing to refill")
+            plan = load_plan(self._link.path.parent)
+        except HolderError as e:
+            return Refusal(RefusalCode.HOLDER_DOWN,
+                           f"the holder at {self._link.path} cannot tell what it holds: {e}")
+        except ModelError as e:
+            return Refusal(RefusalCode.NO_REFILL_PLAN, str(e))
+        if plan is None:
+            return Refusal(RefusalCode.NO_REFILL_PLAN,
+                           f"no refill plan in {self._link.path.parent} (the agent writes one "
+                           "once an engine committed its weights)")
+        # The digest the agent took for this start (as every start does: files whose stat
+        # changed are hashed again) against the one the plan's files made.
+        digest = self._link.digest
+        if plan.digest != digest:
+            drift = plan.drift()
+            return Refusal(RefusalCode.WEIGHTS_CHANGED,
+                           f"the weights on disk ({digest}) are not the ones the refill plan "
+                           f"names ({plan.digest})" + (f": {drift}" if drift else ""))
+        drift = plan.drift()
+        if drift is not None and drift.code is DriftCode.CHANGED:
+            # Same digest, other stat (a file touched or copied back): the bytes are the
+            # plan's; a fresh plan records the keys they have now.
+            plan = self._fresh_plan(digest) or plan
+            drift = plan.drift()
+        if drift is not None:
+            return Refusal(RefusalCode.WEIGHTS_CHANGED, f"the weights changed on disk since "
+                           f"the refill plan was made: {drift}")
+        image = FullRestore._choose(self)  # the newest matching hybrid image
+        if isinstance(image, Refusal):
+            return image
+        held = image.plan.held
+        if not held:
+            return Refusal(RefusalCode.NO_HELD_REGIONS,
+                           "the newest hybrid snapshot records no held regions")
+        if sorted(r.name for r in plan.regions) != sorted(held):
+            return Refusal(RefusalCode.REFILL_LAYOUT, "the refill plan's regions are not the "
+                           "ones the hybrid image recorded")
+        return Prepared(self.name, RefillWork(plan, image), canary=image.canary,
+                        stages=image.stages)
+
+    async def start(self, attempt: Attempt,  # type: ignore[override]
+                    prepared: Prepared[RefillWork]) -> EngineProcess:
+        plan, image = prepared.plan.plan, prepared.plan.image
+        manifest = image.plan
+        timeout = max(MIN_TIMEOUT_S, plan.bytes / SLOWEST_RATE)
+        with attempt.stage("refill"):
+            try:
+                done = await asyncio.to_thread(self._refill, plan.digest, timeout)
+            except HolderError as e:
+                # The image is not at fault: it stays, and the ladder falls to a full restore.
+                raise StartPathError(Refusal(RefusalCode.REFILL_FAILED,
+                                             f"refill of {plan.digest} failed: {e}")) from e
+        log.info("refill: %d bytes in %.2fs (%.2f GB/s); restoring %s", done.bytes,
+                 done.seconds, done.gbps, manifest.id)
+        self._on_refilled(done.bytes, done.seconds)
+        stale = await asyncio.to_thread(self._link.stale_reason, manifest.held or {})
+        if stale is not None:
+            raise StartPathError(Refusal(RefusalCode.HELD_STALE, f"after the refill the held "
+                                         f"weights do not match the image: {stale}"))
+        return await super().start(attempt, image)
+
+    async def after_verified(self, engine: EngineProcess,  # type: ignore[override]
+                             prepared: Prepared[RefillWork]) -> None:
+        return None
+
+    def failed(self, prepared: Prepared[RefillWork], reason: str) -> None:  # type: ignore[override]
+        super().failed(prepared.plan.image, reason)
+
+    def _refill(self, digest: str, timeout: float):  # noqa: ANN202 - protocol.Refilled
+        with HolderClient(self._link.path, timeout=timeout) as c:
+            return c.refill(digest)
+
+    def _fresh_plan(self, digest: str) -> RefillPlan | None:
+        try:
+            plan = plan_for(self._model, self._digester(), digest)
+            write_plan(self._link.path.parent, plan)
+        except (ModelError, WeightsError, OSError) as e:
+            log.warning("the refill plan could not be made again: %s", e)
+            return None
+        return plan
+
+    def remember(self, digest: str) -> Path | None:
+        """Leave a refill plan for `digest` in the holder's directory when the holder holds
+        those weights; the path written, or None. Blocking: call it from a thread."""
+        if not self.enabled or self._link.unavailable() is not None:
+            return None
+        try:
+            if not self._link.holds_weights():
+                return None
+            directory = self._link.path.parent
+            plan = plan_for(self._model, self._digester(), digest)
+            try:
+                if load_plan(directory) == plan:
+                    return None
+            except ModelError as e:
+                log.warning("replacing the refill plan: %s", e)
+            path = write_plan(directory, plan)
+        except (HolderError, ModelError, WeightsError, OSError) as e:
+            log.warning("no refill plan written: %s", e)
+            return None
+        log.info("refill plan for %s written to %s (%d regions, %.1f MB)", digest, path,
+                 len(plan.regions), plan.bytes / 1e6)
+        return path
+
+
+__all__ = ["HolderRefusedError", "RefillRestore", "RefillWork"]

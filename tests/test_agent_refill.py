@@ -1,0 +1,207 @@
+"""The refill rung through the real agent: a holder that lost the weights loads them again
+from the model files, then the hybrid image is restored over them (real CRIU, a real
+`pitstop holder --backend cpu`, the reference engine on CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import struct
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.agentproc import RunningAgent, agent_config, fallthroughs
+from tests.holder_proc import Holder, wait_for
+from tests.test_agent_snapshots import _complete, _criu, _snapshots  # noqa: F401 - _criu: CRIU
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def model(tmp_path, tiny_model) -> Path:
+    """A private copy of the tiny model: some tests rewrite its weights file."""
+    d = tmp_path / "model"
+    shutil.copytree(tiny_model, d)
+    return d
+
+
+@pytest.fixture
+def held(tmp_path, model):
+    """A cpu holder, an agent whose engine keeps its weights there, its hybrid snapshot
+    published and the refill plan it leaves beside the holder's socket written."""
+    holder = Holder(tmp_path / "holder")
+    a = RunningAgent(tmp_path, agent_config(
+        tmp_path, model, holder={"enabled": True, "dir": str(tmp_path / "holder"),
+                                 "gpu": "cpu"}))
+    try:
+        a.wait_ready()
+        a.wait_for(lambda s: "published" in s.get("reason", ""), 120, "the first snapshot")
+        wait_for(lambda: plan_path(tmp_path).exists(), "the refill plan", timeout=30)
+        yield a, holder
+    finally:
+        a.stop()
+        holder.stop()
+
+
+def plan_path(tmp_path: Path) -> Path:
+    return tmp_path / "holder" / "cpu" / "refill.json"
+
+
+def falls(rec: dict) -> str:
+    return " | ".join(fallthroughs(rec))
+
+
+def metric(a: RunningAgent, name: str) -> float:
+    with urllib.request.urlopen(a.metrics_url, timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"no {name} in the agent's metrics")
+
+
+def test_a_holder_restarted_empty_is_refilled_and_the_hybrid_image_answers_the_canary(
+        held, tmp_path):
+    a, holder = held
+    before = _complete(a)
+    digest = json.loads(plan_path(tmp_path).read_text())["digest"]
+    holder.stop()
+    empty = Holder(tmp_path / "holder", "--no-refill")  # another holder id, nothing held
+    try:
+        assert empty.stats().bytes_held == 0
+        os.kill(a.status()["engine_pid"], signal.SIGKILL)
+        rec = a.wait_recovered(1)["last_recovery"]
+        assert rec["path"] == "refill", (rec, a.log()[-3000:])
+        assert "hybrid skipped" in falls(rec) and "is gone" in falls(rec)
+        assert {"refill", "criu_restore", "resume"} <= set(rec["stages"])
+        with empty.client() as c:
+            regions = c.committed_set(digest)
+        assert regions is not None and all(r.holder_id == empty.stats().holder_id
+                                           for r in regions)
+        assert _complete(a) == before
+        assert "held weights re-attached at the same addresses" in a.log()
+        assert metric(a, "pitstop_holder_refill_bytes_total") >= sum(r.size for r in regions)
+        [snap] = _snapshots(a)
+        assert snap["kind"] == "hybrid"  # the same image, restored over refilled weights
+        # The next crash finds the refilled weights held: hybrid again, by digest.
+        os.kill(a.status()["engine_pid"], signal.SIGKILL)
+        rec = a.wait_recovered(2)["last_recovery"]
+        assert rec["path"] == "hybrid", rec
+        assert _complete(a) == before
+    finally:
+        empty.stop()
+
+
+def test_a_refill_cut_by_the_holder_dying_leaves_nothing_attachable_and_the_ladder_falls_on(
+        held, tmp_path):
+    a, holder = held
+    digest = json.loads(plan_path(tmp_path).read_text())["digest"]
+    holder.stop()
+    # 0.2 MB/s: the 2.5 MB of weights would take over ten seconds to load.
+    slow = Holder(tmp_path / "holder", "--no-refill", "--refill-rate", "0.2")
+    os.kill(a.status()["engine_pid"], signal.SIGKILL)
+    wait_for(lambda: slow.stats().regions_pending > 0, "the agent's refill to start", 60)
+    os.kill(slow.proc.pid, signal.SIGKILL)
+    slow.proc.wait()
+    rec = a.wait_recovered(1)["last_recovery"]
+    said = falls(rec)
+    assert "refill start failed: refill of" in said, rec
+    # The rung after refill was tried next, with its own reason (this node has no full image).
+    assert said.index("refill start failed") < said.index("full skipped")
+    assert rec["path"] == "cold"
+    again = Holder(tmp_path / "holder", "--no-refill")
+    try:
+        with again.client() as c:
+            assert c.committed_set(digest) is None and c.list() == []
+    finally:
+        again.stop()
+    # The image was not at fault: it is kept, not quarantined (the full one is the cold
+    # engine's, taken without a holder).
+    assert "hybrid" in [s["kind"] for s in _snapshots(a)]
+    assert "quarantined" not in a.log()
+
+
+def add_metadata(path: Path) -> None:
+    """Rewrite a safetensors file with a `__metadata__` entry: the same tensors (so the same
+    answers) in a file of other bytes, so other weights by digest."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    header["__metadata__"] = {"rewritten": "by the test"}
+    new = json.dumps(header).encode()
+    new += b" " * (-len(new) % 8)
+    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+
+
+def test_a_weights_file_changed_on_disk_is_drift_and_the_refill_is_refused(held, tmp_path,
+                                                                           model):
+    a, holder = held
+    old = json.loads(plan_path(tmp_path).read_text())["digest"]
+    holder.stop()
+    empty = Holder(tmp_path / "holder", "--no-refill")
+    try:
+        add_metadata(model / "model.safetensors")
+        os.kill(a.status()["engine_pid"], signal.SIGKILL)
+        rec = a.wait_recovered(1)["last_recovery"]
+        said = falls(rec)
+        assert "refill skipped: the weights on disk" in said, rec
+        assert "model.safetensors: changed since the plan was made (size" in said
+        assert "hybrid skipped" in said and rec["path"] == "cold"
+        # The new engine loaded the new file into the holder; the plan follows it.
+        assert empty.stats().bytes_committed > 0
+        wait_for(lambda: json.loads(plan_path(tmp_path).read_text())["digest"] != old,
+                 "the plan of the new weights", 30)
+    finally:
+        empty.stop()
+
+
+def test_a_holder_that_starts_beside_its_plan_refills_by_itself_before_the_engine_needs_it(
+        held, tmp_path):
+    a, holder = held
+    before = _complete(a)
+    digest = json.loads(plan_path(tmp_path).read_text())["digest"]
+    holder.stop()
+    rebooted = Holder(tmp_path / "holder")  # as after a reboot: the plan is all it has
+    try:
+        with rebooted.client() as c:
+            wait_for(lambda: c.has_committed(digest), "the start-up refill", 60)
+        os.kill(a.status()["engine_pid"], signal.SIGKILL)
+        rec = a.wait_recovered(1)["last_recovery"]
+        assert rec["path"] == "hybrid", rec
+        assert "refill" not in rec["stages"]
+        assert _complete(a) == before
+    finally:
+        rebooted.stop()
+
+
+def test_after_a_gpu_fault_the_refill_rung_stays_on_the_ladder_and_hybrid_does_not():
+    """The refill loads the weights into new memory: nothing a GPU fault made suspect is
+    reused (the holder dropped it, or, when it could not, still holds it, and then the
+    refill is skipped as 'held already')."""
+    from agent.gpu_health import FaultKind, GpuCheck, GpuFault, Verdict
+    from agent.supervisor.gpu import ruled_out
+    from agent.supervisor.paths.holder import HybridRestore
+    from agent.supervisor.paths.refill import RefillRestore
+
+    fault = GpuCheck(faults=(GpuFault(FaultKind.XID_MEMORY, "Xid 48", xid=48),))
+    assert fault.verdict is Verdict.MEMORY_SUSPECT
+    assert ruled_out(RefillRestore, fault) is None
+    assert ruled_out(HybridRestore, fault) is not None
+
+
+def test_after_the_holder_dropped_everything_the_refill_loads_the_weights_again(held, tmp_path):
+    """What a GPU fault leaves: the same holder, told to drop all it held."""
+    from agent.holder import protocol as p
+
+    a, holder = held
+    before = _complete(a)
+    with holder.client() as c:
+        assert c.drop(p.DropReason.GPU_FAULT, "the test's fault").regions > 0
+    os.kill(a.status()["engine_pid"], signal.SIGKILL)
+    rec = a.wait_recovered(1)["last_recovery"]
+    assert rec["path"] == "refill", rec
+    assert _complete(a) == before
+    assert holder.stats().regions_committed > 0

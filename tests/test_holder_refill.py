@@ -1,0 +1,261 @@
+"""The holder's refill against a real `pitstop holder` process: it loads a model's weights
+itself, from a plan, into exactly the regions a tenant makes, and commits all or nothing."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import signal
+import struct
+import threading
+from pathlib import Path
+
+import pytest
+
+from agent.errors import HolderRefusedError
+from agent.holder import protocol as p
+from agent.holder.weightplan import (
+    DriftCode,
+    RefillPlan,
+    WeightFile,
+    build_plan,
+    load_plan,
+    region_name,
+    weight_regions,
+    write_plan,
+)
+from agent.weights import WeightsDigester
+from tests.holder_proc import Holder, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def write_safetensors(path: Path, tensors: dict[str, bytes]) -> None:
+    """A real safetensors file of uint8 tensors (an 8-byte header length, JSON, the data)."""
+    header, at = {}, 0
+    for name, data in tensors.items():
+        header[name] = {"dtype": "U8", "shape": [len(data)], "data_offsets": [at, at + len(data)]}
+        at += len(data)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + b"".join(tensors.values()))
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    """Two shards of random bytes (one of them bigger than one read piece) and a config."""
+    d = tmp_path / "model"
+    d.mkdir()
+    write_safetensors(d / "model-00001-of-00002.safetensors",
+                      {"a": os.urandom(3 << 20), "b": os.urandom(123_457)})
+    write_safetensors(d / "model-00002-of-00002.safetensors", {"c": os.urandom(17 << 20)})
+    (d / "config.json").write_text('{"model_type": "test"}')
+    return d
+
+
+def plan_for(model: Path, holder_dir: Path) -> RefillPlan:
+    d = WeightsDigester(None).digest(model)
+    plan = build_plan(model, d.files, d.digest)
+    write_plan(holder_dir, plan)
+    return plan
+
+
+def region_bytes(holder: Holder, name: str) -> bytes:
+    with holder.client() as c, c.attach(name) as g:
+        [fd] = g.fds
+        with mmap.mmap(fd, g.region.mapped_size, mmap.MAP_SHARED, mmap.PROT_READ) as m:
+            return m[:g.region.size]
+
+
+def file_data(path: Path) -> bytes:
+    f = WeightFile.read_header(path)
+    return path.read_bytes()[f.data_offset:]
+
+
+def test_a_refill_commits_every_region_with_the_bytes_of_its_file(holder, model):
+    plan = plan_for(model, holder.sock.parent)
+    with holder.client() as c:
+        done = c.refill(plan.digest)
+        assert (done.regions, done.bytes) == (2, plan.bytes)
+        regions = c.committed_set(plan.digest)
+    assert regions is not None and [r.name for r in regions] == [r.name for r in plan.regions]
+    for path in sorted(model.glob("*.safetensors")):
+        assert region_bytes(holder, region_name(plan.digest, path)) == file_data(path)
+    assert "refill of" in holder.log.read_text() and "committed" in holder.log.read_text()
+
+
+def test_a_refill_makes_the_regions_a_tenant_makes_byte_for_byte(tmp_path, model):
+    """The tenant (HeldWeights, loading from disk) and the holder's refill, each into its own
+    holder: the same names, sizes, chunks and bytes, so an engine restored over the one
+    re-attaches the other."""
+    torch = pytest.importorskip("torch")
+    from agent.tenant.weights import HeldWeights
+
+    digest = WeightsDigester(None).digest(model).digest
+    by_tenant, by_refill = Holder(tmp_path / "h1"), Holder(tmp_path / "h2")
+    try:
+        files = sorted(model.glob("*.safetensors"))
+        hw = HeldWeights.open(by_tenant.sock, files, digest, torch.device("cpu"))
+        assert hw.source == "disk"
+        hw.held.close()
+        plan_for(model, by_refill.sock.parent)
+        with by_refill.client() as c:
+            c.refill(digest)
+        with by_tenant.client() as a, by_refill.client() as b:
+            made = [(r.name, r.size, r.chunks, r.parts) for r in a.committed_set(digest)]
+            refilled = [(r.name, r.size, r.chunks, r.parts) for r in b.committed_set(digest)]
+        assert made == refilled
+        for name, *_ in made:
+            assert region_bytes(by_tenant, name) == region_bytes(by_refill, name)
+    finally:
+        by_tenant.stop()
+        by_refill.stop()
+
+
+def test_a_weights_file_changed_on_disk_is_drift_and_the_refill_is_refused(holder, model):
+    plan = plan_for(model, holder.sock.parent)
+    shard = model / "model-00002-of-00002.safetensors"
+    with shard.open("r+b") as f:  # same size, other bytes: only the stat key tells
+        f.seek(-4, os.SEEK_END)
+        f.write(b"\xff\xfe\xfd\xfc")
+    drift = load_plan(holder.sock.parent).drift()
+    assert drift is not None and drift.code is DriftCode.CHANGED and drift.where == shard.name
+    with holder.client() as c, pytest.raises(HolderRefusedError) as e:
+        c.refill(plan.digest)
+    assert e.value.code == p.ErrorCode.DRIFT.value
+    assert shard.name in str(e.value)
+    assert holder.stats().bytes_held == 0
+
+
+def test_a_file_added_to_the_model_directory_is_drift(holder, model):
+    plan_for(model, holder.sock.parent)
+    (model / "extra.safetensors").write_bytes((model / "model-00002-of-00002.safetensors")
+                                              .read_bytes())
+    drift = load_plan(holder.sock.parent).drift()
+    assert drift is not None and drift.code is DriftCode.FILES
+    assert "added extra.safetensors" in str(drift)
+
+
+def test_without_a_plan_or_with_one_of_other_weights_the_refill_is_refused(holder, model):
+    with holder.client() as c, pytest.raises(HolderRefusedError) as e:
+        c.refill("sha256:" + "0" * 64)
+    assert e.value.code == p.ErrorCode.NO_PLAN.value and "no refill plan" in str(e.value)
+    plan_for(model, holder.sock.parent)
+    with holder.client() as c, pytest.raises(HolderRefusedError) as e:
+        c.refill("sha256:" + "0" * 64)
+    assert e.value.code == p.ErrorCode.NO_PLAN.value and "is for weights" in str(e.value)
+
+
+def test_a_plan_others_can_write_is_not_trusted(holder, model):
+    plan_for(model, holder.sock.parent)
+    os.chmod(holder.sock.parent / "refill.json", 0o666)
+    with holder.client() as c, pytest.raises(HolderRefusedError) as e:
+        c.refill(plan_for.__name__)  # any digest: the plan is refused before it is read
+    assert e.value.code == p.ErrorCode.NO_PLAN.value and "not writable by others" in str(e.value)
+
+
+def test_regions_being_refilled_cannot_be_attached_and_a_holder_killed_mid_load_leaves_none(
+        tmp_path, model):
+    base = tmp_path / "holder"
+    slow = Holder(base, "--refill-rate", "2")  # 2 MB/s: 21 MB take about ten seconds
+    plan = plan_for(model, slow.sock.parent)
+    answer: list[object] = []
+
+    def ask() -> None:
+        try:
+            with slow.client() as c:
+                answer.append(c.refill(plan.digest))
+        except Exception as e:  # noqa: BLE001 - the test reads what came back
+            answer.append(e)
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    wait_for(lambda: slow.stats().regions_pending == 2, "the refill's regions")
+    with slow.client() as c:
+        assert not c.has_committed(plan.digest)
+        with pytest.raises(HolderRefusedError) as e:
+            c.attach(plan.regions[0].name)
+        assert e.value.code == p.ErrorCode.NOT_COMMITTED.value
+    os.kill(slow.proc.pid, signal.SIGKILL)
+    slow.proc.wait()
+    asker.join(10)
+    assert answer and isinstance(answer[0], Exception)
+    again = Holder(base, "--no-refill")
+    try:
+        st = again.stats()
+        assert (st.regions_committed, st.regions_pending, st.bytes_held) == (0, 0, 0)
+        with again.client() as c:
+            assert c.committed_set(plan.digest) is None
+    finally:
+        again.stop()
+
+
+def test_a_second_refill_request_joins_the_running_one(tmp_path, model):
+    slow = Holder(tmp_path / "holder", "--refill-rate", "20")
+    try:
+        plan = plan_for(model, slow.sock.parent)
+        got: list[p.Refilled] = []
+        threads = [threading.Thread(target=lambda: got.append(slow.client().refill(plan.digest)))
+                   for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert len(got) == 2 and got[0] == got[1] and got[0].bytes == plan.bytes
+        assert slow.log.read_text().count("refill of") == 2  # one started, one committed
+    finally:
+        slow.stop()
+
+
+def test_a_drop_mid_refill_cancels_it_and_commits_nothing(tmp_path, model):
+    slow = Holder(tmp_path / "holder", "--refill-rate", "2")
+    try:
+        plan = plan_for(model, slow.sock.parent)
+        answer: list[object] = []
+
+        def ask() -> None:
+            try:
+                with slow.client() as c:
+                    answer.append(c.refill(plan.digest))
+            except HolderRefusedError as e:
+                answer.append(e)
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        wait_for(lambda: slow.stats().regions_pending == 2, "the refill's regions")
+        with slow.client() as c:
+            c.drop(p.DropReason.GPU_FAULT, "test")
+        asker.join(10)
+        [err] = answer
+        assert isinstance(err, HolderRefusedError) and err.code == "refill_failed"
+        assert "nothing was committed" in str(err)
+        st = slow.stats()
+        assert (st.regions_committed, st.regions_pending) == (0, 0)
+    finally:
+        assert slow.stop() == 0
+
+
+def test_a_holder_started_beside_a_plan_refills_by_itself(tmp_path, model):
+    base = tmp_path / "holder"
+    (base / "cpu").mkdir(parents=True, mode=0o700)
+    plan = plan_for(model, base / "cpu")
+    h = Holder(base)
+    try:
+        with h.client() as c:
+            wait_for(lambda: c.has_committed(plan.digest), "the start-up refill", timeout=30)
+        assert h.stats().bytes_committed >= plan.bytes
+    finally:
+        h.stop()
+
+
+def test_the_plan_names_the_regions_the_tenant_layout_makes(model):
+    digest = WeightsDigester(None).digest(model).digest
+    files = [WeightFile.read_header(f) for f in sorted(model.glob("*.safetensors"))]
+    d = WeightsDigester(None).digest(model)
+    plan = build_plan(model, d.files, d.digest)
+    assert [(r.name, r.offset, r.size) for r in plan.regions] == [
+        (r.name, r.offset, r.size) for r in weight_regions(digest, files)]
+    assert {f.name for f in plan.files} == {"config.json", "model-00001-of-00002.safetensors",
+                                            "model-00002-of-00002.safetensors"}
