@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from agent.cli import format_status
-from agent.config import HolderConfig
+from agent.config import parse_config
+from agent.engines import build_adapter
 from agent.errors import SnapshotError, StartPathError
 from agent.metrics import Metrics, new_registry
 from agent.refusal import Refusal, RefusalCode
@@ -28,6 +29,7 @@ from agent.supervisor.paths.holder import HolderLink, WarmStart
 from agent.supervisor.paths.restore import FullRestore
 from agent.supervisor.states import Fall
 from agent.supervisor.status import AgentStatus, Fallthrough, Recovery
+from tests.agentproc import agent_config
 from tests.frontkit import socket_dir
 from tests.snapshot_helpers import IDENT, publish
 
@@ -104,7 +106,8 @@ def test_choosing_a_snapshot_leaves_the_event_loop_running(store: SnapshotStore)
     assert ticks >= 10, (ticks, took)
 
 
-def test_asking_a_silent_holder_leaves_the_event_loop_running(tmp_path: Path) -> None:
+def test_asking_a_silent_holder_leaves_the_event_loop_running(tmp_path: Path,
+                                                              tiny_model: Path) -> None:
     base = socket_dir()
     try:
         (base / "cpu").mkdir()
@@ -112,9 +115,12 @@ def test_asking_a_silent_holder_leaves_the_event_loop_running(tmp_path: Path) ->
         silent = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         silent.bind(str(base / "cpu" / "holder.sock"))
         silent.listen()
-        link = HolderLink(HolderConfig(enabled=True, dir=base, gpu="cpu"), tmp_path,
-                          gpu=lambda: "cpu", digest=lambda: "sha256-x")
-        rung = WarmStart(None, link)  # type: ignore[arg-type]
+        cfg = parse_config(agent_config(tmp_path, tiny_model, holder={
+            "enabled": True, "dir": str(base), "gpu": "cpu"}), "test")
+        adapter = build_adapter(cfg)
+        link = HolderLink(cfg.holder, cfg.paths.run, gpu=lambda: "cpu",
+                          digest=lambda: "sha256-x", adapter=adapter)
+        rung = WarmStart(adapter, link)
         t0 = time.monotonic()
         refusal, ticks = asyncio.run(_ticks_while(rung.prepare(Attempt("crash"))))
         took = time.monotonic() - t0
