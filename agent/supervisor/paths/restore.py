@@ -12,7 +12,7 @@ from collections.abc import Callable
 from agent import proc
 from agent.checkpoint.snapshotter import Snapshotter
 from agent.engines.base import EngineAdapter
-from agent.errors import EngineError, SnapshotError, StartPathError
+from agent.errors import EngineError, RestoreBlockedError, SnapshotError, StartPathError
 from agent.identity import Identity
 from agent.metrics import Metrics
 from agent.refusal import Refusal, RefusalCode
@@ -91,6 +91,11 @@ class FullRestore:
             os.unlink(self._socket)
         try:
             restored = await proc.in_parent_thread(self._snap.restore, manifest)
+        except RestoreBlockedError as e:
+            # The host's failure (a PID still taken), not the image's: it stays a candidate.
+            raise StartPathError(Refusal(
+                RefusalCode.PID_TAKEN,
+                f"restore of snapshot {manifest.id} could not run: {e}")) from e
         except SnapshotError as e:
             self.failed(prepared, str(e))
             raise StartPathError(Refusal(
