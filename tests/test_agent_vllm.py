@@ -239,8 +239,11 @@ def _restored(agent: VllmAgent, client: openai.OpenAI, n: int,
     rec = st["last_recovery"]
     causes = (cause,) if isinstance(cause, str) else cause
     assert (rec["path"], rec["result"]) == ("full", "success") and rec["cause"] in causes, rec
-    [hybrid] = fallthroughs(rec)
-    assert hybrid.startswith("hybrid skipped: no holder configured"), rec
+    # Both rungs that need a holder say there is none (refill sits between hybrid and full).
+    falls = fallthroughs(rec)
+    assert [f.split(":")[0] for f in falls] == ["hybrid skipped", "refill skipped"], rec
+    assert all(f.split(": ", 1)[1].startswith("no holder configured") for f in falls), rec
+    assert {f["refusal"]["code"] for f in rec["fallthroughs"]} == {"disabled"}, rec
     assert "criu_restore" in rec["stages"], rec
     print(f"\nrecovery {n} ({rec['cause']}): full restore in {rec['duration_s']:.1f}s, stages "
           f"{rec['stages']}", file=sys.stderr)
