@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -9,11 +10,13 @@ import subprocess
 import sys
 import time
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
 
 from agent.supervisor.ownership import EngineLedger
+from tests.holder_proc import Holder
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -39,6 +42,22 @@ def agent_config(tmp: Path, model: Path, **overrides: dict) -> dict:
     for section, values in overrides.items():
         cfg.setdefault(section, {}).update(values)
     return cfg
+
+
+@contextlib.contextmanager
+def held_agent(tmp: Path, model: Path) -> Iterator[tuple[RunningAgent, Holder]]:
+    """A cpu-backend holder in `tmp/holder` and an agent whose engine keeps its weights in
+    it, ready and with its first snapshot published; both stopped afterwards."""
+    holder = Holder(tmp / "holder")
+    a = RunningAgent(tmp, agent_config(
+        tmp, model, holder={"enabled": True, "dir": str(tmp / "holder"), "gpu": "cpu"}))
+    try:
+        a.wait_ready()
+        a.wait_for(lambda s: "published" in s.get("reason", ""), 120, "the first snapshot")
+        yield a, holder
+    finally:
+        a.stop()
+        holder.stop()
 
 
 # Every agent a test started and did not stop yet: `stop_all` ends them after each test, so a

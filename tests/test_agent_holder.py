@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from tests.agentproc import RunningAgent, agent_config, fallthroughs
+from tests.agentproc import fallthroughs, held_agent
 from tests.holder_proc import Holder, wait_for
 from tests.test_agent_snapshots import _complete, _criu, _snapshots  # noqa: F401 - _criu: CRIU
 
@@ -17,17 +17,8 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def held(tmp_path, tiny_model):
     """A cpu-backend holder and an agent whose engine keeps its weights in it."""
-    holder = Holder(tmp_path / "holder")
-    a = RunningAgent(tmp_path, agent_config(
-        tmp_path, tiny_model, holder={"enabled": True, "dir": str(tmp_path / "holder"),
-                                      "gpu": "cpu"}))
-    try:
-        a.wait_ready()
-        a.wait_for(lambda s: "published" in s.get("reason", ""), 120, "the first snapshot")
-        yield a, holder
-    finally:
-        a.stop()
-        holder.stop()
+    with held_agent(tmp_path, tiny_model) as agent_and_holder:
+        yield agent_and_holder
 
 
 def test_a_cold_start_fills_the_holder_and_a_crash_comes_back_through_a_hybrid_restore(held):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agentproc import RunningAgent, agent_config, fallthroughs
+from tests.agentproc import RunningAgent, fallthroughs, held_agent
 from tests.holder_proc import Holder, wait_for
 from tests.test_agent_snapshots import _complete, _criu, _snapshots  # noqa: F401 - _criu: CRIU
 
@@ -33,18 +33,9 @@ def model(tmp_path, tiny_model) -> Path:
 def held(tmp_path, model):
     """A cpu holder, an agent whose engine keeps its weights there, its hybrid snapshot
     published and the refill plan it leaves beside the holder's socket written."""
-    holder = Holder(tmp_path / "holder")
-    a = RunningAgent(tmp_path, agent_config(
-        tmp_path, model, holder={"enabled": True, "dir": str(tmp_path / "holder"),
-                                 "gpu": "cpu"}))
-    try:
-        a.wait_ready()
-        a.wait_for(lambda s: "published" in s.get("reason", ""), 120, "the first snapshot")
+    with held_agent(tmp_path, model) as (a, holder):
         wait_for(lambda: plan_path(tmp_path).exists(), "the refill plan", timeout=30)
         yield a, holder
-    finally:
-        a.stop()
-        holder.stop()
 
 
 def plan_path(tmp_path: Path) -> Path:
