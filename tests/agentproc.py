@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,6 +43,24 @@ def agent_config(tmp: Path, model: Path, **overrides: dict) -> dict:
     for section, values in overrides.items():
         cfg.setdefault(section, {}).update(values)
     return cfg
+
+
+def complete(agent: RunningAgent, prompt: str = "The snapshot") -> str:
+    """A short greedy completion through the agent's front: the text it answered."""
+    body = json.dumps({"model": agent.status_model(), "prompt": prompt, "max_tokens": 8,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(agent.front_url + "/completions", data=body,
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())["choices"][0]["text"]
+
+
+def snapshot_list(agent: RunningAgent) -> list[dict]:
+    """`pitstop snapshot list --json` for the agent's configuration."""
+    r = subprocess.run([sys.executable, "-m", "agent", "snapshot", "list", "--json", "--config",
+                        str(agent.config_path)], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
 
 
 @contextlib.contextmanager

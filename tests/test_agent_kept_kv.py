@@ -18,7 +18,7 @@ from agent.holder.kvledger import HEADER_BYTES, LedgerShape
 from tests.agentproc import RunningAgent, held_agent
 from tests.conftest import cached_model
 from tests.holder_proc import Holder
-from tests.test_agent_snapshots import _criu  # noqa: F401 - _criu: CRIU is required
+from tests.snapshot_helpers import criu_present  # noqa: F401 - autouse: CRIU is required
 
 pytestmark = pytest.mark.integration
 
