@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
+from agent.checks import Check
 from agent.config import Config
 from agent.errors import SnapshotError
 
@@ -15,17 +15,6 @@ CAP_SYS_PTRACE = 19
 CAP_SYS_ADMIN = 21
 CAP_CHECKPOINT_RESTORE = 40
 MIN_FREE_BYTES = 1 << 30
-
-
-@dataclass(frozen=True)
-class Check:
-    """One doctor item. `needed`: a failure stops snapshots (exit 1); otherwise a warning."""
-
-    name: str
-    ok: bool
-    needed: bool
-    detail: str
-    fix: str | None = None
 
 
 def _criu(config: Config) -> list[Check]:

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from enum import StrEnum
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from agent.checkpoint.connections import Outside, OutsideConnection
+
+class Refusal(Protocol):
+    """One connection that stops a dump: agent.checkpoint.connections.OutsideConnection is the
+    one kind there is. Named by shape, since this lowest module imports none of agent/."""
+
+    @property
+    def reason(self) -> StrEnum: ...
 
 
 class PitstopError(Exception):
@@ -14,6 +20,13 @@ class PitstopError(Exception):
 
 class ConfigError(PitstopError):
     """The configuration file is missing, malformed or invalid."""
+
+
+class MissingExtraError(ConfigError):
+    """What the configuration or command asks for needs a pip extra that is not installed.
+
+    A ConfigError: starting again cannot fix it, installing the extra named does.
+    """
 
 
 class AgentRunningError(PitstopError):
@@ -50,7 +63,7 @@ class OpenConnectionsError(SnapshotError):
     `connections` names each one (its reason code, inode, both addresses, the holder).
     """
 
-    def __init__(self, connections: tuple[OutsideConnection, ...]) -> None:
+    def __init__(self, connections: tuple[Refusal, ...]) -> None:
         self.connections = connections
         n = len(connections)
         super().__init__(
@@ -61,7 +74,7 @@ class OpenConnectionsError(SnapshotError):
             "engine open) and snapshot again")
 
     @property
-    def reasons(self) -> tuple[Outside, ...]:
+    def reasons(self) -> tuple[StrEnum, ...]:
         return tuple(dict.fromkeys(c.reason for c in self.connections))
 
 

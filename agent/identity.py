@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
@@ -25,10 +25,27 @@ from agent.errors import CommandError, IdentityError, SourceUnavailable
 
 if TYPE_CHECKING:
     from agent.config import Config
-    from agent.engines.base import EngineAdapter
     from agent.weights import WeightsDigest, WeightsDigester
 
 log = logging.getLogger("pitstop.identity")
+
+
+class LaunchShape(Protocol):
+    """The part of a launch spec an identity records (agent.engines.base.LaunchSpec)."""
+
+    @property
+    def argv(self) -> Sequence[str]: ...
+
+    @property
+    def env(self) -> Mapping[str, str]: ...
+
+
+class Launcher(Protocol):
+    """What the identity needs of an engine adapter: how it would start the engine. Every
+    agent.engines.base.EngineAdapter is one; named by shape, as the adapters import this
+    module (vLLM's reads its package version here) and this one must not import them back."""
+
+    def launch_spec(self) -> LaunchShape: ...
 
 # Environment variables that change what the engine computes or where it runs;
 # only these are recorded, so that unrelated variables do not make snapshots stale.
@@ -346,7 +363,7 @@ def _gpu_fields(gpu: GpuFacts | None) -> dict[str, Any]:
 
 def host_identity(
     config: Config,
-    adapter: EngineAdapter,
+    adapter: Launcher,
     criu_version: str | None,
     weights_digest: str | None,
     *,
@@ -411,7 +428,7 @@ class HostIdentity:
         ident = reader()
     """
 
-    def __init__(self, config: Config, adapter: EngineAdapter, criu_version: str | None,
+    def __init__(self, config: Config, adapter: Launcher, criu_version: str | None,
                  digester: WeightsDigester, **kwargs: Any) -> None:
         self.config = config
         self.adapter = adapter

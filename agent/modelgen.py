@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.errors import ModelError
+from agent.extras import Extra, require
 from agent.fsutil import fsync_dir
 
 GENERATOR = "pitstop-modelgen"
@@ -173,6 +174,7 @@ def make_model(
                 f"{directory} already holds {what}; pass --force to replace it, "
                 "or choose another directory"
             )
+    require(Extra.REFERENCE, "pitstop make-model")  # torch writes the weights
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
     try:

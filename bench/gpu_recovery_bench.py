@@ -7,10 +7,18 @@ Not part of `make test` (no GPU on CI). On the GPU host, from the repository roo
 
     PITSTOP_CRIU=$PWD/.gpu/criu/bin/criu python3 bench/gpu_recovery_bench.py OUT --gib 8
 
-`--paths` picks the recoveries: full and cold (no holder), hybrid and warm (the agent with
-`holder.enabled`, over a `pitstop holder` this script starts for GPU 0: the first start
-fills the holder, a hybrid snapshot is taken, the engine is killed `--runs` times; then
-the agent is restarted with snapshots off and every start attaches the held weights).
+`--paths` picks the recoveries (all five by default, side by side in one run): full and
+cold (no holder), hybrid, refill and warm (the agent with `holder.enabled`, over a
+`pitstop holder` this script starts for GPU 0: the first start fills the holder, a hybrid
+snapshot is taken, the engine is killed `--runs` times (hybrid); then `--runs` times the
+holder is restarted empty and the engine killed (refill: the holder loads the weights from
+the files, then the hybrid restore runs); then the agent is restarted with snapshots off
+and every start attaches the held weights (warm)). A full restore needs room for an image
+as large as the weights: when the snapshot directory's file system has less free space,
+the full path is skipped and the result says why.
+
+The run also measures the host's pinned host-to-device copy rate (torch, `--h2d-gib` of
+pinned memory to the GPU, best of 5): the refill row gives its weight load in GB/s against it.
 
 After every recovery one streamed request goes through the agent's front, then
 --steady-requests more: the front's own `pitstop_front_time_to_first_token_seconds`
@@ -191,12 +199,75 @@ def machine() -> tuple[str, str]:
     return kind, f"{os.uname().nodename} ({gpu}, kernel {os.uname().release})"
 
 
+H2D_SCRIPT = """
+import sys, time, torch
+n = int(float(sys.argv[1]) * 2**30)
+src = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+best = 0.0
+for _ in range(6):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    best = max(best, n / (time.perf_counter() - t0))
+print(best / 1e9)
+"""
+
+
+def pinned_h2d_gbps(device: str, gib: float) -> float | None:
+    """The host's pinned host-to-device copy rate, GB/s (best of 6 copies of `gib` GiB)."""
+    if device != "cuda" or gib <= 0:
+        return None
+    out = subprocess.run([sys.executable, "-c", H2D_SCRIPT, str(gib)], capture_output=True,
+                         text=True, timeout=300)
+    if out.returncode != 0:
+        log(f"pinned host-to-device measurement failed: {out.stderr[-500:]}")
+        return None
+    return round(float(out.stdout.strip()), 2)
+
+
+# Stage names of the refill rung that hold the weight load itself (the rest is the restore).
+LOAD_STAGES = ("refill", "refill_load", "load")
+
+
+def load_seconds(rec: dict) -> float | None:
+    """Seconds the refill's weight load took in one recovery, from its stages."""
+    secs = [v for k, v in rec.get("stages", {}).items() if k in LOAD_STAGES]
+    return sum(secs) if secs else None
+
+
+def stage_medians(recs: list[dict]) -> dict[str, float]:
+    names = {k for r in recs for k in r.get("stages", {})}
+    return {k: round(statistics.median(r["stages"].get(k, 0.0) for r in recs), 4)
+            for k in sorted(names)}
+
+
+def refill_figures(recs: list[dict], weights_bytes: int, h2d: float | None) -> dict:
+    loads = [s for s in (load_seconds(r) for r in recs) if s]
+    if not loads:
+        return {"load_s": [], "load_gbps": None, "pinned_h2d_gbps": h2d, "load_vs_pinned": None}
+    gbps = weights_bytes / statistics.median(loads) / 1e9
+    return {"load_s": loads, "load_gbps": round(gbps, 2), "pinned_h2d_gbps": h2d,
+            "load_vs_pinned": round(gbps / h2d, 3) if h2d else None}
+
+
+PATHS = ("cold", "warm", "full", "refill", "hybrid")
+
+
 def rows(result: dict, gib: float, command: str) -> list[dict]:
-    """One row per recovery path measured: times, peak GPU memory, both first-token figures."""
+    """One row per recovery path measured: times, stages, peak GPU memory, both first-token
+    figures; the refill row also its load rate against the pinned host-to-device rate. A
+    refill run the ladder walked past (to another rung) is not a refill: it is listed in
+    the row's `fell_to`, not in its times."""
     out = []
     where, host = machine()
-    for path in ("hybrid", "full", "warm", "cold"):
+    for path in PATHS:
         recs = [r for r in result.get(path, []) if r.get("result") == "success"]
+        fell_to = []
+        if path == "refill":
+            fell_to = [r["path"] for r in recs if r.get("path") != "refill"]
+            recs = [r for r in recs if r.get("path") == "refill"]
         if not recs:
             continue
         runs = [r["duration_s"] for r in recs]
@@ -215,6 +286,11 @@ def rows(result: dict, gib: float, command: str) -> list[dict]:
             "first_token_after_recovery_median_s": statistics.median(after) if after else None,
             "first_token_steady_s": steady,
             "first_token_steady_median_s": statistics.median(steady) if steady else None,
+            "stages_median_s": stage_medians(recs),
+            "canary_method": result.get("canary_method"),
+            **({"fell_to": fell_to, **refill_figures(recs, result["weights_bytes"],
+                                                     result.get("pinned_h2d_gbps"))}
+               if path == "refill" else {}),
         })
     return out
 
@@ -227,10 +303,10 @@ def gpu_id(device: str) -> str:
     return out.stdout.strip()
 
 
-def start_holder(gpu: str, holder_dir: Path, workdir: Path) -> subprocess.Popen:
+def start_holder(gpu: str, holder_dir: Path, workdir: Path, *extra: str) -> subprocess.Popen:
     backend = "cpu" if gpu == "cpu" else "cuda"
     p = subprocess.Popen([sys.executable, "-m", "agent", "holder", "--backend", backend,
-                          "--gpu", gpu, "--dir", str(holder_dir)], cwd=REPO,
+                          "--gpu", gpu, "--dir", str(holder_dir), *extra], cwd=REPO,
                          stdout=(workdir / "holder.log").open("ab"), stderr=subprocess.STDOUT)
     sock = holder_dir / gpu / "holder.sock"
     end = time.monotonic() + 60
@@ -241,6 +317,37 @@ def start_holder(gpu: str, holder_dir: Path, workdir: Path) -> subprocess.Popen:
     return p
 
 
+def restart_holder(holder: subprocess.Popen, gpu: str, holder_dir: Path,
+                   workdir: Path) -> subprocess.Popen:
+    holder.send_signal(signal.SIGTERM)
+    holder.wait(120)
+    (holder_dir / gpu / "holder.sock").unlink(missing_ok=True)
+    # Empty when the engine dies: a holder left to refill at its start would race the kill.
+    return start_holder(gpu, holder_dir, workdir, "--no-refill")
+
+
+def canary_method(state_dir: Path) -> str | None:
+    """How the agent's canary record was made (an older agent's record names none)."""
+    try:
+        return json.loads((state_dir / "canary.json").read_text()).get("method",
+                                                                       "engine_default")
+    except (OSError, ValueError):
+        return None
+
+
+def full_fits(snapshot_dir: Path, weights_bytes: int, kv_gib: float) -> str:
+    """Why a full image cannot be written under `snapshot_dir`, or "" when it can."""
+    probe = snapshot_dir
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    need = int(weights_bytes * 1.05) + int(kv_gib * 2**30) + (2 << 30)
+    if free < need:
+        return (f"a full image of about {need / 1e9:.0f} GB does not fit in the "
+                f"{free / 1e9:.0f} GB free under {probe}")
+    return ""
+
+
 def first_snapshot(agent: Agent) -> dict:
     agent.wait(lambda s: "published" in s.get("reason", "")
                or "failed" in s.get("reason", ""), 900, "snapshot")
@@ -249,7 +356,10 @@ def first_snapshot(agent: Agent) -> dict:
         raise SystemExit("no snapshot was published; see agent.log")
     m = manifest(agent.path, snaps[0]["id"])
     snap = {"id": m["id"], "kind": m.get("kind"),
-            "image_bytes": sum(f["size"] for f in m["files"]), "timings": m["timings"]}
+            "image_bytes": sum(f["size"] for f in m["files"]), "timings": m["timings"],
+            # Where the image's bytes are (CRIU's pages-N.img per process dominate).
+            "largest_files": {f["name"]: f["size"] for f in
+                              sorted(m["files"], key=lambda f: -f["size"])[:6]}}
     log(f"snapshot {snap}")
     return snap
 
@@ -277,7 +387,9 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/root/pitstop-bench"))
     ap.add_argument("--snapshot-dir", type=Path, default=None,
                     help="default: on disk under --work")
-    ap.add_argument("--paths", default="full,cold")
+    ap.add_argument("--paths", default=",".join(PATHS))
+    ap.add_argument("--h2d-gib", type=float, default=4.0,
+                    help="GiB of pinned memory copied to the GPU to measure the host's rate")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script")
     ap.add_argument("--steady-requests", type=int, default=5,
                     help="streamed requests after the first one following each recovery")
@@ -307,11 +419,71 @@ def main() -> None:
         "metrics": {"host": "127.0.0.1", "port": 0},
         "health": {"start_timeout_s": 900, "timeout_s": 5},
         "snapshots": {"drift_check_interval_s": 0, "quiet_timeout_s": 60},
+        # Every kill here is the bench's own: hybrid and refill together are 2 x --runs of
+        # them within a minute, which the default limit (5 in 300 s) calls a crash loop.
+        "restart": {"crash_loop_limit": 1000},
     }
     if a.snapshot_dir:
         shutil.rmtree(a.snapshot_dir, ignore_errors=True)
         cfg["paths"]["snapshot_dir"] = str(a.snapshot_dir)
     paths = a.paths.split(",")
+    unknown = sorted(set(paths) - set(PATHS))
+    if unknown:
+        raise SystemExit(f"--paths: unknown {', '.join(unknown)}; choose from {', '.join(PATHS)}")
+    result["pinned_h2d_gbps"] = pinned_h2d_gbps(a.device, a.h2d_gib)
+    log(f"pinned host-to-device copy: {result['pinned_h2d_gbps']} GB/s")
+    result["skipped"] = {}
+    if "full" in paths:
+        why = full_fits(a.snapshot_dir or work, result["weights_bytes"], a.kv_gib)
+        if why:
+            result["skipped"]["full"] = why
+            log(f"full restore skipped: {why}")
+            paths.remove("full")
+
+    # The holder's paths first: hybrid is the one this bench is for, and a run cut short
+    # keeps it.
+    if {"hybrid", "refill", "warm"} & set(paths):
+        gpu = gpu_id(a.device)
+        holder_dir = work / "holder"
+        holder = start_holder(gpu, holder_dir, work)
+        hcfg = {**cfg, "holder": {"enabled": True, "dir": str(holder_dir), "gpu": gpu},
+                "paths": {"state_dir": str(work / "state-holder")},
+                "snapshots": {**cfg["snapshots"],
+                              "enabled": "hybrid" in paths or "refill" in paths}}
+        try:
+            agent = Agent(hcfg, work)
+            try:
+                st = agent.wait(lambda s: s.get("state") == "ready", 900, "first start")
+                result["holder_first"] = st["last_recovery"]
+                log(f"first start (fills the holder) {st['last_recovery']}")
+                if "hybrid" in paths or "refill" in paths:
+                    result["hybrid_snapshot"] = first_snapshot(agent)
+                done = a.runs if "hybrid" in paths else 0
+                if "hybrid" in paths:
+                    result["hybrid"] = [recover(agent, n, a.steady_requests)
+                                        for n in range(1, a.runs + 1)]
+                    save(result, a, tag, finished=False)
+                if "refill" in paths:
+                    result["refill"] = []
+                    for n in range(done + 1, done + 1 + a.runs):
+                        # The holder restarted empty (as after a reboot or a holder crash),
+                        # then the engine dies: the ladder finds the hybrid image valid and
+                        # the held weights gone.
+                        holder = restart_holder(holder, gpu, holder_dir, work)
+                        result["refill"].append(recover(agent, n, a.steady_requests))
+                        save(result, a, tag, finished=False)
+                    result["refill_fell_to"] = [r["path"] for r in result["refill"]
+                                                if r.get("path") != "refill"]
+                result["canary_method"] = canary_method(Path(hcfg["paths"]["state_dir"]))
+                save(result, a, tag, finished=False)
+            finally:
+                agent.stop()
+            if "warm" in paths:
+                result["warm"] = starts(hcfg, work, a.runs, "warm start", a.steady_requests)
+        finally:
+            holder.send_signal(signal.SIGTERM)
+            holder.wait(120)
+        save(result, a, tag, finished=False)
 
     if "full" in paths:
         agent = Agent(cfg, work)
@@ -326,41 +498,25 @@ def main() -> None:
             agent.stop()
         log_text = (work / "agent.log").read_text(errors="replace")
         result["freed_lines"] = [x for x in log_text.splitlines() if "freed" in x][-2:]
+        save(result, a, tag, finished=False)
 
     if "cold" in paths:
         result["cold"] = starts(cfg, work, a.runs, "cold start", a.steady_requests)
+        save(result, a, tag, finished=False)
 
-    if "hybrid" in paths or "warm" in paths:
-        gpu = gpu_id(a.device)
-        holder_dir = work / "holder"
-        holder = start_holder(gpu, holder_dir, work)
-        hcfg = {**cfg, "holder": {"enabled": True, "dir": str(holder_dir), "gpu": gpu},
-                "paths": {"state_dir": str(work / "state-holder")},
-                "snapshots": {**cfg["snapshots"], "enabled": "hybrid" in paths}}
-        try:
-            agent = Agent(hcfg, work)
-            try:
-                st = agent.wait(lambda s: s.get("state") == "ready", 900, "first start")
-                result["holder_first"] = st["last_recovery"]
-                log(f"first start (fills the holder) {st['last_recovery']}")
-                if "hybrid" in paths:
-                    result["hybrid_snapshot"] = first_snapshot(agent)
-                    result["hybrid"] = [recover(agent, n, a.steady_requests)
-                              for n in range(1, a.runs + 1)]
-            finally:
-                agent.stop()
-            if "warm" in paths:
-                result["warm"] = starts(hcfg, work, a.runs, "warm start", a.steady_requests)
-        finally:
-            holder.send_signal(signal.SIGTERM)
-            holder.wait(120)
-        shutil.copy(work / "holder.log", a.out / f"holder-{tag}.log")
-
-    shutil.copy(work / "agent.log", a.out / f"agent-{tag}.log")
-    result["rows"] = rows(result, a.gib, " ".join(["python3", *sys.argv]))
-    result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    (a.out / f"recovery-{tag}.json").write_text(json.dumps(result, indent=1))
+    save(result, a, tag)
     log("wrote", a.out / f"recovery-{tag}.json")
+
+
+def save(result: dict, a: argparse.Namespace, tag: str, finished: bool = True) -> None:
+    """The result so far: written after each path, so a run cut short keeps what it measured."""
+    result["rows"] = rows(result, a.gib, " ".join(["python3", *sys.argv]))
+    result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()) if finished else None
+    (a.out / f"recovery-{tag}.json").write_text(json.dumps(result, indent=1))
+    work = a.work / tag
+    for name in ("agent", "holder"):
+        if (work / f"{name}.log").exists():
+            shutil.copy(work / f"{name}.log", a.out / f"{name}-{tag}.log")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 #!/bin/sh
-# Build (once per pyproject.toml) a wheelhouse: the pitstop wheel and every wheel it depends
-# on, torch from this machine's local CPU wheel. The Ansible tests' hosts install from it
+# Build (once per pyproject.toml) a wheelhouse: the pitstop wheel and every wheel it and its
+# reference extra depend on (the test hosts run the reference engine), torch from this
+# machine's local CPU wheel. The Ansible tests' hosts install from it
 # with `pip install --no-index --find-links`, the way hosts without PyPI access would.
 #   scripts/ansible-wheelhouse.sh DEST
 set -eu
@@ -14,7 +15,7 @@ mkdir -p "$dest.tmp"
 # pip wheel builds the project and any sdist-only dependency into wheels; the hosts then
 # need no compiler and no network.
 "$python" -m pip wheel -q --wheel-dir "$dest.tmp" --find-links /opt/wheels \
-    "torch==2.13.0" "$root"
+    "torch==2.13.0" "$root[reference]"
 rm -rf "$dest"
 mv "$dest.tmp" "$dest"
 echo "$want" > "$dest/.stamp"

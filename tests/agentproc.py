@@ -54,7 +54,10 @@ def stop_all(keep: set[RunningAgent] | None = None) -> None:
 class RunningAgent:
     """A `pitstop run` child process with its config, log and status file."""
 
-    def __init__(self, tmp: Path, config: dict, env: dict[str, str] | None = None) -> None:
+    def __init__(self, tmp: Path, config: dict, env: dict[str, str] | None = None,
+                 pitstop: Path | None = None) -> None:
+        """`pitstop`: an installed `pitstop` command to run, from `tmp` (where the checkout's
+        agent/ is not importable); by default this interpreter runs the checkout's."""
         self.tmp = tmp
         self.config = config
         self.config_path = tmp / "pitstop.yaml"
@@ -62,10 +65,11 @@ class RunningAgent:
         self.log_path = tmp / "agent.log"
         self.status_path = Path(config["paths"]["state_dir"]) / "run" / "status.json"
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the agent
+        command = [str(pitstop)] if pitstop else [sys.executable, "-m", "agent"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agent", "run", "--config", str(self.config_path)],
-            cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})})
+            [*command, "run", "--config", str(self.config_path)],
+            cwd=tmp if pitstop else REPO, stdout=self._log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
         _running.add(self)
 
     def write_config(self, config: dict) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from agent.checkpoint.criu_locate import MIN_TEXT
 from tests.ansible_env import ANSIBLE_BIN, ROOT, run_ansible
@@ -212,3 +213,44 @@ def test_report_names_the_hosts_off_the_pins(fleet: Fleet) -> None:
     assert deb13["agent_state"] == "ready" and deb13["agent_version"]
     assert deb13["engine_kind"] == "reference"
     assert deb13["snapshots"] >= 1 and deb13["snapshot_age_s"] is not None
+
+
+VLLM_NODE_VENV = "/opt/pitstop-vllm/venv"
+HEAVY = {"torch", "numpy", "safetensors", "tokenizers"}
+
+
+def _pip_list(c: SystemdContainer, venv: str) -> set[str]:
+    listed = c.run([f"{venv}/bin/pip", "list", "--format", "json"]).stdout
+    # pip spells some names with "_" (prometheus_client): compare them lowered, "-" for "_".
+    return {d["name"].lower().replace("_", "-") for d in json.loads(listed)}
+
+
+def test_a_vllm_node_gets_the_agent_without_torch(fleet: Fleet) -> None:
+    # The role's install steps as a vLLM node runs them (engine.kind vllm: pitstop_extras
+    # defaults to none), into a virtualenv of their own beside the running reference agent;
+    # last in the module, so that nothing after it depends on that host's state.
+    c = fleet.hosts["deb12"]
+    play = fleet.scratch / "vllm-node.yml"
+    play.write_text(yaml.safe_dump([{
+        "name": "Install the agent as on a vLLM node",
+        "hosts": "deb12",
+        "tasks": [{
+            "name": "Run the role's install steps",
+            "ansible.builtin.include_role": {
+                "name": "pitstop", "tasks_from": "install",
+                "vars_from": "{{ ansible_facts['os_family'] }}.yml"},
+            "vars": {
+                "pitstop_venv": VLLM_NODE_VENV,
+                # No restart of the reference agent running on this host.
+                "pitstop_service_state": "stopped",
+                "pitstop_config": {"engine": {"kind": "vllm", "model": "/srv/models/tiny",
+                                              "python": "/opt/vllm/bin/python"}},
+            },
+        }],
+    }], sort_keys=False))
+    r = run_ansible("ansible-playbook", "-i", str(fleet.inventory), str(play), timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    vllm_node = _pip_list(c, VLLM_NODE_VENV)
+    assert "pitstop" in vllm_node and not HEAVY & vllm_node, vllm_node
+    # The reference hosts got the reference extra: their engine and make-model need it.
+    assert _pip_list(c, "/opt/pitstop/venv") >= HEAVY

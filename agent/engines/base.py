@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from agent.config import Config
+    from agent.store.manifest import CanaryMethod
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class EngineAdapter(Protocol):
     # in a snapshot, such as the KV pool; None when the engine has none.
     prepare_path: str | None
     resume_path: str | None
+    # How this engine's new canary records are made; a record made another way (an older
+    # Pitstop's) is checked the way it was made (canary_fields), then made again this way.
+    canary_method: CanaryMethod
 
     def reconfigure(self, config: Config) -> None:
         """Take a reloaded configuration of the same engine kind."""
@@ -57,6 +61,10 @@ class EngineAdapter(Protocol):
 
     def model_name(self) -> str:
         """The name clients use in the `model` field."""
+        ...
+
+    def canary_fields(self, method: CanaryMethod) -> dict[str, Any]:
+        """What the canary request adds to its body to be answered by `method`."""
         ...
 
     def exit_is_failure(self, returncode: int) -> bool:

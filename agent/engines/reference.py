@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import agent
 from agent.config import Config
 from agent.engines.base import LaunchSpec
+from agent.engines.refengine.protocol import Prefill
+from agent.extras import Extra, require
+from agent.store.manifest import CanaryMethod
 
 
 class ReferenceAdapter:
@@ -18,11 +22,16 @@ class ReferenceAdapter:
     dead_marker = None
     prepare_path = "/pitstop/prepare"
     resume_path = "/pitstop/resume"
+    # One forward call for the prompt, then decode steps from CUDA graphs: the canary costs
+    # what a real request costs (one read of the weights a token), not one read a prompt token.
+    canary_method = CanaryMethod.ONE_PASS_PREFILL
 
     def __init__(self, config: Config) -> None:
+        _check_extra(config)
         self._config = config
 
     def reconfigure(self, config: Config) -> None:
+        _check_extra(config)
         self._config = config
 
     def launch_spec(self) -> LaunchSpec:
@@ -50,5 +59,17 @@ class ReferenceAdapter:
     def model_name(self) -> str:
         return self._config.engine.model_name
 
+    def canary_fields(self, method: CanaryMethod) -> dict[str, Any]:
+        if method is CanaryMethod.ONE_PASS_PREFILL:
+            return {"prefill": Prefill.ONE_PASS.value}
+        return {}
+
     def exit_is_failure(self, returncode: int) -> bool:
         return True
+
+
+def _check_extra(config: Config) -> None:
+    """Refuse at start, not in a restart loop, an engine that cannot import torch. Only the
+    agent's own interpreter is looked at: engine.python is another, asked when it starts."""
+    if config.engine.python is None:
+        require(Extra.REFERENCE, "the reference engine (engine.kind: reference)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
+from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -63,6 +64,20 @@ class ProcessTree(_Strict):
     socket_paths: tuple[str, ...] = ()
 
 
+class CanaryMethod(StrEnum):
+    """How a canary answer was produced. An answer is only compared with one produced the
+    same way: in bf16 a prompt prefilled in one pass and one fed a token at a time may pick
+    different greedy tokens, and such a difference is not a wrong engine."""
+
+    # The engine's own way with a plain request (the reference engine: one prompt token a
+    # forward call, unless --prefill-chunk says more). Records made before the method was
+    # recorded were made this way, so it is what a record without one means.
+    ENGINE_DEFAULT = "engine_default"
+    # The whole prompt in one forward call, then one decode step a token (replayed from CUDA
+    # graphs on a GPU): what a real request costs, one read of the weights a token.
+    ONE_PASS_PREFILL = "one_pass_prefill"
+
+
 class Canary(_Strict):
     """The fixed request and the answer the engine gave just before the dump."""
 
@@ -70,6 +85,7 @@ class Canary(_Strict):
     max_tokens: int = Field(ge=1)
     text: str
     token_ids: tuple[int, ...]
+    method: CanaryMethod = CanaryMethod.ENGINE_DEFAULT
 
 
 class Manifest(_Strict):

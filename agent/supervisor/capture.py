@@ -16,7 +16,6 @@ from agent.engines.base import EngineAdapter
 from agent.errors import EngineError, OpenConnectionsError, SnapshotError
 from agent.identity import Identity
 from agent.metrics import Metrics
-from agent.store import Canary
 from agent.supervisor.canary import CanaryRecord
 from agent.supervisor.engine import EngineProcess
 from agent.supervisor.gate import EngineGate
@@ -165,7 +164,6 @@ class Capture:
     def _capture(self, pid: int, canary: CanaryRecord, kind: str,
                  held: dict | None) -> SnapshotInfo:
         return self.snapshotter.capture(
-            pid, canary=Canary(prompt=canary.prompt, max_tokens=canary.max_tokens,
-                               text=canary.text, token_ids=tuple(canary.token_ids)),
+            pid, canary=canary.to_manifest(),
             identity=self._identity(), kind=kind, options=DumpOptions(leave_running=True),
             held=held)

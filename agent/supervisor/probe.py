@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -76,10 +77,12 @@ class EngineProbe:
             raise EngineError(f"engine /v1/models answered {status}: {body[:200]!r}")
         return [m["id"] for m in json.loads(body).get("data", [])]
 
-    async def canary(self, model: str, prompt: str, max_tokens: int,
-                     timeout: float) -> CanaryAnswer:
+    async def canary(self, model: str, prompt: str, max_tokens: int, timeout: float,
+                     fields: dict[str, Any] | None = None) -> CanaryAnswer:
+        """The greedy answer; `fields` join the body (the adapter's way to ask for a
+        canary method)."""
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                "temperature": 0.0, "return_token_ids": True}
+                "temperature": 0.0, "return_token_ids": True, **(fields or {})}
         status, raw = await self._request("POST", "/v1/completions", body, timeout=timeout)
         if status != 200:
             raise EngineError(f"canary request answered {status}: {raw[:300]!r}")

@@ -14,6 +14,7 @@ from agent.engines.base import EngineAdapter
 from agent.errors import EngineError, IdentityError, SnapshotError, StartPathError, VerifyError
 from agent.gpu_health import GpuCheck, GpuFault, PeakSampler, Verdict
 from agent.metrics import Metrics
+from agent.store.manifest import CanaryMethod
 from agent.supervisor.canary import CanaryBook, CanaryRecord, setup_key
 from agent.supervisor.capture import Capture
 from agent.supervisor.engine import EngineProcess
@@ -334,29 +335,58 @@ class Supervisor:
                 models = await probe.models()
                 if name not in models:
                     raise VerifyError(f"engine serves {models}, not the configured model {name!r}")
-                answer = await probe.canary(name, hc.canary.prompt, hc.canary.max_tokens,
-                                            timeout=max(hc.timeout_s, 30.0))
-                self._check_canary(path, answer)
+                await self._verify_canary(probe, name, path)
 
-    def _check_canary(self, path: StartPath, answer: CanaryAnswer) -> None:
-        canary = self.config.health.canary
-        expected = path.expected_canary()
-        key = self._canary_key()
-        if expected is None:
-            rec = self.canaries.load()
-            if rec is not None and rec.key == key and rec.prompt == canary.prompt \
-                    and rec.max_tokens == canary.max_tokens:
-                expected = rec
+    async def _verify_canary(self, probe: EngineProbe, name: str, path: StartPath) -> None:
+        """Ask the canary the way the expected answer was made and compare; with nothing
+        expected yet, record this answer. A record made another way than this engine's
+        current one (an older Pitstop's) is checked its own way, then made again."""
+        expected = self._expected_canary(path)
+        current = self.adapter.canary_method
+        method = current if expected is None else expected.method
+        answer = await self._ask_canary(probe, name, method)
         if expected is None:
             # First start of this setup: its answer becomes the record later starts must match.
-            expected = CanaryRecord(key=key, prompt=canary.prompt, max_tokens=canary.max_tokens,
-                                    text=answer.text, token_ids=answer.token_ids)
-            self.canaries.save(expected)
-            log.info("canary recorded for this setup: %r", answer.text)
+            expected = self._record_canary(answer, current)
+            log.info("canary recorded for this setup (%s): %r", current.value, answer.text)
         elif not expected.matches(answer):
-            raise VerifyError(f"canary answered {answer.text!r}, expected the recorded "
-                              f"{expected.text!r}: this engine is not the one that was recorded")
+            raise VerifyError(f"canary answered {answer.text!r} (tokens "
+                              f"{list(answer.token_ids)}), expected the recorded "
+                              f"{expected.text!r} (tokens {list(expected.token_ids)}, "
+                              f"{expected.method.value}): this engine is not the one that "
+                              "was recorded")
+        elif expected.method is not current:
+            answer = await self._ask_canary(probe, name, current)
+            expected = self._record_canary(answer, current)
+            log.info("canary: the record made by %s matched; recorded again by %s: %r",
+                     method.value, current.value, answer.text)
         self._verified_canary = expected
+
+    def _expected_canary(self, path: StartPath) -> CanaryRecord | None:
+        expected = path.expected_canary()
+        if expected is not None:
+            return expected
+        canary = self.config.health.canary
+        rec = self.canaries.load()
+        if rec is not None and rec.key == self._canary_key() and rec.prompt == canary.prompt \
+                and rec.max_tokens == canary.max_tokens:
+            return rec
+        return None
+
+    async def _ask_canary(self, probe: EngineProbe, name: str,
+                          method: CanaryMethod) -> CanaryAnswer:
+        hc = self.config.health
+        return await probe.canary(name, hc.canary.prompt, hc.canary.max_tokens,
+                                  timeout=max(hc.timeout_s, 30.0),
+                                  fields=self.adapter.canary_fields(method))
+
+    def _record_canary(self, answer: CanaryAnswer, method: CanaryMethod) -> CanaryRecord:
+        canary = self.config.health.canary
+        rec = CanaryRecord(key=self._canary_key(), prompt=canary.prompt,
+                           max_tokens=canary.max_tokens, text=answer.text,
+                           token_ids=answer.token_ids, method=method)
+        self.canaries.save(rec)
+        return rec
 
     def _ready(self, path: str, attempt: Attempt, duration: float,
                fallthroughs: list[str]) -> None:

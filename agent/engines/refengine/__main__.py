@@ -74,12 +74,14 @@ def main(argv: list[str] | None = None) -> int:
         print("refengine: --kv-slots, --prefill-chunk and --threads must be at least 1",
               file=sys.stderr)
         return 2
-    from agent.errors import HolderError, ModelError
+    from agent.errors import HolderError, MissingExtraError, ModelError
+    from agent.extras import Extra, require
 
     try:
+        require(Extra.REFERENCE, "the reference engine")
         _precheck(args)  # before importing torch: a bad start fails in milliseconds
         return asyncio.run(_serve(args))
-    except (ModelError, HolderError) as e:
+    except (ModelError, HolderError, MissingExtraError) as e:
         print(f"refengine: {e}", file=sys.stderr)
         return 2
 

@@ -193,9 +193,9 @@ class Llama:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
         return self._w[name] * xf.to(x.dtype)
 
-    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: (heads, T, head_dim); rotate pairs (i, i + half) like HF Llama.
-        cos, sin = self._cos[pos], self._sin[pos]
         xf = x.float()
         half = xf.shape[-1] // 2
         rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
@@ -247,14 +247,16 @@ class Llama:
         c = self.config
         t = x.shape[0]
         group = c.num_heads // c.num_kv_heads
+        # Once a pass, not twice a layer: a decode step is bound by its kernel count.
+        cos, sin = self._cos[pos], self._sin[pos]
         for i, (k_cache, v_cache) in enumerate(kv):
             p = f"model.layers.{i}."
             h = self._rms_norm(x, p + "input_layernorm.weight")
             q = F.linear(h, self._w[p + "self_attn.q_proj.weight"])
             k = F.linear(h, self._w[p + "self_attn.k_proj.weight"])
             v = F.linear(h, self._w[p + "self_attn.v_proj.weight"])
-            q = self._rope(q.view(t, c.num_heads, c.head_dim).transpose(0, 1), pos)
-            k = self._rope(k.view(t, c.num_kv_heads, c.head_dim).transpose(0, 1), pos)
+            q = self._rope(q.view(t, c.num_heads, c.head_dim).transpose(0, 1), cos, sin)
+            k = self._rope(k.view(t, c.num_kv_heads, c.head_dim).transpose(0, 1), cos, sin)
             write(k_cache, k)
             write(v_cache, v.view(t, c.num_kv_heads, c.head_dim).transpose(0, 1))
             # GQA: query head h reads KV head h // group, as HF's repeat_kv does.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -14,6 +15,19 @@ from agent.holder.kvledger import (  # noqa: F401 - the engine's side of the hea
     REQUEST_HEADER,
     RESUME_HEADER,
 )
+
+
+class Prefill(StrEnum):
+    """How a request's prompt goes through the model: its `prefill` field, a Pitstop extension
+    (absent: chunked)."""
+
+    # --prefill-chunk tokens a forward call, the last prompt token alone: a greedy request
+    # continued from prompt + its first k tokens (a resume) then yields exactly the tokens of
+    # the uninterrupted run (the default; 1 token a call unless --prefill-chunk says more).
+    CHUNKED = "chunked"
+    # The whole prompt in one forward call whose last logits pick the first token, as vLLM
+    # prefills: one read of every weight instead of one per prompt token (the canary's way).
+    ONE_PASS = "one_pass"
 
 
 class StreamOptions(BaseModel):
@@ -37,6 +51,7 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
+    prefill: Prefill = Prefill.CHUNKED
 
     @property
     def stop_list(self) -> tuple[str, ...]:

@@ -15,6 +15,7 @@ from agent.engines.refengine.detok import Delta, Detokenizer
 from agent.engines.refengine.keptkv import kv_fingerprints
 from agent.engines.refengine.kvpool import KVPool
 from agent.engines.refengine.model import Llama
+from agent.engines.refengine.protocol import Prefill
 from agent.engines.refengine.sampling import Sampler, SamplingParams
 from agent.holder.kvledger import KeptKVOutcome, Ledger, common_prefix
 
@@ -66,6 +67,7 @@ class Sequence:
     resume: bool = False
     # Prompt tokens that went through the model here (a kept-KV resume skips most).
     prefilled: int = 0
+    prefill: Prefill = Prefill.CHUNKED
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)
@@ -152,13 +154,15 @@ class Scheduler:
 
     def submit(self, prompt: list[int], params: SamplingParams, detok: Detokenizer,
                loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Output],
-               key: str = "", resume: bool = False) -> Sequence:
+               key: str = "", resume: bool = False,
+               prefill: Prefill = Prefill.CHUNKED) -> Sequence:
         def emit(out: Output) -> None:
             # RuntimeError: the server's loop is closed, we are shutting down
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(queue.put_nowait, out)
 
-        seq = Sequence(prompt, params, Sampler(params), detok, emit, key=key, resume=resume)
+        seq = Sequence(prompt, params, Sampler(params), detok, emit, key=key, resume=resume,
+                       prefill=prefill)
         with self._cond:
             self._waiting.append(seq)
             self._cond.notify_all()
@@ -324,10 +328,13 @@ class Scheduler:
 
     def _step(self, seq: Sequence) -> None:
         assert seq.slot is not None
-        # Prompt tokens before the last one may go in chunks; the last prompt token and every
-        # generated one always go one at a time.
         prompt_left = len(seq.prompt) - 1 - seq.computed
-        n = min(self.prefill_chunk, prompt_left) if prompt_left > 0 else 1
+        if seq.prefill is Prefill.ONE_PASS and prompt_left > 0:
+            n = prompt_left + 1  # the whole rest of the prompt; its last logits pick a token
+        else:
+            # Prompt tokens before the last one may go in chunks; the last prompt token and
+            # every generated one always go one at a time.
+            n = min(self.prefill_chunk, prompt_left) if prompt_left > 0 else 1
         chunk = seq.tokens[seq.computed:seq.computed + n]
         logits = self.model.forward(chunk, seq.computed, self.pool.slot_views(seq.slot))
         before = seq.computed

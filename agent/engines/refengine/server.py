@@ -138,6 +138,15 @@ class EngineApp:
             await asyncio.to_thread(self.held.detach)
             log.info("prepare: held weights detached (%d bytes, address range kept)",
                      self.held.nbytes)
+        if self.model.device.type == "cuda":
+            import torch
+
+            # What the CUDA checkpoint will move into the image besides the CUDA context's
+            # own memory: the size of the image, and so of the restore, follows it.
+            log.info("prepare: torch still holds %d bytes of GPU memory (%d in use: graph "
+                     "pools, cuBLAS workspaces, tables); they go into a snapshot's image",
+                     torch.cuda.memory_reserved(self.model.device),
+                     torch.cuda.memory_allocated(self.model.device))
         return web.json_response({"freed_bytes": freed, **self.sched.state(),
                                   **self._held_state()})
 
@@ -188,7 +197,8 @@ class EngineApp:
         key = request.headers.get(P.REQUEST_HEADER) or rid
         resume = P.RESUME_HEADER in request.headers
         seq = self.sched.submit(parsed.prompt, parsed.params, detok,
-                                asyncio.get_running_loop(), queue, key=key, resume=resume)
+                                asyncio.get_running_loop(), queue, key=key, resume=resume,
+                                prefill=parsed.req.prefill)
         try:
             if parsed.req.stream:
                 resp = await self._stream(request, parsed, seq, queue, rid, chat)

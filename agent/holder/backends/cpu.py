@@ -5,7 +5,7 @@ from __future__ import annotations
 import mmap
 import os
 
-from agent.holder.backends import Allocation, BackendError
+from agent.holder.backends.base import Allocation, BackendError
 
 # memfd names show in /proc/<pid>/maps as "/memfd:<name> (deleted)": tests and operators
 # find the holder's memory by this prefix.

@@ -6,7 +6,7 @@ import logging
 import os
 from typing import Any
 
-from agent.holder.backends import Allocation, BackendError, GpuFaultError
+from agent.holder.backends.base import Allocation, BackendError, GpuFaultError
 
 log = logging.getLogger("pitstop.holder.cuda")
 

@@ -125,9 +125,7 @@ class FullRestore:
     def expected_canary(self) -> CanaryRecord | None:
         if self._chosen is None:
             return None
-        c = self._chosen.canary
-        return CanaryRecord(key="snapshot:" + self._chosen.id, prompt=c.prompt,
-                            max_tokens=c.max_tokens, text=c.text, token_ids=c.token_ids)
+        return CanaryRecord.from_manifest("snapshot:" + self._chosen.id, self._chosen.canary)
 
     async def after_verified(self, engine: EngineProcess) -> None:
         return None

@@ -1,0 +1,244 @@
+"""No import cycles in agent/: every `import` and `from ... import` counts, at module level,
+inside functions and under `if TYPE_CHECKING:` alike, since each is a dependency one way."""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+AGENT = Path(__file__).resolve().parent.parent / "agent"
+
+
+@dataclass(frozen=True)
+class Edge:
+    """`source` imports `target` at `line` of `path`."""
+
+    source: str
+    target: str
+    path: Path
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.source} -> {self.target} ({self.path.name}:{self.line})"
+
+
+def modules(root: Path) -> dict[str, Path]:
+    """Every module of the package at `root`, by dotted name (a package by its __init__)."""
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _targets(node: ast.Import | ast.ImportFrom, source: str, is_package: bool,
+             known: dict[str, Path]) -> set[str]:
+    """The modules of `known` that executing `node` inside `source` makes it depend on.
+
+    Importing `a.b.c` runs the __init__ of `a` and `a.b` first, so those count too, except the
+    packages `source` itself lies in: Python initialises them before `source`, by construction.
+    `from a.b import x` depends on `a.b.x` when that is a module, else on `a.b`'s __init__."""
+    own = set(_ancestors(source)) | {source}
+    found: set[str] = set()
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            found |= {*_ancestors(alias.name), alias.name}
+        return {m for m in found if m in known} - own
+    if node.level:
+        base = source.split(".") if is_package else source.split(".")[:-1]
+        base = base[: len(base) - node.level + 1]
+        pkg = ".".join(base + ([node.module] if node.module else []))
+    else:
+        pkg = node.module or ""
+    found = {*_ancestors(pkg), pkg} - own
+    for alias in node.names:
+        sub = f"{pkg}.{alias.name}"
+        # An attribute of a package's __init__ is a dependency on that __init__, even when the
+        # importer lives inside the package (it needs the attribute defined by then).
+        found.add(sub if sub in known else pkg)
+    return {m for m in found if m in known} - {source}
+
+
+def import_graph(root: Path) -> dict[str, list[Edge]]:
+    """Each module of the package at `root` and the imports of it that stay inside it."""
+    known = modules(root)
+    graph: dict[str, list[Edge]] = {}
+    for name, path in known.items():
+        edges: dict[str, Edge] = {}
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                for target in _targets(node, name, path.name == "__init__.py", known):
+                    edges.setdefault(target, Edge(name, target, path, node.lineno))
+        graph[name] = sorted(edges.values(), key=lambda e: e.target)
+    return graph
+
+
+def _strongly_connected(graph: dict[str, list[Edge]]) -> Iterator[set[str]]:
+    """Tarjan's components of more than one module, iteratively (no recursion limit)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(graph[start]))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            edge = next(edges, None)
+            if edge is not None:
+                if edge.target not in index:
+                    index[edge.target] = low[edge.target] = len(index)
+                    stack.append(edge.target)
+                    on_stack.add(edge.target)
+                    work.append((edge.target, iter(graph[edge.target])))
+                elif edge.target in on_stack:
+                    low[node] = min(low[node], index[edge.target])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    yield component
+
+
+def _shortest_cycle(graph: dict[str, list[Edge]], component: set[str]) -> list[Edge]:
+    """One shortest cycle through the component's first module (breadth first)."""
+    start = min(component)
+    paths: dict[str, list[Edge]] = {start: []}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for node in frontier:
+            for edge in graph[node]:
+                if edge.target == start:
+                    return paths[node] + [edge]
+                if edge.target in component and edge.target not in paths:
+                    paths[edge.target] = paths[node] + [edge]
+                    nxt.append(edge.target)
+        frontier = nxt
+    raise AssertionError(f"{sorted(component)} is strongly connected but has no cycle")
+
+
+def cycles(root: Path) -> list[str]:
+    """One import cycle per set of modules of the package at `root` that import each other,
+    and the rest of the set when it is larger than that cycle (it holds more cycles)."""
+    graph = import_graph(root)
+    found = []
+    for component in _strongly_connected(graph):
+        cycle = _shortest_cycle(graph, component)
+        line = " -> ".join([cycle[0].source]
+                           + [f"{e.target} ({e.path.name}:{e.line})" for e in cycle])
+        rest = component - {e.target for e in cycle}
+        if rest:
+            line += f"; also in cycles with these: {', '.join(sorted(rest))}"
+        found.append(line)
+    return sorted(found)
+
+
+def test_agent_has_no_import_cycles():
+    found = cycles(AGENT)
+    assert found == [], ("import cycles in agent/ (move what both sides need into a module "
+                         "that imports neither):\n" + "\n".join(found))
+
+
+def test_the_walk_sees_every_agent_module_and_its_imports():
+    graph = import_graph(AGENT)
+    assert {"agent.cli", "agent.run", "agent.engines.vllm.adapter"} <= graph.keys()
+    assert "agent.config" in {e.target for e in graph["agent.run"]}
+
+
+def _package(tmp: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / rel).write_text(textwrap.dedent(text))
+    return tmp / "pkg"
+
+
+def test_a_cycle_through_a_function_level_import_is_named_with_its_lines(tmp_path):
+    root = _package(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/a.py": "from pkg.b import thing\n",
+        "pkg/b.py": "def thing():\n    from pkg import a\n",
+    })
+    assert cycles(root) == ["pkg.a -> pkg.b (a.py:1) -> pkg.a (b.py:2)"]
+
+
+def test_a_cycle_through_a_type_checking_import_counts(tmp_path):
+    root = _package(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.b\n",
+        "pkg/b.py": "from . import a\n",
+    })
+    assert cycles(root) == ["pkg.a -> pkg.b (a.py:3) -> pkg.a (b.py:1)"]
+
+
+def test_a_larger_tangle_names_one_cycle_and_every_other_module_in_it(tmp_path):
+    root = _package(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/a.py": "import pkg.b\n",
+        "pkg/b.py": "import pkg.a\nimport pkg.c\n",
+        "pkg/c.py": "import pkg.b\n",
+        "pkg/d.py": "import pkg.a\n",
+    })
+    assert cycles(root) == ["pkg.a -> pkg.b (a.py:1) -> pkg.a (b.py:1); "
+                            "also in cycles with these: pkg.c"]
+
+
+def test_importing_a_submodule_runs_its_package_init_which_may_close_a_cycle(tmp_path):
+    # identity -> engines.base runs engines/__init__, whose factory imports the adapter, which
+    # imports identity: the shape of the cycle agent/ once had.
+    root = _package(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/identity.py": "from pkg.engines.base import Spec\n",
+        "pkg/engines/__init__.py": "def build():\n    from pkg.engines.adapter import A\n",
+        "pkg/engines/base.py": "class Spec: ...\n",
+        "pkg/engines/adapter.py": "from pkg.identity import x\n",
+    })
+    assert cycles(root) == [
+        "pkg.engines -> pkg.engines.adapter (__init__.py:2) -> pkg.identity (adapter.py:1) "
+        "-> pkg.engines (identity.py:1)"]
+
+
+def test_a_package_init_importing_its_own_modules_is_no_cycle(tmp_path):
+    root = _package(tmp_path, {
+        "pkg/__init__.py": "from pkg.sub.b import B\n",
+        "pkg/sub/__init__.py": "from .b import B\n",
+        "pkg/sub/b.py": "from pkg.sub import c\nfrom . import c as again\n",
+        "pkg/sub/c.py": "import pkg.sub.d\n",
+        "pkg/sub/d.py": "",
+    })
+    assert cycles(root) == []
+
+
+def test_a_module_needing_an_attribute_of_its_own_package_init_depends_on_it(tmp_path):
+    # backends/__init__ builds cpu lazily; cpu takes a class defined in that __init__.
+    root = _package(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/backends/__init__.py": "class Err(Exception): ...\n"
+                                    "def build():\n    from pkg.backends.cpu import Cpu\n",
+        "pkg/backends/cpu.py": "from pkg.backends import Err\n",
+    })
+    assert cycles(root) == ["pkg.backends -> pkg.backends.cpu (__init__.py:3) "
+                            "-> pkg.backends (cpu.py:1)"]
