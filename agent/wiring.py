@@ -93,7 +93,7 @@ class Agent:
         self.engine_identity: Identity | None = None
         self.drifted: tuple[str, ...] = ()
         self.holder = HolderLink(config.holder, config.paths.run, gpu=self._gpu_uuid,
-                                 digest=self._weights_digest)
+                                 digest=self._weights_digest, adapter=self.adapter)
         # The board is made last, from the parts it reads; a scrape before it exists cannot
         # happen (the endpoint starts in run()).
         self.metrics = Metrics(self.registry, lambda: self.board.view())

@@ -291,9 +291,12 @@ def test_the_cold_started_vllm_is_snapshotted_with_its_tcp_connections(agent: Vl
     assert agent.status()["engine_pid"] == pid
     stray = [p for p in proc.descendants(agent.proc.pid) if _comm(p) == "criu"]
     assert stray == [], f"CRIU processes left under the agent: {stray}"
-    assert "snapshot: " not in subprocess.run(
+    # `pitstop status` names the snapshot, and no snapshot error.
+    shown = [line for line in subprocess.run(
         [sys.executable, "-m", "agent", "status", "--config", str(agent.config_path)],
-        capture_output=True, text=True, cwd=REPO).stdout
+        capture_output=True, text=True, cwd=REPO).stdout.splitlines()
+        if line.startswith("snapshot: ")]
+    assert len(shown) == 1 and shown[0].startswith(f"snapshot: {snap['id']} (full, "), shown
 
 
 def test_status_names_vllm_and_its_version_from_package_metadata(agent: VllmAgent):

@@ -107,7 +107,8 @@ async def node(tiny_model: Path, nvml: FakeNvml) -> AsyncIterator[Node]:
     adapter = build_adapter(cfg)
     status = AgentStatus()
     metrics = Metrics(new_registry(), lambda: StatusView("", False, None, (), None))  # type: ignore[arg-type]
-    link = HolderLink(cfg.holder, cfg.paths.run, gpu=lambda: "cpu", digest=lambda: DIGEST)
+    link = HolderLink(cfg.holder, cfg.paths.run, gpu=lambda: "cpu", digest=lambda: DIGEST,
+                      adapter=adapter)
     watch = GpuWatch(0, nvml=nvml, wait_ms=20)
     watch.start()
     metrics.gpu_watched()

@@ -50,7 +50,8 @@ def test_without_engine_python_the_agents_interpreter_runs_vllm(tmp_path: Path):
 def test_usage_stats_are_off_and_engine_env_wins(tmp_path: Path):
     env = VllmAdapter(_config(tmp_path, env={"DO_NOT_TRACK": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
                       ).launch_spec().env
-    assert env == {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    assert env == {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                   "PYTHONSAFEPATH": "1"}
 
 
 @pytest.mark.parametrize("arg", ["--model", "--uds=/x", "--port", "--host", "--served-model-name"])

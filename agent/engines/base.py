@@ -9,6 +9,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from agent.config import Config
     from agent.store.manifest import CanaryMethod
+    from agent.supervisor.probe import EngineProbe
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What an engine dropped before a snapshot: bytes freed, and the held regions it had
+    mapped (name -> holder_id, epoch, digest, chunks; None when it maps none): a snapshot
+    with held regions is a hybrid one, and records what a restore must find held."""
+
+    freed_bytes: int = 0
+    held: dict[str, dict[str, object]] | None = None
 
 
 @dataclass(frozen=True)
@@ -39,10 +50,6 @@ class EngineAdapter(Protocol):
     # just this request: the front then holds the request for the next engine instead of
     # passing the error on. None when the engine has no such answer (it just goes away).
     dead_marker: bytes | None
-    # Control endpoints that drop (prepare) and rebuild (resume) state that need not be
-    # in a snapshot, such as the KV pool; None when the engine has none.
-    prepare_path: str | None
-    resume_path: str | None
     # How this engine's new canary records are made; a record made another way (an older
     # Pitstop's) is checked the way it was made (canary_fields), then made again this way.
     canary_method: CanaryMethod
@@ -69,4 +76,21 @@ class EngineAdapter(Protocol):
 
     def exit_is_failure(self, returncode: int) -> bool:
         """Whether an exit the agent did not ask for counts as a crash (always, so far)."""
+        ...
+
+    def holder_refusal(self) -> str | None:
+        """Why this engine cannot keep its weights in the holder here; None when it can."""
+        ...
+
+    def holder_args(self, socket: Path, digest: str) -> list[str]:
+        """The engine's flags that make it map the weights of `digest` from the holder."""
+        ...
+
+    async def prepare(self, probe: EngineProbe) -> Prepared | None:
+        """Before a snapshot: drop what the image need not hold (the KV pool, the held
+        weights' mapping); None when the engine has nothing to drop."""
+        ...
+
+    async def resume(self, probe: EngineProbe) -> None:
+        """After a dump or a restore: rebuild what prepare dropped; EngineError if it cannot."""
         ...

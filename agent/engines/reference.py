@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import agent
 from agent.config import Config
-from agent.engines.base import LaunchSpec
+from agent.engines.base import LaunchSpec, Prepared
 from agent.engines.refengine.protocol import Prefill
 from agent.extras import Extra, require
 from agent.store.manifest import CanaryMethod
+
+if TYPE_CHECKING:
+    from agent.supervisor.probe import EngineProbe
+
+# The reference engine's control endpoints (agent/engines/refengine/server.py).
+PREPARE_PATH = "/pitstop/prepare"
+RESUME_PATH = "/pitstop/resume"
 
 
 class ReferenceAdapter:
@@ -20,8 +28,6 @@ class ReferenceAdapter:
     health_path = "/health"
     metrics_path = None
     dead_marker = None
-    prepare_path = "/pitstop/prepare"
-    resume_path = "/pitstop/resume"
     # One forward call for the prompt, then decode steps from CUDA graphs: the canary costs
     # what a real request costs (one read of the weights a token), not one read a prompt token.
     canary_method = CanaryMethod.ONE_PASS_PREFILL
@@ -66,6 +72,20 @@ class ReferenceAdapter:
 
     def exit_is_failure(self, returncode: int) -> bool:
         return True
+
+    def holder_refusal(self) -> str | None:
+        return None
+
+    def holder_args(self, socket: Path, digest: str) -> list[str]:
+        return ["--holder", str(socket), "--weights-digest", digest]
+
+    async def prepare(self, probe: EngineProbe) -> Prepared:
+        answer = await probe.control(PREPARE_PATH)
+        return Prepared(freed_bytes=int(answer.get("freed_bytes", 0)),
+                        held=(answer.get("held") or {}).get("regions") or None)
+
+    async def resume(self, probe: EngineProbe) -> None:
+        await probe.control(RESUME_PATH)
 
 
 def _check_extra(config: Config) -> None:

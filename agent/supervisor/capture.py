@@ -133,13 +133,13 @@ class Capture:
         held = None
         # The control calls have a session each, closed before the dump: a connection of
         # ours to the engine must not be open while CRIU takes its tree.
-        if self._adapter.prepare_path:
-            async with EngineProbe(self._socket, timeout=self._control_timeout) as probe:
-                answer = await probe.control(self._adapter.prepare_path)
-            freed = int(answer.get("freed_bytes", 0))
+        async with EngineProbe(self._socket, timeout=self._control_timeout) as probe:
+            prepared = await self._adapter.prepare(probe)
+        if prepared is not None:
+            freed = prepared.freed_bytes
             # Weights the engine maps from the holder were detached by prepare: the image
             # leaves them out, and records what a restore must find held.
-            held = (answer.get("held") or {}).get("regions") or None
+            held = prepared.held
         kind = "hybrid" if held else "full"
         try:
             info = await asyncio.get_running_loop().run_in_executor(
@@ -151,9 +151,9 @@ class Capture:
             self.failure = dump_failure(self._adapter.kind, e)
             raise _DumpFailed(str(e)) from e
         finally:
-            if self._adapter.resume_path and engine.alive:
+            if prepared is not None and engine.alive:
                 async with EngineProbe(self._socket, timeout=self._control_timeout) as probe:
-                    await probe.control(self._adapter.resume_path)
+                    await self._adapter.resume(probe)
         duration = time.monotonic() - t0
         log.info("snapshot %s published: %.1f MB in %.2fs (%s); the engine freed %.1f MB "
                  "before the dump", info.id, info.image_bytes / 1e6, duration,

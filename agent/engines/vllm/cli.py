@@ -58,7 +58,14 @@ try:
 except (OSError, SyntaxError, ValueError):
     pass
 names = sorted(set(md.packages_distributions().get("vllm", [])))
-print(json.dumps({"vllm": [[n, md.version(n)] for n in names],
+# The Pitstop plugin: its entry point in vLLM's group, and the pitstop distribution's version.
+plugin = None
+if any(e.name == "pitstop" for e in md.entry_points(group="vllm.general_plugins")):
+    try:
+        plugin = md.version("pitstop")
+    except md.PackageNotFoundError:
+        pass
+print(json.dumps({"vllm": [[n, md.version(n)] for n in names], "plugin": plugin,
     "snapshot": has("entrypoints", "cli", "snapshot.py") and has("snapshot", "controller.py"),
     "preload": has("entrypoints", "cli", "preload.py")
         and has("model_executor", "model_loader", "weight_cache", "ipc_loader.py"),
@@ -90,6 +97,8 @@ class VllmFeatures:
     snapshot: bool
     preload: bool
     torch_cuda: str | None
+    # The version of the Pitstop plugin installed in that interpreter, None when absent.
+    plugin: str | None = None
 
     @property
     def cuda_build(self) -> bool:
@@ -120,7 +129,8 @@ def read_features(python: str, env: Mapping[str, str] | None = None,
     data = json.loads(done.stdout)
     dist, version = (data["vllm"][0] if data["vllm"] else (None, None))
     return VllmFeatures(distribution=dist, version=version, snapshot=bool(data["snapshot"]),
-                        preload=bool(data["preload"]), torch_cuda=data["torch_cuda"] or None)
+                        preload=bool(data["preload"]), torch_cuda=data["torch_cuda"] or None,
+                        plugin=data.get("plugin"))
 
 
 @dataclass(frozen=True)

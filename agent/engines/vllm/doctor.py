@@ -11,7 +11,9 @@ from collections.abc import Callable
 from agent.checkpoint.criu_locate import locate
 from agent.checks import Check
 from agent.config import Config
+from agent.engines.vllm.adapter import BASE_ENV, plugin_refusal
 from agent.engines.vllm.cli import VllmFeatures, gpu_present, read_features
+from agent.engines.vllm.plugin.support import Refusal
 from agent.engines.vllm.preload import PreloadLink, engine_gpu
 from agent.engines.vllm.rungs import host_unfit
 from agent.engines.vllm.snapshot import choose_backend
@@ -59,7 +61,8 @@ def vllm_checks(
             print(c.name, c.ok, c.detail)
     """
     python = str(config.engine.python) if config.engine.python else sys.executable
-    env = {**os.environ, **config.engine.env}
+    # As the engine will run: its interpreter, vLLM's base environment, engine.env.
+    env = {**os.environ, **BASE_ENV, **config.engine.env}
     if features is None:
         def features() -> VllmFeatures:
             return read_features(python, env)
@@ -105,6 +108,18 @@ def vllm_checks(
                             "set them (a Hugging Face repo id and its 40-character commit)"))
     else:
         checks.append(Check(name, True, needed, f"usable; backend {backend} ({why})"))
+
+    refusal = plugin_refusal(f, python)
+    held = config.holder.enabled
+    if refusal is None:
+        checks.append(Check("vllm plugin", True, held, f"Pitstop plugin {f.plugin}: the hybrid "
+                            "and warm rungs map held weights" + ("" if held else
+                                                               " (holder.enabled is false)")))
+    else:
+        checks.append(Check("vllm plugin", False, held,
+                            f"no hybrid or warm rung for vLLM: {refusal.detail}",
+                            f"scripts/install-vllm-plugin.sh {python}"
+                            if refusal.code is Refusal.NOT_INSTALLED else None))
 
     pre = config.vllm.preload
     unfit = host_unfit(f, gpu, "preload")

@@ -22,16 +22,20 @@ class HolderLink:
 
     Example::
 
-        link = HolderLink(config.holder, config.paths.run, gpu=lambda: "cpu", digest=...)
+        link = HolderLink(config.holder, config.paths.run, gpu=lambda: "cpu", digest=...,
+                          adapter=adapter)
         link.unavailable()  # None, or why the holder rungs are skipped
     """
 
     def __init__(self, config: HolderConfig, run_dir: Path, gpu: Callable[[], str | None],
-                 digest: Callable[[], str | None]) -> None:
+                 digest: Callable[[], str | None], adapter: EngineAdapter) -> None:
         self.config = config
         self._run_dir = run_dir
         self._gpu = gpu
         self._digest = digest
+        # The engine decides how it maps held weights (its flags), and whether it can here
+        # (vLLM: the Pitstop plugin installed in its interpreter, a vLLM the plugin supports).
+        self._adapter = adapter
 
     @property
     def path(self) -> Path:
@@ -46,6 +50,9 @@ class HolderLink:
     def unavailable(self) -> str | None:
         if not self.config.enabled:
             return "no holder configured (holder.enabled: false)"
+        refusal = self._adapter.holder_refusal()
+        if refusal is not None:
+            return refusal
         if not self._digest():
             return "no weights digest to name the held regions by"
         reason = holder_available(self.path)
@@ -55,7 +62,7 @@ class HolderLink:
         """The engine's holder flags when a holder answers; none (load from disk) otherwise."""
         if self.unavailable() is not None:
             return []
-        return ["--holder", str(self.path), "--weights-digest", str(self._digest())]
+        return self._adapter.holder_args(self.path, str(self._digest()))
 
     def drop(self, detail: str) -> str:
         """Make the holder free everything it holds after a GPU fault; what it did, in words.

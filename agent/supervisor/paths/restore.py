@@ -110,16 +110,17 @@ class FullRestore:
             f.close()
         engine = EngineProcess.adopt(restored.pid, stdout=fd)
         log.info("restored snapshot %s as PID %d", manifest.id, restored.pid)
-        if self._adapter.resume_path:
-            with attempt.stage("resume"):
-                try:
-                    async with EngineProbe(self._socket, timeout=self.timeout_s) as probe:
-                        await probe.control(self._adapter.resume_path)
-                except EngineError as e:
-                    await engine.kill()
-                    await engine.close()
-                    self.failed(f"resume after restore failed: {e}")
-                    raise StartPathError(f"restored engine did not resume: {e}") from e
+        # What prepare dropped before the dump (the KV pool; in a hybrid image the held
+        # weights' mapping) comes back before the canary.
+        with attempt.stage("resume"):
+            try:
+                async with EngineProbe(self._socket, timeout=self.timeout_s) as probe:
+                    await self._adapter.resume(probe)
+            except EngineError as e:
+                await engine.kill()
+                await engine.close()
+                self.failed(f"resume after restore failed: {e}")
+                raise StartPathError(f"restored engine did not resume: {e}") from e
         return engine
 
     def expected_canary(self) -> CanaryRecord | None:

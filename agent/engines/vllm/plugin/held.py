@@ -1,0 +1,171 @@
+"""vLLM's model parameters in one held region: laid out by name, bound in place, detached."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent.errors import MappingError
+from agent.holder.client import HolderClient
+from agent.tenant.mapping import HeldSet, HostSpace, Space
+
+# Under vLLM's logger: its handlers print it with the process name, like its own lines.
+log = logging.getLogger("vllm.pitstop")
+
+# Every parameter starts on this boundary: enough for any dtype and for vectorised kernels.
+ALIGN = 256
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one parameter lives in the region."""
+
+    name: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The model's unique parameters back to back, sorted by name, and what fixes it."""
+
+    slots: tuple[Slot, ...]
+    size: int
+    # Names, dtypes and shapes (and vLLM's version): a set held under another signature was
+    # laid out for another model build and is never mapped as this one.
+    signature: str
+
+    @classmethod
+    def of(cls, params: dict[str, Any], vllm_version: str) -> Layout:
+        slots, at, h = [], 0, hashlib.sha256(vllm_version.encode())
+        for name in sorted(params):
+            p = params[name]
+            at = -(-at // ALIGN) * ALIGN
+            n = p.numel() * p.element_size()
+            slots.append(Slot(name, at, n))
+            h.update(f"\n{name} {p.dtype} {tuple(p.shape)}".encode())
+            at += n
+        return cls(tuple(slots), max(at, ALIGN), h.hexdigest()[:16])
+
+    def region(self, digest: str) -> str:
+        return f"{digest}/vllm-params-{self.signature}"
+
+
+class HeldParams:
+    """The parameters of one vLLM model, living in the holder and mapped into this worker.
+
+    Example::
+
+        held = HeldParams.open(sock, digest, params, version, HostSpace)
+        held.bind(params)        # every parameter's .data is now a view over held memory
+        if held.source == "disk":
+            ...                  # vLLM's weight loaders fill the views; then held.commit()
+        held.detach()            # before a checkpoint: unmapped, the addresses kept
+        held.reattach()          # after the restore: same regions, same addresses
+    """
+
+    def __init__(self, socket: Path, digest: str, layout: Layout, held: HeldSet,
+                 source: str, writer: HolderClient | None) -> None:
+        self.socket = socket
+        self.digest = digest
+        self.layout = layout
+        self.held = held
+        # "holder": attached a committed set (a warm start); "disk": made here, to be filled.
+        self.source = source
+        self._writer = writer
+
+    @classmethod
+    def open(cls, socket: Path, digest: str, params: dict[str, Any], vllm_version: str,
+             make_space: Callable[[int, int], Space] = HostSpace) -> HeldParams:
+        """Attach the committed set of `digest` laid out as `params` are, or make a new one.
+
+        A committed set of `digest` under another layout (vLLM upgraded, another dtype) is
+        released first: the holder keeps one set per digest, and this engine's is the one
+        the agent will restore against.
+        """
+        layout = Layout.of(params, vllm_version)
+        name = layout.region(digest)
+        client = HolderClient(socket)
+        try:
+            regions = client.committed_set(digest)
+            if regions is not None and [r.name for r in regions] == [name]:
+                held = HeldSet.attach(client, digest, make_space)
+                client.close()
+                log.info("attached held weights %s (%.1f MB): nothing read from disk", name,
+                         layout.size / 1e6)
+                return cls(socket, digest, layout, held, "holder", None)
+            for r in client.list(digest):
+                if r.committed:
+                    log.warning("releasing held region %s: this engine lays its weights out "
+                                "as %s", r.name, name)
+                    client.release(r.name)
+            held = HeldSet.create(client, digest, {name: layout.size}, make_space)
+        except BaseException:
+            client.close()
+            raise
+        # The session stays open until commit: should this worker die first, the holder
+        # frees the half-written region and nobody ever maps it.
+        return cls(socket, digest, layout, held, "disk", client)
+
+    def bind(self, params: dict[str, Any]) -> None:
+        """Make each parameter's storage its slot in held memory (the Parameter objects,
+        and so vLLM's weight-loader attributes on them, stay)."""
+        raw = self.held.tensor(self.layout.region(self.digest))
+        for s in self.layout.slots:
+            p = params[s.name]
+            # Attached: the held bytes are the loaded weights already. Made here: vLLM's
+            # weight loaders copy into .data, so they fill held memory in place.
+            p.data = raw[s.offset:s.offset + s.nbytes].view(p.dtype).view(p.shape)
+
+    def commit(self) -> None:
+        if self._writer is None:
+            raise MappingError("commit() is for a set made by this worker")
+        try:
+            self.held.commit()
+        finally:
+            self._writer.close()
+            self._writer = None
+        log.info("held weights %s committed (%.1f MB)", self.layout.region(self.digest),
+                 self.layout.size / 1e6)
+
+    def close(self) -> None:
+        """Unmap everything; an uncommitted set is freed by the holder with our session."""
+        try:
+            self.held.close()
+        finally:
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+
+    def outside(self, params: dict[str, Any]) -> list[str]:
+        """Parameters whose storage is no longer in held memory (vLLM post-processing
+        replaced it): those bytes are in the process, and so in a hybrid image."""
+        base = self.held.space.base
+        end = base + self.held.space.size
+        return [n for n, p in params.items()
+                if p.numel() and not (base <= p.data_ptr() < end)]
+
+    @property
+    def attached(self) -> bool:
+        return self.held.attached
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.size
+
+    @property
+    def identity(self) -> dict[str, dict[str, object]]:
+        return self.held.identity
+
+    def detach(self) -> None:
+        """Unmap the weights, keep the addresses: nothing may run until reattach."""
+        self.held.detach()
+
+    def reattach(self) -> None:
+        """Map the same regions at the same addresses; MappingError if they changed."""
+        with HolderClient(self.socket) as client:
+            self.held.reattach(client)

@@ -1,0 +1,141 @@
+"""`--load-format pitstop`: the model's parameters live in the holder, at fixed addresses."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.config import ModelConfig, VllmConfig
+from vllm.config.load import LoadConfig
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+from vllm.model_executor.model_loader.utils import (
+    initialize_model,
+    process_weights_after_loading,
+)
+from vllm.utils.torch_utils import set_default_torch_dtype
+
+from agent.engines.vllm.plugin import state
+from agent.engines.vllm.plugin.held import HeldParams
+from agent.engines.vllm.plugin.support import DIGEST_KEY, SOCKET_KEY
+
+# Under vLLM's logger: its handlers print it with the process name, like its own lines.
+log = logging.getLogger("vllm.pitstop")
+
+
+
+class PitstopModelLoader(BaseModelLoader):
+    """Weights allocated by Pitstop's holder and bound into vLLM's model in place.
+
+    First start: the parameters' storage is made a held region, vLLM's own weight loaders
+    fill it from disk, and the region is committed. Later starts (the warm rung) attach
+    the committed region: no weight is read from disk. Either way the parameters sit at
+    the held addresses before anything (a CUDA graph, oneDNN) captures them, so a
+    detach before a checkpoint and a re-attach at the same addresses after the restore
+    leave every pointer valid.
+
+    Only unquantized models: a quantization method rewrites weights after loading, and a
+    held set must be the same bytes on every start.
+    """
+
+    def __init__(self, load_config: LoadConfig) -> None:
+        super().__init__(load_config)
+        extra = dict(load_config.model_loader_extra_config or {})
+        try:
+            self.socket = Path(str(extra.pop(SOCKET_KEY)))
+            self.digest = str(extra.pop(DIGEST_KEY))
+        except KeyError as e:
+            raise ValueError(f"--load-format pitstop needs --model-loader-extra-config with "
+                             f"{SOCKET_KEY!r} and {DIGEST_KEY!r}; {e.args[0]!r} is missing "
+                             "(Pitstop's agent sets both)") from None
+        if extra:
+            raise ValueError(f"--load-format pitstop: unknown --model-loader-extra-config "
+                             f"keys {sorted(extra)}; it takes {SOCKET_KEY!r} and {DIGEST_KEY!r}")
+        self._disk = DefaultModelLoader(dataclasses.replace(
+            load_config, load_format="auto", model_loader_extra_config={}))
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        self._disk.download_model(model_config)
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        # In-place reload (vLLM's reload path): straight into the held views.
+        self._disk.load_weights(model, model_config)
+
+    def get_external_weight_memory(self, vllm_config: VllmConfig) -> int:
+        held = state.current()
+        return held.nbytes if held is not None else 0
+
+    def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig,
+                   prefix: str = "") -> nn.Module:
+        import vllm
+
+        if vllm_config.quant_config is not None:
+            raise ValueError(f"--load-format pitstop holds unquantized weights only; this "
+                             f"model is quantized ({type(vllm_config.quant_config).__name__})")
+        par = vllm_config.parallel_config
+        if par.world_size > 1:
+            # One held set per digest, and CUDA checkpoint covers one GPU per process.
+            raise ValueError(f"--load-format pitstop serves one worker; this engine has "
+                             f"{par.world_size} (tensor/pipeline parallel)")
+        load_device = vllm_config.load_config.device or vllm_config.device_config.device
+        device = torch.device(load_device)
+        t0 = time.monotonic()
+        with set_default_torch_dtype(model_config.dtype):
+            with device:
+                model = initialize_model(vllm_config=vllm_config, model_config=model_config,
+                                         prefix=prefix)
+            params = dict(model.named_parameters())
+            held = HeldParams.open(self.socket, self.digest, params, vllm.__version__,
+                                   _space_factory(device))
+            try:
+                held.bind(params)
+                if held.source == "disk":
+                    self._disk.load_weights(model, model_config)
+                _keep_weights_in_place(model, device)
+                process_weights_after_loading(model, model_config, device)
+                if held.source == "disk":
+                    held.commit()
+            except BaseException:
+                held.close()
+                raise
+        outside = held.outside(params)
+        if outside:
+            log.warning("%d parameters left held memory after vLLM's post-processing (%s): "
+                        "their bytes are in the engine's image", len(outside),
+                        ", ".join(outside[:5]))
+        state.set_current(held, source=held.source, seconds=time.monotonic() - t0,
+                          outside=outside)
+        log.info("pitstop loader: %s, %.1f MB of parameters %s in %.2fs", held.source,
+                 held.nbytes / 1e6, "attached" if held.source == "holder" else "loaded and held",
+                 time.monotonic() - t0)
+        return model.eval()
+
+
+def _space_factory(device: torch.device) -> Any:
+    if device.type == "cuda":
+        from agent.tenant.mapping_cuda import cuda_space_factory
+
+        return cuda_space_factory(device.index if device.index is not None
+                                  else torch.cuda.current_device())
+    from agent.tenant.mapping import HostSpace
+
+    return HostSpace
+
+
+def _keep_weights_in_place(model: nn.Module, device: torch.device) -> None:
+    """On CPU, vLLM repacks each linear weight for oneDNN into memory of its own and drops
+    the parameter: the held weights would then be a copy nobody reads, and the weights
+    would be in the image after all. Its own opt-out (set for MLA's kv_b_proj) keeps
+    torch's linear over the parameter itself."""
+    if device.type != "cpu":
+        return
+    from vllm.model_executor.layers.linear import LinearBase
+
+    for m in model.modules():
+        if isinstance(m, LinearBase):
+            m._cpu_skip_gemm_dispatch = True

@@ -1,0 +1,35 @@
+"""The held weights of this worker process: set by the loader, used by the worker extension."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agent.engines.vllm.plugin.held import HeldParams
+
+
+@dataclass
+class Loaded:
+    """What the loader did, for the extension's state answer (and the tests that read it)."""
+
+    held: HeldParams
+    source: str  # "holder" (attached: a warm start) or "disk" (loaded into the holder)
+    seconds: float
+    outside: list[str] = field(default_factory=list)
+
+
+_current: Loaded | None = None
+
+
+def set_current(held: HeldParams, source: str, seconds: float, outside: list[str]) -> None:
+    global _current
+    _current = Loaded(held, source, seconds, outside)
+
+
+def loaded() -> Loaded | None:
+    return _current
+
+
+def current() -> HeldParams | None:
+    return _current.held if _current is not None else None

@@ -1,0 +1,114 @@
+"""`--worker-extension-cls`: detach the held weights before a checkpoint, attach them after.
+
+Called through vLLM's `/collective_rpc` (VLLM_SERVER_DEV_MODE=1, on the engine's private
+Unix socket; the front never forwards it). The methods run in each worker between engine
+steps, so no forward pass reads the weights while they are unmapped.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+from typing import Any
+
+from agent.engines.vllm.plugin import state
+from agent.errors import HolderError, MappingError
+
+# Under vLLM's logger: its handlers print it with the process name, like its own lines.
+log = logging.getLogger("vllm.pitstop")
+
+MADV_DONTNEED = 4
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def drop_pages(ptr: int, nbytes: int) -> int:
+    """Give the whole pages of [ptr, ptr + nbytes) back to the kernel; they read as zeros
+    when next touched, and CRIU has nothing of them to dump. The bytes dropped."""
+    page = mmap.PAGESIZE
+    start = -(-ptr // page) * page
+    end = (ptr + nbytes) // page * page
+    if end <= start:
+        return 0
+    if _libc.madvise(start, end - start, MADV_DONTNEED) != 0:
+        raise OSError(ctypes.get_errno(), f"madvise(MADV_DONTNEED) of {end - start} bytes "
+                      f"at {start:#x} failed")
+    return end - start
+
+
+class PitstopWorkerExtension:
+    """Mixed into vLLM's worker class by `--worker-extension-cls`; `self` is the worker.
+
+    Example (what the agent sends, as JSON, to POST /collective_rpc)::
+
+        {"method": "pitstop_detach"}   # -> {"results": [{"held": {...}, "freed_bytes": N}]}
+        {"method": "pitstop_attach"}   # -> {"results": [{"attached": true, ...}]}
+    """
+
+    def _pitstop_sleeps(self) -> bool:
+        # On CUDA the KV pool goes too (vLLM's own sleep, level 1: the weights-tagged
+        # buffers are copied out, the KV pool released, its addresses kept), so the image
+        # is flat in model size; vLLM's CPU worker has no sleep mode.
+        cfg = getattr(self, "vllm_config", None)
+        if cfg is None or not cfg.model_config.enable_sleep_mode:
+            return False
+        return str(cfg.device_config.device).startswith("cuda")
+
+    def pitstop_state(self) -> dict[str, Any]:
+        loaded = state.loaded()
+        if loaded is None:
+            return {"held": None}
+        held = loaded.held
+        return {"source": loaded.source, "load_s": round(loaded.seconds, 3),
+                "outside": loaded.outside,
+                "held": {"digest": held.digest, "attached": held.attached,
+                         "bytes": held.nbytes, "base": held.held.space.base,
+                         "regions": held.identity}}
+
+    def pitstop_detach(self) -> dict[str, Any]:
+        held = state.current()
+        if held is None:
+            return {"held": None, "freed_bytes": 0}
+        freed = 0
+        if self._pitstop_sleeps():
+            import torch
+
+            before = torch.cuda.mem_get_info()[0]
+            self.sleep(level=1)  # type: ignore[attr-defined]
+            freed = torch.cuda.mem_get_info()[0] - before
+        else:
+            freed = self._pitstop_drop_host_kv()
+        held.detach()
+        freed += held.nbytes
+        log.info("pitstop: held weights detached (%d bytes, addresses kept)", held.nbytes)
+        return {"freed_bytes": freed, **self.pitstop_state()}
+
+    def _pitstop_drop_host_kv(self) -> int:
+        """The CPU worker's KV pool: its pages dropped, its tensors (and addresses) kept.
+
+        The agent reset the prefix cache first and no request runs, so no block's content
+        is needed again: they are written before they are read, as after a fresh start."""
+        runner = getattr(self, "model_runner", None)
+        seen: dict[int, int] = {}
+        for t in getattr(runner, "kv_caches", None) or []:
+            if t is not None and t.device.type == "cpu":
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+        return sum(drop_pages(ptr, n) for ptr, n in seen.items())
+
+    def pitstop_attach(self) -> dict[str, Any]:
+        held = state.current()
+        if held is None:
+            return {"attached": False, "error": "this engine holds no weights in the holder"}
+        try:
+            held.reattach()
+        except (MappingError, HolderError) as e:
+            # Serving other bytes at these addresses would be wrong, serving none is a
+            # crash: the agent kills this engine and takes the next rung.
+            log.error("pitstop: held weights cannot be re-attached: %s", e)
+            return {"attached": False, "error": str(e)}
+        if self._pitstop_sleeps():
+            self.wake_up()  # type: ignore[attr-defined]
+        log.info("pitstop: held weights re-attached at the same addresses")
+        return {"attached": True, **self.pitstop_state()}
