@@ -57,6 +57,11 @@ class SnapshotError(PitstopError):
     """A snapshot could not be taken, verified or restored."""
 
 
+class RestoreBlockedError(SnapshotError):
+    """A restore could not run for a reason of this host, not of the image (a PID it must get
+    back is taken): the snapshot is not quarantined and stays a candidate."""
+
+
 class OpenConnectionsError(SnapshotError):
     """A snapshot was refused before CRIU ran: connections from outside the tree are open.
 

@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple, TypeVar
@@ -162,6 +162,32 @@ def kill_tree(root: int, sig: int = signal.SIGKILL, proc: Path = Path("/proc")) 
             os.kill(pid, sig)
             if sig != signal.SIGKILL:
                 os.kill(pid, signal.SIGCONT)
+
+
+def ids_in_use(ids: Iterable[int], proc: Path = Path("/proc")) -> dict[int, int]:
+    """Which of `ids` the kernel still holds, each with one process that holds it.
+
+    An ID stays allocated while a process or thread has it (a zombie too, until reaped) and
+    while any process still names it as its process group or session: the kernel frees it
+    with the last of them. CRIU restores every process and thread with its old ID (clone3
+    with set_tid), so one held ID fails the restore ("Can't fork for N: File exists")."""
+    want = set(ids)
+    held: dict[int, int] = {}
+    for pid in _pids(proc):
+        st = stat(pid, proc)
+        if st is None:
+            continue
+        for ident in (pid, st.pgid, st.session):
+            if ident in want:
+                held.setdefault(ident, pid)
+        try:
+            tids = os.listdir(proc / str(pid) / "task")
+        except OSError:
+            continue
+        for tid in tids:
+            if tid.isdigit() and int(tid) in want:
+                held.setdefault(int(tid), pid)
+    return held
 
 
 def pid_alive(pid: int, proc: Path = Path("/proc")) -> bool:

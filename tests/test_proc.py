@@ -84,3 +84,74 @@ def test_a_command_with_spaces_and_parens_in_its_name_is_parsed():
     finally:
         p.kill()
         p.wait()
+
+
+def test_an_exited_session_leaders_pid_stays_taken_until_its_group_is_gone():
+    # What blocked a restore of vLLM at 32 GiB: the API server (the image's root, leader of
+    # the engine's session and group) was reaped, its engine core was still exiting, and
+    # CRIU could not fork the root again: "Can't fork for PID: File exists".
+    r = _run("""
+        import os, signal, subprocess, time
+        from agent import proc
+        proc.become_subreaper()
+        leader = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!; wait"],
+                                  stdout=subprocess.PIPE, start_new_session=True)
+        member = int(leader.stdout.readline())
+        assert proc.ids_in_use([leader.pid]) == {leader.pid: leader.pid}
+        os.kill(leader.pid, signal.SIGKILL)
+        leader.wait()
+        assert not proc.pid_alive(leader.pid)
+        # Gone and reaped, yet its ID is the group and session of the member left.
+        assert proc.ids_in_use([leader.pid]) == {leader.pid: member}
+        os.kill(member, signal.SIGKILL)
+        deadline = time.time() + 10
+        while time.time() < deadline and proc.ids_in_use([leader.pid]):
+            time.sleep(0.02)
+        # A zombie still holds it: only the reap frees the ID.
+        assert proc.ids_in_use([leader.pid]) == {leader.pid: member}, "freed before reaped"
+        proc.reap_orphans()
+        assert proc.ids_in_use([leader.pid]) == {}
+        print("ok")
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
+
+
+def test_a_threads_id_is_in_use():
+    r = _run("""
+        import os, threading
+        from agent import proc
+        got, done = [], threading.Event()
+        t = threading.Thread(target=lambda: (got.append(threading.get_native_id()), done.wait()))
+        t.start()
+        while not got:
+            pass
+        assert proc.ids_in_use([got[0]]) == {got[0]: os.getpid()}
+        done.set(); t.join()
+        print("ok")
+    """)
+    assert r.returncode == 0, r.stderr
+
+
+def test_killing_an_engine_returns_once_its_whole_group_is_gone():
+    r = _run("""
+        import asyncio, os, subprocess
+        from agent import proc
+        from agent.engines.base import LaunchSpec
+        from agent.supervisor.engine import EngineProcess
+        proc.become_subreaper()
+        async def main():
+            # A root with a member in its group: SIGKILLed with it, the member is our zombie
+            # (re-parented to the subreaper) until reaped, and holds the root's ID till then.
+            eng = EngineProcess.spawn(LaunchSpec(argv=["sh", "-c", "sleep 60 & wait"], env={},
+                                                 socket=None))
+            await asyncio.sleep(0.5)
+            await eng.kill()
+            held = proc.ids_in_use([eng.pid])
+            assert held == {}, held
+            await eng.close()
+        asyncio.run(main())
+        print("ok")
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import sys
@@ -117,3 +118,61 @@ def test_a_missing_interpreter_names_engine_python(tmp_path: Path):
     assert not os.path.exists(missing)
     with pytest.raises(EngineError, match="engine.python"):
         read_package(str(missing))
+
+
+def _model(tmp: Path, config: dict, tokenizer: dict | None = None) -> Path:
+    d = tmp / "llama"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(config))
+    if tokenizer is not None:
+        (d / "tokenizer_config.json").write_text(json.dumps(tokenizer))
+    return d
+
+
+# make-model's Llama: max_position_embeddings 2048, as vLLM reads it.
+MADE = {"model_type": "llama", "max_position_embeddings": 2048}
+
+
+@pytest.mark.parametrize("flag", [["--max-model-len", "4096"], ["--max-model-len=4k"],
+                                  ["--max-model-len", "3K"]])
+def test_a_max_model_len_beyond_the_models_is_refused_naming_both(tmp_path: Path, flag):
+    _model(tmp_path, MADE)
+    with pytest.raises(ConfigError) as e:
+        VllmAdapter(_config(tmp_path, args=flag))
+    assert f"--max-model-len {flag[-1].split('=')[-1]}" in str(e.value)
+    assert "config.json max_position_embeddings = 2048" in str(e.value)
+    assert "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1" in str(e.value)
+
+
+@pytest.mark.parametrize("flag", [["--max-model-len", "2048"], ["--max-model-len", "2k"],
+                                  ["--max-model-len", "-1"], ["--max-model-len", "auto"], []])
+def test_a_max_model_len_within_the_model_or_automatic_is_accepted(tmp_path: Path, flag):
+    _model(tmp_path, MADE)
+    VllmAdapter(_config(tmp_path, args=flag))
+
+
+def test_the_tokenizers_model_max_length_lowers_the_limit(tmp_path: Path):
+    _model(tmp_path, MADE, tokenizer={"model_max_length": 1024})
+    with pytest.raises(ConfigError, match="tokenizer_config.json model_max_length = 1024"):
+        VllmAdapter(_config(tmp_path, args=["--max-model-len", "2048"]))
+
+
+def test_vllms_override_lets_a_longer_max_model_len_through(tmp_path: Path):
+    _model(tmp_path, MADE)
+    VllmAdapter(_config(tmp_path, args=["--max-model-len", "8192"],
+                        env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}))
+
+
+@pytest.mark.parametrize("config", [
+    {**MADE, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                              "original_max_position_embeddings": 2048}},
+    {"model_type": "llama"},  # no length key: vLLM assumes one itself
+])
+def test_what_the_check_cannot_tell_is_left_to_vllm(tmp_path: Path, config: dict):
+    _model(tmp_path, config)
+    VllmAdapter(_config(tmp_path, args=["--max-model-len", "8192"]))
+
+
+def test_a_model_directory_without_config_is_left_to_vllm(tmp_path: Path):
+    # The model may not be there yet when the config is checked (mounted later).
+    VllmAdapter(_config(tmp_path, args=["--max-model-len", "8192"]))

@@ -12,7 +12,7 @@ import pytest
 from agent.engines.vllm.adapter import VllmAdapter
 from agent.engines.vllm.preload import daemon_argv, engine_args, run_daemon
 from agent.engines.vllm.snapshot import VllmSnapshotBackend
-from agent.errors import VllmSnapshotError
+from agent.errors import ConfigError, VllmSnapshotError
 from tests.snapshot_helpers import criu
 from tests.vllm_paths_kit import REVISION, vllm_config, vllm_parse, vllm_python
 
@@ -147,3 +147,24 @@ def test_the_cli_reports_a_missing_vllm_snapshot(tmp_path: Path, py: Path,
     assert "no vLLM snapshots" in capsys.readouterr().out
     assert main(["vllm-snapshot", "inspect", "20261129T000000Z-vllm", "--config", str(cfg)]) == 1
     assert "snapshot path does not exist" in capsys.readouterr().err
+
+
+def test_the_adapter_refuses_the_max_model_len_that_vllm_refuses(
+        tmp_path: Path, py: Path, tiny_model: Path) -> None:
+    # make-model's config.json says max_position_embeddings 2048; vLLM decides from it.
+    lengths = ["2048", "2k", "4096", "3K"]
+    cases = [{"kind": "model", "argv": ["--model", str(tiny_model), "--max-model-len", n,
+                                        "--enforce-eager"], "want": ["max_model_len"]}
+             for n in lengths]
+    verdicts = vllm_parse(py, cases)
+    for n, vllm in zip(lengths, verdicts, strict=True):
+        cfg = vllm_config(tmp_path, tiny_model, python=py,
+                          engine={"args": ["--max-model-len", n]})
+        try:
+            VllmAdapter(cfg)
+            ours = True
+        except ConfigError:
+            ours = False
+        assert ours == vllm["ok"], (n, vllm)
+    assert [v["ok"] for v in verdicts] == [True, True, False, False]
+    assert "max_position_embeddings=2048" in verdicts[2]["error"]

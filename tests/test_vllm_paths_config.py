@@ -7,18 +7,20 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from agent import units
 from agent.config import parse_config
-from agent.engines.vllm.cli import VllmFeatures, last_error, usage_error
+from agent.engines.vllm.cli import VllmFeatures, last_error, read_features, usage_error
+from agent.engines.vllm.doctor import vllm_checks
 from agent.engines.vllm.preload import gpu_index, weight_args
 from agent.engines.vllm.snapshot import choose_backend, map_failure
 from agent.errors import ConfigError
 from tests.prereq import require
-from tests.vllm_paths_kit import REVISION
+from tests.vllm_paths_kit import REVISION, vllm_config
 
 PITSTOP = Path(sys.executable).parent / "pitstop"
 CUDA_VLLM = VllmFeatures("vllm", "0.32.0", snapshot=True, preload=True, torch_cuda="13.0")
@@ -183,3 +185,47 @@ def test_preload_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     # verify is quiet when all is well: any line is a warning worth fixing.
     assert r.stdout.strip() == "" and r.stderr.strip() == "", r.stderr
+
+
+# --- pitstop doctor: a CUDA vLLM that lacks flashinfer -------------------------------------------
+
+def _doctor(tmp_path: Path, features: VllmFeatures, env: dict | None = None) -> dict:
+    cfg = vllm_config(tmp_path, engine={"env": env or {}})
+    return {c.name: c for c in vllm_checks(cfg, features=lambda: features, has_gpu=lambda: True,
+                                           tcp_dump=lambda _: (True, "CRIU 4.2.1"))}
+
+
+NO_FLASHINFER = replace(CUDA_VLLM, flashinfer=False)
+
+
+def test_doctor_fails_a_cuda_vllm_without_flashinfer_and_says_both_ways_out(tmp_path: Path):
+    check = _doctor(tmp_path, NO_FLASHINFER)["vllm sampler"]
+    assert not check.ok and check.needed
+    assert "no `flashinfer` module" in check.detail and "engine core fails at start" in check.detail
+    assert "pip install flashinfer-python" in check.fix
+    assert 'VLLM_USE_FLASHINFER_SAMPLER: "0" in engine.env' in check.fix
+
+
+@pytest.mark.parametrize("features,env", [
+    (NO_FLASHINFER, {"VLLM_USE_FLASHINFER_SAMPLER": "0"}),  # the sampler is off
+    (replace(CUDA_VLLM, flashinfer=True), {}),
+    (replace(CUDA_VLLM, flashinfer=False, torch_cuda=None), {}),  # a CPU build never imports it
+])
+def test_doctor_is_quiet_about_flashinfer_when_the_engine_does_not_need_it(
+        tmp_path: Path, features: VllmFeatures, env: dict):
+    assert "vllm sampler" not in _doctor(tmp_path, features, env)
+
+
+def test_an_explicit_flashinfer_sampler_without_flashinfer_still_fails(tmp_path: Path):
+    # vLLM raises then too: "=1" asks for the sampler it cannot import.
+    assert not _doctor(tmp_path, NO_FLASHINFER, {"VLLM_USE_FLASHINFER_SAMPLER": "1"})[
+        "vllm sampler"].ok
+
+
+def test_the_features_probe_sees_whether_flashinfer_is_importable(tmp_path: Path):
+    site = tmp_path / "site"
+    (site / "flashinfer").mkdir(parents=True)
+    (site / "flashinfer" / "__init__.py").write_text("")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    assert read_features(sys.executable, env).flashinfer is False
+    assert read_features(sys.executable, {**env, "PYTHONPATH": str(site)}).flashinfer is True

@@ -45,13 +45,16 @@ for case in json.load(sys.stdin):
     argv, err = case["argv"], io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            if case["kind"] == "serve":
+            if case["kind"] in ("serve", "model"):
                 from vllm.entrypoints.launchers.cli_args import (
                     make_arg_parser, validate_parsed_serve_args)
                 args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
                 validate_parsed_serve_args(args)
                 from vllm.engine.arg_utils import EngineArgs
                 EngineArgs.from_cli_args(args).create_load_config()
+                if case["kind"] == "model":  # reads the model's config.json, as a start does
+                    args.max_model_len = EngineArgs.from_cli_args(
+                        args).create_model_config().max_model_len
             else:
                 import vllm.entrypoints.cli.preload as pre
                 import vllm.entrypoints.cli.snapshot as snap
@@ -78,8 +81,9 @@ print("RESULT " + json.dumps(out, default=str))
 
 
 def vllm_parse(python: Path, cases: list[dict]) -> list[dict]:
-    """Each case {"kind": "serve"|"cli", "argv": [...], "want": [attr...]} parsed by the real
-    vLLM in `python`; one subprocess for all (vLLM's import takes seconds)."""
+    """Each case {"kind": "serve"|"model"|"cli", "argv": [...], "want": [attr...]} parsed by
+    the real vLLM in `python` ("model" also builds vLLM's model config from the model's files);
+    one subprocess for all (vLLM's import takes seconds)."""
     done = subprocess.run([str(python), "-c", VERSION_PATCH + _HARNESS], input=json.dumps(cases),
                           capture_output=True, text=True, timeout=300, check=False)
     line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)

@@ -18,9 +18,9 @@ from agent.checkpoint.connections import refuse_outside_connections
 from agent.checkpoint.criu import CriuBackend, DumpOptions, NetworkLock, restore_flags
 from agent.checkpoint.cuda import CudaCheckpoint, uses_cuda
 from agent.checkpoint.xcomp import Grant, Regrant, continue_tree, process_tree, regrant_tree
-from agent.errors import SnapshotError
+from agent.errors import RestoreBlockedError, SnapshotError
 from agent.identity import Identity
-from agent.proc import descendants, kill_tree
+from agent.proc import descendants, ids_in_use, kill_tree, stat
 from agent.store import Canary, Manifest, ProcessTree, SnapshotKind, SnapshotStore
 from agent.store.files import DIR_MODE
 
@@ -33,6 +33,11 @@ LOG_KEEP = 16
 # Only the standard streams are re-wired on restore; the supervisor gives the engine
 # stdin /dev/null and stdout/stderr pipes.
 STD_FDS = (1, 2)
+# How long a restore waits for the PIDs of its image to be free: the tree it replaces may
+# still be exiting. A SIGKILLed vLLM engine core holding 32 GiB of weights took longer to go
+# than the agent took to decide on a restore, and kept its session's ID (the image's root
+# PID) taken: CRIU then failed with "Can't fork for PID: File exists".
+PID_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,8 @@ class Snapshotter:
         keep: int | None = None,
         budget_bytes: int | None = None,
         regrant: Regrant = Regrant.AUTO,
+        pid_wait_s: float = PID_WAIT_S,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.store = store
         self.criu = criu
@@ -123,6 +130,8 @@ class Snapshotter:
         self.keep = keep
         self.budget_bytes = budget_bytes
         self.regrant = regrant
+        self.pid_wait_s = pid_wait_s
+        self._sleep = sleep
 
     def _log(self, name: str, where: Path | None = None) -> Path:
         d = where or self.log_dir
@@ -267,7 +276,10 @@ class Snapshotter:
 
     def restore(self, manifest: Manifest) -> RestoredProcess:
         """Restore a snapshot `select` chose. On any failure the restored tree is killed
-        and SnapshotError raised: the caller quarantines it and falls to a cold start."""
+        and SnapshotError raised: the caller quarantines it and falls to a cold start.
+        RestoreBlockedError (a PID of the image still taken) is the host's failure, not the
+        image's: nothing ran, and the snapshot stays good."""
+        waited = self._wait_pids_free(manifest)
         image_dir = self.store.path(manifest.id)
         log = self._log(f"{manifest.id}-restore-{int(time.time() * 1000)}.log",
                         self.restore_log_dir)
@@ -279,7 +291,7 @@ class Snapshotter:
             r, w = os.pipe()
             readers[what] = r
             writers[w] = what
-        timings: dict[str, float] = {}
+        timings: dict[str, float] = {"pid_wait": waited}
         remaps: tuple[Path, ...] = ()
         # CRIU does not restore the AMX permission: the tree stays stopped until each of
         # its processes has asked for it again (agent/checkpoint/xcomp.py).
@@ -325,6 +337,49 @@ class Snapshotter:
                 f.close()
             raise
         return restored
+
+
+    def _wait_pids_free(self, manifest: Manifest) -> float:
+        """Return (the seconds it waited) once no process, thread, process group or session
+        holds a PID the image was dumped with; RestoreBlockedError after `pid_wait_s`."""
+        t0 = self._clock()
+        end = t0 + self.pid_wait_s
+        first = ""  # who held them when first seen: gone by the time they are free
+        while True:
+            held = ids_in_use(manifest.process.pids, self._proc)
+            if not held:
+                if first:
+                    logger.info("snapshot %s: waited %.2f s for its PIDs (%s)", manifest.id,
+                                self._clock() - t0, first)
+                return self._clock() - t0
+            first = first or _holders(held, self._proc)
+            if self._clock() >= end:
+                break
+            self._sleep(0.05)
+        pid, holder = min(held.items())
+        try:
+            comm = (self._proc / str(holder) / "comm").read_text().strip()
+        except OSError:
+            comm = "gone since"
+        how = "as its PID" if holder == pid else "as a thread, process group or session ID"
+        raise RestoreBlockedError(
+            f"snapshot {manifest.id}: PID {pid}, which the restore must give back to its "
+            f"process, is still taken after {self.pid_wait_s:g} s: process {holder} ({comm}) "
+            f"holds it {how}; stop that process, or let it exit")
+
+
+def _holders(held: dict[int, int], proc_root: Path) -> str:
+    """"PID 12 by 34 (python3), ..." for a log line."""
+    out = []
+    for pid, holder in sorted(held.items()):
+        try:
+            comm = (proc_root / str(holder) / "comm").read_text().strip()
+        except OSError:
+            comm = "gone"
+        st = stat(holder, proc_root)
+        state = f", state {st.state}" if st else ""
+        out.append(f"PID {pid} by {holder} ({comm}{state})")
+    return ", ".join(out)
 
 
 def _prune_logs(d: Path, keep: int) -> None:

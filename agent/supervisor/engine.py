@@ -18,6 +18,16 @@ from agent.errors import EngineError
 
 log = logging.getLogger("pitstop.engine")
 
+# How long a kill waits for the rest of the engine's group after its root is reaped.
+GROUP_GONE_TIMEOUT_S = 30.0
+
+
+def _group_held(root: int) -> dict[int, int]:
+    # Members re-parented to the agent are its zombies until reaped: reap them here too.
+    proc.reap_orphans()
+    # The root itself is reaped already: a process with its PID now is someone else's.
+    return {i: holder for i, holder in proc.ids_in_use([root]).items() if holder != root}
+
 
 @dataclass(frozen=True)
 class Exit:
@@ -149,10 +159,28 @@ class EngineProcess:
         proc.kill_tree(self.pid, signal.SIGKILL)
 
     async def kill(self) -> Exit:
-        """SIGKILL the whole tree, then reap the root."""
+        """SIGKILL the whole tree, reap the root, and wait for the rest of it to be gone."""
         self._stopping = True
         self._kill_group()
-        return await self.wait()
+        exit = await self.wait()
+        await self._group_gone()
+        return exit
+
+    async def _group_gone(self, timeout: float = GROUP_GONE_TIMEOUT_S) -> None:
+        """Wait until no process holds the engine's session or group ID (its members exit
+        after the root, and one holding tens of GiB takes seconds): until then the ID, which
+        a restore must give back to the same root, cannot be allocated, and their GPU memory
+        is not free for a cold start."""
+        end = time.monotonic() + timeout
+        while True:
+            held = await asyncio.to_thread(_group_held, self.pid)
+            if not held:
+                return
+            if time.monotonic() >= end:
+                log.warning("engine %d: processes of its group are still there %.0f s after "
+                            "SIGKILL: %s", self.pid, timeout, sorted(set(held.values())))
+                return
+            await asyncio.sleep(0.05)
 
     async def stop(self, timeout: float) -> Exit:
         """SIGTERM the root (the engine drains its own children), wait, then SIGKILL all."""
@@ -166,6 +194,7 @@ class EngineProcess:
                 log.warning("engine %d did not stop within %.0fs; killing it", self.pid, timeout)
             else:
                 self._kill_group()  # leftovers of a tree whose root already exited
+                await self._group_gone()
                 return exit
         return await self.kill()
 

@@ -15,6 +15,7 @@ import agent
 from agent.config import Config
 from agent.engines.base import LaunchSpec, Prepared
 from agent.engines.vllm.cli import VllmFeatures, read_features
+from agent.engines.vllm.maxlen import check_max_model_len
 from agent.engines.vllm.plugin import support
 from agent.engines.vllm.plugin.support import Refusal
 from agent.errors import ConfigError, EngineError, IdentityError
@@ -258,7 +259,8 @@ def read_package(python: str, env: Mapping[str, str] | None = None) -> VllmPacka
 
 
 def _check_args(config: Config) -> None:
-    """Refuse engine.args that contradict what the adapter sets, or the agent's stop timeout."""
+    """Refuse engine.args that contradict what the adapter sets, the agent's stop timeout, or
+    the model's longest context."""
     args = config.engine.args
     for i, arg in enumerate(args):
         flag = arg.split("=", 1)[0]
@@ -284,6 +286,7 @@ def _check_args(config: Config) -> None:
             f"engine.stop_timeout_s is {config.engine.stop_timeout_s} s, after which the agent "
             "SIGKILLs it; raise engine.stop_timeout_s above it"
         )
+    check_max_model_len(config.engine.model, args, {**os.environ, **config.engine.env})
 
 
 def _shutdown_timeout(args: list[str]) -> float | None:

@@ -69,9 +69,11 @@ print(json.dumps({"vllm": [[n, md.version(n)] for n in names], "plugin": plugin,
     "snapshot": has("entrypoints", "cli", "snapshot.py") and has("snapshot", "controller.py"),
     "preload": has("entrypoints", "cli", "preload.py")
         and has("model_executor", "model_loader", "weight_cache", "ipc_loader.py"),
-    "torch_cuda": cuda}))
+    "torch_cuda": cuda, "flashinfer": u.find_spec("flashinfer") is not None}))
 """
 FEATURES_TIMEOUT_S = 60.0
+# vLLM (vllm/envs.py, 0.25): unset means on; the value is read as int(value) != 0.
+FLASHINFER_SAMPLER = "VLLM_USE_FLASHINFER_SAMPLER"
 
 # The last line of a Python traceback: "package.module.ClassName: message".
 _EXC_LINE = re.compile(r"^(?:[\w.]+\.)?(?P<cls>[A-Za-z_]\w*(?:Error|Exception)): ?(?P<msg>.*)$")
@@ -99,6 +101,10 @@ class VllmFeatures:
     torch_cuda: str | None
     # The version of the Pitstop plugin installed in that interpreter, None when absent.
     plugin: str | None = None
+    # Whether the `flashinfer` module is importable: a CUDA vLLM's default sampler imports it
+    # (vLLM's CUDA requirements install it; a vLLM installed without its dependencies lacks
+    # it). None: not asked.
+    flashinfer: bool | None = None
 
     @property
     def cuda_build(self) -> bool:
@@ -130,7 +136,15 @@ def read_features(python: str, env: Mapping[str, str] | None = None,
     dist, version = (data["vllm"][0] if data["vllm"] else (None, None))
     return VllmFeatures(distribution=dist, version=version, snapshot=bool(data["snapshot"]),
                         preload=bool(data["preload"]), torch_cuda=data["torch_cuda"] or None,
-                        plugin=data.get("plugin"))
+                        plugin=data.get("plugin"), flashinfer=bool(data["flashinfer"]))
+
+
+def sampler_off(env: Mapping[str, str]) -> bool:
+    """Whether the engine's environment turns vLLM's FlashInfer sampler off."""
+    try:
+        return int(env.get(FLASHINFER_SAMPLER, "1")) == 0
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,13 @@ from agent.checkpoint.criu_locate import locate
 from agent.checks import Check
 from agent.config import Config
 from agent.engines.vllm.adapter import BASE_ENV, plugin_refusal
-from agent.engines.vllm.cli import VllmFeatures, gpu_present, read_features
+from agent.engines.vllm.cli import (
+    FLASHINFER_SAMPLER,
+    VllmFeatures,
+    gpu_present,
+    read_features,
+    sampler_off,
+)
 from agent.engines.vllm.plugin.support import Refusal
 from agent.engines.vllm.preload import PreloadLink, engine_gpu
 from agent.engines.vllm.rungs import host_unfit
@@ -78,6 +84,14 @@ def vllm_checks(
                       "install vLLM there (make vllm on CPU) or set engine.python")]
     gpu = has_gpu()
     checks = [Check("vllm", True, True, f"{f.describe()} ({python})")]
+    if f.cuda_build and f.flashinfer is False and not sampler_off(env):
+        checks.append(Check(
+            "vllm sampler", False, True,
+            f"{f.describe()} has no `flashinfer` module, which its default top-k/top-p "
+            f"sampler imports on CUDA: the engine core fails at start (No module named "
+            f"'flashinfer')",
+            f"pip install flashinfer-python into {python}'s environment (vLLM's CUDA "
+            f"requirements name it), or set {FLASHINFER_SAMPLER}: \"0\" in engine.env"))
     backend, why = choose_backend(config, lambda: f, lambda: gpu)
     snapshots = config.snapshots.enabled
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from agent import proc
 from agent.checkpoint.snapshotter import Snapshotter
 from agent.engines.base import EngineAdapter
-from agent.errors import EngineError, SnapshotError, StartPathError
+from agent.errors import EngineError, RestoreBlockedError, SnapshotError, StartPathError
 from agent.identity import Identity
 from agent.metrics import Metrics
 from agent.store import Manifest
@@ -99,6 +99,10 @@ class FullRestore:
             os.unlink(self._socket)
         try:
             restored = await proc.in_parent_thread(self._snap.restore, manifest)
+        except RestoreBlockedError as e:
+            # The host's failure (a PID still taken), not the image's: it stays a candidate.
+            self._chosen = None
+            raise StartPathError(f"restore of snapshot {manifest.id} could not run: {e}") from e
         except SnapshotError as e:
             self.failed(str(e))
             raise StartPathError(f"restore of snapshot {manifest.id} failed: {e}") from e
