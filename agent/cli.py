@@ -233,10 +233,11 @@ def _cmd_vllm_snapshot(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
+    from agent.checkpoint import build_store
     from agent.checkpoint.criu_locate import locate
     from agent.config import load_config
     from agent.engines.vllm.snapshot import VllmSnapshotBackend
-    from agent.errors import SnapshotError, VllmSnapshotError
+    from agent.errors import SnapshotError
 
     cfg = load_config(args.config)
     python = str(cfg.engine.python) if cfg.engine.python else sys.executable
@@ -245,19 +246,32 @@ def _cmd_vllm_snapshot(args: argparse.Namespace) -> int:
     except SnapshotError:
         criu = None  # vLLM then looks for `criu` on PATH and says so when it is not there
     backend = VllmSnapshotBackend.from_config(cfg, python=python, criu=criu)
+    store = build_store(cfg)
     if args.action == "create":
-        m = backend.create()
+        from agent.checkpoint.backend import CreateRequest, take
+        from agent.drift_watch import build_reader
+        from agent.engines import build_adapter
+
+        store.open()
+        # The identity the agent compares a vLLM snapshot with: read the way the agent reads
+        # it when vLLM's backend is chosen (Pitstop's CRIU then has no part in it).
+        identity = build_reader(cfg, build_adapter(cfg), None)()
+        info = take(store, backend, CreateRequest("vllm"), identity)
+        m = backend.read(backend.artifact(info.path))
     elif args.action == "inspect":
-        m = backend.inspect(Path(args.id) if "/" in args.id else backend.root / args.id)
+        path = Path(args.id) if "/" in args.id else backend.artifact(store.path(args.id))
+        m = backend.read(path)
     else:
         rows = []
-        for path in backend.candidates():
+        for e in store.entries():
+            if e.manifest is None or e.manifest.kind != "vllm":
+                continue
             try:
-                m = backend.inspect(path)
-                rows.append({"id": m.id, "created": m.created_at, "model": m.model,
+                m = backend.read(backend.artifact(store.path(e.id)))
+                rows.append({"id": e.id, "created": m.created_at, "model": m.model,
                              "bytes": m.artifact_bytes})
-            except VllmSnapshotError as e:
-                rows.append({"id": path.name, "error": str(e)})
+            except SnapshotError as err:
+                rows.append({"id": e.id, "error": str(err)})
         print(json.dumps(rows, indent=1) if args.json else "\n".join(
             f"{r['id']}  " + (r.get("error") or f"{r['model']}  {r['bytes'] / 1e9:.2f} GB  "
                               f"{r['created']}") for r in rows) or "no vLLM snapshots")
@@ -304,9 +318,16 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
         return EXIT_OK
     store = SnapshotStore(cfg.paths.snapshots)
     if args.action == "list":
-        entries = store.entries()
-        out = json.dumps([views.entry_json(e) for e in entries], indent=1) if args.json \
-            else views.entries_text(entries)
+        # Every backend's snapshots in one list; the quarantine (every backend's) in the same
+        # shape.
+        if args.quarantined:
+            aside = store.quarantined()
+            out = json.dumps([views.quarantined_json(q) for q in aside], indent=1) \
+                if args.json else views.quarantined_text(aside)
+        else:
+            entries = store.entries()
+            out = json.dumps([views.entry_json(e) for e in entries], indent=1) if args.json \
+                else views.entries_text(entries)
     elif args.action == "inspect":
         m = store.load(args.id)
         out = m.model_dump_json(indent=1) if args.json else views.manifest_text(m)
@@ -443,6 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
             a.add_argument("ids", nargs="*", metavar="ID", help="default: all")
         elif name == "delete":
             a.add_argument("ids", nargs="+", metavar="ID")
+        elif name == "list":
+            a.add_argument("--quarantined", action="store_true",
+                           help="the quarantine instead, newest first, in the same columns")
     sn.set_defaults(func=_cmd_snapshot)
 
     dr = sub.add_parser("drift", help="compare a snapshot's identity with this host's "

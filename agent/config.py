@@ -130,6 +130,9 @@ class SnapshotsConfig(_Strict):
     criu: ExpandedPath | None = None
     keep: int = Field(2, ge=1)
     disk_budget_gib: float = Field(64.0, gt=0)
+    # Quarantined snapshots kept for a post-mortem, newest first, and only while they fit in
+    # disk_budget_gib beside the published ones; 0 deletes each one as it is refused.
+    quarantine_keep: int = Field(2, ge=0)
     cuda_lock_timeout_ms: int = Field(10_000, ge=1)
 
 

@@ -76,6 +76,7 @@ POLICY: dict[str, tuple[Apply, str]] = {
     "snapshots.criu": (Apply.RESTART, "CRIU is located and its version recorded at start"),
     "snapshots.keep": (Apply.LIVE, "the next prune (after the next capture)"),
     "snapshots.disk_budget_gib": (Apply.LIVE, "the next prune (after the next capture)"),
+    "snapshots.quarantine_keep": (Apply.LIVE, "the next quarantine or prune"),
     "snapshots.cuda_lock_timeout_ms": (Apply.LIVE, "the next capture"),
     "holder.enabled": (Apply.LIVE, "the next ladder walk"),
     "holder.refill": (Apply.LIVE, "the next ladder walk"),

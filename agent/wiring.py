@@ -10,7 +10,7 @@ from pathlib import Path
 from prometheus_client import start_http_server
 
 from agent import proc
-from agent.checkpoint import build_snapshotter
+from agent.checkpoint import build_snapshotter, build_store, retention
 from agent.checkpoint.snapshotter import Snapshotter
 from agent.config import Config
 from agent.control import ControlServer
@@ -80,7 +80,15 @@ class Agent:
         self.snapshotter, unavailable = self._snapshotter(config)
         # vLLM's own paths (docs/vllm.md): `vllm snapshot` first, `vllm preload` above cold.
         criu_path = self.snapshotter.criu.binary.path if self.snapshotter is not None else None
-        vllm_first, vllm_warm = vllm_rungs(config, self.adapter, self.identity, criu_path)
+        # One store for every backend: vLLM's snapshots are published, verified, quarantined
+        # and pruned in it like Pitstop's own.
+        self.store = self.snapshotter.store if self.snapshotter is not None \
+            else build_store(config)
+        # The board is made last, from the parts it reads; a scrape before it exists cannot
+        # happen (the endpoint starts in run()).
+        self.metrics = Metrics(self.registry, lambda: self.board.view())
+        vllm_first, vllm_warm = vllm_rungs(config, self.adapter, self.identity, criu_path,
+                                           self.store, self.metrics)
         self._vllm_first = vllm_first
         if vllm_first:
             # The configuration chose vLLM's snapshots: Pitstop's CRIU backend takes none.
@@ -94,9 +102,6 @@ class Agent:
         self.drifted: tuple[str, ...] = ()
         self.holder = HolderLink(config.holder, config.paths.run, gpu=self._gpu_uuid,
                                  digest=self._weights_digest, adapter=self.adapter)
-        # The board is made last, from the parts it reads; a scrape before it exists cannot
-        # happen (the endpoint starts in run()).
-        self.metrics = Metrics(self.registry, lambda: self.board.view())
         if config.front.enabled:
             from agent.front.proxy import Front
 
@@ -105,9 +110,9 @@ class Agent:
                                engine_dead_marker=self.adapter.dead_marker)
         self.capture = None
         if self.snapshotter is not None:
-            self.capture = Capture(self.snapshotter, self.adapter, config.engine_socket,
-                                   self.gate, self.metrics, self.identity,
-                                   config.snapshots.quiet_timeout_s)
+            self.capture = Capture(self.snapshotter, self.store, self.adapter,
+                                   config.engine_socket, self.gate, self.metrics,
+                                   self.identity, config.snapshots.quiet_timeout_s)
         restore = dict(snapshotter=self.snapshotter, unavailable=unavailable,
                        adapter=self.adapter, socket=config.engine_socket,
                        identity=self.identity, metrics=self.metrics,
@@ -196,10 +201,10 @@ class Agent:
         snaps = config.snapshots
         if self.capture is not None:
             self.capture.quiet_timeout_s = snaps.quiet_timeout_s
+        # keep, disk_budget_gib, quarantine_keep: whichever backend publishes into the store.
+        self.store.retention = retention(config)
+        self.store.trust_sealed = snaps.verify == "changed"
         if self.snapshotter is not None:
-            self.snapshotter.keep = snaps.keep
-            self.snapshotter.budget_bytes = int(snaps.disk_budget_gib * 2**30)
-            self.snapshotter.store.trust_sealed = snaps.verify == "changed"
             self.snapshotter.cuda.lock_timeout_ms = snaps.cuda_lock_timeout_ms
         for rung in (self.full, self.hybrid, self.refill):
             rung.timeout_s = config.health.timeout_s * RESTORE_TIMEOUTS

@@ -576,9 +576,9 @@ class Injector:
         self.books.spoiled.add(sid)
         self.books.good.pop(sid, None)
         await self._engine_kill(self.node.status())
-        # The agent quarantines the refused image and nothing ever prunes the quarantine: on
-        # a node whose images are 3.6 GB (vLLM), a few would fill the store. Clear it, as an
-        # operator would after looking.
+        # The agent quarantines the refused image; the store keeps the newest
+        # snapshots.quarantine_keep of them within the disk budget. Clear it all the same, so
+        # that the soak's disk use does not depend on that setting (as before it existed).
         for q in (self.node.store_dir / ".quarantine").glob(f"{sid}.*"):
             shutil.rmtree(q, ignore_errors=True)
         return f"{sid}/{victim.name}@{offset}"

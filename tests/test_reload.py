@@ -16,6 +16,7 @@ import pytest
 from agent.config import Config, parse_config
 from agent.errors import ConfigError
 from agent.reload import POLICY, changed_keys, config_keys, plan, policy_markdown
+from agent.store import Retention
 from agent.systemd import Notifier
 from tests.agentproc import REPO, RunningAgent, agent_config
 from tests.snapshot_helpers import criu
@@ -119,7 +120,7 @@ def test_every_part_of_the_agent_takes_the_live_values(tmp_path: Path, tiny_mode
         tmp_path, tiny_model, holder={"enabled": True},
         snapshots={"keep": 7, "disk_budget_gib": 3, "quiet_timeout_s": 4, "verify": "always",
                    "cuda_lock_timeout_ms": 55, "drift_check_interval_s": 0,
-                   "regenerate": "manual"},
+                   "regenerate": "manual", "quarantine_keep": 0},
         health={"timeout_s": 0.5, "interval_s": 0.25},
         front={"queue": {"max_waiting": 3}, "max_resumes": 9},
         restart={"crash_loop_limit": 9}, engine={"stop_timeout_s": 2})
@@ -130,6 +131,9 @@ def test_every_part_of_the_agent_takes_the_live_values(tmp_path: Path, tiny_mode
     assert agent.capture.quiet_timeout_s == 4
     assert agent.snapshotter.keep == 7 and agent.snapshotter.budget_bytes == 3 * 2**30
     assert agent.snapshotter.store.trust_sealed is False
+    # The store's retention, which every backend publishing into it is pruned by.
+    assert agent.store is agent.snapshotter.store
+    assert agent.store.retention == Retention(keep=7, budget_bytes=3 * 2**30, quarantine_keep=0)
     assert agent.snapshotter.cuda.lock_timeout_ms == 55
     assert agent.full.timeout_s == agent.hybrid.timeout_s == 5.0
     assert agent.holder.config.enabled

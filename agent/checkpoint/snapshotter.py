@@ -3,26 +3,42 @@
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from agent.checkpoint import outside
+from agent.checkpoint.backend import (
+    BackendName,
+    CreateRequest,
+    Image,
+    RestoredProcess,
+    SnapshotInfo,
+    take,
+)
 from agent.checkpoint.connections import refuse_outside_connections
 from agent.checkpoint.criu import CriuBackend, DumpOptions, NetworkLock, restore_flags
 from agent.checkpoint.cuda import CudaCheckpoint, uses_cuda
-from agent.checkpoint.xcomp import Grant, Regrant, continue_tree, process_tree, regrant_tree
+from agent.checkpoint.xcomp import Regrant, continue_tree, process_tree, regrant_tree
 from agent.errors import RestoreBlockedError, SnapshotError
 from agent.identity import Identity
 from agent.proc import descendants, ids_in_use, kill_tree, stat
-from agent.store import Canary, Manifest, ProcessTree, SnapshotKind, SnapshotStore
+from agent.store import (
+    Canary,
+    Manifest,
+    ProcessTree,
+    Retention,
+    Skipped,
+    SnapshotKind,
+    SnapshotStore,
+)
 from agent.store.files import DIR_MODE
+
+__all__ = ["RestoredProcess", "SnapshotInfo", "Snapshotter", "std_pipes", "tree_pids"]
 
 logger = logging.getLogger("pitstop.snapshot")
 
@@ -38,38 +54,6 @@ STD_FDS = (1, 2)
 # than the agent took to decide on a restore, and kept its session's ID (the image's root
 # PID) taken: CRIU then failed with "Can't fork for PID: File exists".
 PID_WAIT_S = 30.0
-
-
-@dataclass(frozen=True)
-class SnapshotInfo:
-    """A published snapshot, as `capture` returns it."""
-
-    id: str
-    path: Path
-    manifest: Manifest
-
-    @property
-    def image_bytes(self) -> int:
-        return self.manifest.image_bytes
-
-
-@dataclass
-class RestoredProcess:
-    """A restored engine tree, running, re-parented to the nearest subreaper (the agent).
-
-    `outputs` maps the engine's fd (1, 2) to the read end of the new pipe wired to it;
-    stdout and stderr share one reader when they shared one pipe at dump time. The
-    caller owns the readers and reaps `pid`.
-    """
-
-    pid: int
-    snapshot_id: str
-    outputs: dict[int, io.FileIO]
-    log_path: Path
-    timings: dict[str, float] = field(default_factory=dict)
-    # What re-asking for the AMX permission answered in each restored PID (empty when
-    # the restore did not ask: no AMX on this CPU, or Regrant.OFF).
-    amx: dict[int, Grant] = field(default_factory=dict)
 
 
 def tree_pids(root: int, proc_root: Path = Path("/proc")) -> tuple[int, ...]:
@@ -89,7 +73,8 @@ def std_pipes(pid: int, proc_root: Path = Path("/proc")) -> dict[str, str]:
 
 
 class Snapshotter:
-    """Captures an engine tree into the store and restores it: the `full` rung's engine.
+    """Pitstop's checkpoint backend (CRIU of the tree, CUDA checkpoint of each process that
+    holds a GPU), and the store it captures into: the `full` and `hybrid` rungs' engine.
 
     Example::
 
@@ -117,6 +102,10 @@ class Snapshotter:
         pid_wait_s: float = PID_WAIT_S,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
+        self.name = BackendName.CRIU
+        self.kinds: frozenset[SnapshotKind] = frozenset({"full", "hybrid"})
+        # CRIU restores the tree from anywhere: images are made in a draft and renamed.
+        self.in_place = False
         self.store = store
         self.criu = criu
         self.cuda = cuda
@@ -127,11 +116,32 @@ class Snapshotter:
         self._proc = proc_root
         self._shm = shm_dir
         self._clock = clock
-        self.keep = keep
-        self.budget_bytes = budget_bytes
+        if keep is not None or budget_bytes is not None:
+            self.keep, self.budget_bytes = keep, budget_bytes
         self.regrant = regrant
         self.pid_wait_s = pid_wait_s
         self._sleep = sleep
+
+    # Retention is the store's (one definition, whoever publishes into it); these read and
+    # set it, as a reload does.
+    @property
+    def keep(self) -> int | None:
+        return self.store.retention.keep if self.store.retention else None
+
+    @keep.setter
+    def keep(self, keep: int | None) -> None:
+        self.store.retention = replace(self._retention(), keep=keep)
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return self.store.retention.budget_bytes if self.store.retention else None
+
+    @budget_bytes.setter
+    def budget_bytes(self, budget: int | None) -> None:
+        self.store.retention = replace(self._retention(), budget_bytes=budget or 0)
+
+    def _retention(self) -> Retention:
+        return self.store.retention or Retention(keep=None, budget_bytes=0)
 
     def _log(self, name: str, where: Path | None = None) -> Path:
         d = where or self.log_dir
@@ -162,44 +172,41 @@ class Snapshotter:
 
         A write that fails (the store's file system full: CRIU's action script, the
         manifest) raises SnapshotError too; the draft is removed."""
+        request = CreateRequest(kind=kind, pid=pid, canary=canary, held=held,
+                                leave_running=(options or DumpOptions()).leave_running,
+                                dump_options=options)
         try:
-            return self._capture(pid, canary=canary, identity=identity, kind=kind,
-                                 options=options, held=held)
+            return take(self.store, self, request, identity, clock=self._clock)
         except OSError as e:
             raise SnapshotError(f"the snapshot of PID {pid} could not be written: {e}; is "
                                 f"the file system of {self.store.root} full?") from e
 
-    def _capture(
-        self,
-        pid: int,
-        *,
-        canary: Canary,
-        identity: Identity,
-        kind: SnapshotKind,
-        options: DumpOptions | None,
-        held: dict[str, dict[str, Any]] | None,
-    ) -> SnapshotInfo:
-        opts = options or DumpOptions()
+    def create(self, request: CreateRequest, staging: Path) -> Image:
+        """Dump the tree rooted at `request.pid` into `staging` (see `capture`)."""
+        if request.pid is None or request.canary is None:
+            raise ValueError("a CRIU snapshot is of a running engine: give its pid and canary")
+        pid = request.pid
+        opts = request.dump_options or DumpOptions(leave_running=request.leave_running)
         timings: dict[str, float] = {}
-        created = datetime.now(UTC)
         pids = tree_pids(pid, self._proc)
         tcp = refuse_outside_connections(pids, self._proc).tcp
         used = outside.survey(pids, self._proc, self._shm)
         pipes = std_pipes(pid, self._proc)
-        with outside.remap_window(self._shm), self.store.begin(kind) as draft:
+        name = staging.name.removeprefix(".tmp-")
+        with outside.remap_window(self._shm):
             stale = outside.drop_stale_remaps(pids, self._shm, self._proc)
             if stale:
                 logger.warning("removed CRIU link remaps no process holds (left by a CRIU "
                                "that died mid-dump): %s", ", ".join(stale))
-            log = self._log(f"{draft.id}-dump.log")
-            script = self._log(f"{draft.id}-post-dump.sh")
-            outside.post_dump_script(script, used, draft.dir, self._shm)
+            log = self._log(f"{name}-dump.log")
+            script = self._log(f"{name}-post-dump.sh")
+            outside.post_dump_script(script, used, staging, self._shm)
             opts = replace(opts, tcp_established=opts.tcp_established or tcp.internal_present,
                            network_lock=NetworkLock.SKIP, action_script=script)
             cuda_pids = tuple(p for p in pids if uses_cuda(p, self._proc))
             self._suspend(cuda_pids, timings)
             try:
-                dumped = self.criu.dump(pid, draft.dir, log, opts)
+                dumped = self.criu.dump(pid, staging, log, opts)
             except SnapshotError as e:
                 self._resume(cuda_pids, timings, cause=e)
                 raise
@@ -211,32 +218,17 @@ class Snapshotter:
                 pids=pids,
                 inherited_pipes=pipes,
                 cuda_pids=cuda_pids,
-                shm_files=outside.saved(draft.dir),
+                shm_files=outside.saved(staging),
                 socket_paths=used.socket_paths,
             )
-            if opts.leave_running:
-                self._resume(tree.cuda_pids, timings)
-            t0 = self._clock()
-            files = draft.seal()
-            timings["seal"] = self._clock() - t0
-            manifest = Manifest(
-                id=draft.id,
-                kind=kind,
-                created_at=created,
-                identity=identity,
-                process=tree,
-                files=files,
-                timings=timings,
-                canary=canary,
-                chunk_bytes=draft.chunk_bytes,
-                criu_flags=dumped.flags,
-                held=held,
-            )
-            path = draft.publish(manifest)
-        if self.keep is not None:
-            # Only now, with the replacement published, may older good ones go.
-            self.store.prune(self.keep, self.budget_bytes or 0)
-        return SnapshotInfo(manifest.id, path, manifest)
+        if opts.leave_running:
+            self._resume(tree.cuda_pids, timings)
+        return Image(process=tree, canary=request.canary, timings=timings,
+                     criu_flags=dumped.flags, held=request.held)
+
+    def inspect(self, manifest: Manifest, image: Path) -> Skipped | None:
+        """Nothing to add: the store's checksums and identity are all CRIU's image needs."""
+        return None
 
     def _cuda(self) -> CudaCheckpoint:
         if self.cuda is None:
@@ -274,13 +266,14 @@ class Snapshotter:
             timings["cuda_restore"] = timings.get("cuda_restore", 0.0) + t.first_s
             timings["cuda_unlock"] = timings.get("cuda_unlock", 0.0) + t.second_s
 
-    def restore(self, manifest: Manifest) -> RestoredProcess:
-        """Restore a snapshot `select` chose. On any failure the restored tree is killed
-        and SnapshotError raised: the caller quarantines it and falls to a cold start.
-        RestoreBlockedError (a PID of the image still taken) is the host's failure, not the
-        image's: nothing ran, and the snapshot stays good."""
+    def restore(self, manifest: Manifest, image: Path | None = None) -> RestoredProcess:
+        """Restore a snapshot `select` chose (from `image`, by default its directory in the
+        store). On any failure the restored tree is killed and SnapshotError raised: the
+        caller quarantines it and falls to a cold start. RestoreBlockedError (a PID of the
+        image still taken) is the host's failure, not the image's: nothing ran, and the
+        snapshot stays good."""
         waited = self._wait_pids_free(manifest)
-        image_dir = self.store.path(manifest.id)
+        image_dir = image or self.store.path(manifest.id)
         log = self._log(f"{manifest.id}-restore-{int(time.time() * 1000)}.log",
                         self.restore_log_dir)
         flags = restore_flags(manifest.criu_flags)

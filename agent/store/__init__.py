@@ -1,7 +1,16 @@
 """The snapshot store: manifest schema, atomic private files, publish/select/prune."""
 
 from agent.store.manifest import Canary, ImageFile, Manifest, ProcessTree, SnapshotKind
-from agent.store.store import Draft, Entry, Selection, Skipped, SnapshotStore, Verdict
+from agent.store.store import (
+    Draft,
+    Entry,
+    Quarantined,
+    Retention,
+    Selection,
+    Skipped,
+    SnapshotStore,
+    Verdict,
+)
 
 __all__ = [
     "Canary",
@@ -10,6 +19,8 @@ __all__ = [
     "ImageFile",
     "Manifest",
     "ProcessTree",
+    "Quarantined",
+    "Retention",
     "Selection",
     "Skipped",
     "SnapshotKind",

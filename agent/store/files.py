@@ -91,6 +91,35 @@ def check_root(path: Path) -> None:
             )
 
 
+def walk_files(directory: Path) -> tuple[list[str], list[str]]:
+    """(regular files, anything else) under `directory`, as sorted paths relative to it.
+    Symlinks are never followed: one (to a file or a directory) is "anything else"."""
+    files, odd = [], []
+    for top, dirs, names in os.walk(directory):
+        rel = os.path.relpath(top, directory)
+        for name in [*names, *dirs]:
+            path = os.path.join(top, name)
+            st = os.lstat(path)
+            entry = name if rel == "." else f"{rel}/{name}"
+            if stat.S_ISREG(st.st_mode):
+                files.append(entry)
+            elif not stat.S_ISDIR(st.st_mode):
+                odd.append(entry)
+    return sorted(files), sorted(odd)
+
+
+def tree_bytes(directory: Path) -> int:
+    """Bytes of the regular files under `directory` (symlinks not followed)."""
+    total = 0
+    for top, _, names in os.walk(directory):
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                st = os.lstat(os.path.join(top, name))
+                if stat.S_ISREG(st.st_mode):
+                    total += st.st_size
+    return total
+
+
 def make_private_dir(path: Path) -> None:
     """Create `path` (and missing parents) with mode 0700, or check the existing one."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)

@@ -15,20 +15,37 @@ SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 # What every image file looked like (inode, size, mtime, ctime) when it was hashed at seal.
 SEALED_NAME = "sealed.json"
+# Present while a snapshot is still being made under its final name (a backend whose image
+# cannot move after it was made: vLLM records its artifact's path in the dumped tree). Its
+# removal is that snapshot's publication.
+DRAFT_NAME = ".draft"
 # Snapshot ids become directory names: no separators, no leading dot (dot names are
 # the store's own temp and quarantine entries).
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
-SnapshotKind = Literal["full", "hybrid"]
+# full and hybrid: Pitstop's CRIU (+ CUDA) images; vllm: an artifact `vllm snapshot create`
+# made (its files under vllm/), restored by `vllm snapshot restore`.
+SnapshotKind = Literal["full", "hybrid", "vllm"]
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
+def check_image_name(v: str) -> str:
+    """A path relative to the snapshot directory, no way out of it, not the store's own files."""
+    parts = v.split("/")
+    if v.startswith("/") or any(p in ("", ".", "..") for p in parts) or \
+            v in (MANIFEST_NAME, SEALED_NAME, DRAFT_NAME):
+        raise ValueError(f"image file name {v!r} must be a relative path inside the snapshot "
+                         "directory")
+    return v
+
+
 class ImageFile(_Strict):
-    """One file of the image, relative to the snapshot directory, with the sha256 of each
-    of its `Manifest.chunk_bytes`-sized pieces (hashed in parallel; the last may be short)."""
+    """One file of the image, relative to the snapshot directory (a backend may keep its files
+    in subdirectories: vllm/images/pages-1.img), with the sha256 of each of its
+    `Manifest.chunk_bytes`-sized pieces (hashed in parallel; the last may be short)."""
 
     name: str
     size: int = Field(ge=0)
@@ -38,10 +55,8 @@ class ImageFile(_Strict):
 
     @field_validator("name")
     @classmethod
-    def _plain_name(cls, v: str) -> str:
-        if "/" in v or v in ("", ".", "..") or v in (MANIFEST_NAME, SEALED_NAME):
-            raise ValueError(f"image file name {v!r} must be a plain file name")
-        return v
+    def _inside(cls, v: str) -> str:
+        return check_image_name(v)
 
 
 class ProcessTree(_Strict):
@@ -112,6 +127,16 @@ class Manifest(_Strict):
     # A hybrid image's held regions at dump time (name -> holder_id, epoch, digest,
     # chunks): a restore is tried only while the holder still has exactly these.
     held: dict[str, dict[str, Any]] | None = None
+    # Files the backend rewrites at every restore (vLLM's release marker, restore log and
+    # the engine's log): neither sealed nor verified, and allowed to come and go.
+    scratch: tuple[str, ...] = ()
+
+    @field_validator("scratch")
+    @classmethod
+    def _scratch_inside(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for name in v:
+            check_image_name(name)
+        return v
 
     @property
     def image_bytes(self) -> int:

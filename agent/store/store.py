@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -32,9 +33,12 @@ from agent.store.files import (
     make_private_dir,
     read_private,
     stat_key,
+    tree_bytes,
+    walk_files,
     write_private,
 )
 from agent.store.manifest import (
+    DRAFT_NAME,
     ID_PATTERN,
     MANIFEST_NAME,
     SEALED_NAME,
@@ -47,6 +51,9 @@ TMP_PREFIX = ".tmp-"
 # Files CRIU itself writes into an image directory on each restore; not image content.
 RESTORE_LEFTOVERS = frozenset({"stats-restore"})
 QUARANTINE = ".quarantine"
+# In a quarantined directory: why, in words (QUARANTINED) and as a record (QUARANTINED.json).
+QUARANTINE_NOTE = "QUARANTINED"
+QUARANTINE_RECORD = "QUARANTINED.json"
 # Hashing threads: hashlib and pread release the GIL, so these use that many cores.
 HASH_WORKERS = min(32, os.cpu_count() or 1)
 
@@ -75,6 +82,9 @@ class Skipped:
     # Its files no longer verify against the manifest: it is never usable again, so the
     # caller moves it to quarantine (stale or older ones may serve another day).
     corrupt: bool = False
+    # A metric label for the reason when the one who refused it knows it (a backend's
+    # error code); "" leaves it to the caller.
+    code: str = ""
 
 
 @dataclass(frozen=True)
@@ -95,9 +105,48 @@ class Entry:
     bytes_on_disk: int
 
 
+@dataclass(frozen=True)
+class Quarantined:
+    """One snapshot set aside in `<root>/.quarantine/<id>.<time>`, as `quarantined` lists it.
+
+    `code` is the refusal's code as the caller gave it (corrupt, canary, restore_failed...);
+    `reason` its words. A directory quarantined before the record existed has code "".
+    """
+
+    id: str
+    path: Path
+    manifest: Manifest | None
+    code: str
+    reason: str
+    quarantined_at: float
+    bytes_on_disk: int
+
+
+@dataclass(frozen=True)
+class Retention:
+    """What the store keeps (snapshots.keep, disk_budget_gib, quarantine_keep): after each
+    publish the newest `keep` good snapshots within `budget_bytes`; after each quarantine or
+    prune the quarantine's newest `quarantine_keep` within what the good ones leave. None
+    leaves that part alone.
+
+    Example::
+
+        SnapshotStore(root, retention=Retention(keep=2, budget_bytes=64 << 30,
+                                                quarantine_keep=2))
+    """
+
+    keep: int | None
+    budget_bytes: int
+    quarantine_keep: int | None = None
+
+
 @dataclass
 class Draft:
     """A snapshot being built in `<root>/.tmp-<id>`; invisible until `publish`.
+
+    With `in_place` it is built under its final name, `<root>/<id>`, kept invisible by a
+    `.draft` file whose removal publishes it (for a backend whose image records its own
+    path, which a rename would break).
 
     Example::
 
@@ -111,18 +160,25 @@ class Draft:
     kind: SnapshotKind
     dir: Path
     chunk_bytes: int = CHUNK_BYTES
+    in_place: bool = False
     published: bool = field(default=False, init=False)
     # What each file looked like when seal() hashed it (stat_key), written at publish.
     sealed: dict[str, list[int]] = field(default_factory=dict, init=False)
 
-    def seal(self) -> tuple[ImageFile, ...]:
-        """Make every image file private and durable; return their sizes and checksums."""
-        names = sorted(os.listdir(self.dir))
+    def _image_names(self, scratch: tuple[str, ...]) -> list[str]:
+        files, odd = walk_files(self.dir)
+        if odd:
+            raise SnapshotError(f"{self.dir / odd[0]}: the image holds something other than "
+                                "a file or directory")
+        skip = {*scratch, DRAFT_NAME}
+        return [n for n in files if n not in skip]
+
+    def seal(self, scratch: tuple[str, ...] = ()) -> tuple[ImageFile, ...]:
+        """Make every image file private and durable; return their sizes and checksums.
+        `scratch` names files the backend rewrites at each restore: left out."""
+        names = self._image_names(scratch)
         for name in names:
             path = self.dir / name
-            st = os.lstat(path)
-            if not stat.S_ISREG(st.st_mode):
-                raise SnapshotError(f"{path}: the image holds something other than a file")
             os.chmod(path, FILE_MODE)
             fsync_file(path)
             # Taken before hashing: a write during or after it moves ctime off this record,
@@ -141,7 +197,7 @@ class Draft:
             raise SnapshotError(
                 f"manifest {manifest.id}/{manifest.kind} is not for draft {self.id}"
             )
-        on_disk = set(os.listdir(self.dir))
+        on_disk = set(self._image_names(manifest.scratch))
         listed = {f.name for f in manifest.files}
         if on_disk != listed:
             raise SnapshotError(
@@ -157,14 +213,22 @@ class Draft:
                   for f in manifest.files if f.name in self.sealed}
         write_private(self.dir / SEALED_NAME, json.dumps(sealed).encode())
         final = self.store.path(self.id)
-        os.rename(self.dir, final)
-        fsync_dir(self.store.root)
+        if self.in_place:
+            os.unlink(self.dir / DRAFT_NAME)
+            fsync_dir(self.dir)
+        else:
+            os.rename(self.dir, final)
+            fsync_dir(self.store.root)
         self.published = True
         return final
 
     def abort(self) -> None:
         """Remove the draft; the previous snapshots are untouched."""
-        if not self.published:
+        if self.published:
+            return
+        if self.in_place:
+            self.store._vanish(self.dir)
+        else:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -180,11 +244,13 @@ class SnapshotStore:
     """
 
     def __init__(self, root: Path, *, clock: Callable[[], float] = time.time,
-                 trust_sealed: bool = True) -> None:
+                 trust_sealed: bool = True, retention: Retention | None = None) -> None:
         self.root = Path(root)
         self._clock = clock
         # select(): skip hashing files unchanged since seal (snapshots.verify: changed).
         self.trust_sealed = trust_sealed
+        # None: nothing is pruned unless asked (prune, prune_quarantine). A reload replaces it.
+        self.retention = retention
 
     # --- layout -------------------------------------------------------------------
 
@@ -196,6 +262,15 @@ class SnapshotStore:
             for name in os.listdir(self.root):
                 if name.startswith(TMP_PREFIX):
                     shutil.rmtree(self.root / name, ignore_errors=True)
+                elif ID_PATTERN.match(name) and _is_draft(self.root / name):
+                    self._vanish(self.root / name)
+
+    def _vanish(self, d: Path) -> None:
+        """Remove a directory so that it disappears at once: renamed to a draft name first."""
+        doomed = self.root / f"{TMP_PREFIX}deleted-{d.name}"
+        os.rename(d, doomed)
+        fsync_dir(self.root)
+        shutil.rmtree(doomed, ignore_errors=True)
 
     def path(self, snapshot_id: str) -> Path:
         if not ID_PATTERN.match(snapshot_id):
@@ -210,20 +285,28 @@ class SnapshotStore:
         if not os.path.lexists(self.root):
             return []
         check_root(self.root)
-        return sorted(n for n in os.listdir(self.root) if ID_PATTERN.match(n))
+        return sorted(n for n in os.listdir(self.root)
+                      if ID_PATTERN.match(n) and not _is_draft(self.root / n))
 
     def new_id(self, kind: SnapshotKind) -> str:
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(self._clock()))
         return f"{stamp}-{kind}-{secrets.token_hex(3)}"
 
     @contextmanager
-    def begin(self, kind: SnapshotKind) -> Iterator[Draft]:
-        """A draft directory; removed on any exception or when left unpublished."""
+    def begin(self, kind: SnapshotKind, *, in_place: bool = False) -> Iterator[Draft]:
+        """A draft directory; removed on any exception or when left unpublished. With
+        `in_place`, under its final name (see Draft)."""
         self.open()
         snapshot_id = self.new_id(kind)
         tmp = self.root / f"{TMP_PREFIX}{snapshot_id}"
         os.mkdir(tmp, DIR_MODE)
-        draft = Draft(self, snapshot_id, kind, tmp)
+        if in_place:
+            # Marked before it takes its final name: never seen there without the mark.
+            write_private(tmp / DRAFT_NAME, b"")
+            os.rename(tmp, self.root / snapshot_id)
+            fsync_dir(self.root)
+            tmp = self.root / snapshot_id
+        draft = Draft(self, snapshot_id, kind, tmp, in_place=in_place)
         try:
             yield draft
         finally:
@@ -271,7 +354,7 @@ class SnapshotStore:
                 out.append(Entry(sid, None, f"{d} is not a snapshot directory; move it out "
                                  f"of {self.root}", 0))
                 continue
-            size = sum(p.stat().st_size for p in d.iterdir() if p.is_file() and not p.is_symlink())
+            size = tree_bytes(d)
             try:
                 out.append(Entry(sid, self.load(sid), None, size))
             except SnapshotError as e:
@@ -289,9 +372,13 @@ class SnapshotStore:
         d = self.path(snapshot_id)
         reasons = []
         listed = {f.name for f in m.files}
-        known = listed | {MANIFEST_NAME, SEALED_NAME} | RESTORE_LEFTOVERS
-        for extra in sorted(set(os.listdir(d)) - known):
+        known = listed | {MANIFEST_NAME, SEALED_NAME} | RESTORE_LEFTOVERS | set(m.scratch)
+        on_disk, odd = walk_files(d)
+        for extra in sorted(set(on_disk) - known):
             reasons.append(f"{d / extra}: not listed in the manifest")
+        for name in odd:
+            if name not in listed:
+                reasons.append(f"{d / name}: not a regular file or directory")
         sealed = {} if full else self._sealed(d)
         to_hash = []
         for f in m.files:
@@ -333,9 +420,11 @@ class SnapshotStore:
             return {}
         return raw if isinstance(raw, dict) else {}
 
-    def select(self, identity: Identity, kind: SnapshotKind | None = None) -> Selection:
-        """The newest snapshot (of `kind`, if given) whose identity equals `identity` and
-        which verifies; every other one is named in `skipped` with its reason."""
+    def select(self, identity: Identity, kind: SnapshotKind | None = None,
+               accept: Callable[[Manifest], Skipped | None] | None = None) -> Selection:
+        """The newest snapshot (of `kind`, if given) whose identity equals `identity`, that
+        `accept` (the backend's own check) does not refuse, and which verifies; every other
+        one is named in `skipped` with its reason."""
         skipped: list[Skipped] = []
         chosen: Manifest | None = None
         for e in self.entries():
@@ -347,6 +436,8 @@ class SnapshotStore:
                 skipped.append(Skipped(e.id, f"kind {e.manifest.kind}, wanted {kind}"))
             elif diffs := compare(e.manifest.identity, identity):
                 skipped.append(Skipped(e.id, f"stale: {describe(diffs)}"))
+            elif accept is not None and (refused := accept(e.manifest)) is not None:
+                skipped.append(refused)
             else:
                 v = self.verify(e.id, full=not self.trust_sealed)
                 if v.ok:
@@ -358,16 +449,67 @@ class SnapshotStore:
 
     # --- removing -----------------------------------------------------------------
 
-    def quarantine(self, snapshot_id: str, reason: str) -> Path:
-        """Move a snapshot aside for inspection; it is never selected again."""
+    def quarantine(self, snapshot_id: str, reason: str, code: str = "") -> Path:
+        """Move a snapshot aside for inspection; it is never selected again. With a
+        `retention`, the quarantine is pruned to it afterwards."""
         src = self.path(snapshot_id)
         qdir = self.root / QUARANTINE
         qdir.mkdir(mode=DIR_MODE, exist_ok=True)
-        dst = qdir / f"{snapshot_id}.{int(self._clock())}"
+        now = self._clock()
+        dst = qdir / f"{snapshot_id}.{int(now)}"
         os.rename(src, dst)
         fsync_dir(self.root)
-        write_private(dst / "QUARANTINED", (reason.rstrip("\n") + "\n").encode())
+        write_private(dst / QUARANTINE_NOTE, (reason.rstrip("\n") + "\n").encode())
+        write_private(dst / QUARANTINE_RECORD, json.dumps(
+            {"code": code, "reason": reason, "quarantined_at": now}).encode())
+        self._bound_quarantine()
         return dst
+
+    def _bound_quarantine(self) -> None:
+        r = self.retention
+        if r is not None and r.quarantine_keep is not None:
+            self.prune_quarantine(r.quarantine_keep, r.budget_bytes)
+
+    def quarantined(self) -> list[Quarantined]:
+        """Every quarantined snapshot, newest first; never selected, only listed."""
+        qdir = self.root / QUARANTINE
+        if not os.path.isdir(qdir) or os.path.islink(qdir):
+            return []
+        out = []
+        for name in os.listdir(qdir):
+            d = qdir / name
+            sid, _, stamp = name.rpartition(".")
+            if not sid or not stamp.isdigit() or not stat.S_ISDIR(os.lstat(d).st_mode):
+                continue
+            record = _quarantine_record(d)
+            manifest = None
+            # Quarantined for being unreadable, perhaps: listed all the same.
+            with contextlib.suppress(OSError, ValueError, SnapshotError):
+                manifest = Manifest.model_validate_json(read_private(d / MANIFEST_NAME))
+            out.append(Quarantined(
+                id=sid, path=d, manifest=manifest, code=str(record.get("code", "")),
+                reason=str(record.get("reason", "")),
+                quarantined_at=float(record.get("quarantined_at", stamp)),
+                bytes_on_disk=tree_bytes(d)))
+        return sorted(out, key=lambda q: (q.quarantined_at, q.path.name), reverse=True)
+
+    def prune_quarantine(self, keep: int, budget_bytes: int) -> list[Path]:
+        """Keep the newest `keep` quarantined snapshots while they fit in `budget_bytes`
+        beside the published ones (which come first); delete the others."""
+        room = budget_bytes - sum(e.bytes_on_disk for e in self.entries())
+        doomed = []
+        for i, q in enumerate(self.quarantined()):
+            if i < keep and q.bytes_on_disk <= room:
+                room -= q.bytes_on_disk
+            else:
+                doomed.append(q.path)
+        for d in doomed:
+            gone = self.root / f"{TMP_PREFIX}deleted-q-{d.name}"
+            os.rename(d, gone)
+            shutil.rmtree(gone, ignore_errors=True)
+        if doomed:
+            fsync_dir(self.root / QUARANTINE)
+        return doomed
 
     def delete(self, snapshot_id: str) -> None:
         """Remove a snapshot: first renamed to a draft name, so it vanishes atomically."""
@@ -393,7 +535,25 @@ class SnapshotStore:
                 doomed.append(e.id)
         for sid in doomed:
             self.delete(sid)
+        # What the published ones now take leaves the quarantine less (or more) room.
+        self._bound_quarantine()
         return doomed
+
+
+def _is_draft(d: Path) -> bool:
+    return os.path.lexists(d / DRAFT_NAME)
+
+
+def _quarantine_record(d: Path) -> dict:
+    try:
+        raw = json.loads(read_private(d / QUARANTINE_RECORD))
+    except (OSError, ValueError, SnapshotError):
+        # Quarantined before the record existed: the note holds the words.
+        try:
+            return {"reason": read_private(d / QUARANTINE_NOTE).decode(errors="replace").strip()}
+        except (OSError, SnapshotError):
+            return {}
+    return raw if isinstance(raw, dict) else {}
 
 
 def _created(e: Entry) -> tuple[float, str]:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from agent.store.manifest import Manifest
-from agent.store.store import Entry, Verdict
+from agent.store.store import Entry, Quarantined, Verdict
 
 
 def _size(n: int) -> str:
@@ -25,22 +26,45 @@ def entry_json(e: Entry) -> dict[str, Any]:
         "image_bytes": m.image_bytes if m else None,
         "bytes_on_disk": e.bytes_on_disk,
         "problem": e.problem,
+        "quarantined": None,
     }
 
 
-def entries_text(entries: list[Entry]) -> str:
-    if not entries:
-        return "no snapshots"
+def quarantined_json(q: Quarantined) -> dict[str, Any]:
+    """A quarantined snapshot, in the same shape as a published one (`quarantined` set)."""
+    m = q.manifest
+    return {
+        "id": q.id,
+        "kind": m.kind if m else None,
+        "created_at": m.created_at.isoformat() if m else None,
+        "image_bytes": m.image_bytes if m else None,
+        "bytes_on_disk": q.bytes_on_disk,
+        "problem": q.reason,
+        "quarantined": {"code": q.code, "at": q.quarantined_at, "path": str(q.path)},
+    }
+
+
+def _table(rows: list[tuple[str, Manifest | None, int, str]], empty: str) -> str:
+    if not rows:
+        return empty
     lines = [f"{'ID':<34} {'KIND':<7} {'CREATED (UTC)':<20} {'SIZE':>10}  STATUS"]
-    for e in entries:
-        m = e.manifest
+    for sid, m, size, status in rows:
         created = m.created_at.strftime("%Y-%m-%d %H:%M:%S") if m else "-"
-        status = "ok (checksums not read; use verify)" if m else f"BROKEN: {e.problem}"
-        lines.append(
-            f"{e.id:<34} {m.kind if m else '-':<7} {created:<20} "
-            f"{_size(e.bytes_on_disk):>10}  {status}"
-        )
+        lines.append(f"{sid:<34} {m.kind if m else '-':<7} {created:<20} {_size(size):>10}  "
+                     f"{status}")
     return "\n".join(lines)
+
+
+def entries_text(entries: Sequence[Entry]) -> str:
+    return _table([(e.id, e.manifest, e.bytes_on_disk,
+                    "ok (checksums not read; use verify)" if e.manifest
+                    else f"BROKEN: {e.problem}") for e in entries], "no snapshots")
+
+
+def quarantined_text(aside: Sequence[Quarantined]) -> str:
+    return _table([(q.id, q.manifest, q.bytes_on_disk,
+                    f"QUARANTINED ({q.code or 'no code'}): {q.reason}") for q in aside],
+                  "no quarantined snapshots")
 
 
 def manifest_text(m: Manifest) -> str:

@@ -10,12 +10,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.checkpoint.criu import DumpOptions
-from agent.checkpoint.snapshotter import SnapshotInfo, Snapshotter
+from agent.checkpoint.backend import CheckpointBackend, CreateRequest, SnapshotInfo, take
 from agent.engines.base import EngineAdapter
 from agent.errors import EngineError, OpenConnectionsError, SnapshotError
 from agent.identity import Identity
 from agent.metrics import Metrics
+from agent.store import SnapshotStore
 from agent.supervisor.canary import CanaryRecord
 from agent.supervisor.engine import EngineProcess
 from agent.supervisor.gate import EngineGate
@@ -80,10 +80,13 @@ class Capture:
         result = await capture.take(engine, canary_record)
     """
 
-    def __init__(self, snapshotter: Snapshotter, adapter: EngineAdapter, socket: Path,
-                 gate: EngineGate, metrics: Metrics, identity: Callable[[], Identity],
-                 quiet_timeout_s: float, control_timeout_s: float = 60.0) -> None:
-        self.snapshotter = snapshotter
+    def __init__(self, backend: CheckpointBackend, store: SnapshotStore, adapter: EngineAdapter,
+                 socket: Path, gate: EngineGate, metrics: Metrics,
+                 identity: Callable[[], Identity], quiet_timeout_s: float,
+                 control_timeout_s: float = 60.0) -> None:
+        self._backend = backend
+        # Publishes into it, pruned to its retention after each publish.
+        self._store = store
         self._adapter = adapter
         self._socket = socket
         self._gate = gate
@@ -163,7 +166,10 @@ class Capture:
 
     def _capture(self, pid: int, canary: CanaryRecord, kind: str,
                  held: dict | None) -> SnapshotInfo:
-        return self.snapshotter.capture(
-            pid, canary=canary.to_manifest(),
-            identity=self._identity(), kind=kind, options=DumpOptions(leave_running=True),
-            held=held)
+        request = CreateRequest(kind=kind, pid=pid, leave_running=True,  # type: ignore[arg-type]
+                                held=held, canary=canary.to_manifest())
+        try:
+            return take(self._store, self._backend, request, self._identity())
+        except OSError as e:
+            raise SnapshotError(f"the snapshot of PID {pid} could not be written: {e}; is "
+                                f"the file system of {self._store.root} full?") from e

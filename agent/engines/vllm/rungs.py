@@ -12,17 +12,19 @@ from pathlib import Path
 
 from agent import proc
 from agent.config import Config
-from agent.drift import describe
 from agent.engines.base import EngineAdapter
 from agent.engines.vllm.cli import VllmFeatures
 from agent.engines.vllm.preload import PreloadLink
-from agent.engines.vllm.snapshot import VllmManifest, VllmSnapshotBackend, precheck
+from agent.engines.vllm.snapshot import VllmSnapshotBackend
 from agent.errors import EngineError, StartPathError, VllmSnapshotError
 from agent.identity import Identity
+from agent.metrics import Metrics
+from agent.store import SnapshotStore
 from agent.supervisor.canary import CanaryRecord
 from agent.supervisor.engine import EngineProcess
 from agent.supervisor.ladder import Attempt
 from agent.supervisor.paths.cold import ColdStart
+from agent.supervisor.paths.restore import SnapshotRestore
 from agent.supervisor.relay import UnixTcpRelay
 
 log = logging.getLogger("pitstop.vllm")
@@ -48,8 +50,9 @@ def host_unfit(features: VllmFeatures, has_gpu: bool, what: str) -> str | None:
     return None
 
 
-class VllmSnapshotRestore:
-    """Restore the newest `vllm snapshot` whose identity matches; relay engine.socket to it.
+class VllmSnapshotRestore(SnapshotRestore):
+    """Restore the newest `vllm snapshot` of the store whose identity matches; relay
+    engine.socket to it.
 
     vLLM checks its full identity and its own canary during the restore and leaves the
     restored engine listening on 127.0.0.1:vllm.snapshot.port; the agent adopts its root
@@ -58,88 +61,60 @@ class VllmSnapshotRestore:
 
     name = "vllm-snapshot"
     reuses_held_memory = False
+    kind = "vllm"
 
-    def __init__(self, backend: VllmSnapshotBackend, *, socket: Path,
+    def __init__(self, backend: VllmSnapshotBackend, store: SnapshotStore, *, socket: Path,
                  identity: Callable[[], Identity], features: Callable[[], VllmFeatures],
-                 has_gpu: Callable[[], bool]) -> None:
-        self._backend = backend
+                 has_gpu: Callable[[], bool], metrics: Metrics) -> None:
+        super().__init__(backend=backend, store=store, unavailable="", identity=identity,
+                         metrics=metrics)
+        self._vllm = backend
         self._socket = socket
-        self._identity = identity
         self._features = features
         self._has_gpu = has_gpu
-        self._chosen: VllmManifest | None = None
         self._relay: UnixTcpRelay | None = None
-        self.stale_reasons: tuple[str, ...] = ()
+
+    def _no_snapshot(self) -> str:
+        assert self._store is not None
+        return (f"no vLLM snapshot yet in {self._store.root}; take one with "
+                "`pitstop vllm-snapshot create`")
 
     def reconfigure(self, config: Config) -> None:
         """A reload changed what the engine is started with (agent/reload.py applies these
         keys): a snapshot taken with the old arguments must now be stale, not restored."""
-        self._backend.served_model_name = config.engine.model_name
-        self._backend.engine_args = tuple(config.engine.args)
+        self._vllm.served_model_name = config.engine.model_name
+        self._vllm.engine_args = tuple(config.engine.args)
 
     def skip_reason(self) -> str | None:
         self._chosen = None
         unfit = host_unfit(self._features(), self._has_gpu(), "snapshot")
         if unfit is not None:
             return unfit
-        paths = self._backend.candidates()
-        if not paths:
-            return (f"no vLLM snapshot yet in {self._backend.root}; take one with "
-                    "`pitstop vllm-snapshot create`")
-        refused, codes = [], set()
-        host = self._identity()
-        for path in paths:
-            try:
-                m = self._backend.inspect(path)
-            except VllmSnapshotError as e:
-                refused.append(f"{path.name}: {e}")
-                codes.add(e.code)
-                continue
-            reason = self._mismatch(m, host)
-            if reason is None:
-                self._chosen = m
-                self.stale_reasons = ()
-                return None
-            refused.append(f"{path.name}: {reason}")
-            codes.add("stale")
-        self.stale_reasons = tuple(sorted(codes))
-        return "no usable vLLM snapshot: " + "; ".join(refused)
-
-    def _mismatch(self, m: VllmManifest, host: Identity) -> str | None:
-        b = self._backend
-        if (m.model, m.model_revision) != (b.model, b.revision):
-            return (f"stale: it holds {m.model}@{m.model_revision[:12]}, vllm.snapshot asks for "
-                    f"{b.model}@{b.revision[:12]}")
-        want = b.expected_argv()
-        if m.engine_argv != want:
-            # Positions shift when a flag is added; naming the words on either side reads best.
-            old = [a for a in m.engine_argv if a not in want]
-            new = [a for a in want if a not in m.engine_argv]
-            parts = ([f"only the snapshot has {old}"] if old else []) + \
-                ([f"only the configuration has {new}"] if new else [])
-            said = " and ".join(parts) or "same words, another order"
-            return (f"stale: engine_args differ: {said} (engine.args or "
-                    "engine.served_model_name changed)")
-        diffs = precheck(m, host)
-        return f"stale: {describe(diffs)}" if diffs else None
+        reason = self._select()
+        if reason is not None and reason.startswith("no usable snapshot: "):
+            return "no usable vLLM snapshot: " + reason.removeprefix("no usable snapshot: ")
+        return reason
 
     async def start(self, attempt: Attempt) -> EngineProcess:
-        assert self._chosen is not None
+        assert self._store is not None and self._chosen is not None
         m = self._chosen
+        attempt.stages["select"] = self._select_s
         await self._close_relay()
         try:
             with attempt.stage("vllm_restore"):
-                pid = await proc.in_parent_thread(self._backend.restore, m)
+                restored = await proc.in_parent_thread(self._vllm.restore, m,
+                                                       self._store.path(m.id))
         except VllmSnapshotError as e:
             if e.code in _BAD_SNAPSHOT:
-                self.failed(str(e))
+                self.failed(str(e), e.code)
             raise StartPathError(f"vllm snapshot restore of {m.id} failed: {e}") from e
+        pid = restored.pid
         try:
             engine = EngineProcess.adopt(pid)
         except OSError as e:
             raise StartPathError(f"vllm snapshot restore of {m.id} said PID {pid}, which is "
                                  f"gone: {e}") from e
-        relay = UnixTcpRelay(self._socket, self._backend.port)
+        relay = UnixTcpRelay(self._socket, self._vllm.port)
         try:
             await relay.start()
         except OSError as e:
@@ -150,7 +125,7 @@ class VllmSnapshotRestore:
         self._relay = relay
         asyncio.ensure_future(self._close_relay_after(engine))
         log.info("restored vLLM snapshot %s as PID %d (relay %s -> 127.0.0.1:%d)", m.id, pid,
-                 self._socket, self._backend.port)
+                 self._socket, self._vllm.port)
         return engine
 
     async def _close_relay_after(self, engine: EngineProcess) -> None:
@@ -169,19 +144,6 @@ class VllmSnapshotRestore:
 
     async def after_verified(self, engine: EngineProcess) -> None:
         return None
-
-    def failed(self, reason: str) -> None:
-        m, self._chosen = self._chosen, None
-        if m is None:
-            return
-        # A dot name: never a candidate again, kept for a post-mortem (vLLM's child.log).
-        dest = m.path.with_name(f".refused-{m.id}")
-        try:
-            os.rename(m.path, dest)
-            log.error("vLLM snapshot %s set aside as %s: %s", m.id, dest, reason)
-        except OSError as e:
-            log.error("vLLM snapshot %s failed (%s) and could not be set aside: %s", m.id,
-                      reason, e)
 
 
 class VllmPreloadStart(ColdStart):
@@ -206,12 +168,12 @@ class VllmPreloadStart(ColdStart):
 
 
 def vllm_rungs(config: Config, adapter: EngineAdapter, identity: Callable[[], Identity],
-               criu: Path | None) -> tuple[list, list]:
+               criu: Path | None, store: SnapshotStore, metrics: Metrics) -> tuple[list, list]:
     """(rungs before the ladder, rungs just above cold start) for this configuration.
 
     Example::
 
-        first, warm = vllm_rungs(config, adapter, reader, criu_path)
+        first, warm = vllm_rungs(config, adapter, reader, criu_path, store, metrics)
         ladder = [*first, hybrid, full, warm_start, *warm, cold]
     """
     if config.engine.kind != "vllm":
@@ -233,8 +195,9 @@ def vllm_rungs(config: Config, adapter: EngineAdapter, identity: Callable[[], Id
     log.info("vLLM snapshots: %s backend (%s)", backend, why)
     if backend == "vllm":
         snap = VllmSnapshotBackend.from_config(config, python=python, criu=criu)
-        first.append(VllmSnapshotRestore(snap, socket=config.engine_socket, identity=identity,
-                                         features=features, has_gpu=has_gpu))
+        first.append(VllmSnapshotRestore(snap, store, socket=config.engine_socket,
+                                         identity=identity, features=features,
+                                         has_gpu=has_gpu, metrics=metrics))
     if config.vllm.preload.enabled:
         link = PreloadLink(config, gpu=lambda: engine_gpu(config))
         warm.append(VllmPreloadStart(adapter, link, features, has_gpu))

@@ -5,20 +5,19 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agent import commands
+from agent.checkpoint.backend import BackendName, CreateRequest, Image, RestoredProcess
 from agent.checkpoint.criu_locate import MIN_TEXT
 from agent.commands import CommandResult, Runner
 from agent.config import Config
-from agent.drift import Difference
 from agent.engines.vllm.cli import VllmFeatures, cli_argv, last_error, usage_error
 from agent.errors import CommandError, VllmSnapshotError
-from agent.identity import Identity
+from agent.store import Canary, Manifest, ProcessTree, Skipped, SnapshotKind
 
 # vLLM's SnapshotRuntimeIdentity field -> the name Pitstop's drift reports use for the same
 # fact (agent.identity.Identity). cuda_runtime and host_id have no Pitstop counterpart.
@@ -36,13 +35,17 @@ FIELD_MAP = {
     "gpu_uuid": "gpu_uuid",
     "environment": "env",
 }
-# The fields Pitstop can check before asking vLLM (which checks them all again, strictly).
-_PRECHECKED = ("vllm_version", "python_version", "torch_version", "driver_version",
-               "kernel_release", "gpu_name", "gpu_uuid")
-# Snapshot directories: <paths.snapshots>/.vllm/<id>. A dot name: Pitstop's own store never
-# lists or cleans it (its ids never start with a dot).
-SUBDIR = ".vllm"
-_ID = re.compile(r"^\d{8}T\d{6}Z-vllm$")
+# A vLLM snapshot is a snapshot of Pitstop's store (kind vllm) holding vLLM's artifact in
+# this subdirectory: <paths.snapshots>/<id>/vllm/{manifest.json,images/,child.log,...}.
+SUBDIR = "vllm"
+# What `vllm snapshot restore` writes into the artifact each time (vllm/snapshot/runtime.py:
+# the release marker, the restored root's pidfile, CRIU's restore log and stats; child.log is
+# cut back to its size at the dump, then the restored engine writes to it again).
+SCRATCH = tuple(f"{SUBDIR}/{n}" for n in (
+    "release.json", "release.json.tmp", "restored.pid", "child.log", "images/restore.log",
+    "images/stats-restore"))
+# vLLM's canary request (vllm/snapshot/runtime.py `request_oracle`): one greedy token.
+ORACLE_PROMPT = "The capital of France is"
 INSPECT_TIMEOUT_S = 120.0
 
 
@@ -66,10 +69,14 @@ class VllmManifest:
     root_pid: int
     canary_text: str
     artifact_bytes: int
+    pids: tuple[int, ...] = ()
+    cuda_pids: tuple[int, ...] = ()
+    canary_token_ids: tuple[int, ...] = ()
 
     @property
     def id(self) -> str:
-        return self.path.name
+        # The store's snapshot id when the artifact is in the store (<id>/vllm).
+        return self.path.parent.name if self.path.name == SUBDIR else self.path.name
 
     @classmethod
     def from_inspect(cls, path: Path, data: dict[str, Any]) -> VllmManifest:
@@ -81,7 +88,10 @@ class VllmManifest:
                 engine_argv=tuple(data["engine_argv"]),
                 identity={k: data[k] for k in FIELD_MAP},
                 root_pid=int(data["process_tree"][0]), canary_text=data["oracle_text"],
-                artifact_bytes=int(data["artifact_bytes"]))
+                artifact_bytes=int(data["artifact_bytes"]),
+                pids=tuple(int(p) for p in data["process_tree"]),
+                cuda_pids=tuple(int(p) for p in data["cuda_holders"]),
+                canary_token_ids=tuple(int(t) for t in data["oracle_token_ids"]))
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise VllmSnapshotError(
                 f"corrupt: `vllm snapshot inspect {path}` printed a manifest without {e}; this "
@@ -93,20 +103,6 @@ def pitstop_field(vllm_field: str) -> str:
     """How a drift report names vLLM's identity field (`kernel (vLLM: kernel_release)`)."""
     ours = FIELD_MAP.get(vllm_field, vllm_field)
     return ours if ours == vllm_field else f"{ours} (vLLM: {vllm_field})"
-
-
-def precheck(manifest: VllmManifest, host: Identity) -> list[Difference]:
-    """The identity fields Pitstop can read that differ from the snapshot's, by Pitstop's names.
-
-    vLLM compares more (CRIU, cuda-checkpoint's sha256, the machine id, hashed environment) at
-    restore time; this only spares a restore that cannot succeed."""
-    out = []
-    for vf in _PRECHECKED:
-        ours = FIELD_MAP[vf]
-        theirs, now = manifest.identity.get(vf), getattr(host, ours)
-        if now is not None and theirs != now:
-            out.append(Difference(ours, theirs, now))
-    return out
 
 
 def child_argv(create_args: Sequence[str]) -> tuple[str, ...]:
@@ -187,21 +183,30 @@ def map_failure(action: str, path: Path, returncode: int, stderr: str) -> VllmSn
 
 
 class VllmSnapshotBackend:
-    """Takes, reads and restores vLLM's own snapshots under <paths.snapshots>/.vllm.
+    """vLLM's own snapshots as a checkpoint backend: `vllm snapshot create` makes the image
+    (vLLM starts an engine of its own and dumps it), `vllm snapshot restore` brings it back.
+
+    Each is a snapshot of Pitstop's store, kind `vllm`, with vLLM's artifact under `vllm/`:
+    the store seals and publishes it, verifies it before use, quarantines and prunes it like
+    any other. vLLM records the artifact's path in the dumped tree (its log, its release
+    marker), so the store stages it under its final name (`in_place`).
 
     Example::
 
         b = VllmSnapshotBackend.from_config(config, python="/opt/vllm/bin/python")
-        m = b.newest()                  # VllmManifest or None
-        pid = b.restore(m)              # the engine serves on 127.0.0.1:vllm.snapshot.port
+        info = take(store, b, CreateRequest("vllm"), identity)
+        restored = b.restore(info.manifest, info.path)  # serves on 127.0.0.1:vllm.snapshot.port
     """
 
-    def __init__(self, *, python: str, root: Path, model: str, revision: str,
+    name = BackendName.VLLM
+    kinds: frozenset[SnapshotKind] = frozenset({"vllm"})
+    in_place = True
+
+    def __init__(self, *, python: str, model: str, revision: str,
                  served_model_name: str, engine_args: Sequence[str], engine_env: Mapping[str, str],
                  port: int, timeout_s: float, cuda_plugin_dir: Path | None = None,
                  criu: Path | None = None, run: Runner = commands.run) -> None:
         self.python = python
-        self.root = root
         self.model = model
         self.revision = revision
         self.served_model_name = served_model_name
@@ -224,12 +229,17 @@ class VllmSnapshotBackend:
                 "need the Hugging Face repo id and its 40-character commit", "not_configured")
         from agent.engines.vllm.adapter import BASE_ENV
 
-        return cls(python=python, root=config.paths.snapshots / SUBDIR, model=snap.model,
+        return cls(python=python, model=snap.model,
                    revision=snap.revision, served_model_name=config.engine.model_name,
                    engine_args=config.engine.args,
                    engine_env={**BASE_ENV, **config.engine.env}, port=snap.port,
                    timeout_s=snap.timeout_s, cuda_plugin_dir=snap.cuda_plugin_dir, criu=criu,
                    run=run)
+
+    @staticmethod
+    def artifact(image: Path) -> Path:
+        """vLLM's artifact inside a snapshot directory of the store."""
+        return image / SUBDIR
 
     # --- command lines ---------------------------------------------------------------------
     def create_args(self, target: Path) -> list[str]:
@@ -264,7 +274,7 @@ class VllmSnapshotBackend:
         """The engine argv a snapshot taken with this configuration records."""
         return child_argv(self.create_args(Path("unused")))
 
-    # --- the three actions ------------------------------------------------------------------
+    # --- running vLLM ---------------------------------------------------------------------
     def _call(self, action: str, path: Path, timeout: float) -> CommandResult:
         argv = self.argv(action, path)
         try:
@@ -277,9 +287,10 @@ class VllmSnapshotBackend:
             raise map_failure(action, path, done.returncode, done.stderr)
         return done
 
-    def inspect(self, path: Path) -> VllmManifest:
-        """The manifest of `path` as vLLM reads it (which checks its permissions and schema);
-        cached while manifest.json is unchanged, since each call costs vLLM's import time."""
+    def read(self, path: Path) -> VllmManifest:
+        """The manifest of vLLM's artifact at `path` as vLLM reads it (which checks its
+        permissions and schema); cached while manifest.json is unchanged, since each call
+        costs vLLM's import time."""
         key = _stat_key(path / "manifest.json")
         hit = self._inspected.get(path)
         if hit is not None and hit[0] == key:
@@ -294,32 +305,53 @@ class VllmSnapshotBackend:
         self._inspected[path] = (key, manifest)
         return manifest
 
-    def candidates(self) -> list[Path]:
-        """Snapshot directories, newest first (ids sort by time)."""
-        if not self.root.is_dir():
-            return []
-        return sorted((self.root / n for n in os.listdir(self.root) if _ID.match(n)),
-                      reverse=True)
+    # --- the CheckpointBackend interface ---------------------------------------------------
+    def create(self, request: CreateRequest, staging: Path) -> Image:
+        """Run `vllm snapshot create` into `staging`/vllm: vLLM starts an engine of its own
+        (`request.pid` is not used), dumps it and publishes its artifact."""
+        done = self._call("create", self.artifact(staging), self.timeout_s * 4)
+        m = self.read(self.artifact(staging))
+        return Image(
+            process=ProcessTree(root_pid=m.root_pid, pids=m.pids or (m.root_pid,),
+                                cuda_pids=m.cuda_pids),
+            canary=Canary(prompt=ORACLE_PROMPT, max_tokens=1, text=m.canary_text,
+                          token_ids=m.canary_token_ids),
+            timings={"vllm_create": done.duration_s}, scratch=SCRATCH)
 
-    def restore(self, manifest: VllmManifest) -> int:
-        """Restore and verify (vLLM's own canary); the PID of the restored engine's root.
+    def inspect(self, manifest: Manifest, image: Path) -> Skipped | None:
+        """vLLM's own reading of the artifact, and whether it was taken with this
+        configuration (model, revision, engine argv); vLLM checks its identity again,
+        strictly, at restore."""
+        try:
+            m = self.read(self.artifact(image))
+        except VllmSnapshotError as e:
+            return Skipped(manifest.id, str(e), corrupt=e.code == "corrupt", code=e.code)
+        reason = self._mismatch(m)
+        return None if reason is None else Skipped(manifest.id, reason, code="stale")
 
-        The restored tree is detached from `vllm snapshot restore` and re-parented to the
-        nearest subreaper: the agent."""
-        self._call("restore", manifest.path, self.timeout_s * 3)
-        return manifest.root_pid
+    def _mismatch(self, m: VllmManifest) -> str | None:
+        if (m.model, m.model_revision) != (self.model, self.revision):
+            return (f"stale: it holds {m.model}@{m.model_revision[:12]}, vllm.snapshot asks for "
+                    f"{self.model}@{self.revision[:12]}")
+        want = self.expected_argv()
+        if m.engine_argv != want:
+            # Positions shift when a flag is added; naming the words on either side reads best.
+            old = [a for a in m.engine_argv if a not in want]
+            new = [a for a in want if a not in m.engine_argv]
+            parts = ([f"only the snapshot has {old}"] if old else []) + \
+                ([f"only the configuration has {new}"] if new else [])
+            said = " and ".join(parts) or "same words, another order"
+            return (f"stale: engine_args differ: {said} (engine.args or "
+                    "engine.served_model_name changed)")
+        return None
 
-    def new_path(self, clock: Callable[[], float] = time.time) -> Path:
-        return self.root / (time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(clock())) + "-vllm")
-
-    def create(self, path: Path | None = None) -> VllmManifest:
-        """Run `vllm snapshot create`: vLLM starts an engine of its own, dumps it, publishes."""
-        from agent.fsutil import private_dir
-
-        private_dir(self.root)
-        target = path or self.new_path()
-        self._call("create", target, self.timeout_s * 4)
-        return self.inspect(target)
+    def restore(self, manifest: Manifest, image: Path) -> RestoredProcess:
+        """Restore and verify (vLLM's own canary). The restored tree is detached from
+        `vllm snapshot restore` and re-parented to the nearest subreaper: the agent."""
+        done = self._call("restore", self.artifact(image), self.timeout_s * 3)
+        return RestoredProcess(pid=manifest.process.root_pid, snapshot_id=manifest.id,
+                               outputs={}, log_path=self.artifact(image) / "child.log",
+                               timings={"vllm_restore": done.duration_s})
 
 
 def _stat_key(path: Path) -> tuple:

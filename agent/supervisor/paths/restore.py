@@ -1,4 +1,4 @@
-"""Full restore: bring the engine back from the newest matching CRIU (+ CUDA) snapshot."""
+"""Restore rungs: the snapshot chosen through the store, restored by its checkpoint backend."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ import time
 from collections.abc import Callable
 
 from agent import proc
+from agent.checkpoint.backend import CheckpointBackend
 from agent.checkpoint.snapshotter import Snapshotter
 from agent.engines.base import EngineAdapter
 from agent.errors import EngineError, RestoreBlockedError, SnapshotError, StartPathError
 from agent.identity import Identity
 from agent.metrics import Metrics
-from agent.store import Manifest
+from agent.store import Manifest, SnapshotKind, SnapshotStore
 from agent.supervisor.canary import CanaryRecord
 from agent.supervisor.engine import EngineProcess
 from agent.supervisor.ladder import Attempt
@@ -37,7 +38,83 @@ def reason_code(reason: str) -> str:
     return "other"
 
 
-class FullRestore:
+class SnapshotRestore:
+    """What every restore rung does the same way, whatever the checkpoint backend: choose
+    the newest snapshot of its kind through the store (identity, checksums, the backend's
+    own check), count each refusal in pitstop_snapshots_rejected_total, and move a corrupt
+    or failed snapshot to the store's one quarantine."""
+
+    kind: SnapshotKind
+
+    def __init__(self, *, backend: CheckpointBackend | None, store: SnapshotStore | None,
+                 unavailable: str, identity: Callable[[], Identity], metrics: Metrics,
+                 capture_failure: Callable[[], str] = lambda: "") -> None:
+        self._backend = backend
+        self._store = store
+        # Why the last attempt to take a snapshot failed ("" if none did): when there is no
+        # snapshot, that is the reason worth telling (CRIU cannot dump this engine, say).
+        self._capture_failure = capture_failure
+        self._unavailable = unavailable
+        self._identity = identity
+        self._metrics = metrics
+        self._chosen: Manifest | None = None
+        self._select_s = 0.0
+        self.stale_reasons: tuple[str, ...] = ()
+
+    def _no_snapshot(self) -> str:
+        failure = self._capture_failure()
+        return f"no snapshot: {failure}" if failure else "no snapshot yet"
+
+    def _select(self) -> str | None:
+        """Choose a snapshot into `_chosen`; None, or why none can be restored."""
+        self._chosen = None
+        if self._backend is None or self._store is None:
+            return self._unavailable
+        backend, store = self._backend, self._store
+        t0 = time.monotonic()
+        try:
+            selection = store.select(self._identity(), kind=self.kind,
+                                     accept=lambda m: backend.inspect(m, store.path(m.id)))
+        except SnapshotError as e:
+            # The store's root itself is refused (a symlink, another owner): no rung of it.
+            return f"snapshots unavailable: {e}"
+        # Verifying every chunk of a multi-GB image is part of the restore's cost.
+        self._select_s = time.monotonic() - t0
+        codes = []
+        for s in selection.skipped:
+            log.warning("snapshot %s refused: %s", s.id, s.reason)
+            code = s.code or reason_code(s.reason)
+            codes.append(code)
+            self._metrics.snapshots_rejected.labels(reason=code).inc()
+            if s.corrupt:
+                self._quarantine(s.id, s.reason, code)
+        self.stale_reasons = tuple(sorted(set(codes))) if selection.chosen is None else ()
+        if selection.chosen is None:
+            if selection.skipped:
+                return "no usable snapshot: " + "; ".join(
+                    f"{s.id}: {s.reason}" for s in selection.skipped)
+            return self._no_snapshot()
+        self._chosen = selection.chosen
+        return None
+
+    def failed(self, reason: str, code: str = "restore_failed") -> None:
+        if self._store is None or self._chosen is None:
+            return
+        self._quarantine(self._chosen.id, reason, code)
+        self._metrics.snapshots_rejected.labels(reason=code).inc()
+        self._chosen = None
+
+    def _quarantine(self, snapshot_id: str, reason: str, code: str) -> None:
+        assert self._store is not None
+        try:
+            where = self._store.quarantine(snapshot_id, reason, code)
+            log.error("snapshot %s quarantined (%s): %s", snapshot_id, where, reason)
+        except (OSError, SnapshotError) as e:
+            log.error("snapshot %s failed (%s) and could not be quarantined: %s",
+                      snapshot_id, reason, e)
+
+
+class FullRestore(SnapshotRestore):
     """Restore the newest snapshot whose identity matches this host and whose files verify."""
 
     name = "full"
@@ -48,57 +125,30 @@ class FullRestore:
                  adapter: EngineAdapter, socket: os.PathLike, identity: Callable[[], Identity],
                  metrics: Metrics, timeout_s: float,
                  capture_failure: Callable[[], str] = lambda: "") -> None:
-        self._snap = snapshotter
-        # Why the last attempt to take a snapshot failed ("" if none did): when there is no
-        # snapshot, that is the reason worth telling (CRIU cannot dump this engine, say).
-        self._capture_failure = capture_failure
-        self._unavailable = unavailable
+        super().__init__(backend=snapshotter,
+                         store=snapshotter.store if snapshotter is not None else None,
+                         unavailable=unavailable, identity=identity, metrics=metrics,
+                         capture_failure=capture_failure)
         self._adapter = adapter
         self._socket = socket
-        self._identity = identity
-        self._metrics = metrics
         # How long the restored engine may take to answer its resume (health.timeout_s x 10):
         # public so that a reload sets it.
         self.timeout_s = timeout_s
-        self._chosen: Manifest | None = None
-        self._select_s = 0.0
-        self.stale_reasons: tuple[str, ...] = ()
 
     def skip_reason(self) -> str | None:
-        self._chosen = None
-        if self._snap is None:
-            return self._unavailable
-        t0 = time.monotonic()
-        selection = self._snap.store.select(self._identity(), kind=self.kind)
-        # Verifying every chunk of a multi-GB image is part of the restore's cost.
-        self._select_s = time.monotonic() - t0
-        codes = []
-        for s in selection.skipped:
-            log.warning("snapshot %s refused: %s", s.id, s.reason)
-            code = reason_code(s.reason)
-            codes.append(code)
-            self._metrics.snapshots_rejected.labels(reason=code).inc()
-            if s.corrupt:
-                self._quarantine(s.id, s.reason)
-        self.stale_reasons = tuple(sorted(set(codes))) if selection.chosen is None else ()
-        if selection.chosen is None:
-            if selection.skipped:
-                return "no usable snapshot: " + "; ".join(
-                    f"{s.id}: {s.reason}" for s in selection.skipped)
-            failure = self._capture_failure()
-            return f"no snapshot: {failure}" if failure else "no snapshot yet"
-        self._chosen = selection.chosen
-        return None
+        return self._select()
 
     async def start(self, attempt: Attempt) -> EngineProcess:
-        assert self._snap is not None and self._chosen is not None
+        assert self._backend is not None and self._store is not None
+        assert self._chosen is not None
         manifest = self._chosen
         attempt.stages["select"] = self._select_s
         # The dumped engine re-binds its socket path on restore; a leftover file blocks it.
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._socket)
         try:
-            restored = await proc.in_parent_thread(self._snap.restore, manifest)
+            restored = await proc.in_parent_thread(self._backend.restore, manifest,
+                                                   self._store.path(manifest.id))
         except RestoreBlockedError as e:
             # The host's failure (a PID still taken), not the image's: it stays a candidate.
             self._chosen = None
@@ -134,19 +184,3 @@ class FullRestore:
 
     async def after_verified(self, engine: EngineProcess) -> None:
         return None
-
-    def failed(self, reason: str) -> None:
-        if self._snap is None or self._chosen is None:
-            return
-        self._quarantine(self._chosen.id, reason)
-        self._metrics.snapshots_rejected.labels(reason="restore_failed").inc()
-        self._chosen = None
-
-    def _quarantine(self, snapshot_id: str, reason: str) -> None:
-        assert self._snap is not None
-        try:
-            where = self._snap.store.quarantine(snapshot_id, reason)
-            log.error("snapshot %s quarantined (%s): %s", snapshot_id, where, reason)
-        except (OSError, SnapshotError) as e:
-            log.error("snapshot %s failed (%s) and could not be quarantined: %s",
-                      snapshot_id, reason, e)
