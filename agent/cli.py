@@ -144,7 +144,9 @@ def format_status(data: dict) -> str:
         lines.append(f"last recovery: {rec['path']} ({rec['cause']}) {rec['result']} in "
                      f"{rec['duration_s']:.2f}s")
         for f in rec.get("fallthroughs", []):
-            lines.append(f"  fell through: {f}")
+            r = f["refusal"]
+            lines.append(f"  fell through: {f['path']} {f['kind'].replace('_', ' ')}: "
+                         f"{r['detail']} ({r['code']})")
         if rec.get("gpu_peak_bytes") is not None:
             lines.append(f"  peak GPU memory in use: {rec['gpu_peak_bytes'] / 2**30:.2f} GiB")
     if data.get("gpu"):

@@ -5,10 +5,13 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Protocol
 
+# A leaf module: this one stays low, importing nothing else of agent/.
+from agent.refusal import Refusal, RefusalCode
 
-class Refusal(Protocol):
+
+class BlockingConnection(Protocol):
     """One connection that stops a dump: agent.checkpoint.connections.OutsideConnection is the
-    one kind there is. Named by shape, since this lowest module imports none of agent/."""
+    one kind there is. Named by shape, since this low module imports no checkpoint code."""
 
     @property
     def reason(self) -> StrEnum: ...
@@ -46,7 +49,14 @@ class VerifyError(EngineError):
 
 
 class StartPathError(PitstopError):
-    """One rung of the recovery ladder failed; the supervisor falls to the next."""
+    """One rung of the recovery ladder failed; the supervisor falls to the next.
+
+    `refusal` says why, typed: `StartPathError(Refusal(RefusalCode.RESTORE_FAILED, "..."))`.
+    """
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(refusal.detail)
+        self.refusal = refusal
 
 
 class CommandError(PitstopError):
@@ -55,6 +65,14 @@ class CommandError(PitstopError):
 
 class SnapshotError(PitstopError):
     """A snapshot could not be taken, verified or restored."""
+
+
+class SnapshotUnusableError(SnapshotError):
+    """A published snapshot cannot be read as one; `refusal` says why (permissions, ...)."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(refusal.detail)
+        self.refusal = refusal
 
 
 class RestoreBlockedError(SnapshotError):
@@ -68,7 +86,7 @@ class OpenConnectionsError(SnapshotError):
     `connections` names each one (its reason code, inode, both addresses, the holder).
     """
 
-    def __init__(self, connections: tuple[Refusal, ...]) -> None:
+    def __init__(self, connections: tuple[BlockingConnection, ...]) -> None:
         self.connections = connections
         n = len(connections)
         super().__init__(
@@ -146,9 +164,10 @@ class UnitsError(PitstopError):
 class VllmSnapshotError(SnapshotError):
     """`vllm snapshot create|inspect|restore` failed; `code` says how (stale, canary...)."""
 
-    def __init__(self, message: str, code: str = "failed") -> None:
+    def __init__(self, message: str, code: RefusalCode | str = RefusalCode.FAILED) -> None:
         super().__init__(message)
-        self.code = code
+        # A code outside RefusalCode is a bug here, not a new label: ValueError at once.
+        self.code = RefusalCode(code)
 
 
 class VllmPreloadError(EngineError):

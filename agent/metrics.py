@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 import agent
 from agent.gpu_health import FaultKind
 from agent.holder.kvledger import KeptKVOutcome
-from agent.supervisor.states import Cause
+from agent.supervisor.states import Cause, Fall
 
 # Recovery times span a 1 s hybrid restore to a multi-minute cold start of a big model.
 RECOVERY_BUCKETS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0,
@@ -35,8 +35,7 @@ RESULTS = ("success", "failure")
 # What makes the supervisor walk the ladder, and the failures it did not ask for.
 RECOVERY_CAUSES = tuple(c.value for c in Cause)
 FAILURE_CAUSES = tuple(c.value for c in (Cause.CRASH, Cause.EXIT, Cause.HANG, Cause.GPU_FAULT))
-# gpu_fault: skipped because it would reuse memory that a GPU fault made suspect.
-FALLTHROUGH_REASONS = ("skipped", "gpu_fault", "start_failed", "verify_failed")
+FALLTHROUGH_REASONS = tuple(f.value for f in Fall)
 # The first streamed request an engine answers after it (re)started, and every later one.
 FIRST_TOKEN_PHASES = ("after_recovery", "steady")
 SNAPSHOT_KINDS = ("hybrid", "full")

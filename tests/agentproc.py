@@ -18,6 +18,13 @@ from agent.supervisor.ownership import EngineLedger
 REPO = Path(__file__).resolve().parent.parent
 
 
+def fallthroughs(rec: dict) -> list[str]:
+    """A recovery's fall-throughs from `pitstop status` JSON, each as the journal says it
+    (`<path> <kind>: <detail>`); the typed parts are `path`, `kind` and `refusal`."""
+    return [f"{f['path']} {f['kind'].replace('_', ' ')}: {f['refusal']['detail']}"
+            for f in rec["fallthroughs"]]
+
+
 def agent_config(tmp: Path, model: Path, **overrides: dict) -> dict:
     """A config for tests: ports chosen by the kernel, state under `tmp`, quick health."""
     cfg = {

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from tests.agentproc import RunningAgent, agent_config
+from tests.agentproc import RunningAgent, agent_config, fallthroughs
 from tests.holder_proc import Holder, wait_for
 from tests.test_agent_snapshots import _complete, _criu, _snapshots  # noqa: F401 - _criu: CRIU
 
@@ -52,9 +52,11 @@ def test_without_the_holder_the_ladder_falls_through_with_its_reasons(held):
     st = a.wait_recovered(1)
     rec = st["last_recovery"]
     assert rec["path"] == "cold", rec
-    falls = " | ".join(rec["fallthroughs"])
+    falls = " | ".join(fallthroughs(rec))
     assert "hybrid skipped: holder at" in falls and "does not answer" in falls
     assert "warm skipped: holder at" in falls
+    codes = {(f["path"], f["kind"]): f["refusal"]["code"] for f in rec["fallthroughs"]}
+    assert codes["hybrid", "skipped"] == codes["warm", "skipped"] == "holder_down", codes
     assert _complete(a)
 
 
@@ -71,10 +73,13 @@ def test_a_restarted_holder_makes_the_hybrid_image_stale_and_a_warm_start_refill
         os.kill(a.status()["engine_pid"], signal.SIGKILL)
         st = a.wait_recovered(1)
         rec = st["last_recovery"]
-        falls = " | ".join(rec["fallthroughs"])
+        falls = " | ".join(fallthroughs(rec))
         assert "hybrid skipped" in falls and "gone" in falls, rec
         assert "refill skipped: no refill plan" in falls
         assert "warm skipped: the holder holds no committed weights" in falls
+        codes = {(f["path"], f["kind"]): f["refusal"]["code"] for f in rec["fallthroughs"]}
+        assert codes["hybrid", "skipped"] == "held_stale", codes
+        assert codes["warm", "skipped"] == "weights_not_held", codes
         # The cold rung starts the engine with the holder, which it fills; then a fresh
         # hybrid snapshot is taken against the new holder's regions.
         assert rec["path"] == "cold"

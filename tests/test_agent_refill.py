@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.agentproc import RunningAgent, agent_config
+from tests.agentproc import RunningAgent, agent_config, fallthroughs
 from tests.holder_proc import Holder, wait_for
 from tests.test_agent_snapshots import _complete, _criu, _snapshots  # noqa: F401 - _criu: CRIU
 
@@ -53,7 +53,13 @@ def plan_path(tmp_path: Path) -> Path:
 
 
 def falls(rec: dict) -> str:
-    return " | ".join(rec["fallthroughs"])
+    return " | ".join(fallthroughs(rec))
+
+
+def code(rec: dict, path: str) -> str:
+    """The refusal code of `path`'s fall-through in a recovery (pitstop status JSON)."""
+    [found] = [f["refusal"]["code"] for f in rec["fallthroughs"] if f["path"] == path]
+    return found
 
 
 def metric(a: RunningAgent, name: str) -> float:
@@ -110,6 +116,7 @@ def test_a_refill_cut_by_the_holder_dying_leaves_nothing_attachable_and_the_ladd
     rec = a.wait_recovered(1)["last_recovery"]
     said = falls(rec)
     assert "refill start failed: refill of" in said, rec
+    assert code(rec, "refill") == "refill_failed"
     # The rung after refill was tried next, with its own reason (this node has no full image).
     assert said.index("refill start failed") < said.index("full skipped")
     assert rec["path"] == "cold"
@@ -149,6 +156,7 @@ def test_a_weights_file_changed_on_disk_is_drift_and_the_refill_is_refused(held,
         rec = a.wait_recovered(1)["last_recovery"]
         said = falls(rec)
         assert "refill skipped: the weights on disk" in said, rec
+        assert code(rec, "refill") == "weights_changed"
         assert "model.safetensors: changed since the plan was made (size" in said
         assert "hybrid skipped" in said and rec["path"] == "cold"
         # The new engine loaded the new file into the holder; the plan follows it.

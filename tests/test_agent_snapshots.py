@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agentproc import REPO, RunningAgent, agent_config
+from tests.agentproc import REPO, RunningAgent, agent_config, fallthroughs
 from tests.snapshot_helpers import criu
 
 pytestmark = pytest.mark.integration
@@ -132,7 +132,7 @@ def test_a_damaged_snapshot_is_refused_with_its_reason_and_the_engine_cold_start
     st = _corrupt_and_kill(snapped, damage)
     rec = st["last_recovery"]
     assert rec["path"] == "cold", rec
-    assert any(f.startswith("full skipped") and words in f for f in rec["fallthroughs"]), rec
+    assert any(f.startswith("full skipped") and words in f for f in fallthroughs(rec)), rec
     assert words in snapped.log()
 
 
@@ -186,7 +186,7 @@ def test_changed_weights_make_the_snapshot_stale_then_it_is_regenerated_and_rest
                         and "published" in s.get("reason", ""), 180, "the regeneration")
         rec = st["last_recovery"]
         assert rec["path"] == "cold"
-        assert any("stale: weights_digest" in f for f in rec["fallthroughs"]), rec
+        assert any("stale: weights_digest" in f for f in fallthroughs(rec)), rec
         assert "drift: weights_digest" in a.log()
         ids = [s["id"] for s in _snapshots(a)]
         assert len(ids) == 2 and first["id"] in ids
@@ -207,4 +207,4 @@ def test_changed_engine_arguments_make_the_snapshot_stale(snapped):
                     and s["state"] == "ready", 120, "the reload")
     rec = st["last_recovery"]
     assert rec["path"] == "cold"
-    assert any("stale: engine_args" in f for f in rec["fallthroughs"]), rec
+    assert any("stale: engine_args" in f for f in fallthroughs(rec)), rec

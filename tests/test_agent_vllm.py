@@ -34,7 +34,7 @@ from agent.config import parse_config
 from agent.engines import build_adapter
 from agent.identity import host_identity, read_vllm_package
 from agent.store import Manifest
-from tests.agentproc import REPO, RunningAgent, agent_config
+from tests.agentproc import REPO, RunningAgent, agent_config, fallthroughs
 from tests.prereq import require
 from tests.snapshot_helpers import criu
 from tests.vllmproc import CPU_ARGS, VLLM_PYTHON
@@ -239,10 +239,11 @@ def _restored(agent: VllmAgent, client: openai.OpenAI, n: int,
     rec = st["last_recovery"]
     causes = (cause,) if isinstance(cause, str) else cause
     assert (rec["path"], rec["result"]) == ("full", "success") and rec["cause"] in causes, rec
-    # Only the holder's rungs (hybrid, refill) come before full, and they are skipped: no holder.
-    held = rec["fallthroughs"]
-    assert held and held[0].startswith("hybrid skipped: no holder configured"), rec
-    assert all(" skipped: no holder configured" in f for f in held), rec
+    # Both rungs that need a holder say there is none (refill sits between hybrid and full).
+    falls = fallthroughs(rec)
+    assert [f.split(":")[0] for f in falls] == ["hybrid skipped", "refill skipped"], rec
+    assert all(f.split(": ", 1)[1].startswith("no holder configured") for f in falls), rec
+    assert {f["refusal"]["code"] for f in rec["fallthroughs"]} == {"disabled"}, rec
     assert "criu_restore" in rec["stages"], rec
     print(f"\nrecovery {n} ({rec['cause']}): full restore in {rec['duration_s']:.1f}s, stages "
           f"{rec['stages']}", file=sys.stderr)
@@ -483,7 +484,7 @@ def test_a_corrupt_image_is_quarantined_and_vllm_cold_starts(agent: VllmAgent,
     st = agent.wait_recovered(n, timeout=BOOT_S)
     rec = st["last_recovery"]
     assert (rec["path"], rec["result"]) == ("cold", "success"), rec
-    full = [f for f in rec["fallthroughs"] if f.startswith("full skipped")]
+    full = [f for f in fallthroughs(rec) if f.startswith("full skipped")]
     assert full and snap["id"] in full[0] and "sha256" in full[0], rec
     # Set aside with its reason, never tried again.
     assert not sdir.exists()
@@ -537,7 +538,7 @@ def test_a_restore_that_fails_is_quarantined_and_vllm_cold_starts(agent: VllmAge
         Path(ipc).unlink(missing_ok=True)
     rec = st["last_recovery"]
     assert (rec["path"], rec["result"]) == ("cold", "success"), rec
-    [full] = [f for f in rec["fallthroughs"] if f.startswith("full ")]
+    [full] = [f for f in fallthroughs(rec) if f.startswith("full ")]
     assert full.startswith(f"full start failed: restore of snapshot {snap['id']} failed: "), full
     assert "criu restore" in full, full
     [aside] = [p for p in (_snapdir(agent) / ".quarantine").iterdir()

@@ -24,7 +24,7 @@ import openai
 import pytest
 
 from agent.engines.vllm.plugin import support
-from tests.agentproc import REPO, RunningAgent, agent_config
+from tests.agentproc import REPO, RunningAgent, agent_config, fallthroughs
 from tests.conftest import cached_model
 from tests.holder_proc import Holder
 from tests.test_agent_vllm import (
@@ -197,7 +197,7 @@ def test_with_no_image_a_warm_start_attaches_the_held_weights_instead_of_reading
     st = a.wait_recovered(3, timeout=BOOT_S)
     rec = st["last_recovery"]
     assert (rec["path"], rec["result"]) == ("warm", "success"), (rec, a.log()[-3000:])
-    falls = " | ".join(rec["fallthroughs"])
+    falls = " | ".join(fallthroughs(rec))
     assert "hybrid skipped: no snapshot" in falls and "full skipped: no snapshot" in falls, falls
     # The loader attached the committed set: no weight was read from disk.
     state = node.engine_rpc(support.RPC_STATE)
@@ -232,9 +232,11 @@ def test_a_full_image_of_the_same_model_is_larger_by_the_weights_and_the_kv_pool
     a = RunningAgent(tmp_path, cfg)
     try:
         st = _published(a)
-        falls = " | ".join(st["last_recovery"]["fallthroughs"])
+        falls = " | ".join(fallthroughs(st["last_recovery"]))
         assert f"vLLM cannot map held weights: the Pitstop plugin is not installed in " \
                f"vLLM's interpreter {VLLM_PYTHON}" in falls, falls
+        assert {f["refusal"]["code"] for f in st["last_recovery"]["fallthroughs"]
+                if f["path"] in ("hybrid", "warm")} == {"plugin_not_installed"}
         [snap] = _snapshots(a)
         assert snap["kind"] == "full", snap
         full = snap["image_bytes"]

@@ -9,6 +9,7 @@ import pytest
 
 from agent.front.resume import CHAT, COMPLETIONS, Plan, StopScanner, Tracker
 from agent.front.sse import SSEParser
+from agent.refusal import RefusalCode
 
 PROMPT = [0, 11, 12, 13]
 # (token id, its text) for tokens that each end between two characters.
@@ -86,7 +87,7 @@ def run_cut(endpoint: str, body: dict[str, Any], cut: int,
     if t.complete:
         sent += t.finished_frames()
         return (*client_view(sent, chat), t)
-    assert t.can_resume() == ""
+    assert t.resume_refusal() is None
     path, cont = t.resume_request()
     if not t.started:
         assert (path, cont) == (endpoint, Plan.of(endpoint, body).first_body())
@@ -255,18 +256,21 @@ def test_no_limit_continues_to_the_context_end() -> None:
 ])
 def test_what_cannot_be_resumed_says_why(body: dict[str, Any], why: str) -> None:
     plan = Plan.of(COMPLETIONS, {"model": "m", "prompt": "x", "stream": True, **body})
-    assert not plan.resumable and why in plan.why_not
+    assert not plan.resumable and plan.refusal is not None
+    assert plan.refusal.code is RefusalCode.REQUEST_NOT_RESUMABLE and why in plan.refusal.detail
     assert "return_token_ids" not in plan.first_body()
     t = Tracker(plan)
     t.feed(engine_stream(False, PIECES[:2], PROMPT)[0])
-    assert why in t.can_resume()
+    assert t.resume_refusal() == plan.refusal
 
 
 def test_engine_error_event_is_passed_on_and_not_resumed() -> None:
     t = Tracker(Plan.of(COMPLETIONS, {"model": "m", "prompt": "x", "stream": True}))
     err = b'data: {"error": {"message": "boom", "type": "InternalServerError", "code": 500}}\n\n'
     assert t.feed(err) == err
-    assert "error" in t.can_resume()
+    refusal = t.resume_refusal()
+    assert refusal is not None and refusal.code is RefusalCode.ENGINE_ERROR
+    assert "error" in refusal.detail
 
 
 DEAD = b"EngineCore encountered an issue"
@@ -286,7 +290,7 @@ def test_an_engine_that_says_it_died_mid_answer_is_resumed_not_shown(endpoint: s
     sent = b"".join(t.feed(ev) for ev in events[:cut])
     assert t.feed(dead + b"data: [DONE]\n\n") == b""
     assert t.engine_dead and not t.done and not t.engine_error
-    assert t.can_resume() == ""
+    assert t.resume_refusal() is None
     path, cont = t.resume_request()
     n = len(t.out_ids)
     assert path == COMPLETIONS and cont["prompt"] == PROMPT + [tid for tid, _ in PIECES[:n]]

@@ -99,7 +99,7 @@ def test_a_damaged_record_is_refused_and_a_changed_image_never_selected(case):
             loaded = None
         sel = store.select(IDENT)  # never raises: a bad snapshot is skipped, with a reason
         if sel.chosen is None:
-            assert [s.id for s in sel.skipped] == [m.id] and sel.skipped[0].reason
+            assert [s.id for s in sel.skipped] == [m.id] and sel.skipped[0].refusal.detail
         else:
             # Chosen only when it still reads as the snapshot that was published and every
             # byte of its image is what was sealed.
@@ -135,4 +135,4 @@ def test_a_manifest_whose_checksum_was_edited_after_the_seal_is_refused(tmp_path
     path.write_text(json.dumps(doc))
     # The image did not change since the seal, but the record of it did: hashed, refused.
     sel = store.select(IDENT)
-    assert sel.chosen is None and "sha256 differs" in sel.skipped[0].reason
+    assert sel.chosen is None and "sha256 differs" in sel.skipped[0].refusal.detail

@@ -11,6 +11,7 @@ import pytest
 from agent.engines.vllm.rungs import VllmPreloadStart, VllmSnapshotRestore
 from agent.gpu_health import FaultKind, GpuWatch, PeakSampler, Verdict
 from agent.metrics import Metrics, new_registry
+from agent.refusal import Refusal, RefusalCode
 from agent.supervisor.gpu import GpuGuard, ruled_out
 from agent.supervisor.paths.cold import ColdStart
 from agent.supervisor.paths.holder import HybridRestore, WarmStart
@@ -216,8 +217,9 @@ def test_exactly_the_rungs_that_reuse_held_memory_are_ruled_out_after_a_fault(wa
     out = {r.name: ruled_out(r, check) for r in rungs}
     assert {n for n, why in out.items() if why is not None} == reusing
     assert {n for n, why in out.items() if why is None} == fresh
-    assert out["hybrid"] == ("GPU fault (Xid 63 (ECC page retirement or row remapping)): the "
-                             "memory it would reuse may be corrupt")
+    assert out["hybrid"] == Refusal(
+        RefusalCode.GPU_FAULT, "GPU fault (Xid 63 (ECC page retirement or row remapping)): the "
+        "memory it would reuse may be corrupt")
 
 
 def test_the_guard_counts_each_fault_once_and_distrusts_a_holder_that_did_not_drop(nvml):

@@ -46,6 +46,15 @@ def test_every_metric_is_documented_and_every_documented_one_exists() -> None:
     assert documented - defined == set(), "in docs/metrics.md, not defined in agent/metrics.py"
 
 
+def test_every_refusal_code_is_documented_and_every_documented_one_exists() -> None:
+    from agent.refusal import RefusalCode
+
+    section = DOCS.read_text().split("## Refusal codes", 1)[1].split("\n## ", 1)[0]
+    documented = re.findall(r"^\| `([a-z_]+)` \|", section, re.M)
+    assert len(documented) == len(set(documented)), "a code is listed twice"
+    assert set(documented) == {c.value for c in RefusalCode}
+
+
 def test_metric_names_follow_prometheus_conventions() -> None:
     for name in catalogue_names():
         assert ":" not in name, name

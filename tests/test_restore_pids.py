@@ -16,8 +16,9 @@ from agent.checkpoint.criu import CriuBackend
 from agent.checkpoint.snapshotter import Snapshotter
 from agent.errors import RestoreBlockedError, SnapshotError, StartPathError
 from agent.metrics import Metrics
+from agent.refusal import RefusalCode
 from agent.store import Manifest, ProcessTree, SnapshotStore
-from agent.supervisor.ladder import Attempt
+from agent.supervisor.ladder import Attempt, Prepared
 from agent.supervisor.paths.restore import FullRestore
 from tests.snapshot_helpers import CANARY, IDENT, T0, criu
 
@@ -52,19 +53,23 @@ def test_a_pid_still_taken_fails_the_restore_and_keeps_the_snapshot(tmp_path: Pa
         snap = _snapshotter(tmp_path, wait_s=0.3)
         m = _publish(snap.store, (holder.pid,))
         rung = _rung(snap, tmp_path)
-        assert rung.skip_reason() is None
+        attempt = Attempt(cause="test")
+        prepared = asyncio.run(rung.prepare(attempt))
+        assert isinstance(prepared, Prepared), prepared
         t0 = time.monotonic()
         with pytest.raises(StartPathError) as e:
-            asyncio.run(rung.start(Attempt(cause="test")))
+            asyncio.run(rung.start(attempt, prepared))
         assert time.monotonic() - t0 >= 0.3  # it waited for the PID first
         assert isinstance(e.value.__cause__, RestoreBlockedError)
+        assert e.value.refusal.code is RefusalCode.PID_TAKEN
         msg = str(e.value)
         assert f"PID {holder.pid}, which the restore must give back" in msg
         assert f"process {holder.pid} (sleep) holds it as its PID" in msg
         # Not the image's fault: still published, nothing quarantined, chosen again next time.
         assert snap.store.ids() == [m.id]
         assert not (snap.store.root / ".quarantine").exists()
-        assert rung.skip_reason() is None
+        again = asyncio.run(rung.prepare(Attempt(cause="test")))
+        assert isinstance(again, Prepared) and again.plan.id == m.id
     finally:
         holder.kill()
         holder.wait()

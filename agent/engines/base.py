@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from agent.config import Config
+    from agent.refusal import Refusal
     from agent.store.manifest import CanaryMethod
     from agent.supervisor.probe import EngineProbe
 
@@ -78,7 +79,7 @@ class EngineAdapter(Protocol):
         """Whether an exit the agent did not ask for counts as a crash (always, so far)."""
         ...
 
-    def holder_refusal(self) -> str | None:
+    def holder_refusal(self) -> Refusal | None:
         """Why this engine cannot keep its weights in the holder here; None when it can."""
         ...
 

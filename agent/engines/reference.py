@@ -11,6 +11,7 @@ from agent.config import Config
 from agent.engines.base import LaunchSpec, Prepared
 from agent.engines.refengine.protocol import Prefill
 from agent.extras import Extra, require
+from agent.refusal import Refusal
 from agent.store.manifest import CanaryMethod
 
 if TYPE_CHECKING:
@@ -73,7 +74,7 @@ class ReferenceAdapter:
     def exit_is_failure(self, returncode: int) -> bool:
         return True
 
-    def holder_refusal(self) -> str | None:
+    def holder_refusal(self) -> Refusal | None:
         return None
 
     def holder_args(self, socket: Path, digest: str) -> list[str]:

@@ -525,10 +525,10 @@ class Front:
                     await resp.write(tracker.finished_frames())
                     await resp.write_eof()
                     return resp
-                not_resumable = tracker.can_resume()
-                if not_resumable:
+                refusal = tracker.resume_refusal()
+                if refusal is not None:
                     raise _Failed("not_resumable", f"the engine died during this answer, "
-                                  f"which cannot be resumed: {not_resumable}")
+                                  f"which cannot be resumed: {refusal.detail}")
                 if attempts >= self.config.max_resumes:
                     raise _Failed("resume_limit", f"the engine died {attempts + 1} times under "
                                   f"this request (front.max_resumes={self.config.max_resumes})")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.front.sse import DONE_FRAME, SSEParser, data_frame, event_of
+from agent.refusal import Refusal, RefusalCode
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -83,8 +84,8 @@ class Plan:
 
     endpoint: str
     body: dict[str, Any]
-    resumable: bool
-    why_not: str = ""
+    # Why a cut answer to this request cannot be continued; None when it can.
+    refusal: Refusal | None = None
     client_ids: bool = False
     stops: tuple[str, ...] = ()
     include_stop: bool = False
@@ -95,22 +96,26 @@ class Plan:
 
     @classmethod
     def of(cls, endpoint: str, body: dict[str, Any]) -> Plan:
-        why = _why_not_resumable(endpoint, body)
+        refusal = _why_not_resumable(endpoint, body)
         opts = body.get("stream_options") or {}
         if endpoint == CHAT:
             limit = body.get("max_completion_tokens") or body.get("max_tokens")
         else:
             limit = body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
         return cls(
-            endpoint=endpoint, body=body, resumable=not why, why_not=why,
+            endpoint=endpoint, body=body, refusal=refusal,
             client_ids=bool(body.get("return_token_ids")),
-            stops=_stops(body.get("stop")) if not why else (),
+            stops=_stops(body.get("stop")) if refusal is None else (),
             include_stop=bool(body.get("include_stop_str_in_output")),
             min_tokens=int(body.get("min_tokens") or 0),
             max_tokens=int(limit) if isinstance(limit, int) else None,
             include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")),
             continuous_usage=bool(isinstance(opts, dict) and opts.get("continuous_usage_stats")),
         )
+
+    @property
+    def resumable(self) -> bool:
+        return self.refusal is None
 
     def first_body(self) -> dict[str, Any]:
         """The request as first sent to the engine: with token ids asked for, and without the
@@ -130,8 +135,14 @@ class Plan:
         return bool(self.stops)
 
 
-def _why_not_resumable(endpoint: str, body: dict[str, Any]) -> str:
-    """Empty when a cut answer can be continued exactly from its token ids; else why not."""
+def _why_not_resumable(endpoint: str, body: dict[str, Any]) -> Refusal | None:
+    """None when a cut answer can be continued exactly from its token ids; else why not."""
+    why = _unresumable_option(endpoint, body)
+    return Refusal(RefusalCode.REQUEST_NOT_RESUMABLE, why) if why else None
+
+
+def _unresumable_option(endpoint: str, body: dict[str, Any]) -> str:
+    """The request option that stops a cut answer from being continued; "" for none."""
     if endpoint not in (COMPLETIONS, CHAT):
         return f"{endpoint} is not resumable"
     if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1:
@@ -230,7 +241,7 @@ class Tracker:
 
         t = Tracker(Plan.of("/v1/completions", body))
         client_bytes = t.feed(engine_bytes)
-        if not t.done and not t.can_resume():
+        if not t.done and t.resume_refusal() is None:
             path, body = t.resume_request() or (None, None)
     """
 
@@ -510,17 +521,19 @@ class Tracker:
                            "model": h.get("model"), "choices": [], "usage": self._usage()})
 
     # --- continuing ----------------------------------------------------------------------
-    def can_resume(self) -> str:
-        """Empty when a cut answer can be continued; else why not."""
+    def resume_refusal(self) -> Refusal | None:
+        """Why a cut answer cannot be continued; None when it can."""
         if not self.started:
-            return ""  # nothing sent yet: the whole request can simply go again
-        if not self.plan.resumable:
-            return self.plan.why_not
+            return None  # nothing sent yet: the whole request can simply go again
+        if self.plan.refusal is not None:
+            return self.plan.refusal
         if self.engine_error:
-            return "the engine reported an error for this request"
+            return Refusal(RefusalCode.ENGINE_ERROR,
+                           "the engine reported an error for this request")
         if self.prompt_ids is None:
-            return "the engine sent no prompt_token_ids (does it support return_token_ids?)"
-        return ""
+            return Refusal(RefusalCode.NO_PROMPT_IDS, "the engine sent no prompt_token_ids "
+                           "(does it support return_token_ids?)")
+        return None
 
     def remaining(self) -> int | None:
         """Tokens still allowed, or None for 'up to the context length'."""
@@ -546,7 +559,7 @@ class Tracker:
         return frames + self._usage_frame() + DONE_FRAME
 
     def resume_request(self) -> tuple[str, dict[str, Any]]:
-        """(path, body) that continues the answer, once `complete` and `can_resume` said so."""
+        """(path, body) that continues the answer, once `complete` and `resume_refusal` said so."""
         if not self.started:
             return self.plan.endpoint, self.plan.first_body()
         left = self.remaining()

@@ -18,8 +18,9 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from agent.drift import compare, describe
-from agent.errors import SnapshotError
+from agent.errors import SnapshotError, SnapshotUnusableError
 from agent.identity import Identity
+from agent.refusal import Refusal, RefusalCode
 from agent.store.files import (
     CHUNK_BYTES,
     DIR_MODE,
@@ -78,13 +79,13 @@ class Skipped:
     """A snapshot `select` passed over, and why."""
 
     id: str
-    reason: str
-    # Its files no longer verify against the manifest: it is never usable again, so the
-    # caller moves it to quarantine (stale or older ones may serve another day).
-    corrupt: bool = False
-    # A metric label for the reason when the one who refused it knows it (a backend's
-    # error code); "" leaves it to the caller.
-    code: str = ""
+    refusal: Refusal
+
+    @property
+    def corrupt(self) -> bool:
+        """Its files no longer verify against the manifest: it is never usable again, so
+        the caller moves it to quarantine (stale or older ones may serve another day)."""
+        return self.refusal.code is RefusalCode.CORRUPT
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ class Entry:
 
     id: str
     manifest: Manifest | None
-    problem: str | None
+    problem: Refusal | None
     bytes_on_disk: int
 
 
@@ -315,32 +316,45 @@ class SnapshotStore:
     # --- reading ------------------------------------------------------------------
 
     def load(self, snapshot_id: str) -> Manifest:
-        """The parsed manifest, after checking the directory and file are private to us."""
+        """The parsed manifest, after checking the directory and file are private to us.
+
+        Raises SnapshotUnusableError, whose `refusal` says why it cannot be read."""
         d = self.path(snapshot_id)
+
+        def unusable(code: RefusalCode, detail: str) -> SnapshotUnusableError:
+            return SnapshotUnusableError(Refusal(code, detail))
+
         if not os.path.lexists(d):
-            raise SnapshotError(
-                f"no snapshot {snapshot_id} in {self.root}; `pitstop snapshot list` shows them"
-            )
+            raise unusable(RefusalCode.NOT_FOUND, f"no snapshot {snapshot_id} in {self.root}; "
+                           "`pitstop snapshot list` shows them")
         problem = check_private_dir(d)
         if problem:
-            raise SnapshotError(f"snapshot {snapshot_id}: directory {d} {problem}")
+            raise unusable(RefusalCode.PERMISSIONS,
+                           f"snapshot {snapshot_id}: directory {d} {problem}")
         try:
             raw = read_private(d / MANIFEST_NAME)
         except FileNotFoundError as e:
-            raise SnapshotError(f"snapshot {snapshot_id}: no {MANIFEST_NAME}") from e
+            raise unusable(RefusalCode.UNREADABLE,
+                           f"snapshot {snapshot_id}: no {MANIFEST_NAME}") from e
+        except SnapshotError as e:
+            # read_private refuses a manifest that is not private (owner, mode).
+            raise unusable(RefusalCode.PERMISSIONS, str(e)) from e
         except OSError as e:
-            raise SnapshotError(f"snapshot {snapshot_id}: cannot read manifest: {e}") from e
+            raise unusable(RefusalCode.UNREADABLE,
+                           f"snapshot {snapshot_id}: cannot read manifest: {e}") from e
         try:
             m = Manifest.model_validate_json(raw)
         except ValidationError as e:
             first = e.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "(document)"
-            raise SnapshotError(
+            raise unusable(
+                RefusalCode.UNREADABLE,
                 f"snapshot {snapshot_id}: manifest is invalid or truncated at {where}: "
                 f"{first['msg']}"
             ) from None
         if m.id != snapshot_id:
-            raise SnapshotError(f"snapshot {snapshot_id}: manifest names another id ({m.id})")
+            raise unusable(RefusalCode.UNREADABLE,
+                           f"snapshot {snapshot_id}: manifest names another id ({m.id})")
         return m
 
     def entries(self) -> list[Entry]:
@@ -351,14 +365,15 @@ class SnapshotStore:
             if not stat.S_ISDIR(os.lstat(d).st_mode):
                 # A stray file with a snapshot-like name (a filler, a note): listed as a
                 # problem, never read as a snapshot, and it must not stop the listing.
-                out.append(Entry(sid, None, f"{d} is not a snapshot directory; move it out "
-                                 f"of {self.root}", 0))
+                out.append(Entry(sid, None, Refusal(
+                    RefusalCode.NOT_A_SNAPSHOT,
+                    f"{d} is not a snapshot directory; move it out of {self.root}"), 0))
                 continue
             size = tree_bytes(d)
             try:
                 out.append(Entry(sid, self.load(sid), None, size))
-            except SnapshotError as e:
-                out.append(Entry(sid, None, str(e), size))
+            except SnapshotUnusableError as e:
+                out.append(Entry(sid, None, e.refusal, size))
         return sorted(out, key=_created, reverse=True)
 
     def verify(self, snapshot_id: str, *, full: bool = True) -> Verdict:
@@ -424,18 +439,25 @@ class SnapshotStore:
                accept: Callable[[Manifest], Skipped | None] | None = None) -> Selection:
         """The newest snapshot (of `kind`, if given) whose identity equals `identity`, that
         `accept` (the backend's own check) does not refuse, and which verifies; every other
-        one is named in `skipped` with its reason."""
+        one is named in `skipped` with its refusal.
+
+        It hashes image files: call it from a worker thread, never on the event loop."""
         skipped: list[Skipped] = []
         chosen: Manifest | None = None
+
+        def skip(sid: str, code: RefusalCode, detail: str) -> None:
+            skipped.append(Skipped(sid, Refusal(code, detail)))
+
         for e in self.entries():
             if e.manifest is None:
-                skipped.append(Skipped(e.id, e.problem or "unreadable"))
+                assert e.problem is not None
+                skipped.append(Skipped(e.id, e.problem))
             elif chosen is not None:
-                skipped.append(Skipped(e.id, f"older than the chosen {chosen.id}"))
+                skip(e.id, RefusalCode.SUPERSEDED, f"older than the chosen {chosen.id}")
             elif kind is not None and e.manifest.kind != kind:
-                skipped.append(Skipped(e.id, f"kind {e.manifest.kind}, wanted {kind}"))
+                skip(e.id, RefusalCode.WRONG_KIND, f"kind {e.manifest.kind}, wanted {kind}")
             elif diffs := compare(e.manifest.identity, identity):
-                skipped.append(Skipped(e.id, f"stale: {describe(diffs)}"))
+                skip(e.id, RefusalCode.STALE, describe(diffs))
             elif accept is not None and (refused := accept(e.manifest)) is not None:
                 skipped.append(refused)
             else:
@@ -443,8 +465,7 @@ class SnapshotStore:
                 if v.ok:
                     chosen = v.manifest
                 else:
-                    skipped.append(Skipped(e.id, "corrupt: " + "; ".join(v.reasons),
-                                           corrupt=True))
+                    skip(e.id, RefusalCode.CORRUPT, "; ".join(v.reasons))
         return Selection(chosen, tuple(skipped))
 
     # --- removing -----------------------------------------------------------------

@@ -25,7 +25,7 @@ def entry_json(e: Entry) -> dict[str, Any]:
         "created_at": m.created_at.isoformat() if m else None,
         "image_bytes": m.image_bytes if m else None,
         "bytes_on_disk": e.bytes_on_disk,
-        "problem": e.problem,
+        "problem": e.problem.to_json() if e.problem else None,
         "quarantined": None,
     }
 

@@ -10,6 +10,7 @@ from typing import Protocol
 from agent.errors import IdentityError
 from agent.gpu_health import HEALTHY, GpuCheck, GpuFault, GpuWatch, PeakSampler, Verdict
 from agent.metrics import Metrics
+from agent.refusal import Refusal, RefusalCode
 
 log = logging.getLogger("pitstop.gpu")
 
@@ -24,11 +25,12 @@ class Rung(Protocol):
     reuses_held_memory: bool
 
 
-def ruled_out(rung: Rung, check: GpuCheck) -> str | None:
+def ruled_out(rung: Rung, check: GpuCheck) -> Refusal | None:
     """Why `rung` must not be tried after the faults in `check`; None when it may be."""
     if check.verdict is Verdict.HEALTHY or not rung.reuses_held_memory:
         return None
-    return f"GPU fault ({check.describe()}): the memory it would reuse may be corrupt"
+    return Refusal(RefusalCode.GPU_FAULT,
+                   f"GPU fault ({check.describe()}): the memory it would reuse may be corrupt")
 
 
 class GpuGuard:

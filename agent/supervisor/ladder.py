@@ -6,10 +6,14 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
+from agent.refusal import Refusal
 from agent.supervisor.canary import CanaryRecord
 from agent.supervisor.engine import EngineProcess
+
+# What one rung's `prepare` found and its `start` uses: the snapshot chosen, or nothing.
+T = TypeVar("T")
 
 
 @dataclass
@@ -30,13 +34,36 @@ class Attempt:
             self.stages[name] = self.stages.get(name, 0.0) + time.monotonic() - t0
 
 
-class StartPath(Protocol):
-    """One rung: hybrid restore, full restore, warm start or cold start.
+@dataclass(frozen=True)
+class Prepared(Generic[T]):
+    """What a rung's `prepare` found, handed to that rung's `start` (and nothing else does).
 
     Example::
 
-        reason = path.skip_reason()        # None when the path can be tried now
-        engine = await path.start(attempt)  # raises StartPathError to fall through
+        Prepared(rung="full", plan=manifest, canary=record, stages={"select": 0.4})
+    """
+
+    rung: str
+    # The rung's own plan: the manifest to restore; None for a rung that needs none.
+    plan: T
+    # The answer this engine must give; None to use the agent's recorded one.
+    canary: CanaryRecord | None = None
+    # Stages timed during preparation (verifying a snapshot's files is part of a restore's
+    # cost); added to the attempt only when this rung is started.
+    stages: dict[str, float] = field(default_factory=dict)
+
+
+class StartPath(Protocol[T]):
+    """One rung: hybrid restore, full restore, warm start or cold start.
+
+    `prepare` decides, off the event loop, whether the rung can be tried now and what it
+    would start from; it keeps nothing for `start`, which gets what `prepare` returned.
+
+    Example::
+
+        ready = await path.prepare(attempt)          # Refusal when it cannot be tried now
+        if not isinstance(ready, Refusal):
+            engine = await path.start(attempt, ready)  # raises StartPathError to fall through
     """
 
     name: str
@@ -44,22 +71,19 @@ class StartPath(Protocol):
     # rung is never tried after a GPU fault (agent/supervisor/gpu.py `ruled_out`).
     reuses_held_memory: bool
 
-    def skip_reason(self) -> str | None:
-        """Why this path cannot be tried now (no snapshot, holder gone, ...); None if it can."""
+    async def prepare(self, attempt: Attempt) -> Prepared[T] | Refusal:
+        """What this rung would start from, or why it cannot be tried now; blocking work
+        (hashing a snapshot, asking the holder) runs in a worker thread."""
         ...
 
-    async def start(self, attempt: Attempt) -> EngineProcess:
-        """Bring up an engine; raise StartPathError with the reason when it cannot."""
+    async def start(self, attempt: Attempt, prepared: Prepared[T]) -> EngineProcess:
+        """Bring up an engine from `prepared`; raise StartPathError when it cannot."""
         ...
 
-    def expected_canary(self) -> CanaryRecord | None:
-        """The answer this path's engine must give; None to use the agent's recorded one."""
-        ...
-
-    async def after_verified(self, engine: EngineProcess) -> None:
+    async def after_verified(self, engine: EngineProcess, prepared: Prepared[T]) -> None:
         """Work once the engine is verified (a restore path may re-attach memory here)."""
         ...
 
-    def failed(self, reason: str) -> None:
-        """The engine this path produced failed verification (quarantine what caused it)."""
+    def failed(self, prepared: Prepared[T], reason: str) -> None:
+        """The engine started from `prepared` failed verification (quarantine the snapshot)."""
         ...

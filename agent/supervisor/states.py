@@ -48,6 +48,18 @@ class Cause(StrEnum):
     RESET = "reset"
 
 
+class Fall(StrEnum):
+    """How a rung of the ladder was passed over: `pitstop_ladder_fallthroughs_total{reason}`."""
+
+    # It could not be tried now (no snapshot yet, holder gone): its refusal says why.
+    SKIPPED = "skipped"
+    # Not tried: it would reuse memory that a GPU fault made suspect.
+    GPU_FAULT = "gpu_fault"
+    START_FAILED = "start_failed"
+    # The engine came up but did not give the recorded canary answer (or another model).
+    VERIFY_FAILED = "verify_failed"
+
+
 class TransitionError(PitstopError):
     """An event arrived in a state that has no edge for it: a bug in the supervisor."""
 

@@ -10,8 +10,27 @@ from pathlib import Path
 
 from agent.errors import StatusError
 from agent.fsutil import write_private
+from agent.refusal import Refusal
 from agent.reload import ReloadResult
-from agent.supervisor.states import State
+from agent.supervisor.states import Fall, State
+
+
+@dataclass(frozen=True)
+class Fallthrough:
+    """One rung passed over in a walk of the ladder: which, how, and its typed refusal.
+
+    Example::
+
+        f = Fallthrough("full", Fall.SKIPPED, Refusal(RefusalCode.NO_SNAPSHOT, "no snapshot yet"))
+        str(f)  # 'full skipped: no snapshot yet'
+    """
+
+    path: str
+    kind: Fall
+    refusal: Refusal
+
+    def __str__(self) -> str:
+        return f"{self.path} {self.kind.replace('_', ' ')}: {self.refusal.detail}"
 
 
 @dataclass
@@ -24,7 +43,8 @@ class Recovery:
     duration_s: float
     at: float
     stages: dict[str, float] = field(default_factory=dict)
-    fallthroughs: list[str] = field(default_factory=list)
+    # In `pitstop status` JSON: {"path", "kind", "refusal": {"code", "detail"}} each.
+    fallthroughs: list[Fallthrough] = field(default_factory=list)
     # The GPU fault that made this walk skip every rung reusing held memory; "" for none.
     gpu_fault: str = ""
     # GPU memory in use at its peak during the walk (every process); None without a GPU.

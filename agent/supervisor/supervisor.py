@@ -8,22 +8,24 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from agent.config import Config
 from agent.engines.base import EngineAdapter
 from agent.errors import EngineError, IdentityError, SnapshotError, StartPathError, VerifyError
 from agent.gpu_health import GpuCheck, GpuFault, PeakSampler, Verdict
 from agent.metrics import Metrics
+from agent.refusal import Refusal, RefusalCode
 from agent.store.manifest import CanaryMethod
 from agent.supervisor.canary import CanaryBook, CanaryRecord, setup_key
 from agent.supervisor.capture import Capture
 from agent.supervisor.engine import EngineProcess
 from agent.supervisor.gate import EngineGate
 from agent.supervisor.gpu import GpuGuard, ruled_out
-from agent.supervisor.ladder import Attempt, StartPath
+from agent.supervisor.ladder import Attempt, Prepared, StartPath
 from agent.supervisor.probe import CanaryAnswer, EngineProbe
-from agent.supervisor.states import Cause, Event, State, next_state
-from agent.supervisor.status import AgentStatus, Recovery
+from agent.supervisor.states import Cause, Event, Fall, State, next_state
+from agent.supervisor.status import AgentStatus, Fallthrough, Recovery
 from agent.systemd import Notifier
 
 log = logging.getLogger("pitstop.supervisor")
@@ -44,7 +46,8 @@ class Supervisor:
         await sup.run()  # returns after request_stop()
     """
 
-    def __init__(self, *, config: Config, adapter: EngineAdapter, paths: Sequence[StartPath],
+    def __init__(self, *, config: Config, adapter: EngineAdapter,
+                 paths: Sequence[StartPath[Any]],
                  gate: EngineGate, metrics: Metrics, notifier: Notifier, status: AgentStatus,
                  canaries: CanaryBook, on_change: Callable[[], None] = lambda: None,
                  capture: Capture | None = None,
@@ -201,7 +204,7 @@ class Supervisor:
         self._gpu_gone = None  # the walk's own check sees that fault
         self._sample_gpu_memory()
         t0 = self._clock()
-        fallthroughs: list[str] = []
+        fallthroughs: list[Fallthrough] = []
         # Before the identity: reading a lost GPU's identity would fail, and less clearly.
         check = await self._gpu_before_walk(attempt, fallthroughs)
         if check is None:
@@ -224,24 +227,34 @@ class Supervisor:
             last_path = path.name
             ruled = ruled_out(path, check)
             if ruled is not None:
-                self._fall(path.name, "gpu_fault", ruled, fallthroughs)
+                self._fall(path.name, Fall.GPU_FAULT, ruled, fallthroughs)
                 continue
-            skip = path.skip_reason()
-            if skip is not None:
-                self._fall(path.name, "skipped", skip, fallthroughs)
+            # Off the event loop: choosing a snapshot hashes its files, asking the holder is
+            # a socket round trip; health probes and the front keep running meanwhile.
+            prepared = await path.prepare(attempt)
+            if self._stop.is_set():
+                return
+            if isinstance(prepared, Refusal):
+                self._fall(path.name, Fall.SKIPPED, prepared, fallthroughs)
                 continue
+            for stage, secs in prepared.stages.items():
+                attempt.stages[stage] = attempt.stages.get(stage, 0.0) + secs
             self.notifier.status(f"starting: {path.name} ({attempt.cause})")
             try:
-                engine = await path.start(attempt)
-            except (StartPathError, EngineError) as e:
-                self._fall(path.name, "start_failed", str(e), fallthroughs)
+                engine = await path.start(attempt, prepared)
+            except StartPathError as e:
+                self._fall(path.name, Fall.START_FAILED, e.refusal, fallthroughs)
+                continue
+            except EngineError as e:
+                self._fall(path.name, Fall.START_FAILED,
+                           Refusal(RefusalCode.ENGINE_FAILED, str(e)), fallthroughs)
                 continue
             self.engine = engine
             self.status.engine_pid = engine.pid
             self._on_engine(engine.pid)
             try:
-                await self._verify(engine, path, attempt)
-                await path.after_verified(engine)
+                await self._verify(engine, prepared, attempt)
+                await path.after_verified(engine, prepared)
             except EngineError as e:
                 if not engine.stopping:
                     await engine.kill()
@@ -250,16 +263,21 @@ class Supervisor:
                 self.status.engine_pid = None
                 if self._stop.is_set():
                     return
-                path.failed(str(e))
-                kind = "verify_failed" if isinstance(e, VerifyError) else "start_failed"
-                self._fall(path.name, kind, str(e), fallthroughs)
+                path.failed(prepared, str(e))
+                if isinstance(e, VerifyError):
+                    self._fall(path.name, Fall.VERIFY_FAILED,
+                               Refusal(RefusalCode.VERIFY_FAILED, str(e)), fallthroughs)
+                else:
+                    self._fall(path.name, Fall.START_FAILED,
+                               Refusal(RefusalCode.ENGINE_FAILED, str(e)), fallthroughs)
                 continue
             self._ready(path.name, attempt, self._clock() - t0, fallthroughs)
             return
         duration = self._clock() - t0
         self._record(last_path, "failure", attempt, duration, fallthroughs)
         self.record_failure()
-        self._fire(Event.START_FAILED, f"every start path failed: {'; '.join(fallthroughs)}")
+        self._fire(Event.START_FAILED,
+                   f"every start path failed: {'; '.join(map(str, fallthroughs))}")
 
     async def _gpu_check(self) -> GpuCheck:
         """The GPU's faults and health now (off the event loop), kept in the status."""
@@ -268,7 +286,7 @@ class Supervisor:
         return check
 
     async def _gpu_before_walk(self, attempt: Attempt,
-                               fallthroughs: list[str]) -> GpuCheck | None:
+                               fallthroughs: list[Fallthrough]) -> GpuCheck | None:
         """The GPU's faults before a walk, held memory dropped after one; None when the GPU
         is unusable (the state is failed then)."""
         check = await self._gpu_check()
@@ -278,8 +296,10 @@ class Supervisor:
             return None
         if check.verdict is Verdict.MEMORY_SUSPECT:
             attempt.gpu_fault = check.describe()
-            fallthroughs.append(f"GPU fault: {attempt.gpu_fault}; "
-                                f"{await self.gpu.drop_held(check)}")
+            # Not a rung: what the holder did about the fault, told beside the rungs it ruled out.
+            dropped = await self.gpu.drop_held(check)
+            fallthroughs.append(Fallthrough("holder", Fall.GPU_FAULT, Refusal(
+                RefusalCode.GPU_FAULT, f"GPU fault: {attempt.gpu_fault}; {dropped}")))
         return check
 
     @staticmethod
@@ -296,14 +316,17 @@ class Supervisor:
         sampler, self._sampler = self._sampler, None
         return sampler.stop() if sampler is not None else None
 
-    def _fall(self, path: str, kind: str, reason: str, fallthroughs: list[str]) -> None:
+    def _fall(self, path: str, kind: Fall, refusal: Refusal,
+              fallthroughs: list[Fallthrough]) -> None:
+        fall = Fallthrough(path, kind, refusal)
         # A rung that cannot apply (no snapshot yet) is routine; one that broke is not.
-        level = logging.INFO if kind == "skipped" else logging.WARNING
-        log.log(level, "ladder: %s %s: %s", path, kind.replace("_", " "), reason)
-        fallthroughs.append(f"{path} {kind.replace('_', ' ')}: {reason}")
-        self.metrics.ladder_fallthroughs.labels(path=path, reason=kind).inc()
+        level = logging.INFO if kind is Fall.SKIPPED else logging.WARNING
+        log.log(level, "ladder: %s (%s)", fall, refusal.code)
+        fallthroughs.append(fall)
+        self.metrics.ladder_fallthroughs.labels(path=path, reason=kind.value).inc()
 
-    async def _verify(self, engine: EngineProcess, path: StartPath, attempt: Attempt) -> None:
+    async def _verify(self, engine: EngineProcess, prepared: Prepared[Any],
+                      attempt: Attempt) -> None:
         hc = self.config.health
         sock = self.config.engine_socket
         deadline = self._clock() + hc.start_timeout_s
@@ -335,13 +358,14 @@ class Supervisor:
                 models = await probe.models()
                 if name not in models:
                     raise VerifyError(f"engine serves {models}, not the configured model {name!r}")
-                await self._verify_canary(probe, name, path)
+                await self._verify_canary(probe, name, prepared)
 
-    async def _verify_canary(self, probe: EngineProbe, name: str, path: StartPath) -> None:
+    async def _verify_canary(self, probe: EngineProbe, name: str,
+                             prepared: Prepared[Any]) -> None:
         """Ask the canary the way the expected answer was made and compare; with nothing
         expected yet, record this answer. A record made another way than this engine's
         current one (an older Pitstop's) is checked its own way, then made again."""
-        expected = self._expected_canary(path)
+        expected = self._expected_canary(prepared)
         current = self.adapter.canary_method
         method = current if expected is None else expected.method
         answer = await self._ask_canary(probe, name, method)
@@ -362,10 +386,9 @@ class Supervisor:
                      method.value, current.value, answer.text)
         self._verified_canary = expected
 
-    def _expected_canary(self, path: StartPath) -> CanaryRecord | None:
-        expected = path.expected_canary()
-        if expected is not None:
-            return expected
+    def _expected_canary(self, prepared: Prepared[Any]) -> CanaryRecord | None:
+        if prepared.canary is not None:
+            return prepared.canary
         canary = self.config.health.canary
         rec = self.canaries.load()
         if rec is not None and rec.key == self._canary_key() and rec.prompt == canary.prompt \
@@ -389,7 +412,7 @@ class Supervisor:
         return rec
 
     def _ready(self, path: str, attempt: Attempt, duration: float,
-               fallthroughs: list[str]) -> None:
+               fallthroughs: list[Fallthrough]) -> None:
         assert self.engine is not None
         self._record(path, "success", attempt, duration, fallthroughs)
         # An engine that reuses no suspect memory serves: those faults are dealt with.
@@ -412,7 +435,7 @@ class Supervisor:
                  ", ".join(f"{k} {v:.2f}s" for k, v in attempt.stages.items()))
 
     def _record(self, path: str, result: str, attempt: Attempt, duration: float,
-                fallthroughs: list[str]) -> None:
+                fallthroughs: list[Fallthrough]) -> None:
         m = self.metrics
         m.recoveries.labels(path=path, result=result, cause=attempt.cause).inc()
         m.recovery_duration.labels(path=path, result=result).observe(duration)

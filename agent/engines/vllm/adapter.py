@@ -17,9 +17,9 @@ from agent.engines.base import LaunchSpec, Prepared
 from agent.engines.vllm.cli import VllmFeatures, read_features
 from agent.engines.vllm.maxlen import check_max_model_len
 from agent.engines.vllm.plugin import support
-from agent.engines.vllm.plugin.support import Refusal
 from agent.errors import ConfigError, EngineError, IdentityError
 from agent.identity import read_vllm_package
+from agent.refusal import Refusal, RefusalCode
 from agent.store.manifest import CanaryMethod
 
 if TYPE_CHECKING:
@@ -53,13 +53,6 @@ DEV_ENDPOINTS = ("/collective_rpc", "/reset_prefix_cache", "/reset_mm_cache",
 # A detach or an attach runs between engine steps; a step of a loaded engine can be long.
 RPC_TIMEOUT_S = 120.0
 
-
-@dataclass(frozen=True)
-class PluginRefusal:
-    """Why the vLLM hybrid and warm rungs are off on this installation, and what to do."""
-
-    code: Refusal
-    detail: str
 
 @dataclass(frozen=True)
 class VllmPackage:
@@ -112,21 +105,23 @@ class VllmAdapter:
     def _probe_env(self) -> dict[str, str]:
         return {**os.environ, **BASE_ENV, **self._config.engine.env}
 
-    def plugin_refusal(self) -> PluginRefusal | None:
+    def plugin_refusal(self) -> Refusal | None:
         """Why the Pitstop plugin cannot map this engine's weights from the holder."""
         try:
             features = self.features
         except EngineError as e:
-            return PluginRefusal(Refusal.NO_VLLM, str(e))
+            return Refusal(RefusalCode.NO_VLLM, str(e))
         return plugin_refusal(features, self.python())
 
     def plugin_on(self) -> bool:
         """Whether this engine runs with the plugin: a holder configured, the plugin fit."""
         return self._config.holder.enabled and self.plugin_refusal() is None
 
-    def holder_refusal(self) -> str | None:
+    def holder_refusal(self) -> Refusal | None:
         why = self.plugin_refusal()
-        return f"vLLM cannot map held weights: {why.detail}" if why is not None else None
+        if why is None:
+            return None
+        return Refusal(why.code, f"vLLM cannot map held weights: {why.detail}")
 
     def holder_args(self, socket: Path, digest: str) -> list[str]:
         if not self.plugin_on():
@@ -223,25 +218,25 @@ class VllmAdapter:
         return True
 
 
-def plugin_refusal(f: VllmFeatures, python: str) -> PluginRefusal | None:
+def plugin_refusal(f: VllmFeatures, python: str) -> Refusal | None:
     """Why the Pitstop plugin in `python` (what its probe found: `f`) cannot serve the vLLM
     hybrid and warm rungs; None when it can."""
     if f.distribution is None or f.version is None:
-        return PluginRefusal(Refusal.NO_VLLM, f"engine.python {python} has no vLLM")
+        return Refusal(RefusalCode.NO_VLLM, f"engine.python {python} has no vLLM")
     if f.plugin is None:
-        return PluginRefusal(
-            Refusal.NOT_INSTALLED,
+        return Refusal(
+            RefusalCode.PLUGIN_NOT_INSTALLED,
             f"the Pitstop plugin is not installed in vLLM's interpreter {python}; install it "
             f"with `scripts/install-vllm-plugin.sh {python}` (pip install --no-deps "
             f"pitstop=={agent.__version__})")
     if f.plugin != agent.__version__:
-        return PluginRefusal(
-            Refusal.OTHER_PITSTOP,
+        return Refusal(
+            RefusalCode.PLUGIN_VERSION_MISMATCH,
             f"vLLM's interpreter has the Pitstop plugin {f.plugin}, this agent is "
             f"{agent.__version__}; install the same version in both")
     unsupported = support.version_refusal(f.version, f.cuda_build)
     if unsupported is not None:
-        return PluginRefusal(Refusal.UNSUPPORTED_VLLM, unsupported)
+        return Refusal(RefusalCode.VLLM_VERSION_UNSUPPORTED, unsupported)
     return None
 
 

@@ -19,11 +19,11 @@ from agent.engines.vllm.cli import (
     read_features,
     sampler_off,
 )
-from agent.engines.vllm.plugin.support import Refusal
 from agent.engines.vllm.preload import PreloadLink, engine_gpu
 from agent.engines.vllm.rungs import host_unfit
 from agent.engines.vllm.snapshot import choose_backend
 from agent.errors import EngineError, SnapshotError
+from agent.refusal import RefusalCode
 
 
 def kernel_hides_passcred() -> bool:
@@ -133,7 +133,7 @@ def vllm_checks(
         checks.append(Check("vllm plugin", False, held,
                             f"no hybrid or warm rung for vLLM: {refusal.detail}",
                             f"scripts/install-vllm-plugin.sh {python}"
-                            if refusal.code is Refusal.NOT_INSTALLED else None))
+                            if refusal.code is RefusalCode.PLUGIN_NOT_INSTALLED else None))
 
     pre = config.vllm.preload
     unfit = host_unfit(f, gpu, "preload")
@@ -151,7 +151,8 @@ def vllm_checks(
         reason = link.unavailable()
         gpu_name = engine_gpu(config) or "?"
         checks.append(Check("vllm preload", reason is None, True,
-                            reason or f"the daemon for GPU {gpu_name} is healthy",
+                            reason.detail if reason is not None
+                            else f"the daemon for GPU {gpu_name} is healthy",
                             None if reason is None else
                             f"systemctl enable --now pitstop-vllm-preload@{gpu_name}.service"))
     return checks

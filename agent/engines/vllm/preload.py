@@ -11,6 +11,7 @@ from pathlib import Path
 from agent.config import Config
 from agent.engines.vllm.cli import cli_argv
 from agent.errors import IdentityError, SourceUnavailable, VllmPreloadError
+from agent.refusal import Refusal, RefusalCode
 
 HEALTH_HOST = "127.0.0.1"
 HEALTH_TIMEOUT_S = 2.0
@@ -149,21 +150,24 @@ class PreloadLink:
     def unit(self, gpu: str) -> str:
         return f"pitstop-vllm-preload@{gpu}.service"
 
-    def unavailable(self) -> str | None:
+    def unavailable(self) -> Refusal | None:
         if not self.config.vllm.preload.enabled:
-            return "vllm.preload.enabled is false"
+            return Refusal(RefusalCode.DISABLED, "vllm.preload.enabled is false")
         gpu = self._gpu()
         if gpu is None:
-            return "CUDA_VISIBLE_DEVICES hides every GPU: there is no daemon to map weights from"
+            return Refusal(RefusalCode.NO_GPU, "CUDA_VISIBLE_DEVICES hides every GPU: there is "
+                           "no daemon to map weights from")
         try:
             port = health_port(self.config, gpu_index(gpu, self._index_of_uuid))
         except (IdentityError, ValueError) as e:
-            return f"cannot tell which daemon serves GPU {gpu}: {e}"
+            return Refusal(RefusalCode.PRELOAD_DOWN,
+                           f"cannot tell which daemon serves GPU {gpu}: {e}")
         reason = check_health(port)
         if reason is None:
             return None
-        return (f"the vLLM weight-cache daemon for GPU {gpu} is not healthy: {reason}; "
-                f"`systemctl status {self.unit(gpu)}`")
+        return Refusal(RefusalCode.PRELOAD_DOWN,
+                       f"the vLLM weight-cache daemon for GPU {gpu} is not healthy: {reason}; "
+                       f"`systemctl status {self.unit(gpu)}`")
 
     def engine_args(self) -> list[str]:
         return engine_args(self.config)

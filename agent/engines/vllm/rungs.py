@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -19,34 +20,35 @@ from agent.engines.vllm.snapshot import VllmSnapshotBackend
 from agent.errors import EngineError, StartPathError, VllmSnapshotError
 from agent.identity import Identity
 from agent.metrics import Metrics
-from agent.store import SnapshotStore
-from agent.supervisor.canary import CanaryRecord
+from agent.refusal import Refusal, RefusalCode
+from agent.store import Manifest, SnapshotStore
 from agent.supervisor.engine import EngineProcess
-from agent.supervisor.ladder import Attempt
-from agent.supervisor.paths.cold import ColdStart
+from agent.supervisor.ladder import Attempt, Prepared
+from agent.supervisor.paths.cold import ColdStart, ExtraArgs
 from agent.supervisor.paths.restore import SnapshotRestore
 from agent.supervisor.relay import UnixTcpRelay
 
 log = logging.getLogger("pitstop.vllm")
 
 # Failures that say the snapshot itself is bad: it is set aside, never tried again.
-_BAD_SNAPSHOT = ("canary", "corrupt", "stale")
+_BAD_SNAPSHOT = frozenset({RefusalCode.CANARY, RefusalCode.CORRUPT, RefusalCode.STALE})
 
 
-def host_unfit(features: VllmFeatures, has_gpu: bool, what: str) -> str | None:
+def host_unfit(features: VllmFeatures, has_gpu: bool, what: str) -> Refusal | None:
     """Why this host cannot run vLLM's `what` subcommand (snapshot, preload); None if it can."""
     if features.distribution is None:
-        return "engine.python has no vLLM installed"
+        return Refusal(RefusalCode.NO_VLLM, "engine.python has no vLLM installed")
     present = features.snapshot if what == "snapshot" else features.preload
     if not present:
-        return f"the installed vLLM ({features.describe()}) has no `vllm {what}`"
+        return Refusal(RefusalCode.UNSUPPORTED,
+                       f"the installed vLLM ({features.describe()}) has no `vllm {what}`")
     missing = []
     if not features.cuda_build:
         missing.append(f"the installed vLLM ({features.describe()}) is not a CUDA build")
     if not has_gpu:
         missing.append("this host has no NVIDIA GPU")
     if missing:
-        return f"{' and '.join(missing)}; `vllm {what}` needs CUDA"
+        return Refusal(RefusalCode.NO_CUDA, f"{' and '.join(missing)}; `vllm {what}` needs CUDA")
     return None
 
 
@@ -74,31 +76,37 @@ class VllmSnapshotRestore(SnapshotRestore):
         self._has_gpu = has_gpu
         self._relay: UnixTcpRelay | None = None
 
-    def _no_snapshot(self) -> str:
-        assert self._store is not None
-        return (f"no vLLM snapshot yet in {self._store.root}; take one with "
-                "`pitstop vllm-snapshot create`")
-
     def reconfigure(self, config: Config) -> None:
         """A reload changed what the engine is started with (agent/reload.py applies these
         keys): a snapshot taken with the old arguments must now be stale, not restored."""
         self._vllm.served_model_name = config.engine.model_name
         self._vllm.engine_args = tuple(config.engine.args)
 
-    def skip_reason(self) -> str | None:
-        self._chosen = None
+    async def prepare(self, attempt: Attempt) -> Prepared[Manifest] | Refusal:
+        # Reading vLLM's features, verifying the image and `vllm snapshot inspect` block.
+        return await asyncio.to_thread(self._choose_vllm)
+
+    def _choose_vllm(self) -> Prepared[Manifest] | Refusal:
         unfit = host_unfit(self._features(), self._has_gpu(), "snapshot")
         if unfit is not None:
             return unfit
-        reason = self._select()
-        if reason is not None and reason.startswith("no usable snapshot: "):
-            return "no usable vLLM snapshot: " + reason.removeprefix("no usable snapshot: ")
-        return reason
+        chosen = self._choose()
+        if isinstance(chosen, Refusal):
+            assert self._store is not None
+            if chosen.code is RefusalCode.NO_SNAPSHOT:
+                return Refusal(chosen.code, f"no vLLM snapshot yet in {self._store.root}; take "
+                               "one with `pitstop vllm-snapshot create`")
+            if chosen.code is RefusalCode.NO_USABLE_SNAPSHOT:
+                return Refusal(chosen.code, "no usable vLLM snapshot: "
+                               + chosen.detail.removeprefix("no usable snapshot: "))
+            return chosen
+        # vLLM checked its own canary; the agent's recorded answer for this model must hold
+        # too (canary None).
+        return dataclasses.replace(chosen, canary=None)
 
-    async def start(self, attempt: Attempt) -> EngineProcess:
-        assert self._store is not None and self._chosen is not None
-        m = self._chosen
-        attempt.stages["select"] = self._select_s
+    async def start(self, attempt: Attempt, prepared: Prepared[Manifest]) -> EngineProcess:
+        assert self._store is not None
+        m = prepared.plan
         await self._close_relay()
         try:
             with attempt.stage("vllm_restore"):
@@ -106,22 +114,25 @@ class VllmSnapshotRestore(SnapshotRestore):
                                                        self._store.path(m.id))
         except VllmSnapshotError as e:
             if e.code in _BAD_SNAPSHOT:
-                self.failed(str(e), e.code)
-            raise StartPathError(f"vllm snapshot restore of {m.id} failed: {e}") from e
+                self.failed(prepared, str(e), e.code)
+            raise StartPathError(Refusal(
+                e.code, f"vllm snapshot restore of {m.id} failed: {e}")) from e
         pid = restored.pid
         try:
             engine = EngineProcess.adopt(pid)
         except OSError as e:
-            raise StartPathError(f"vllm snapshot restore of {m.id} said PID {pid}, which is "
-                                 f"gone: {e}") from e
+            raise StartPathError(Refusal(
+                RefusalCode.RESTORE_FAILED,
+                f"vllm snapshot restore of {m.id} said PID {pid}, which is gone: {e}")) from e
         relay = UnixTcpRelay(self._socket, self._vllm.port)
         try:
             await relay.start()
         except OSError as e:
             await engine.kill()
             await engine.close()
-            raise StartPathError(f"cannot relay {self._socket} to the restored engine: {e}") \
-                from e
+            raise StartPathError(Refusal(
+                RefusalCode.RELAY_FAILED,
+                f"cannot relay {self._socket} to the restored engine: {e}")) from e
         self._relay = relay
         asyncio.ensure_future(self._close_relay_after(engine))
         log.info("restored vLLM snapshot %s as PID %d (relay %s -> 127.0.0.1:%d)", m.id, pid,
@@ -138,11 +149,8 @@ class VllmSnapshotRestore(SnapshotRestore):
         if relay is not None:
             await relay.close()
 
-    def expected_canary(self) -> CanaryRecord | None:
-        # vLLM checked its own canary; the agent's recorded answer for this model must hold too.
-        return None
-
-    async def after_verified(self, engine: EngineProcess) -> None:
+    async def after_verified(self, engine: EngineProcess,
+                             prepared: Prepared[Manifest]) -> None:
         return None
 
 
@@ -155,16 +163,24 @@ class VllmPreloadStart(ColdStart):
 
     def __init__(self, adapter: EngineAdapter, link: PreloadLink,
                  features: Callable[[], VllmFeatures], has_gpu: Callable[[], bool]) -> None:
-        super().__init__(adapter, extra_args=link.engine_args)
+        super().__init__(adapter)
         self._link = link
         self._features = features
         self._has_gpu = has_gpu
 
-    def skip_reason(self) -> str | None:
+    async def prepare(self, attempt: Attempt) -> Prepared[ExtraArgs] | Refusal:
+        # Reading vLLM's features runs its interpreter; the daemon's health is an HTTP call.
+        return await asyncio.to_thread(self._choose)
+
+    def _choose(self) -> Prepared[ExtraArgs] | Refusal:
         if not self._link.config.vllm.preload.enabled:
-            return "vllm.preload.enabled is false"
+            return Refusal(RefusalCode.DISABLED, "vllm.preload.enabled is false")
         unfit = host_unfit(self._features(), self._has_gpu(), "preload")
-        return unfit if unfit is not None else self._link.unavailable()
+        if unfit is None:
+            unfit = self._link.unavailable()
+        if unfit is not None:
+            return unfit
+        return Prepared(self.name, tuple(self._link.engine_args()))
 
 
 def vllm_rungs(config: Config, adapter: EngineAdapter, identity: Callable[[], Identity],

@@ -17,6 +17,7 @@ from agent.commands import CommandResult, Runner
 from agent.config import Config
 from agent.engines.vllm.cli import VllmFeatures, cli_argv, last_error, usage_error
 from agent.errors import CommandError, VllmSnapshotError
+from agent.refusal import Refusal, RefusalCode
 from agent.store import Canary, Manifest, ProcessTree, Skipped, SnapshotKind
 
 # vLLM's SnapshotRuntimeIdentity field -> the name Pitstop's drift reports use for the same
@@ -325,13 +326,13 @@ class VllmSnapshotBackend:
         try:
             m = self.read(self.artifact(image))
         except VllmSnapshotError as e:
-            return Skipped(manifest.id, str(e), corrupt=e.code == "corrupt", code=e.code)
+            return Skipped(manifest.id, Refusal(e.code, str(e)))
         reason = self._mismatch(m)
-        return None if reason is None else Skipped(manifest.id, reason, code="stale")
+        return None if reason is None else Skipped(manifest.id, Refusal(RefusalCode.STALE, reason))
 
     def _mismatch(self, m: VllmManifest) -> str | None:
         if (m.model, m.model_revision) != (self.model, self.revision):
-            return (f"stale: it holds {m.model}@{m.model_revision[:12]}, vllm.snapshot asks for "
+            return (f"it holds {m.model}@{m.model_revision[:12]}, vllm.snapshot asks for "
                     f"{self.model}@{self.revision[:12]}")
         want = self.expected_argv()
         if m.engine_argv != want:
@@ -341,7 +342,7 @@ class VllmSnapshotBackend:
             parts = ([f"only the snapshot has {old}"] if old else []) + \
                 ([f"only the configuration has {new}"] if new else [])
             said = " and ".join(parts) or "same words, another order"
-            return (f"stale: engine_args differ: {said} (engine.args or "
+            return (f"engine_args differ: {said} (engine.args or "
                     "engine.served_model_name changed)")
         return None
 

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import replace
 
 from agent.engines.base import EngineAdapter
-from agent.supervisor.canary import CanaryRecord
+from agent.refusal import Refusal
 from agent.supervisor.engine import EngineProcess
-from agent.supervisor.ladder import Attempt
+from agent.supervisor.ladder import Attempt, Prepared
+
+# A fresh start's plan: the arguments added to the engine's own (the holder's socket).
+ExtraArgs = tuple[str, ...]
 
 
 class ColdStart:
@@ -22,17 +26,17 @@ class ColdStart:
     def __init__(self, adapter: EngineAdapter,
                  extra_args: Callable[[], list[str]] = lambda: []) -> None:
         self._adapter = adapter
-        # Arguments decided at start time (the holder's socket when one answers).
+        # Arguments decided at start time (the holder's socket when one answers); it may
+        # ask the holder, so it runs in a worker thread.
         self._extra_args = extra_args
 
-    def skip_reason(self) -> str | None:
-        return None
+    async def prepare(self, attempt: Attempt) -> Prepared[ExtraArgs] | Refusal:
+        return Prepared(self.name, tuple(await asyncio.to_thread(self._extra_args)))
 
-    async def start(self, attempt: Attempt) -> EngineProcess:
+    async def start(self, attempt: Attempt, prepared: Prepared[ExtraArgs]) -> EngineProcess:
         spec = self._adapter.launch_spec()
-        extra = self._extra_args()
-        if extra:
-            spec = replace(spec, argv=[*spec.argv, *extra])
+        if prepared.plan:
+            spec = replace(spec, argv=[*spec.argv, *prepared.plan])
         if spec.socket is not None:
             spec.socket.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             # A socket file left by a killed engine would make the new bind fail.
@@ -41,11 +45,9 @@ class ColdStart:
         with attempt.stage("spawn"):
             return EngineProcess.spawn(spec)
 
-    def expected_canary(self) -> CanaryRecord | None:
+    async def after_verified(self, engine: EngineProcess,
+                             prepared: Prepared[ExtraArgs]) -> None:
         return None
 
-    async def after_verified(self, engine: EngineProcess) -> None:
-        return None
-
-    def failed(self, reason: str) -> None:
+    def failed(self, prepared: Prepared[ExtraArgs], reason: str) -> None:
         return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -11,7 +12,10 @@ from agent.engines.base import EngineAdapter
 from agent.errors import HolderError
 from agent.holder.client import HolderClient, holder_available, stale_reason
 from agent.holder.protocol import DropReason, socket_path
-from agent.supervisor.paths.cold import ColdStart
+from agent.refusal import Refusal, RefusalCode
+from agent.store import Manifest
+from agent.supervisor.ladder import Attempt, Prepared
+from agent.supervisor.paths.cold import ColdStart, ExtraArgs
 from agent.supervisor.paths.restore import FullRestore
 
 log = logging.getLogger("pitstop.holder")
@@ -25,6 +29,9 @@ class HolderLink:
         link = HolderLink(config.holder, config.paths.run, gpu=lambda: "cpu", digest=...,
                           adapter=adapter)
         link.unavailable()  # None, or why the holder rungs are skipped
+
+    Each question is a round trip on the holder's socket (blocking, up to 2 s): the rungs
+    ask from a worker thread, never on the event loop.
     """
 
     def __init__(self, config: HolderConfig, run_dir: Path, gpu: Callable[[], str | None],
@@ -47,21 +54,26 @@ class HolderLink:
         """The weights digest of this start: what the held regions are named by."""
         return self._digest()
 
-    def unavailable(self) -> str | None:
+    def unavailable(self) -> Refusal | None:
         if not self.config.enabled:
-            return "no holder configured (holder.enabled: false)"
+            return Refusal(RefusalCode.DISABLED, "no holder configured (holder.enabled: false)")
         refusal = self._adapter.holder_refusal()
         if refusal is not None:
             return refusal
         if not self._digest():
-            return "no weights digest to name the held regions by"
+            return Refusal(RefusalCode.NO_WEIGHTS_DIGEST,
+                           "no weights digest to name the held regions by")
         reason = holder_available(self.path)
-        return f"holder at {self.path} does not answer: {reason}" if reason else None
+        if reason is None:
+            return None
+        return Refusal(RefusalCode.HOLDER_DOWN, f"holder at {self.path} does not answer: {reason}")
 
     def engine_args(self) -> list[str]:
         """The engine's holder flags when a holder answers; none (load from disk) otherwise."""
-        if self.unavailable() is not None:
-            return []
+        return [] if self.unavailable() is not None else self.flags()
+
+    def flags(self) -> list[str]:
+        """The engine's holder flags, for a rung that already knows the holder answers."""
         return self._adapter.holder_args(self.path, str(self._digest()))
 
     def drop(self, detail: str) -> str:
@@ -93,14 +105,25 @@ class WarmStart(ColdStart):
     reuses_held_memory = True
 
     def __init__(self, adapter: EngineAdapter, link: HolderLink) -> None:
-        super().__init__(adapter, extra_args=link.engine_args)
+        super().__init__(adapter)
         self._link = link
 
-    def skip_reason(self) -> str | None:
-        reason = self._link.unavailable()
-        if reason is None and not self._link.holds_weights():
-            reason = "the holder holds no committed weights of this model yet"
-        return reason
+    async def prepare(self, attempt: Attempt) -> Prepared[ExtraArgs] | Refusal:
+        return await asyncio.to_thread(self._choose)
+
+    def _choose(self) -> Prepared[ExtraArgs] | Refusal:
+        refusal = self._link.unavailable()
+        if refusal is not None:
+            return refusal
+        try:
+            held = self._link.holds_weights()
+        except HolderError as e:
+            return Refusal(RefusalCode.HOLDER_DOWN,
+                           f"the holder at {self._link.path} cannot tell what it holds: {e}")
+        if not held:
+            return Refusal(RefusalCode.WEIGHTS_NOT_HELD,
+                           "the holder holds no committed weights of this model yet")
+        return Prepared(self.name, tuple(self._link.flags()))
 
 
 class HybridRestore(FullRestore):
@@ -119,24 +142,24 @@ class HybridRestore(FullRestore):
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self._link = link
 
-    def skip_reason(self) -> str | None:
-        reason = self._link.unavailable()
-        if reason is not None:
-            return reason
-        reason = super().skip_reason()
-        if reason is not None or self._chosen is None:
-            return reason
-        held = self._chosen.held
+    def _choose(self) -> Prepared[Manifest] | Refusal:
+        refusal = self._link.unavailable()
+        if refusal is not None:
+            return refusal
+        chosen = super()._choose()
+        if isinstance(chosen, Refusal):
+            return chosen
+        held = chosen.plan.held
         if not held:
-            self._chosen = None
-            return "the newest hybrid snapshot records no held regions"
+            return Refusal(RefusalCode.NO_HELD_REGIONS,
+                           "the newest hybrid snapshot records no held regions")
         try:
             stale = self._link.stale_reason(held)
         except HolderError as e:
             # It answered a moment ago (unavailable() above) and no longer does, or answers
             # what this agent cannot read: a reason to take the next rung, not to exit.
-            stale = f"the holder at {self._link.path} cannot tell what it holds: {e}"
+            return Refusal(RefusalCode.HOLDER_DOWN,
+                           f"the holder at {self._link.path} cannot tell what it holds: {e}")
         if stale is not None:
-            self._chosen = None
-            return stale
-        return None
+            return Refusal(RefusalCode.HELD_STALE, stale)
+        return chosen

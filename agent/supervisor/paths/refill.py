@@ -6,7 +6,6 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 
 from agent.errors import HolderError, HolderRefusedError, ModelError, StartPathError, WeightsError
@@ -19,9 +18,12 @@ from agent.holder.weightplan import (
     plan_for,
     write_plan,
 )
+from agent.refusal import Refusal, RefusalCode
+from agent.store import Manifest
 from agent.supervisor.engine import EngineProcess
-from agent.supervisor.ladder import Attempt
+from agent.supervisor.ladder import Attempt, Prepared
 from agent.supervisor.paths.holder import HolderLink, HybridRestore
+from agent.supervisor.paths.restore import FullRestore
 from agent.weights import WeightsDigester
 
 log = logging.getLogger("pitstop.refill")
@@ -32,23 +34,13 @@ SLOWEST_RATE = 100e6
 MIN_TIMEOUT_S = 60.0
 
 
-class RefillSkip(StrEnum):
-    """Why the refill rung is not tried now (besides the hybrid rung's own reasons)."""
-
-    DISABLED = "disabled"          # holder.refill: false
-    HELD = "held"                  # the holder holds the weights: the hybrid rung's case
-    NO_PLAN = "no_plan"            # no refill plan in the holder's directory, or another one's
-    DRIFT = "drift"                # a file the plan names changed on disk
-    LAYOUT = "layout"              # the plan's regions are not the ones the image recorded
-
-
 @dataclass(frozen=True)
-class Skip:
-    code: RefillSkip
-    detail: str
+class RefillWork:
+    """What the refill rung's prepare found: the plan the holder loads, then the hybrid
+    image restored over it (the hybrid rung's own preparation of it)."""
 
-    def __str__(self) -> str:
-        return self.detail
+    plan: RefillPlan
+    image: Prepared[Manifest]
 
 
 class RefillRestore(HybridRestore):
@@ -82,36 +74,39 @@ class RefillRestore(HybridRestore):
         self._model = model
         self._digester = digester
         self._on_refilled = on_refilled
-        self._plan: RefillPlan | None = None
-        self.skip: Skip | None = None
 
-    def skip_reason(self) -> str | None:
-        self._plan, self._chosen, self.skip = None, None, None
-        reason = self._link.unavailable()
-        if reason is not None:
-            return reason
+    async def prepare(self, attempt: Attempt) -> Prepared[RefillWork] | Refusal:  # type: ignore[override]
+        # Asking the holder, reading the plan and stat-ing (or hashing) its files block.
+        return await asyncio.to_thread(self._choose)
+
+    def _choose(self) -> Prepared[RefillWork] | Refusal:  # type: ignore[override]
+        refusal = self._link.unavailable()
+        if refusal is not None:
+            return refusal
         if not self.enabled:
-            return self._skip(RefillSkip.DISABLED, "refill is off (holder.refill: false)")
+            return Refusal(RefusalCode.DISABLED, "refill is off (holder.refill: false)")
         try:
             if self._link.holds_weights():
-                return self._skip(RefillSkip.HELD, "the holder holds the weights already; "
-                                  "nothing to refill")
+                return Refusal(RefusalCode.WEIGHTS_HELD, "the holder holds the weights "
+                               "already; nothing to refill")
             plan = load_plan(self._link.path.parent)
         except HolderError as e:
-            return f"the holder at {self._link.path} cannot tell what it holds: {e}"
+            return Refusal(RefusalCode.HOLDER_DOWN,
+                           f"the holder at {self._link.path} cannot tell what it holds: {e}")
         except ModelError as e:
-            return self._skip(RefillSkip.NO_PLAN, str(e))
+            return Refusal(RefusalCode.NO_REFILL_PLAN, str(e))
         if plan is None:
-            return self._skip(RefillSkip.NO_PLAN, f"no refill plan in {self._link.path.parent} "
-                              "(the agent writes one once an engine committed its weights)")
+            return Refusal(RefusalCode.NO_REFILL_PLAN,
+                           f"no refill plan in {self._link.path.parent} (the agent writes one "
+                           "once an engine committed its weights)")
         # The digest the agent took for this start (as every start does: files whose stat
         # changed are hashed again) against the one the plan's files made.
         digest = self._link.digest
         if plan.digest != digest:
             drift = plan.drift()
-            return self._skip(RefillSkip.DRIFT, f"the weights on disk ({digest}) are not the "
-                              f"ones the refill plan names ({plan.digest})"
-                              + (f": {drift}" if drift else ""))
+            return Refusal(RefusalCode.WEIGHTS_CHANGED,
+                           f"the weights on disk ({digest}) are not the ones the refill plan "
+                           f"names ({plan.digest})" + (f": {drift}" if drift else ""))
         drift = plan.drift()
         if drift is not None and drift.code is DriftCode.CHANGED:
             # Same digest, other stat (a file touched or copied back): the bytes are the
@@ -119,44 +114,48 @@ class RefillRestore(HybridRestore):
             plan = self._fresh_plan(digest) or plan
             drift = plan.drift()
         if drift is not None:
-            return self._skip(RefillSkip.DRIFT, f"the weights changed on disk since the "
-                              f"refill plan was made: {drift}")
-        reason = super(HybridRestore, self).skip_reason()  # the newest matching hybrid image
-        if reason is not None or self._chosen is None:
-            return reason
-        held = self._chosen.held
+            return Refusal(RefusalCode.WEIGHTS_CHANGED, f"the weights changed on disk since "
+                           f"the refill plan was made: {drift}")
+        image = FullRestore._choose(self)  # the newest matching hybrid image
+        if isinstance(image, Refusal):
+            return image
+        held = image.plan.held
         if not held:
-            self._chosen = None
-            return "the newest hybrid snapshot records no held regions"
+            return Refusal(RefusalCode.NO_HELD_REGIONS,
+                           "the newest hybrid snapshot records no held regions")
         if sorted(r.name for r in plan.regions) != sorted(held):
-            self._chosen = None
-            return self._skip(RefillSkip.LAYOUT, "the refill plan's regions are not the ones "
-                              "the hybrid image recorded")
-        self._plan = plan
-        return None
+            return Refusal(RefusalCode.REFILL_LAYOUT, "the refill plan's regions are not the "
+                           "ones the hybrid image recorded")
+        return Prepared(self.name, RefillWork(plan, image), canary=image.canary,
+                        stages=image.stages)
 
-    def _skip(self, code: RefillSkip, detail: str) -> str:
-        self.skip = Skip(code, detail)
-        return detail
-
-    async def start(self, attempt: Attempt) -> EngineProcess:
-        assert self._plan is not None and self._chosen is not None
-        plan, manifest = self._plan, self._chosen
+    async def start(self, attempt: Attempt,  # type: ignore[override]
+                    prepared: Prepared[RefillWork]) -> EngineProcess:
+        plan, image = prepared.plan.plan, prepared.plan.image
+        manifest = image.plan
         timeout = max(MIN_TIMEOUT_S, plan.bytes / SLOWEST_RATE)
         with attempt.stage("refill"):
             try:
                 done = await asyncio.to_thread(self._refill, plan.digest, timeout)
             except HolderError as e:
                 # The image is not at fault: it stays, and the ladder falls to a full restore.
-                raise StartPathError(f"refill of {plan.digest} failed: {e}") from e
+                raise StartPathError(Refusal(RefusalCode.REFILL_FAILED,
+                                             f"refill of {plan.digest} failed: {e}")) from e
         log.info("refill: %d bytes in %.2fs (%.2f GB/s); restoring %s", done.bytes,
                  done.seconds, done.gbps, manifest.id)
         self._on_refilled(done.bytes, done.seconds)
         stale = await asyncio.to_thread(self._link.stale_reason, manifest.held or {})
         if stale is not None:
-            raise StartPathError(f"after the refill the held weights do not match the image: "
-                                 f"{stale}")
-        return await super().start(attempt)
+            raise StartPathError(Refusal(RefusalCode.HELD_STALE, f"after the refill the held "
+                                         f"weights do not match the image: {stale}"))
+        return await super().start(attempt, image)
+
+    async def after_verified(self, engine: EngineProcess,  # type: ignore[override]
+                             prepared: Prepared[RefillWork]) -> None:
+        return None
+
+    def failed(self, prepared: Prepared[RefillWork], reason: str) -> None:  # type: ignore[override]
+        super().failed(prepared.plan.image, reason)
 
     def _refill(self, digest: str, timeout: float):  # noqa: ANN202 - protocol.Refilled
         with HolderClient(self._link.path, timeout=timeout) as c:
@@ -204,4 +203,4 @@ class RefillRestore(HybridRestore):
         return path
 
 
-__all__ = ["HolderRefusedError", "RefillRestore", "RefillSkip"]
+__all__ = ["HolderRefusedError", "RefillRestore", "RefillWork"]

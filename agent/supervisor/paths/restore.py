@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -15,35 +16,23 @@ from agent.engines.base import EngineAdapter
 from agent.errors import EngineError, RestoreBlockedError, SnapshotError, StartPathError
 from agent.identity import Identity
 from agent.metrics import Metrics
+from agent.refusal import Refusal, RefusalCode
 from agent.store import Manifest, SnapshotKind, SnapshotStore
 from agent.supervisor.canary import CanaryRecord
 from agent.supervisor.engine import EngineProcess
-from agent.supervisor.ladder import Attempt
+from agent.supervisor.ladder import Attempt, Prepared
 from agent.supervisor.probe import EngineProbe
 
 log = logging.getLogger("pitstop.restore")
 
 
-def reason_code(reason: str) -> str:
-    """A low-cardinality label for a refusal reason (the full text goes to the log)."""
-    text = reason.lower()
-    if text.startswith("stale"):
-        return "stale"
-    if text.startswith("corrupt"):
-        return "corrupt"
-    if any(w in text for w in ("mode", "owner", "owned", "symlink", "private")):
-        return "permissions"
-    if "manifest" in text:
-        return "unreadable"
-    return "other"
-
-
 class SnapshotRestore:
     """What every restore rung does the same way, whatever the checkpoint backend: choose
     the newest snapshot of its kind through the store (identity, checksums, the backend's
-    own check), count each refusal in pitstop_snapshots_rejected_total, and move a corrupt
-    or failed snapshot to the store's one quarantine."""
+    own check), count each refusal in pitstop_snapshots_rejected_total by its code, and move
+    a corrupt or failed snapshot to the store's one quarantine."""
 
+    name: str
     kind: SnapshotKind
 
     def __init__(self, *, backend: CheckpointBackend | None, store: SnapshotStore | None,
@@ -57,19 +46,15 @@ class SnapshotRestore:
         self._unavailable = unavailable
         self._identity = identity
         self._metrics = metrics
-        self._chosen: Manifest | None = None
-        self._select_s = 0.0
-        self.stale_reasons: tuple[str, ...] = ()
+        # The refusal codes of the snapshots passed over when none was usable, for
+        # `pitstop_snapshot_stale`; () once one is chosen.
+        self.stale_reasons: tuple[RefusalCode, ...] = ()
 
-    def _no_snapshot(self) -> str:
-        failure = self._capture_failure()
-        return f"no snapshot: {failure}" if failure else "no snapshot yet"
-
-    def _select(self) -> str | None:
-        """Choose a snapshot into `_chosen`; None, or why none can be restored."""
-        self._chosen = None
+    def _choose(self) -> Prepared[Manifest] | Refusal:
+        """The newest usable snapshot, or why there is none; blocking (hashes files): run it
+        in a worker thread."""
         if self._backend is None or self._store is None:
-            return self._unavailable
+            return Refusal(RefusalCode.SNAPSHOTS_UNAVAILABLE, self._unavailable)
         backend, store = self._backend, self._store
         t0 = time.monotonic()
         try:
@@ -77,37 +62,40 @@ class SnapshotRestore:
                                      accept=lambda m: backend.inspect(m, store.path(m.id)))
         except SnapshotError as e:
             # The store's root itself is refused (a symlink, another owner): no rung of it.
-            return f"snapshots unavailable: {e}"
+            return Refusal(RefusalCode.SNAPSHOTS_UNAVAILABLE, f"snapshots unavailable: {e}")
         # Verifying every chunk of a multi-GB image is part of the restore's cost.
-        self._select_s = time.monotonic() - t0
-        codes = []
+        select_s = time.monotonic() - t0
         for s in selection.skipped:
-            log.warning("snapshot %s refused: %s", s.id, s.reason)
-            code = s.code or reason_code(s.reason)
-            codes.append(code)
-            self._metrics.snapshots_rejected.labels(reason=code).inc()
+            log.warning("snapshot %s refused (%s): %s", s.id, s.refusal.code, s.refusal.detail)
+            self._metrics.snapshots_rejected.labels(reason=s.refusal.code.value).inc()
             if s.corrupt:
-                self._quarantine(s.id, s.reason, code)
-        self.stale_reasons = tuple(sorted(set(codes))) if selection.chosen is None else ()
-        if selection.chosen is None:
+                self._quarantine(s.id, s.refusal.detail, s.refusal.code)
+        m = selection.chosen
+        if m is None:
+            self.stale_reasons = tuple(sorted({s.refusal.code for s in selection.skipped}))
             if selection.skipped:
-                return "no usable snapshot: " + "; ".join(
-                    f"{s.id}: {s.reason}" for s in selection.skipped)
-            return self._no_snapshot()
-        self._chosen = selection.chosen
-        return None
+                return Refusal(RefusalCode.NO_USABLE_SNAPSHOT, "no usable snapshot: " + "; ".join(
+                    f"{s.id}: {s.refusal.code}: {s.refusal.detail}" for s in selection.skipped))
+            failure = self._capture_failure()
+            return Refusal(RefusalCode.NO_SNAPSHOT,
+                           f"no snapshot: {failure}" if failure else "no snapshot yet")
+        self.stale_reasons = ()
+        return Prepared(self.name, m, canary=CanaryRecord.from_manifest("snapshot:" + m.id,
+                                                                        m.canary),
+                        stages={"select": select_s})
 
-    def failed(self, reason: str, code: str = "restore_failed") -> None:
-        if self._store is None or self._chosen is None:
+    def failed(self, prepared: Prepared[Manifest], reason: str,
+               code: RefusalCode = RefusalCode.RESTORE_FAILED) -> None:
+        if self._store is None:
             return
-        self._quarantine(self._chosen.id, reason, code)
-        self._metrics.snapshots_rejected.labels(reason=code).inc()
-        self._chosen = None
+        # Quarantine is a rename and an fsync: quick, and this runs once per failed restore.
+        self._quarantine(prepared.plan.id, reason, code)
+        self._metrics.snapshots_rejected.labels(reason=code.value).inc()
 
-    def _quarantine(self, snapshot_id: str, reason: str, code: str) -> None:
+    def _quarantine(self, snapshot_id: str, reason: str, code: RefusalCode) -> None:
         assert self._store is not None
         try:
-            where = self._store.quarantine(snapshot_id, reason, code)
+            where = self._store.quarantine(snapshot_id, reason, code.value)
             log.error("snapshot %s quarantined (%s): %s", snapshot_id, where, reason)
         except (OSError, SnapshotError) as e:
             log.error("snapshot %s failed (%s) and could not be quarantined: %s",
@@ -135,14 +123,13 @@ class FullRestore(SnapshotRestore):
         # public so that a reload sets it.
         self.timeout_s = timeout_s
 
-    def skip_reason(self) -> str | None:
-        return self._select()
+    async def prepare(self, attempt: Attempt) -> Prepared[Manifest] | Refusal:
+        # Reading the identity and verifying every chunk of a multi-GB image take seconds.
+        return await asyncio.to_thread(self._choose)
 
-    async def start(self, attempt: Attempt) -> EngineProcess:
+    async def start(self, attempt: Attempt, prepared: Prepared[Manifest]) -> EngineProcess:
         assert self._backend is not None and self._store is not None
-        assert self._chosen is not None
-        manifest = self._chosen
-        attempt.stages["select"] = self._select_s
+        manifest = prepared.plan
         # The dumped engine re-binds its socket path on restore; a leftover file blocks it.
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._socket)
@@ -151,11 +138,14 @@ class FullRestore(SnapshotRestore):
                                                    self._store.path(manifest.id))
         except RestoreBlockedError as e:
             # The host's failure (a PID still taken), not the image's: it stays a candidate.
-            self._chosen = None
-            raise StartPathError(f"restore of snapshot {manifest.id} could not run: {e}") from e
+            raise StartPathError(Refusal(
+                RefusalCode.PID_TAKEN,
+                f"restore of snapshot {manifest.id} could not run: {e}")) from e
         except SnapshotError as e:
-            self.failed(str(e))
-            raise StartPathError(f"restore of snapshot {manifest.id} failed: {e}") from e
+            self.failed(prepared, str(e))
+            raise StartPathError(Refusal(
+                RefusalCode.RESTORE_FAILED,
+                f"restore of snapshot {manifest.id} failed: {e}")) from e
         for stage, secs in restored.timings.items():
             attempt.stages[stage] = attempt.stages.get(stage, 0.0) + secs
         out = restored.outputs.get(1) or restored.outputs.get(2)
@@ -173,14 +163,10 @@ class FullRestore(SnapshotRestore):
             except EngineError as e:
                 await engine.kill()
                 await engine.close()
-                self.failed(f"resume after restore failed: {e}")
-                raise StartPathError(f"restored engine did not resume: {e}") from e
+                self.failed(prepared, f"resume after restore failed: {e}")
+                raise StartPathError(Refusal(
+                    RefusalCode.RESUME_FAILED, f"restored engine did not resume: {e}")) from e
         return engine
 
-    def expected_canary(self) -> CanaryRecord | None:
-        if self._chosen is None:
-            return None
-        return CanaryRecord.from_manifest("snapshot:" + self._chosen.id, self._chosen.canary)
-
-    async def after_verified(self, engine: EngineProcess) -> None:
+    async def after_verified(self, engine: EngineProcess, prepared: Prepared[Manifest]) -> None:
         return None

