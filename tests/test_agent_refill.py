@@ -11,6 +11,7 @@ import signal
 import struct
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -204,3 +205,32 @@ def test_after_the_holder_dropped_everything_the_refill_loads_the_weights_again(
     assert rec["path"] == "refill", rec
     assert complete(a) == before
     assert holder.stats().regions_committed > 0
+
+
+def test_weights_held_in_another_layout_than_the_files_get_no_refill_plan(holder, model):
+    """vLLM holds its parameters in its own layout under the weights digest: a refill of
+    the files would not give those regions, so no plan is written, and an old one goes."""
+    from agent.config import HolderConfig
+    from agent.holder.weightplan import PLAN_NAME, plan_for, write_plan
+    from agent.supervisor.paths.holder import HolderLink
+    from agent.supervisor.paths.refill import RefillRestore
+    from agent.tenant.mapping import HeldSet, HostSpace
+    from agent.weights import WeightsDigester
+
+    digest = WeightsDigester(None).digest(model).digest
+    link = HolderLink(HolderConfig(enabled=True, dir=holder.base, gpu="cpu"), holder.base,
+                      gpu=lambda: "cpu", digest=lambda: digest,
+                      adapter=SimpleNamespace(holder_refusal=lambda: None))
+    rung = RefillRestore(link, enabled=True, model=model, digester=lambda: WeightsDigester(None),
+                         snapshotter=None, unavailable="no snapshots here", adapter=None,
+                         socket=holder.base / "engine.sock", identity=lambda: None,
+                         metrics=None, timeout_s=1.0)
+    plan_file = holder.sock.parent / PLAN_NAME
+    assert rung.remember(digest) is None and not plan_file.exists()  # nothing held yet
+    write_plan(holder.sock.parent, plan_for(model, WeightsDigester(None), digest))
+    with holder.client() as c:
+        held = HeldSet.create(c, digest, {f"{digest}/vllm-params-abc": 1 << 20}, HostSpace)
+        held.commit()
+        held.close()
+    assert rung.remember(digest) is None
+    assert not plan_file.exists()

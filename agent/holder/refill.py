@@ -117,10 +117,13 @@ class CudaSink:
     released right after, so an idle holder costs no context memory on the GPU.
     """
 
-    def __init__(self, backend: Any, allocations: list[Allocation], piece: int = PIECE) -> None:
-        from cuda.bindings import driver as cu
-
+    def __init__(self, backend: Any, allocations: list[Allocation], piece: int = PIECE,
+                 driver: Any = None) -> None:
         from agent.holder.backends.cuda import check
+
+        if driver is None:
+            from cuda.bindings import driver
+        cu = driver
 
         self._cu, self._check = cu, check
         self._piece = piece

@@ -10,7 +10,14 @@ from pathlib import Path
 
 from agent.errors import HolderError, HolderRefusedError, ModelError, StartPathError, WeightsError
 from agent.holder.client import HolderClient
-from agent.holder.weightplan import DriftCode, RefillPlan, load_plan, plan_for, write_plan
+from agent.holder.weightplan import (
+    PLAN_NAME,
+    DriftCode,
+    RefillPlan,
+    load_plan,
+    plan_for,
+    write_plan,
+)
 from agent.refusal import Refusal, RefusalCode
 from agent.store import Manifest
 from agent.supervisor.engine import EngineProcess
@@ -169,10 +176,19 @@ class RefillRestore(HybridRestore):
         if not self.enabled or self._link.unavailable() is not None:
             return None
         try:
-            if not self._link.holds_weights():
+            with HolderClient(self._link.path) as c:
+                held = c.committed_set(digest)
+            if held is None:
                 return None
             directory = self._link.path.parent
             plan = plan_for(self._model, self._digester(), digest)
+            if sorted(r.name for r in held) != sorted(r.name for r in plan.regions):
+                # Held in another layout than the files' (vLLM's parameters): a refill of
+                # the files would not give this engine's regions, so none is planned.
+                (directory / PLAN_NAME).unlink(missing_ok=True)
+                log.info("no refill plan: the held regions of %s are not the files' layout",
+                         digest)
+                return None
             try:
                 if load_plan(directory) == plan:
                     return None

@@ -1,0 +1,146 @@
+"""A fake of the CUDA driver calls the holder's refill makes (cuda-bindings' shapes), with
+asynchronous streams: a copy reads its host buffer only when its stream is synchronized,
+so a loader that reuses a pinned buffer too early writes the wrong bytes, as on a GPU."""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+from collections import Counter
+from types import SimpleNamespace
+from typing import Any
+
+OK = 0
+
+
+class FakeCuda:
+    """`cuda.bindings.driver` for `CudaSink(..., driver=FakeCuda())`; device memory is one
+    bytearray per handle (a chunk), mapped at the addresses `cuMemAddressReserve` gave."""
+
+    CUmemLocationType = SimpleNamespace(CU_MEM_LOCATION_TYPE_DEVICE=1)
+    CUmemAccess_flags = SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READWRITE=3)
+    CUstream_flags = SimpleNamespace(CU_STREAM_NON_BLOCKING=1)
+    CUevent_flags = SimpleNamespace(CU_EVENT_DISABLE_TIMING=2)
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self._next_va = 1 << 40
+        self.maps: dict[int, bytearray] = {}        # address -> the chunk mapped there
+        self.host: dict[int, ctypes.Array] = {}     # pinned buffers by address
+        self.streams: dict[int, list[tuple]] = {}   # stream -> queued work
+        self.events: dict[int, int | None] = {}     # event -> the stream it was recorded on
+        self.live = Counter()                       # what is allocated now, by kind
+        self.ctx_current: set[int] = set()
+
+    @staticmethod
+    def CUmemAccessDesc() -> Any:  # noqa: N802 - the driver's name
+        return SimpleNamespace(location=SimpleNamespace(type=None, id=None), flags=None)
+
+    def cuDeviceGet(self, ordinal: int):  # noqa: N802
+        return OK, ordinal
+
+    def cuDevicePrimaryCtxRetain(self, dev: int):  # noqa: N802
+        self.live["ctx"] += 1
+        return OK, 1000 + dev
+
+    def cuDevicePrimaryCtxRelease(self, dev: int):  # noqa: N802
+        self.live["ctx"] -= 1
+        return (OK,)
+
+    def cuCtxSetCurrent(self, ctx: int):  # noqa: N802
+        return (OK,)
+
+    def cuMemAddressReserve(self, size: int, align: int, addr: int, flags: int):  # noqa: N802
+        base = self._next_va
+        self._next_va += -(-size // align) * align + align
+        self.live["va"] += 1
+        return OK, base
+
+    def cuMemAddressFree(self, base: int, size: int):  # noqa: N802
+        self.live["va"] -= 1
+        return (OK,)
+
+    def cuMemMap(self, addr: int, length: int, offset: int, handle: bytearray, flags: int):  # noqa: N802
+        assert len(handle) == length
+        self.maps[addr] = handle
+        return (OK,)
+
+    def cuMemUnmap(self, addr: int, length: int):  # noqa: N802
+        del self.maps[addr]
+        return (OK,)
+
+    def cuMemSetAccess(self, addr: int, size: int, descs: list, count: int):  # noqa: N802
+        return (OK,)
+
+    def cuStreamCreate(self, flags: int):  # noqa: N802
+        s = next(self._ids)
+        self.streams[s] = []
+        self.live["stream"] += 1
+        return OK, s
+
+    def cuStreamDestroy(self, s: int):  # noqa: N802
+        assert not self.streams.pop(s), "a stream destroyed with work queued"
+        self.live["stream"] -= 1
+        return (OK,)
+
+    def cuEventCreate(self, flags: int):  # noqa: N802
+        e = next(self._ids)
+        self.events[e] = None
+        self.live["event"] += 1
+        return OK, e
+
+    def cuEventDestroy(self, e: int):  # noqa: N802
+        del self.events[e]
+        self.live["event"] -= 1
+        return (OK,)
+
+    def cuMemHostAlloc(self, n: int, flags: int):  # noqa: N802
+        buf = (ctypes.c_char * n)()
+        self.host[ctypes.addressof(buf)] = buf
+        self.live["pinned"] += 1
+        return OK, ctypes.addressof(buf)
+
+    def cuMemFreeHost(self, ptr: int):  # noqa: N802
+        del self.host[ptr]
+        self.live["pinned"] -= 1
+        return (OK,)
+
+    def cuMemcpyHtoDAsync(self, dst: int, src: int, n: int, stream: int):  # noqa: N802
+        self.streams[stream].append(("copy", dst, src, n))
+        return (OK,)
+
+    def cuEventRecord(self, e: int, stream: int):  # noqa: N802
+        self.events[e] = stream
+        self.streams[stream].append(("event", e))
+        return (OK,)
+
+    def cuEventSynchronize(self, e: int):  # noqa: N802
+        s = self.events[e]
+        if s is not None:
+            self._run(s, until=e)
+        return (OK,)
+
+    def cuStreamSynchronize(self, s: int):  # noqa: N802
+        self._run(s, until=None)
+        return (OK,)
+
+    def _run(self, s: int, until: int | None) -> None:
+        q = self.streams[s]
+        while q:
+            op = q.pop(0)
+            if op[0] == "event":
+                if op[1] == until:
+                    return
+                continue
+            _, dst, src, n = op
+            self._write(dst, ctypes.string_at(src, n))
+
+    def _write(self, dst: int, data: bytes) -> None:
+        done = 0
+        for base in sorted(self.maps):
+            chunk = self.maps[base]
+            lo, hi = max(dst + done, base), min(dst + len(data), base + len(chunk))
+            if lo < hi:
+                chunk[lo - base:hi - base] = data[lo - dst:hi - dst]
+                done = hi - dst
+        assert done == len(data), f"a copy to {dst:#x} of {len(data)} bytes left the mappings"
