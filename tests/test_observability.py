@@ -55,6 +55,15 @@ def test_every_refusal_code_is_documented_and_every_documented_one_exists() -> N
     assert set(documented) == {c.value for c in RefusalCode}
 
 
+def test_the_fronts_failure_reasons_are_documented_as_they_are_defined() -> None:
+    from agent.front.holding import FrontFailure
+
+    front = (ph.REPO / "docs" / "front.md").read_text()
+    row = re.search(r"^\| `pitstop_front_failed_requests_total\{reason\}` \|(.*)$", front, re.M)
+    assert row is not None, "docs/front.md lists no failure reasons"
+    assert re.findall(r"`([a-z_]+)`", row.group(1)) == [f.value for f in FrontFailure]
+
+
 def test_the_recovery_path_labels_are_the_names_of_the_rungs() -> None:
     # The metrics pre-create a series per rung name; a rung missing there would first appear
     # at 1, so its first recovery would have no increase() on the dashboards.
