@@ -58,10 +58,13 @@ def test_every_refusal_code_is_documented_and_every_documented_one_exists() -> N
 def test_the_fronts_failure_reasons_are_documented_as_they_are_defined() -> None:
     from agent.front.holding import FrontFailure
 
-    front = (ph.REPO / "docs" / "front.md").read_text()
-    row = re.search(r"^\| `pitstop_front_failed_requests_total\{reason\}` \|(.*)$", front, re.M)
-    assert row is not None, "docs/front.md lists no failure reasons"
-    assert re.findall(r"`([a-z_]+)`", row.group(1)) == [f.value for f in FrontFailure]
+    for doc in ("front.md", "metrics.md"):
+        text = (ph.REPO / "docs" / doc).read_text()
+        row = re.search(r"^\| `pitstop_front_failed_requests_total(?:\{reason\})?` \|(.*)$",
+                        text, re.M)
+        assert row is not None, f"docs/{doc} has no row for the failed requests"
+        listed = [w for w in re.findall(r"`([a-z_]+)`", row.group(1)) if w != "reason"]
+        assert listed == [f.value for f in FrontFailure], doc
 
 
 def test_the_recovery_path_labels_are_the_names_of_the_rungs() -> None:
