@@ -32,7 +32,7 @@ from agent.holder.kvledger import (
 from agent.metrics import Metrics
 from agent.supervisor.gate import EngineGate, Ready
 
-log = logging.getLogger("agent.front")
+log = logging.getLogger("pitstop.front")
 
 _ENDPOINTS = (COMPLETIONS, CHAT, "/v1/models")
 # A scrape of a hung engine must not hang the front's handler past Prometheus' own timeout.
