@@ -132,7 +132,7 @@ class Metrics:
             ["kind"], buckets=RECOVERY_BUCKETS, registry=registry)
         self.snapshots_rejected = Counter(
             "pitstop_snapshots_rejected_total",
-            "Snapshots refused at restore time, by reason (stale, corrupt, foreign, ...).",
+            "Snapshots refused at restore time, by reason (stale, corrupt, permissions, ...).",
             ["reason"], registry=registry)
         self.drift_events = Counter(
             "pitstop_drift_events_total",

@@ -48,7 +48,8 @@ class RefusalCode(StrEnum):
     NO_SNAPSHOT = "no_snapshot"
     # Snapshots exist but each was refused (their own codes say why).
     NO_USABLE_SNAPSHOT = "no_usable_snapshot"
-    # Turned off in the configuration (holder.enabled, vllm.preload.enabled).
+    # Turned off in the configuration (holder.enabled, vllm.preload.enabled), or not set up
+    # (vllm.snapshot.model and revision unset).
     DISABLED = "disabled"
     NO_WEIGHTS_DIGEST = "no_weights_digest"
     HOLDER_DOWN = "holder_down"

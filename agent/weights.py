@@ -118,7 +118,6 @@ class WeightsDigester:
         self._clock_ns = clock_ns
         self._lock = threading.Lock()
         self._cache: dict[str, dict] | None = None
-        self.bytes_read_total = 0
 
     # --- the cache ------------------------------------------------------------------
 
@@ -245,7 +244,6 @@ class WeightsDigester:
                         changed = True
         if changed:
             self._save(self._pruned(cache))
-        self.bytes_read_total += read
         ordered = tuple(files[n] for n in names)
         return WeightsDigest(model, manifest_digest(ordered), ordered, read, len(todo),
                              time.monotonic() - t0)

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
 
 from agent.supervisor.ownership import EngineLedger
+from tests.holder_proc import Holder
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -39,6 +43,40 @@ def agent_config(tmp: Path, model: Path, **overrides: dict) -> dict:
     for section, values in overrides.items():
         cfg.setdefault(section, {}).update(values)
     return cfg
+
+
+def complete(agent: RunningAgent, prompt: str = "The snapshot") -> str:
+    """A short greedy completion through the agent's front: the text it answered."""
+    body = json.dumps({"model": agent.status_model(), "prompt": prompt, "max_tokens": 8,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(agent.front_url + "/completions", data=body,
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())["choices"][0]["text"]
+
+
+def snapshot_list(agent: RunningAgent) -> list[dict]:
+    """`pitstop snapshot list --json` for the agent's configuration."""
+    r = subprocess.run([sys.executable, "-m", "agent", "snapshot", "list", "--json", "--config",
+                        str(agent.config_path)], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@contextlib.contextmanager
+def held_agent(tmp: Path, model: Path) -> Iterator[tuple[RunningAgent, Holder]]:
+    """A cpu-backend holder in `tmp/holder` and an agent whose engine keeps its weights in
+    it, ready and with its first snapshot published; both stopped afterwards."""
+    holder = Holder(tmp / "holder")
+    a = RunningAgent(tmp, agent_config(
+        tmp, model, holder={"enabled": True, "dir": str(tmp / "holder"), "gpu": "cpu"}))
+    try:
+        a.wait_ready()
+        a.wait_for(lambda s: "published" in s.get("reason", ""), 120, "the first snapshot")
+        yield a, holder
+    finally:
+        a.stop()
+        holder.stop()
 
 
 # Every agent a test started and did not stop yet: `stop_all` ends them after each test, so a

@@ -139,6 +139,12 @@ def kill_and_reap(pid: int, timeout_s: float = 30) -> None:
 
 
 @pytest.fixture(autouse=True, scope="module")
+def criu_present() -> None:
+    """Autouse in a module that imports it: CRIU is a prerequisite of every test there."""
+    criu()
+
+
+@pytest.fixture(autouse=True, scope="module")
 def subreaper() -> Iterator[None]:
     """Restored trees re-parent to the nearest subreaper: this test process."""
     proc.become_subreaper()

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from tests.agentproc import REPO, RunningAgent, agent_config
+from tests.agentproc import REPO, RunningAgent, agent_config, complete, snapshot_list
 from tests.prereq import require
-from tests.test_agent_snapshots import _complete, _criu, _snapshots  # noqa: F401 - _criu: CRIU
+from tests.snapshot_helpers import criu_present  # noqa: F401 - autouse: CRIU is required
 
 pytestmark = pytest.mark.integration
 
@@ -44,8 +44,8 @@ def test_a_crash_while_the_snapshot_disk_is_full_is_restored_and_the_snapshot_ke
     try:
         a.wait_ready()
         a.wait_for(lambda s: "published" in s.get("reason", ""), 120, "the first snapshot")
-        before = _complete(a)
-        [snap] = _snapshots(a)
+        before = complete(a)
+        [snap] = snapshot_list(a)
         _fill(small_fs / "filler")
         assert os.statvfs(small_fs).f_bavail == 0
         os.kill(a.status()["engine_pid"], signal.SIGKILL)
@@ -53,15 +53,15 @@ def test_a_crash_while_the_snapshot_disk_is_full_is_restored_and_the_snapshot_ke
         rec = st["last_recovery"]
         # CRIU's restore log and pidfile go to the run directory, not beside the images.
         assert rec["path"] == "full", rec
-        assert [s["id"] for s in _snapshots(a)] == [snap["id"]]
-        assert _complete(a) == before
+        assert [s["id"] for s in snapshot_list(a)] == [snap["id"]]
+        assert complete(a) == before
         # A snapshot asked for while the disk is full fails, and the agent serves on.
         r = subprocess.run([sys.executable, "-m", "agent", "snapshot", "create", "--config",
                             str(a.config_path)], capture_output=True, text=True, cwd=REPO,
                            timeout=120)
         assert r.returncode != 0, r.stdout
         assert a.proc.poll() is None, a.log()[-3000:]
-        assert a.status()["state"] == "ready" and _complete(a) == before
-        assert [s["id"] for s in _snapshots(a)] == [snap["id"]]
+        assert a.status()["state"] == "ready" and complete(a) == before
+        assert [s["id"] for s in snapshot_list(a)] == [snap["id"]]
     finally:
         a.stop()

@@ -7,9 +7,9 @@ import signal
 
 import pytest
 
-from tests.agentproc import RunningAgent, agent_config, fallthroughs
+from tests.agentproc import complete, fallthroughs, held_agent, snapshot_list
 from tests.holder_proc import Holder, wait_for
-from tests.test_agent_snapshots import _complete, _criu, _snapshots  # noqa: F401 - _criu: CRIU
+from tests.snapshot_helpers import criu_present  # noqa: F401 - autouse: CRIU is required
 
 pytestmark = pytest.mark.integration
 
@@ -17,31 +17,22 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def held(tmp_path, tiny_model):
     """A cpu-backend holder and an agent whose engine keeps its weights in it."""
-    holder = Holder(tmp_path / "holder")
-    a = RunningAgent(tmp_path, agent_config(
-        tmp_path, tiny_model, holder={"enabled": True, "dir": str(tmp_path / "holder"),
-                                      "gpu": "cpu"}))
-    try:
-        a.wait_ready()
-        a.wait_for(lambda s: "published" in s.get("reason", ""), 120, "the first snapshot")
-        yield a, holder
-    finally:
-        a.stop()
-        holder.stop()
+    with held_agent(tmp_path, tiny_model) as agent_and_holder:
+        yield agent_and_holder
 
 
 def test_a_cold_start_fills_the_holder_and_a_crash_comes_back_through_a_hybrid_restore(held):
     a, holder = held
-    before = _complete(a)
+    before = complete(a)
     assert holder.stats().bytes_held > 0
-    [snap] = _snapshots(a)
+    [snap] = snapshot_list(a)
     assert snap["kind"] == "hybrid"
     os.kill(a.status()["engine_pid"], signal.SIGKILL)
     st = a.wait_recovered(1)
     rec = st["last_recovery"]
     assert rec["path"] == "hybrid", (rec, a.log()[-3000:])
     assert "criu_restore" in rec["stages"] and "resume" in rec["stages"]
-    assert _complete(a) == before
+    assert complete(a) == before
     assert "held weights re-attached at the same addresses" in a.log()
 
 
@@ -57,7 +48,7 @@ def test_without_the_holder_the_ladder_falls_through_with_its_reasons(held):
     assert "warm skipped: holder at" in falls
     codes = {(f["path"], f["kind"]): f["refusal"]["code"] for f in rec["fallthroughs"]}
     assert codes["hybrid", "skipped"] == codes["warm", "skipped"] == "holder_down", codes
-    assert _complete(a)
+    assert complete(a)
 
 
 def test_a_restarted_holder_makes_the_hybrid_image_stale_and_a_warm_start_refills_it(

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from agent.holder.kvledger import HEADER_BYTES, LedgerShape
-from tests.agentproc import RunningAgent, agent_config
+from tests.agentproc import RunningAgent, held_agent
 from tests.conftest import cached_model
 from tests.holder_proc import Holder
-from tests.test_agent_snapshots import _criu  # noqa: F401 - _criu: CRIU is required
+from tests.snapshot_helpers import criu_present  # noqa: F401 - autouse: CRIU is required
 
 pytestmark = pytest.mark.integration
 
@@ -32,18 +32,8 @@ SLOTS, MAX_LEN = 8, 2048  # the engine's defaults, which the ledger is laid out 
 @pytest.fixture
 def kept(tmp_path: Path) -> Iterator[tuple[RunningAgent, Holder]]:
     """An agent whose engine keeps its weights and KV in a cpu holder, snapshot taken."""
-    tmp = tmp_path
-    holder = Holder(tmp / "holder")
-    a = RunningAgent(tmp, agent_config(
-        tmp, cached_model(), holder={"enabled": True, "dir": str(tmp / "holder"),
-                                     "gpu": "cpu"}))
-    try:
-        a.wait_ready()
-        a.wait_for(lambda s: "published" in s.get("reason", ""), 120, "the first snapshot")
-        yield a, holder
-    finally:
-        a.stop()
-        holder.stop()
+    with held_agent(tmp_path, cached_model()) as agent_and_holder:
+        yield agent_and_holder
 
 
 def body(agent: RunningAgent, stream: bool) -> bytes:

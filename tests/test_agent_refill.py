@@ -15,9 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.agentproc import RunningAgent, agent_config, fallthroughs
+from tests.agentproc import RunningAgent, complete, fallthroughs, held_agent, snapshot_list
 from tests.holder_proc import Holder, wait_for
-from tests.test_agent_snapshots import _complete, _criu, _snapshots  # noqa: F401 - _criu: CRIU
+from tests.snapshot_helpers import criu_present  # noqa: F401 - autouse: CRIU is required
 
 pytestmark = pytest.mark.integration
 
@@ -34,18 +34,9 @@ def model(tmp_path, tiny_model) -> Path:
 def held(tmp_path, model):
     """A cpu holder, an agent whose engine keeps its weights there, its hybrid snapshot
     published and the refill plan it leaves beside the holder's socket written."""
-    holder = Holder(tmp_path / "holder")
-    a = RunningAgent(tmp_path, agent_config(
-        tmp_path, model, holder={"enabled": True, "dir": str(tmp_path / "holder"),
-                                 "gpu": "cpu"}))
-    try:
-        a.wait_ready()
-        a.wait_for(lambda s: "published" in s.get("reason", ""), 120, "the first snapshot")
+    with held_agent(tmp_path, model) as (a, holder):
         wait_for(lambda: plan_path(tmp_path).exists(), "the refill plan", timeout=30)
         yield a, holder
-    finally:
-        a.stop()
-        holder.stop()
 
 
 def plan_path(tmp_path: Path) -> Path:
@@ -73,7 +64,7 @@ def metric(a: RunningAgent, name: str) -> float:
 def test_a_holder_restarted_empty_is_refilled_and_the_hybrid_image_answers_the_canary(
         held, tmp_path):
     a, holder = held
-    before = _complete(a)
+    before = complete(a)
     digest = json.loads(plan_path(tmp_path).read_text())["digest"]
     holder.stop()
     empty = Holder(tmp_path / "holder", "--no-refill")  # another holder id, nothing held
@@ -88,16 +79,16 @@ def test_a_holder_restarted_empty_is_refilled_and_the_hybrid_image_answers_the_c
             regions = c.committed_set(digest)
         assert regions is not None and all(r.holder_id == empty.stats().holder_id
                                            for r in regions)
-        assert _complete(a) == before
+        assert complete(a) == before
         assert "held weights re-attached at the same addresses" in a.log()
         assert metric(a, "pitstop_holder_refill_bytes_total") >= sum(r.size for r in regions)
-        [snap] = _snapshots(a)
+        [snap] = snapshot_list(a)
         assert snap["kind"] == "hybrid"  # the same image, restored over refilled weights
         # The next crash finds the refilled weights held: hybrid again, by digest.
         os.kill(a.status()["engine_pid"], signal.SIGKILL)
         rec = a.wait_recovered(2)["last_recovery"]
         assert rec["path"] == "hybrid", rec
-        assert _complete(a) == before
+        assert complete(a) == before
     finally:
         empty.stop()
 
@@ -128,7 +119,7 @@ def test_a_refill_cut_by_the_holder_dying_leaves_nothing_attachable_and_the_ladd
         again.stop()
     # The image was not at fault: it is kept, not quarantined (the full one is the cold
     # engine's, taken without a holder).
-    assert "hybrid" in [s["kind"] for s in _snapshots(a)]
+    assert "hybrid" in [s["kind"] for s in snapshot_list(a)]
     assert "quarantined" not in a.log()
 
 
@@ -170,7 +161,7 @@ def test_a_weights_file_changed_on_disk_is_drift_and_the_refill_is_refused(held,
 def test_a_holder_that_starts_beside_its_plan_refills_by_itself_before_the_engine_needs_it(
         held, tmp_path):
     a, holder = held
-    before = _complete(a)
+    before = complete(a)
     digest = json.loads(plan_path(tmp_path).read_text())["digest"]
     holder.stop()
     rebooted = Holder(tmp_path / "holder")  # as after a reboot: the plan is all it has
@@ -181,7 +172,7 @@ def test_a_holder_that_starts_beside_its_plan_refills_by_itself_before_the_engin
         rec = a.wait_recovered(1)["last_recovery"]
         assert rec["path"] == "hybrid", rec
         assert "refill" not in rec["stages"]
-        assert _complete(a) == before
+        assert complete(a) == before
     finally:
         rebooted.stop()
 
@@ -206,13 +197,13 @@ def test_after_the_holder_dropped_everything_the_refill_loads_the_weights_again(
     from agent.holder import protocol as p
 
     a, holder = held
-    before = _complete(a)
+    before = complete(a)
     with holder.client() as c:
         assert c.drop(p.DropReason.GPU_FAULT, "the test's fault").regions > 0
     os.kill(a.status()["engine_pid"], signal.SIGKILL)
     rec = a.wait_recovered(1)["last_recovery"]
     assert rec["path"] == "refill", rec
-    assert _complete(a) == before
+    assert complete(a) == before
     assert holder.stats().regions_committed > 0
 
 

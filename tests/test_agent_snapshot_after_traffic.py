@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.agentproc import REPO, RunningAgent, agent_config
+from tests.agentproc import REPO, RunningAgent, agent_config, complete, snapshot_list
 from tests.holder_proc import Holder
-from tests.test_agent_snapshots import _complete, _criu, _snapshots  # noqa: F401
+from tests.snapshot_helpers import criu_present  # noqa: F401 - autouse: CRIU is required
 from tests.test_agent_vllm import BOOT_S, io_uring_off  # noqa: F401 - a fixture
 from tests.test_agent_vllm import NAME as VLLM_NAME
 from tests.test_agent_vllm import _prerequisites as _vllm_prerequisites
@@ -78,15 +78,15 @@ def test_a_snapshot_after_streaming_and_whole_answers_is_taken_and_restored(manu
     _traffic(a)
     r = _create(a)
     assert r.returncode == 0, r.stderr + a.log()[-3000:]
-    [snap] = _snapshots(a)
+    [snap] = snapshot_list(a)
     assert snap["kind"] == kind and snap["id"] == json.loads(r.stdout)["id"]
-    before = _complete(a)  # the front opens its connections to the engine again
+    before = complete(a)  # the front opens its connections to the engine again
     _traffic(a, n=1)
 
     os.kill(a.status()["engine_pid"], signal.SIGKILL)
     st = a.wait_recovered(1)
     assert st["last_recovery"]["path"] == kind, st["last_recovery"]
-    assert _complete(a) == before  # the canary was verified, and it answers as before
+    assert complete(a) == before  # the canary was verified, and it answers as before
     _traffic(a, n=1)
     again = _create(a)  # after traffic on the restored engine too
     assert again.returncode == 0, again.stderr
@@ -110,8 +110,8 @@ def test_a_connection_kept_open_from_outside_refuses_the_snapshot_and_names_it(
             assert "criu dump" not in r.stderr
             st = a.status()
             assert st["snapshot_error"].startswith("the snapshot was refused before CRIU ran")
-            assert _snapshots(a) == []
-            assert _complete(a)  # the engine kept serving
+            assert snapshot_list(a) == []
+            assert complete(a)  # the engine kept serving
         r = _create(a)
         assert r.returncode == 0, r.stderr
     finally:
@@ -150,7 +150,7 @@ def test_a_drift_under_traffic_regenerates_the_snapshot(tmp_path: Path, tiny_mod
     try:
         a.wait_ready()
         a.wait_for(lambda s: "published" in s.get("reason", ""), 120, "the first snapshot")
-        [first] = _snapshots(a)
+        [first] = snapshot_list(a)
         t = threading.Thread(target=clients, daemon=True)
         t.start()
         a.wait_for(lambda s: served[0] >= 2, 60, "traffic")
@@ -163,7 +163,7 @@ def test_a_drift_under_traffic_regenerates_the_snapshot(tmp_path: Path, tiny_mod
         t.join(60)
         assert failures == [], failures
         assert st["snapshot_error"] == ""
-        ids = [s["id"] for s in _snapshots(a)]
+        ids = [s["id"] for s in snapshot_list(a)]
         assert len(ids) == 2 and first["id"] in ids
         os.kill(st["engine_pid"], signal.SIGKILL)
         st = a.wait_recovered(1)
@@ -191,7 +191,7 @@ def test_vllm_a_snapshot_after_whole_and_streaming_answers_through_the_front_is_
         _traffic(a)
         r = _create(a)
         assert r.returncode == 0, r.stderr + a.log()[-3000:]
-        [snap] = _snapshots(a)
+        [snap] = snapshot_list(a)
         assert snap["id"] == json.loads(r.stdout)["id"]
         _traffic(a, n=1)  # served on after the dump, on new connections
     finally:

@@ -7,20 +7,21 @@ import os
 import signal
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.agentproc import REPO, RunningAgent, agent_config, fallthroughs
-from tests.snapshot_helpers import criu
+from tests.agentproc import (
+    REPO,
+    RunningAgent,
+    agent_config,
+    complete,
+    fallthroughs,
+    snapshot_list,
+)
+from tests.snapshot_helpers import criu_present  # noqa: F401 - autouse: CRIU is required
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _criu():
-    criu()
 
 
 def _generated_tokens(agent: RunningAgent) -> float:
@@ -30,22 +31,6 @@ def _generated_tokens(agent: RunningAgent) -> float:
                          capture_output=True, text=True, timeout=30).stdout
     [line] = [x for x in out.splitlines() if x.startswith("refengine_generation_tokens_total")]
     return float(line.split()[-1])
-
-
-def _complete(agent: RunningAgent, prompt: str = "The snapshot") -> str:
-    body = json.dumps({"model": agent.status_model(), "prompt": prompt, "max_tokens": 8,
-                       "temperature": 0}).encode()
-    req = urllib.request.Request(agent.front_url + "/completions", data=body,
-                                 headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())["choices"][0]["text"]
-
-
-def _snapshots(agent: RunningAgent) -> list[dict]:
-    r = subprocess.run([sys.executable, "-m", "agent", "snapshot", "list", "--json", "--config",
-                        str(agent.config_path)], capture_output=True, text=True, cwd=REPO)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
 
 
 @pytest.fixture
@@ -61,8 +46,8 @@ def snapped(tmp_path, tiny_model):
 
 def test_a_cold_start_takes_a_snapshot_and_a_crash_is_restored_from_it(snapped):
     a = snapped
-    before = _complete(a)
-    [snap] = _snapshots(a)
+    before = complete(a)
+    [snap] = snapshot_list(a)
     assert snap["kind"] == "full"
     pid = a.status()["engine_pid"]
     os.kill(pid, signal.SIGKILL)
@@ -75,7 +60,7 @@ def test_a_cold_start_takes_a_snapshot_and_a_crash_is_restored_from_it(snapped):
     # The image was taken after the first canary (8 tokens); the restored engine adds its
     # own canary to that count, where a freshly started engine would be back at 8.
     assert _generated_tokens(a) >= 16
-    assert _complete(a) == before
+    assert complete(a) == before
 
 
 def test_the_same_image_is_restored_again_and_again(snapped):
@@ -84,11 +69,11 @@ def test_the_same_image_is_restored_again_and_again(snapped):
         os.kill(a.status()["engine_pid"], signal.SIGKILL)
         st = a.wait_recovered(n)
         assert st["last_recovery"]["path"] == "full"
-    assert len(_snapshots(a)) == 1
+    assert len(snapshot_list(a)) == 1
 
 
 def _corrupt_and_kill(a: RunningAgent, damage) -> dict:
-    [snap] = _snapshots(a)
+    [snap] = snapshot_list(a)
     sdir = Path(a.config["paths"]["state_dir"]) / "snapshots" / snap["id"]
     damage(sdir)
     os.kill(a.status()["engine_pid"], signal.SIGKILL)
@@ -141,15 +126,15 @@ def test_snapshot_create_asks_the_running_agent(tmp_path, tiny_model):
                                             snapshots={"regenerate": "manual"}))
     try:
         a.wait_ready()
-        assert _snapshots(a) == []
+        assert snapshot_list(a) == []
         r = subprocess.run([sys.executable, "-m", "agent", "snapshot", "create", "--json",
                             "--config", str(a.config_path)], capture_output=True, text=True,
                            cwd=REPO, timeout=300)
         assert r.returncode == 0, r.stderr
         made = json.loads(r.stdout)
-        assert [s["id"] for s in _snapshots(a)] == [made["id"]]
+        assert [s["id"] for s in snapshot_list(a)] == [made["id"]]
         assert made["freed_bytes"] > 0  # the KV pool stayed out of the image
-        assert _complete(a)  # still serving after the dump
+        assert complete(a)  # still serving after the dump
     finally:
         a.stop()
 
@@ -180,7 +165,7 @@ def test_changed_weights_make_the_snapshot_stale_then_it_is_regenerated_and_rest
     try:
         a.wait_ready()
         a.wait_for(lambda s: "published" in s.get("reason", ""), 120, "the first snapshot")
-        [first] = _snapshots(a)
+        [first] = snapshot_list(a)
         change(model)
         st = a.wait_for(lambda s: (s.get("last_recovery") or {}).get("cause") == "drift"
                         and "published" in s.get("reason", ""), 180, "the regeneration")
@@ -188,7 +173,7 @@ def test_changed_weights_make_the_snapshot_stale_then_it_is_regenerated_and_rest
         assert rec["path"] == "cold"
         assert any("stale: weights_digest" in f for f in fallthroughs(rec)), rec
         assert "drift: weights_digest" in a.log()
-        ids = [s["id"] for s in _snapshots(a)]
+        ids = [s["id"] for s in snapshot_list(a)]
         assert len(ids) == 2 and first["id"] in ids
         os.kill(st["engine_pid"], signal.SIGKILL)
         st = a.wait_recovered(1)

@@ -55,6 +55,37 @@ def test_every_refusal_code_is_documented_and_every_documented_one_exists() -> N
     assert set(documented) == {c.value for c in RefusalCode}
 
 
+def test_the_fronts_failure_reasons_are_documented_as_they_are_defined() -> None:
+    from agent.front.holding import FrontFailure
+
+    for doc in ("front.md", "metrics.md"):
+        text = (ph.REPO / "docs" / doc).read_text()
+        row = re.search(r"^\| `pitstop_front_failed_requests_total(?:\{reason\})?` \|(.*)$",
+                        text, re.M)
+        assert row is not None, f"docs/{doc} has no row for the failed requests"
+        listed = [w for w in re.findall(r"`([a-z_]+)`", row.group(1)) if w != "reason"]
+        assert listed == [f.value for f in FrontFailure], doc
+
+
+def test_the_recovery_path_labels_are_the_names_of_the_rungs() -> None:
+    # The metrics pre-create a series per rung name; a rung missing there would first appear
+    # at 1, so its first recovery would have no increase() on the dashboards.
+    import importlib
+    import inspect
+
+    from agent.metrics import RECOVERY_PATHS
+
+    modules = [f"agent.supervisor.paths.{p.stem}"
+               for p in (ph.REPO / "agent" / "supervisor" / "paths").glob("[!_]*.py")]
+    names = set()
+    for module in [*modules, "agent.engines.vllm.rungs"]:
+        for _, cls in inspect.getmembers(importlib.import_module(module), inspect.isclass):
+            if isinstance(getattr(cls, "name", None), str) and hasattr(cls, "prepare"):
+                names.add(cls.name)
+    assert len(RECOVERY_PATHS) == len(set(RECOVERY_PATHS))
+    assert set(RECOVERY_PATHS) == names
+
+
 def test_metric_names_follow_prometheus_conventions() -> None:
     for name in catalogue_names():
         assert ":" not in name, name

@@ -10,7 +10,7 @@ import pytest
 
 from bench.chaos import DEFAULT_MIX, Injector, Kind, Load, Node, schedule, summary
 from tests.prereq import require
-from tests.test_agent_snapshots import _criu  # noqa: F401 - _criu: CRIU
+from tests.snapshot_helpers import criu_present  # noqa: F401 - autouse: CRIU is required
 
 pytestmark = pytest.mark.integration
 

@@ -17,8 +17,9 @@ from agent.config import parse_config
 from agent.engines.vllm.cli import VllmFeatures, last_error, read_features, usage_error
 from agent.engines.vllm.doctor import vllm_checks
 from agent.engines.vllm.preload import gpu_index, weight_args
-from agent.engines.vllm.snapshot import choose_backend, map_failure
-from agent.errors import ConfigError
+from agent.engines.vllm.snapshot import VllmSnapshotBackend, choose_backend, map_failure
+from agent.errors import ConfigError, VllmSnapshotError
+from agent.refusal import RefusalCode
 from tests.prereq import require
 from tests.vllm_paths_kit import REVISION, vllm_config
 
@@ -139,6 +140,13 @@ def test_vllms_failures_become_pitstop_errors(stderr: str, code: str, words: str
     err = map_failure("restore", Path("/s/S"), rc, stderr)
     assert err.code == code
     assert words in str(err)
+
+
+def test_vllms_backend_without_model_and_revision_names_the_keys() -> None:
+    with pytest.raises(VllmSnapshotError) as e:
+        VllmSnapshotBackend.from_config(_cfg(), python=sys.executable)
+    assert e.value.code is RefusalCode.DISABLED
+    assert "vllm.snapshot.model and vllm.snapshot.revision are not set" in str(e.value)
 
 
 def test_traceback_and_usage_lines_are_read_from_the_end() -> None:

@@ -6,11 +6,34 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from enum import StrEnum
 
 from agent.config import QueueConfig
 from agent.errors import FrontRejected
 from agent.metrics import Metrics
 from agent.supervisor.gate import EngineGate, Ready
+
+
+class FrontFailure(StrEnum):
+    """Why the front gave up on a request: `pitstop_front_failed_requests_total{reason}`."""
+
+    # No engine became ready within front.queue.deadline_s.
+    DEADLINE = "deadline"
+    # front.queue.max_waiting requests already wait.
+    QUEUE_FULL = "queue_full"
+    # The front is shutting down.
+    DRAINING = "draining"
+    # The engine died under this request more than front.max_resumes times.
+    RESUME_LIMIT = "resume_limit"
+    # The engine died during the answer and the request cannot be continued.
+    NOT_RESUMABLE = "not_resumable"
+    # The engine died under the request, and no recovered engine came in time or the
+    # answer already streamed could not be continued.
+    ENGINE_LOST = "engine_lost"
+    # The recovered engine refused the continuation.
+    ENGINE_ERROR = "engine_error"
+    # The client went away before its answer was complete.
+    CLIENT_GONE = "client_gone"
 
 
 class Holding:
@@ -66,14 +89,14 @@ class Holding:
     async def admit(self) -> Ready:
         """The ready engine for a new request; raises FrontRejected when it cannot wait."""
         if self.stopping:
-            raise self._rejected("draining", "the front is shutting down")
+            raise self._rejected(FrontFailure.DRAINING, "the front is shutting down")
         ready = self._gate.current
         if ready is not None:
             self._metrics.front_queue_wait.observe(0.0)
             return ready
         if self.depth >= self._config.max_waiting:
             raise self._rejected(
-                "queue_full", f"{self.depth} requests already wait for the engine "
+                FrontFailure.QUEUE_FULL, f"{self.depth} requests already wait for the engine "
                 f"({self._gate.down_reason or 'down'}); front.queue.max_waiting is "
                 f"{self._config.max_waiting}")
         start = self._clock()
@@ -81,9 +104,9 @@ class Holding:
         self._metrics.front_queue_wait.observe(self._clock() - start)
         if ready is None:
             if self.stopping:
-                raise self._rejected("draining", "the front is shutting down")
+                raise self._rejected(FrontFailure.DRAINING, "the front is shutting down")
             raise self._rejected(
-                "deadline", f"no engine became ready within front.queue.deadline_s="
+                FrontFailure.DEADLINE, f"no engine became ready within front.queue.deadline_s="
                 f"{self._config.deadline_s:g} s ({self._gate.down_reason or 'down'})")
         return ready
 
@@ -108,6 +131,6 @@ class Holding:
         finally:
             self.depth -= 1
 
-    def _rejected(self, reason: str, message: str) -> FrontRejected:
+    def _rejected(self, reason: FrontFailure, message: str) -> FrontRejected:
         self._metrics.front_failed.labels(reason=reason).inc()
         return FrontRejected(reason, message, retry_after=self._config.retry_after_s)

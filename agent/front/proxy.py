@@ -18,7 +18,7 @@ from aiohttp import web
 from agent.config import FrontConfig
 from agent.errors import FrontError, FrontRejected
 from agent.front.engine_stream import EngineStream
-from agent.front.holding import Holding
+from agent.front.holding import FrontFailure, Holding
 from agent.front.resume import CHAT, COMPLETIONS, Plan, Tracker
 from agent.front.sse import error_body, error_frame
 from agent.front.upstream import LOST, Upstream, forward_headers
@@ -32,7 +32,7 @@ from agent.holder.kvledger import (
 from agent.metrics import Metrics
 from agent.supervisor.gate import EngineGate, Ready
 
-log = logging.getLogger("agent.front")
+log = logging.getLogger("pitstop.front")
 
 _ENDPOINTS = (COMPLETIONS, CHAT, "/v1/models")
 # A scrape of a hung engine must not hang the front's handler past Prometheus' own timeout.
@@ -64,7 +64,7 @@ def _describe(exc: BaseException) -> str:
 class _Failed(Exception):
     """A request the front gives up on: `reason` is the metric label."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: FrontFailure, message: str) -> None:
         super().__init__(message)
         self.reason = reason
 
@@ -329,7 +329,7 @@ class Front:
             resp = _json_error(503, str(e), retry_after=e.retry_after)
         except asyncio.CancelledError:
             if not self._shutting_down:
-                self.metrics.front_failed.labels(reason="client_gone").inc()
+                self.metrics.front_failed.labels(reason=FrontFailure.CLIENT_GONE).inc()
                 log.info("request %s: client went away", rid)
             raise
         self.metrics.front_requests.labels(endpoint=endpoint, code=str(resp.status)).inc()
@@ -371,8 +371,9 @@ class Front:
         ready = await self.holding.resume(lost.recovery, self.config.resume_wait_s)
         if ready is None:
             if self.holding.stopping:
-                raise _Failed("draining", "the front is shutting down")
-            raise _Failed("engine_lost", f"the engine died (recovery {lost.recovery}) and no "
+                raise _Failed(FrontFailure.DRAINING, "the front is shutting down")
+            raise _Failed(FrontFailure.ENGINE_LOST,
+                          f"the engine died (recovery {lost.recovery}) and no "
                           f"engine recovered within front.resume_wait_s="
                           f"{self.config.resume_wait_s:g} s")
         return ready
@@ -403,7 +404,7 @@ class Front:
             except (*LOST, _EngineDead) as e:
                 why = _describe(e)
             if attempts >= self.config.max_resumes:
-                return self._give_up(rid, "resume_limit",
+                return self._give_up(rid, FrontFailure.RESUME_LIMIT,
                                      f"the engine died {attempts + 1} times under this request "
                                      f"(front.max_resumes={self.config.max_resumes})")
             try:
@@ -421,7 +422,7 @@ class Front:
             raise _EngineDead(f"the engine answered {status} and says it is dead: "
                               f"{body[:200].decode(errors='replace')}")
 
-    def _give_up(self, rid: str, reason: str, message: str) -> web.Response:
+    def _give_up(self, rid: str, reason: FrontFailure, message: str) -> web.Response:
         self.metrics.front_failed.labels(reason=reason).inc()
         log.error("request %s failed (%s): %s", rid, reason, message)
         return _json_error(503, message, retry_after=self.config.queue.retry_after_s)
@@ -435,10 +436,10 @@ class Front:
             async for chunk in up.content.iter_any():
                 await _send(resp, chunk)
         except _ClientGone:
-            self.metrics.front_failed.labels(reason="client_gone").inc()
+            self.metrics.front_failed.labels(reason=FrontFailure.CLIENT_GONE).inc()
             return resp
         except LOST as e:
-            self.metrics.front_failed.labels(reason="engine_lost").inc()
+            self.metrics.front_failed.labels(reason=FrontFailure.ENGINE_LOST).inc()
             log.error("request %s: engine lost mid-stream, not resumable: %s", rid, _describe(e))
             await resp.write(error_frame("the engine died during this answer"))
         await resp.write_eof()
@@ -488,7 +489,8 @@ class Front:
                                     return web.Response(
                                         status=up.status, body=data,
                                         headers=forward_headers(up.headers.items()))
-                                raise _Failed("engine_error", "the recovered engine refused "
+                                raise _Failed(FrontFailure.ENGINE_ERROR,
+                                              "the recovered engine refused "
                                               f"the continuation: {up.status} {data[:500]!r}")
                             if attempts:
                                 self._count_kv_resume(rid, up.headers.get(KV_HEADER, ""),
@@ -527,10 +529,12 @@ class Front:
                     return resp
                 refusal = tracker.resume_refusal()
                 if refusal is not None:
-                    raise _Failed("not_resumable", f"the engine died during this answer, "
+                    raise _Failed(FrontFailure.NOT_RESUMABLE,
+                                  f"the engine died during this answer, "
                                   f"which cannot be resumed: {refusal.detail}")
                 if attempts >= self.config.max_resumes:
-                    raise _Failed("resume_limit", f"the engine died {attempts + 1} times under "
+                    raise _Failed(FrontFailure.RESUME_LIMIT,
+                                  f"the engine died {attempts + 1} times under "
                                   f"this request (front.max_resumes={self.config.max_resumes})")
                 new = await self._recovered(rid, ready, why)
                 path, fwd = tracker.resume_request()
@@ -542,7 +546,7 @@ class Front:
                             len(tracker.out_ids))
                 ready = new
         except _ClientGone:
-            self.metrics.front_failed.labels(reason="client_gone").inc()
+            self.metrics.front_failed.labels(reason=FrontFailure.CLIENT_GONE).inc()
             log.info("request %s: client went away", rid)
             assert resp is not None
             return resp
@@ -558,7 +562,7 @@ class Front:
             if not self._shutting_down or resp is None:
                 raise
             # Our own stop() ended it after the drain: say so to the client.
-            self.metrics.front_failed.labels(reason="draining").inc()
+            self.metrics.front_failed.labels(reason=FrontFailure.DRAINING).inc()
             with contextlib.suppress(Exception):
                 await resp.write(error_frame("the front is shutting down"))
                 await resp.write_eof()

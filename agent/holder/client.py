@@ -186,7 +186,7 @@ class HolderClient:
 
 
 def holder_available(path: Path | str, timeout: float = 2.0) -> str | None:
-    """None when a holder answers at `path`; otherwise why not, for a ladder's skip reason."""
+    """None when a holder answers at `path`; otherwise why not (a rung's refusal detail)."""
     try:
         with HolderClient(path, timeout=timeout) as h:
             h.stats()
@@ -202,7 +202,7 @@ def stale_reason(client: HolderClient, expected: dict[str, dict[str, object]]) -
     epoch, digest, chunks). A hybrid restore is worth trying only when every region is
     still committed in this very holder at the same epoch, or, for a weights region
     (content-addressed: its digest fixes its bytes), committed with the same digest and
-    chunks, whoever loaded it: the skip reason otherwise.
+    chunks, whoever loaded it: why not otherwise (a rung's refusal detail).
     """
     from agent.holder.weightplan import content_addressed
 

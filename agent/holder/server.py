@@ -108,7 +108,6 @@ class HolderServer:
         self._refill_threads = refill_threads
         self._refill_rate = refill_rate
         self._done_r, self._done_w = socket.socketpair()
-        self.last_refill: p.Refilled | p.ErrorInfo | None = None
 
     def bind(self) -> None:
         """Take the per-GPU lock, then the socket; a second holder for the GPU is refused."""
@@ -409,7 +408,6 @@ class HolderServer:
             return
         reply = self.refill(plan.digest)
         if reply is not None and reply.error is not None:
-            self.last_refill = reply.error
             log.warning("no refill at start-up: %s", reply.error.message)
 
     def _complete(self, digest: str) -> bool:
@@ -452,7 +450,6 @@ class HolderServer:
             reply = p.Reply(ok=True, refilled=done)
             log.info("refill of %s committed: %d bytes in %.2fs (%.2f GB/s)", job.digest,
                      done.bytes, done.seconds, done.gbps)
-        self.last_refill = reply.refilled or reply.error
         for w in job.waiters:
             if id(w) in self._sessions:
                 self._answer(w, reply)

@@ -54,7 +54,7 @@ class Prepared(Generic[T]):
 
 
 class StartPath(Protocol[T]):
-    """One rung: hybrid restore, full restore, warm start or cold start.
+    """One rung: hybrid restore, refill, full restore, warm start, cold start, or vLLM's own.
 
     `prepare` decides, off the event loop, whether the rung can be tried now and what it
     would start from; it keeps nothing for `start`, which gets what `prepare` returned.

@@ -124,12 +124,6 @@ class Supervisor:
         self._wake.set()
         return fut
 
-    def request_regeneration(self, reason: str) -> None:
-        """The current snapshot went stale (drift): take a fresh one at the next safe point."""
-        if self.capture is not None and self.config.snapshots.regenerate != "manual":
-            self._snapshot_wanted = reason
-            self._wake.set()
-
     def request_drift(self, summary: str) -> None:
         """The running engine and its snapshot no longer match the host (weights, driver,
         engine changed): replace the engine when idle, per snapshots.regenerate."""

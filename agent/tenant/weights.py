@@ -21,7 +21,7 @@ from agent.tenant.mapping import HeldSet, HostSpace, Space
 # Kept importable from here: tenants name them through this module.
 __all__ = ["HeldWeights", "TensorEntry", "WeightFile", "region_name"]
 
-log = logging.getLogger("pitstop.holder.weights")
+log = logging.getLogger("pitstop.tenant.weights")
 
 # Staging buffer for copies from disk to the GPU.
 _STAGE = 64 << 20

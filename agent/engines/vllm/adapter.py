@@ -149,10 +149,6 @@ class VllmAdapter:
             raise EngineError(f"vLLM could not map its held weights again: "
                               f"{result.get('error', 'no reason given')}")
 
-    async def held_state(self, probe: EngineProbe) -> dict[str, Any]:
-        """The plugin's account of this engine's weights (source, held bytes, addresses)."""
-        return await self._rpc(probe, support.RPC_STATE)
-
     @staticmethod
     async def _rpc(probe: EngineProbe, method: str) -> dict[str, Any]:
         answer = await probe.control("/collective_rpc",

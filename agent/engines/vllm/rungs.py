@@ -190,7 +190,7 @@ def vllm_rungs(config: Config, adapter: EngineAdapter, identity: Callable[[], Id
     Example::
 
         first, warm = vllm_rungs(config, adapter, reader, criu_path, store, metrics)
-        ladder = [*first, hybrid, full, warm_start, *warm, cold]
+        ladder = [*first, hybrid, refill, full, warm_start, *warm, cold]
     """
     if config.engine.kind != "vllm":
         return [], []

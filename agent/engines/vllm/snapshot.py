@@ -97,7 +97,7 @@ class VllmManifest:
             raise VllmSnapshotError(
                 f"corrupt: `vllm snapshot inspect {path}` printed a manifest without {e}; this "
                 "vLLM's manifest format is not one Pitstop knows (schema_version 1)",
-                "corrupt") from e
+                RefusalCode.CORRUPT) from e
 
 
 def pitstop_field(vllm_field: str) -> str:
@@ -130,8 +130,10 @@ def map_failure(action: str, path: Path, returncode: int, stderr: str) -> VllmSn
         if "invalid choice: 'snapshot'" in usage:
             return VllmSnapshotError(
                 "unsupported: the installed vLLM has no `vllm snapshot` subcommand; install a "
-                "vLLM that has it (0.32+) or set snapshots.backend: pitstop", "unsupported")
-        return VllmSnapshotError(f"{what}: vLLM refused its arguments: {usage}", "invalid_args")
+                "vLLM that has it (0.32+) or set snapshots.backend: pitstop",
+                RefusalCode.UNSUPPORTED)
+        return VllmSnapshotError(f"{what}: vLLM refused its arguments: {usage}",
+                                 RefusalCode.INVALID_ARGS)
     err = last_error(stderr)
     if err is None:
         tail = " | ".join(stderr.strip().splitlines()[-3:]) or "no output"
@@ -141,45 +143,46 @@ def map_failure(action: str, path: Path, returncode: int, stderr: str) -> VllmSn
         fields = [f.strip() for f in msg.split(":", 1)[1].split(",") if f.strip()]
         return VllmSnapshotError(
             f"stale: vLLM refused snapshot {path.name}: {', '.join(map(pitstop_field, fields))} "
-            "differ from this host; take a new one (`pitstop vllm-snapshot create`)", "stale")
+            "differ from this host; take a new one (`pitstop vllm-snapshot create`)",
+            RefusalCode.STALE)
     if cls == "SnapshotCompatibilityError":
         return VllmSnapshotError(f"corrupt: {what}: {msg}; delete {path} and take a new one",
-                                 "corrupt")
+                                 RefusalCode.CORRUPT)
     if cls == "SnapshotSecurityError":
         if "does not exist" in msg:
-            return VllmSnapshotError(f"{what}: {msg}", "not_found")
+            return VllmSnapshotError(f"{what}: {msg}", RefusalCode.NOT_FOUND)
         return VllmSnapshotError(
             f"permissions: {what}: {msg}; vLLM wants the directory mode 0700, owned by the "
             "agent's user, with no symlink or group/world-writable directory above it",
-            "permissions")
+            RefusalCode.PERMISSIONS)
     if cls == "SnapshotRestoreError" and "oracle mismatch" in msg:
         return VllmSnapshotError(
             f"canary: the engine restored from {path.name} answered vLLM's canary differently "
-            f"than when it was taken ({msg}); the snapshot is not used again", "canary")
+            f"than when it was taken ({msg}); the snapshot is not used again", RefusalCode.CANARY)
     if cls == "SnapshotRestoreError" and "already occupied" in msg:
         return VllmSnapshotError(
             f"{what}: {msg}: a process restored from a snapshot gets its old PIDs back; stop "
-            "the process holding it (an engine restored earlier?)", "pid_taken")
+            "the process holding it (an engine restored earlier?)", RefusalCode.PID_TAKEN)
     m = re.match(r"snapshot dependency not found: (\S+)", msg)
     if m and m.group(1) in ("cuda-checkpoint", "nvidia-smi"):
         return VllmSnapshotError(
             f"no_cuda: {what}: `{m.group(1)}` is not on PATH: vLLM's snapshots need an NVIDIA "
-            "GPU with its driver and the cuda-checkpoint binary", "no_cuda")
+            "GPU with its driver and the cuda-checkpoint binary", RefusalCode.NO_CUDA)
     if m:
         return VllmSnapshotError(
             f"{what}: `{m.group(1)}` is not on PATH: vLLM runs CRIU by that name; set "
             "snapshots.criu (Pitstop puts its directory first on PATH) or install CRIU >= "
             f"{MIN_TEXT}",
-            "no_criu")
+            RefusalCode.NO_CRIU)
     if "CRIU_CUDA_PLUGIN_DIR" in msg or "CRIU CUDA plugin" in msg:
         return VllmSnapshotError(
             f"{what}: {msg}: set vllm.snapshot.cuda_plugin_dir to the directory holding CRIU's "
-            "cuda_plugin.so", "no_cuda_plugin")
+            "cuda_plugin.so", RefusalCode.NO_CUDA_PLUGIN)
     if cls == "ValueError" and msg.startswith("snapshot"):
         return VllmSnapshotError(f"{what}: vLLM refused the engine arguments: {msg}",
-                                 "invalid_args")
+                                 RefusalCode.INVALID_ARGS)
     if "requires Linux" in msg:
-        return VllmSnapshotError(f"unsupported: {what}: {msg}", "unsupported")
+        return VllmSnapshotError(f"unsupported: {what}: {msg}", RefusalCode.UNSUPPORTED)
     return VllmSnapshotError(f"{what} failed: {cls}: {msg}")
 
 
@@ -227,7 +230,8 @@ class VllmSnapshotBackend:
         if snap.model is None or snap.revision is None:
             raise VllmSnapshotError(
                 "vllm.snapshot.model and vllm.snapshot.revision are not set: vLLM's snapshots "
-                "need the Hugging Face repo id and its 40-character commit", "not_configured")
+                "need the Hugging Face repo id and its 40-character commit",
+                RefusalCode.DISABLED)
         from agent.engines.vllm.adapter import BASE_ENV
 
         return cls(python=python, model=snap.model,
@@ -283,7 +287,8 @@ class VllmSnapshotBackend:
         except CommandError as e:
             # It could not start, or ran past its time and was killed.
             raise VllmSnapshotError(f"vllm snapshot {action} {path}: {str(e)[-500:]}; check "
-                                    "engine.python and vllm.snapshot.timeout_s", "failed") from e
+                                    "engine.python and vllm.snapshot.timeout_s",
+                                    RefusalCode.FAILED) from e
         if done.returncode != 0:
             raise map_failure(action, path, done.returncode, done.stderr)
         return done
@@ -301,7 +306,7 @@ class VllmSnapshotBackend:
             data = json.loads(done.stdout[done.stdout.index("{"):])
         except ValueError as e:
             raise VllmSnapshotError(f"corrupt: `vllm snapshot inspect {path}` printed no JSON "
-                                    f"manifest: {done.stdout[-200:]!r}", "corrupt") from e
+                                    f"manifest: {done.stdout[-200:]!r}", RefusalCode.CORRUPT) from e
         manifest = VllmManifest.from_inspect(path, data)
         self._inspected[path] = (key, manifest)
         return manifest
