@@ -64,6 +64,7 @@ class VllmSnapshotRestore(SnapshotRestore):
     name = "vllm-snapshot"
     reuses_held_memory = False
     kind = "vllm"
+    noun = "vLLM snapshot"
 
     def __init__(self, backend: VllmSnapshotBackend, store: SnapshotStore, *, socket: Path,
                  identity: Callable[[], Identity], features: Callable[[], VllmFeatures],
@@ -75,6 +76,11 @@ class VllmSnapshotRestore(SnapshotRestore):
         self._features = features
         self._has_gpu = has_gpu
         self._relay: UnixTcpRelay | None = None
+
+    def _none_yet(self) -> str:
+        assert self._store is not None
+        return (f"no vLLM snapshot yet in {self._store.root}; take one with "
+                "`pitstop vllm-snapshot create`")
 
     def reconfigure(self, config: Config) -> None:
         """A reload changed what the engine is started with (agent/reload.py applies these
@@ -92,13 +98,6 @@ class VllmSnapshotRestore(SnapshotRestore):
             return unfit
         chosen = self._choose()
         if isinstance(chosen, Refusal):
-            assert self._store is not None
-            if chosen.code is RefusalCode.NO_SNAPSHOT:
-                return Refusal(chosen.code, f"no vLLM snapshot yet in {self._store.root}; take "
-                               "one with `pitstop vllm-snapshot create`")
-            if chosen.code is RefusalCode.NO_USABLE_SNAPSHOT:
-                return Refusal(chosen.code, "no usable vLLM snapshot: "
-                               + chosen.detail.removeprefix("no usable snapshot: "))
             return chosen
         # vLLM checked its own canary; the agent's recorded answer for this model must hold
         # too (canary None).

@@ -34,6 +34,8 @@ class SnapshotRestore:
 
     name: str
     kind: SnapshotKind
+    # What a refusal calls this rung's snapshots ("no usable snapshot: ...").
+    noun = "snapshot"
 
     def __init__(self, *, backend: CheckpointBackend | None, store: SnapshotStore | None,
                  unavailable: str, identity: Callable[[], Identity], metrics: Metrics,
@@ -74,15 +76,19 @@ class SnapshotRestore:
         if m is None:
             self.stale_reasons = tuple(sorted({s.refusal.code for s in selection.skipped}))
             if selection.skipped:
-                return Refusal(RefusalCode.NO_USABLE_SNAPSHOT, "no usable snapshot: " + "; ".join(
-                    f"{s.id}: {s.refusal.code}: {s.refusal.detail}" for s in selection.skipped))
-            failure = self._capture_failure()
-            return Refusal(RefusalCode.NO_SNAPSHOT,
-                           f"no snapshot: {failure}" if failure else "no snapshot yet")
+                said = "; ".join(f"{s.id}: {s.refusal.code}: {s.refusal.detail}"
+                                 for s in selection.skipped)
+                return Refusal(RefusalCode.NO_USABLE_SNAPSHOT, f"no usable {self.noun}: {said}")
+            return Refusal(RefusalCode.NO_SNAPSHOT, self._none_yet())
         self.stale_reasons = ()
         return Prepared(self.name, m, canary=CanaryRecord.from_manifest("snapshot:" + m.id,
                                                                         m.canary),
                         stages={"select": select_s})
+
+    def _none_yet(self) -> str:
+        """Why there is no snapshot at all, in words for the operator."""
+        failure = self._capture_failure()
+        return f"no snapshot: {failure}" if failure else "no snapshot yet"
 
     def failed(self, prepared: Prepared[Manifest], reason: str,
                code: RefusalCode = RefusalCode.RESTORE_FAILED) -> None:
