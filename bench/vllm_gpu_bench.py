@@ -1,4 +1,5 @@
-"""CUDA vLLM under the real agent on a GPU: cold start, full restore and vLLM's own sleep/wake.
+"""CUDA vLLM under the real agent on a GPU: cold start, full and hybrid restore, warm start and
+vLLM's own sleep/wake.
 
 On the GPU host, from the repository root, with a CUDA vLLM importable from --site:
 
@@ -17,6 +18,15 @@ One run measures, on one model of --gib GiB (`pitstop make-model --target-gib`, 
   --runs times; each recovery is a full restore (CRIU restore, CUDA restore, canary). A
   recovery that falls through to a cold start (the restore failed: its reason is in the
   record's fallthroughs) ends the series and counts as a cold start.
+- **hybrid**: agent C, with a holder (`pitstop holder`, cuda backend, started here) and the
+  Pitstop plugin installed for vLLM's interpreter (`scripts/install-vllm-plugin.sh`, into a
+  folder put first on the engine's PYTHONPATH): the first start loads the weights into the
+  holder (`--load-format pitstop`), the after-serving snapshot is a hybrid one (the weights
+  detached and the KV pool released by the worker extension, vLLM's sleep mode), then
+  --runs SIGKILLs, each recovery a hybrid restore (CRIU restore of the small image, CUDA
+  restore, the held weights mapped again at their addresses, the KV pool re-made, canary).
+- **warm**: agent C's engine once more, snapshots off: a fresh vLLM whose loader maps the
+  held weights instead of reading the files, --warm-runs times.
 - **sleep**: vLLM's own sleep level 1 and wake_up (`VLLM_SERVER_DEV_MODE=1`) on agent B's
   first engine, --runs times, each checked by the same greedy answer: the in-process
   reference a restore can approach. Agent B's engines run with `--enable-sleep-mode` (vLLM's
@@ -49,13 +59,22 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from gpu_recovery_bench import Agent, first_snapshot, log, machine, recover  # noqa: E402
+from gpu_recovery_bench import (  # noqa: E402
+    Agent,
+    first_snapshot,
+    gpu_id,
+    log,
+    machine,
+    recover,
+    start_holder,
+)
 
 from agent.engines.vllm.cli import FLASHINFER_SAMPLER, VllmFeatures, read_features  # noqa: E402
 from agent.modelgen import make_model, record_for, spec_for  # noqa: E402
@@ -248,6 +267,87 @@ def sleep_row(recs: list[dict], gib: float, command: str) -> dict | None:
             "wake_s": [r["wake_s"] for r in ok], "sleep_s": [r["sleep_s"] for r in ok]}
 
 
+def install_plugin(a: argparse.Namespace, where: Path) -> Path:
+    """The Pitstop plugin for vLLM's interpreter, in a folder of its own (as on a node)."""
+    plugin = where / "vllm-plugin"
+    env = {**os.environ, **({"PYTHONPATH": str(a.site)} if a.site else {})}
+    subprocess.run([str(REPO / "scripts" / "install-vllm-plugin.sh"), a.python, str(plugin)],
+                   check=True, env=env)
+    return plugin
+
+
+def holder_phase(result: dict, cfg: dict, a: argparse.Namespace, model: Path, work: Path,
+                 save: Callable[[], None]) -> None:
+    """Agent C over a holder: its first start fills the holder, then hybrid restores; then
+    warm starts (snapshots off, the holder still holding the weights)."""
+    c = work / "hybrid"
+    c.mkdir()
+    plugin = install_plugin(a, c)
+    gpu = gpu_id(a.device)
+    holder = start_holder(gpu, c / "holder", c)
+    env = dict(cfg["engine"]["env"])
+    env["PYTHONPATH"] = os.pathsep.join([str(plugin), *([str(a.site)] if a.site else [])])
+    ccfg = {**cfg, "engine": {**cfg["engine"], "socket": str(c / "engine.sock"), "env": env},
+            "holder": {"enabled": True, "dir": str(c / "holder"), "gpu": gpu},
+            "paths": {"state_dir": str(c / "state")},
+            "snapshots": {**cfg["snapshots"], "enabled": "hybrid" in a.paths.split(",")}}
+    result["engine_env_hybrid"] = env
+    try:
+        if ccfg["snapshots"]["enabled"]:
+            agent = Agent(ccfg, c)
+            try:
+                st = agent.wait(started, BOOT_S, "agent C's first start (weights into the holder)")
+                result["holder_first"] = st["last_recovery"]
+                log(f"first start over the holder {st['last_recovery']}")
+                save()
+                snap = first_snapshot(agent)
+                snap["image_on_disk_bytes"] = image_on_disk(c / "state" / "snapshots",
+                                                            snap["id"])
+                result["hybrid_snapshot"] = snap
+                save()
+                if snap.get("kind") != "hybrid":
+                    log(f"the snapshot is {snap.get('kind')}, not hybrid: see agent-hybrid log")
+                    return
+                result["hybrid"] = []
+                for n in range(1, a.runs + 1):
+                    rec = recover(agent, n, a.steady_requests)
+                    result["hybrid"].append(rec)
+                    save()
+                    if rec["path"] != "hybrid":
+                        log(f"recovery {n} went {rec['path']}: {rec['fallthroughs']}")
+                        break
+            finally:
+                agent.stop()
+        if "warm" in a.paths.split(","):
+            wcfg = {**ccfg, "snapshots": {**ccfg["snapshots"], "enabled": False}}
+            agent = Agent(wcfg, c)
+            try:
+                result["warm"] = []
+                st = agent.wait(started, BOOT_S, "agent C's start with snapshots off")
+                rec, n = st["last_recovery"], 0
+                if rec["path"] != "warm":
+                    # No earlier phase filled the holder: this start did.
+                    result.setdefault("holder_first", rec)
+                    n, rec = 1, recover(agent, 1, 0)
+                while True:
+                    result["warm"].append(rec)
+                    log(f"warm start {len(result['warm'])}: {rec['path']} "
+                        f"{rec['duration_s']:.2f} s {rec['stages']} {rec.get('fallthroughs')}")
+                    save()
+                    if rec["path"] != "warm" or len(result["warm"]) >= a.warm_runs:
+                        break
+                    n += 1
+                    rec = recover(agent, n, 0)
+            finally:
+                agent.stop()
+    finally:
+        holder.send_signal(signal.SIGTERM)
+        try:
+            holder.wait(120)
+        except subprocess.TimeoutExpired:
+            holder.kill()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
@@ -266,6 +366,8 @@ def main() -> None:
                     help="default: on disk under --work")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run on vLLM's CPU build")
     ap.add_argument("--steady-requests", type=int, default=2)
+    ap.add_argument("--warm-runs", type=int, default=1,
+                    help="warm starts (each a fresh vLLM over the held weights)")
     a = ap.parse_args()
     paths = a.paths.split(",")
     a.out.mkdir(parents=True, exist_ok=True)
@@ -278,12 +380,21 @@ def main() -> None:
     def save() -> None:
         rows = [summarize("cold", result.get("cold", []), a.gib, command),
                 summarize("full", result.get("full", []), a.gib, command),
+                summarize("hybrid", result.get("hybrid", []), a.gib, command),
+                summarize("warm", result.get("warm", []), a.gib, command),
                 sleep_row(result.get("sleep", []), a.gib, command)]
+        for r in rows:
+            snap = result.get({"full": "snapshot", "hybrid": "hybrid_snapshot"}.get(
+                r["path"], "") if r else "")
+            if r and snap:
+                r["image_bytes"] = snap["image_bytes"]
         result["rows"] = [r for r in rows if r]
         out_json.write_text(json.dumps(result, indent=1) + "\n")
         # The agents' logs too, each time: a run stopped by its time limit keeps them.
-        for log_file, name in ((work / "agent.log", "agent"), (work / "cold" / "agent.log",
-                                                               "agent-cold")):
+        for log_file, name in ((work / "agent.log", "agent"),
+                               (work / "cold" / "agent.log", "agent-cold"),
+                               (work / "hybrid" / "agent.log", "agent-hybrid"),
+                               (work / "hybrid" / "holder.log", "holder")):
             with contextlib.suppress(OSError):
                 shutil.copy(log_file, a.out / f"{name}-{tag}.log")
 
@@ -324,7 +435,9 @@ def main() -> None:
         "metrics": {"host": "127.0.0.1", "port": 0},
         "health": {"interval_s": 1.0, "timeout_s": 10.0, "failures_before_restart": 3,
                    "start_timeout_s": BOOT_S},
-        "restart": {"backoff_initial_s": 0.2, "backoff_max_s": 1.0},
+        # Every kill is the bench's own: --runs of them within a minute or two would be a
+        # crash loop to the default limit (5 in 300 s).
+        "restart": {"backoff_initial_s": 0.2, "backoff_max_s": 1.0, "crash_loop_limit": 1000},
         "snapshots": {"enabled": "full" in paths, "regenerate": "after-serving",
                       "drift_check_interval_s": 0, "quiet_timeout_s": 60, "keep": 1},
     }
@@ -334,6 +447,12 @@ def main() -> None:
     IO_URING.write_text("2")  # CRIU refuses io_uring, which vLLM's API server sets up
     result["cold"] = []
     try:
+        if "hybrid" in paths or "warm" in paths:
+            # First: the path this bench exists for, kept should a later phase run out of
+            # time.
+            holder_phase(result, cfg, a, model, work, save)
+        if not {"cold", "full", "sleep"} & set(paths):
+            return
         agent = Agent(cfg, work)
         try:
             cache = compile_cache_entries()
@@ -399,9 +518,9 @@ def main() -> None:
             shutil.copy(work / "agent.log", a.out / f"agent-{tag}.log")
         result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         save()
-    log("wrote", out_json)
-    for r in result["rows"]:
-        log(f"{r['path']}: median {r['median_s']} s of {r['runs_s']}")
+        log("wrote", out_json)
+        for r in result["rows"]:
+            log(f"{r['path']}: median {r['median_s']} s of {r['runs_s']}")
 
 
 if __name__ == "__main__":
