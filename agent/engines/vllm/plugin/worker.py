@@ -8,12 +8,14 @@ steps, so no forward pass reads the weights while they are unmapped.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import mmap
 from typing import Any
 
 from agent.engines.vllm.plugin import state
 from agent.errors import HolderError, MappingError
+from agent.tenant.trim import give_back
 
 # Under vLLM's logger: its handlers print it with the process name, like its own lines.
 log = logging.getLogger("vllm.pitstop")
@@ -51,9 +53,8 @@ class PitstopWorkerExtension:
         # buffers are copied out, the KV pool released, its addresses kept), so the image
         # is flat in model size; vLLM's CPU worker has no sleep mode.
         cfg = getattr(self, "vllm_config", None)
-        if cfg is None or not cfg.model_config.enable_sleep_mode:
-            return False
-        return str(cfg.device_config.device).startswith("cuda")
+        return (cfg is not None and cfg.model_config.enable_sleep_mode
+                and self._pitstop_on_cuda())
 
     def pitstop_state(self) -> dict[str, Any]:
         loaded = state.loaded()
@@ -82,7 +83,14 @@ class PitstopWorkerExtension:
         held.detach()
         freed += held.nbytes
         log.info("pitstop: held weights detached (%d bytes, addresses kept)", held.nbytes)
-        return {"freed_bytes": freed, **self.pitstop_state()}
+        trimmed = give_back(cuda=self._pitstop_on_cuda())
+        log.info("pitstop: before the checkpoint, %s", trimmed.describe())
+        return {"freed_bytes": freed, "trimmed": dataclasses.asdict(trimmed),
+                **self.pitstop_state()}
+
+    def _pitstop_on_cuda(self) -> bool:
+        cfg = getattr(self, "vllm_config", None)
+        return cfg is not None and str(cfg.device_config.device).startswith("cuda")
 
     def _pitstop_drop_host_kv(self) -> int:
         """The CPU worker's KV pool: its pages dropped, its tensors (and addresses) kept.
