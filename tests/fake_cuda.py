@@ -7,10 +7,17 @@ from __future__ import annotations
 import ctypes
 import itertools
 from collections import Counter
+from enum import IntEnum
 from types import SimpleNamespace
 from typing import Any
 
 OK = 0
+
+
+class CUresult(IntEnum):
+    """The failures this fake returns, named as cuda-bindings names them."""
+
+    CUDA_ERROR_OUT_OF_MEMORY = 2
 
 
 class FakeCuda:
@@ -31,6 +38,8 @@ class FakeCuda:
         self.events: dict[int, int | None] = {}     # event -> the stream it was recorded on
         self.live = Counter()                       # what is allocated now, by kind
         self.ctx_current: set[int] = set()
+        self.host_flags: list[int] = []             # cuMemHostAlloc's flags, call by call
+        self.host_alloc_fails_after: int | None = None  # then CUDA_ERROR_OUT_OF_MEMORY
 
     @staticmethod
     def CUmemAccessDesc() -> Any:  # noqa: N802 - the driver's name
@@ -95,6 +104,10 @@ class FakeCuda:
         return (OK,)
 
     def cuMemHostAlloc(self, n: int, flags: int):  # noqa: N802
+        if self.host_alloc_fails_after is not None and \
+                len(self.host_flags) >= self.host_alloc_fails_after:
+            return CUresult.CUDA_ERROR_OUT_OF_MEMORY, None
+        self.host_flags.append(flags)
         buf = (ctypes.c_char * n)()
         self.host[ctypes.addressof(buf)] = buf
         self.live["pinned"] += 1
