@@ -12,13 +12,14 @@ so the next reads overlap the copies (cuda).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import itertools
 import logging
 import mmap
 import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -30,6 +31,8 @@ from agent.weights import stat_key
 
 log = logging.getLogger("pitstop.holder.refill")
 
+
+PAGE = mmap.PAGESIZE
 
 
 @dataclass(frozen=True)
@@ -52,10 +55,15 @@ class Tuning:
     # cuMemHostAlloc(CU_MEMHOSTALLOC_WRITECOMBINED): the CPU only writes these buffers and
     # the GPU only reads them, so writes need not go through (and evict) the CPU caches.
     write_combined: bool = False
+    # cuda: copy from the page cache's own pages, registered for DMA piece by piece
+    # (cuMemHostRegister), instead of reading them into pinned buffers (see CudaSink).
+    direct: bool = False
 
     def __post_init__(self) -> None:
         if self.threads < 1 or self.piece < 1 or self.buffers < 1:
             raise ValueError(f"{self}: threads, piece and buffers must be positive")
+        if self.piece % PAGE:
+            raise ValueError(f"{self}: a piece is a whole number of {PAGE}-byte pages")
 
 
 # The one place the refill's defaults live (bench/refill_bench.py sweeps them on a GPU).
@@ -143,11 +151,14 @@ class CpuSink:
 
 @dataclass
 class _Lane:
-    """One worker thread's pinned buffers, their events and its stream (cuda)."""
+    """One worker thread's stream and its slots (cuda): each slot a pinned buffer (or, when
+    direct, a registered range of a file's pages) and the event of its last copy."""
 
     stream: Any
     buffers: list[int] = field(default_factory=list)
+    views: list[memoryview] = field(default_factory=list)
     events: list[Any] = field(default_factory=list)
+    registered: list[int | None] = field(default_factory=list)
     turn: int = 0
 
 
@@ -160,6 +171,10 @@ class CudaSink:
     that context and the pinned buffers takes a while, so it starts on a thread of its own
     when the sink is made, while the server creates the regions (cuMemCreate needs no
     context); `open` waits for it, then maps the regions.
+
+    `Tuning.direct`: no pinned buffers; the files are mapped here and each piece's page
+    cache pages are registered (cuMemHostRegister, read-only) and copied from where they
+    are, so the CPU copies nothing; a range is unregistered once its copy has landed.
     """
 
     def __init__(self, backend: Any, tuning: Tuning = DEFAULT_TUNING, driver: Any = None) -> None:
@@ -175,6 +190,7 @@ class CudaSink:
         self._free: list[_Lane] = []    # lanes no worker thread has taken yet
         self._local = threading.local()
         self._bases: list[tuple[int, int, list[int]]] = []  # (base, size, chunk sizes)
+        self._files: dict[int, tuple[int, int]] = {}        # fd -> (address, length) mapped
         self._dev: Any = None
         self._ctx: Any = None
         self._prep_error: BaseException | None = None
@@ -199,8 +215,13 @@ class CudaSink:
                 lane = _Lane(stream=stream)
                 self._lanes.append(lane)
                 for _ in range(self._tuning.buffers):
-                    lane.buffers.append(int(check(cu.cuMemHostAlloc(self._tuning.piece, flags),
-                                                  "cuMemHostAlloc")))
+                    if not self._tuning.direct:
+                        buf = int(check(cu.cuMemHostAlloc(self._tuning.piece, flags),
+                                        "cuMemHostAlloc"))
+                        lane.buffers.append(buf)
+                        lane.views.append(memoryview(
+                            (ctypes.c_char * self._tuning.piece).from_address(buf)).cast("B"))
+                    lane.registered.append(None)
                     lane.events.append(check(cu.cuEventCreate(
                         int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)), "cuEventCreate"))
                 self._free.append(lane)
@@ -247,33 +268,56 @@ class CudaSink:
         self._local.lane = lane
         return lane
 
-    def write(self, region: int, offset: int, fd: int, file_offset: int, length: int) -> None:
-        import ctypes
+    def _mapped(self, fd: int) -> int:
+        """The address of `fd`'s file mapped here, read-only (direct)."""
+        with self._lock:
+            if fd not in self._files:
+                length = os.fstat(fd).st_size
+                addr = _libc_mmap(length, fd)
+                self._files[fd] = (addr, length)
+            return self._files[fd][0]
 
+    def write(self, region: int, offset: int, fd: int, file_offset: int, length: int) -> None:
         cu, check = self._cu, self._check
         lane = self._lane()
-        base = self._bases[region][0]
+        dst = self._bases[region][0] + offset
         piece = self._tuning.piece
+        file_at = self._mapped(fd) if self._tuning.direct else 0
         done = 0
         while done < length:
             n = min(piece, length - done)
             b = lane.turn
-            lane.turn = (b + 1) % len(lane.buffers)
-            # This buffer's last copy must be done before it is refilled, while the copies
-            # of the lane's other buffers may still run.
+            lane.turn = (b + 1) % len(lane.events)
+            # This slot's last copy must be done before it is refilled (or unregistered),
+            # while the copies of the lane's other slots may still run.
             check(cu.cuEventSynchronize(lane.events[b]), "cuEventSynchronize")
-            view = memoryview((ctypes.c_char * n).from_address(lane.buffers[b])).cast("B")
-            pread_into(fd, view, file_offset + done)
-            check(cu.cuMemcpyHtoDAsync(base + offset + done, lane.buffers[b], n, lane.stream),
-                  "cuMemcpyHtoDAsync")
+            if self._tuning.direct:
+                self._unregister(lane, b)
+                src = file_at + file_offset + done
+                lo, hi = src - src % PAGE, -(-(src + n) // PAGE) * PAGE
+                check(cu.cuMemHostRegister(lo, hi - lo, REGISTER_READ_ONLY),
+                      "cuMemHostRegister")
+                lane.registered[b] = lo
+            else:
+                pread_into(fd, lane.views[b][:n], file_offset + done)
+                src = lane.buffers[b]
+            check(cu.cuMemcpyHtoDAsync(dst + done, src, n, lane.stream), "cuMemcpyHtoDAsync")
             check(cu.cuEventRecord(lane.events[b], lane.stream), "cuEventRecord")
             done += n
+
+    def _unregister(self, lane: _Lane, b: int) -> None:
+        at = lane.registered[b]
+        if at is not None:
+            lane.registered[b] = None
+            self._check(self._cu.cuMemHostUnregister(at), "cuMemHostUnregister")
 
     def finish(self) -> None:
         cu, check = self._cu, self._check
         check(cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
         for lane in self._lanes:
             check(cu.cuStreamSynchronize(lane.stream), "cuStreamSynchronize")
+            for b in range(len(lane.registered)):
+                self._unregister(lane, b)
 
     def close(self) -> None:
         cu = self._cu
@@ -290,6 +334,11 @@ class CudaSink:
             attempt(cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
         for lane in self._lanes:
             attempt(cu.cuStreamSynchronize(lane.stream), "cuStreamSynchronize")
+            for at in lane.registered:
+                if at is not None:
+                    attempt(cu.cuMemHostUnregister(at), "cuMemHostUnregister")
+            for view in lane.views:
+                view.release()
             for buf in lane.buffers:
                 attempt(cu.cuMemFreeHost(buf), "cuMemFreeHost")
             for ev in lane.events:
@@ -297,6 +346,9 @@ class CudaSink:
             attempt(cu.cuStreamDestroy(lane.stream), "cuStreamDestroy")
         self._lanes.clear()
         self._free.clear()
+        for addr, length in self._files.values():
+            _libc_munmap(addr, length)
+        self._files.clear()
         for base, size, chunks in self._bases:
             at = 0
             for length in chunks:
@@ -309,6 +361,29 @@ class CudaSink:
             self._ctx = None
         if errors:
             raise BackendError("after the refill: " + "; ".join(errors))
+
+
+# cuda.h's CU_MEMHOSTREGISTER_READ_ONLY: the pages are a read-only mapping of the file.
+REGISTER_READ_ONLY = 0x08
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+def _libc_mmap(length: int, fd: int) -> int:
+    """mmap(2) of a whole file, read-only and shared: the page cache's own pages (Python's
+    mmap gives no address for a read-only map)."""
+    addr = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {length} bytes: {os.strerror(err)}")
+    return int(addr)
+
+
+def _libc_munmap(addr: int, length: int) -> None:
+    _libc.munmap(addr, length)
 
 
 def make_sink(backend: Backend, tuning: Tuning = DEFAULT_TUNING) -> Sink:
@@ -421,6 +496,7 @@ class RefillJob:
         keys = {f.name: f.key for f in self.plan.files}
         fds: dict[str, int] = {}
         piece = self.tuning.piece
+        pieces: list[tuple[int, PlanRegion, int, int]] = []
         try:
             for r in self.plan.regions:
                 if r.file not in fds:
@@ -429,29 +505,49 @@ class RefillJob:
             t0 = time.monotonic()
             self.sink.open(self.allocations)
             self.timings["open_s"] = time.monotonic() - t0
-            pieces = [(i, r, off, min(piece, r.size - off))
-                      for i, r in enumerate(self.plan.regions)
-                      for off in range(0, r.size, piece)]
+            # Cut where the file offset is a multiple of the piece: every piece but a
+            # region's first starts on a page (the kernel's copies are aligned), and in
+            # direct mode no two pieces share a page to register.
+            pieces = []
+            for i, r in enumerate(self.plan.regions):
+                at, end = r.offset, r.offset + r.size
+                while at < end:
+                    cut = min(end, (at // piece + 1) * piece)
+                    pieces.append((i, r, at - r.offset, cut - at))
+                    at = cut
             throttle = Throttle(self.rate, self._cancelled)
+            # Each worker takes the next piece itself (next() of a count is atomic): no
+            # future or queue per piece, so small pieces cost little Python.
+            order = itertools.count()
+            errors: list[BaseException] = []
+            write = self.sink.write
 
-            def one(job: tuple[int, PlanRegion, int, int]) -> None:
-                i, r, off, n = job
-                if self._cancelled.is_set():
-                    raise RefillFailure(ErrorCode.REFILL_FAILED, "cancelled")
-                throttle.take(n)
-                if self._cancelled.is_set():
-                    raise RefillFailure(ErrorCode.REFILL_FAILED, "cancelled")
-                self.sink.write(i, off, fds[r.file], r.offset + off, n)
+            def worker() -> None:
+                try:
+                    while not self._cancelled.is_set():
+                        k = next(order)
+                        if k >= len(pieces):
+                            return
+                        i, r, off, n = pieces[k]
+                        throttle.take(n)
+                        if self._cancelled.is_set():
+                            break
+                        write(i, off, fds[r.file], r.offset + off, n)
+                except BaseException as e:  # noqa: BLE001 - raised on the job's thread below
+                    errors.append(e)
+                    self._cancelled.set()
 
             t1 = time.monotonic()
-            with ThreadPoolExecutor(self.tuning.threads, thread_name_prefix="refill") as pool:
-                futures = [pool.submit(one, j) for j in pieces]
-                try:
-                    for f in futures:
-                        f.result()
-                except BaseException:
-                    self._cancelled.set()
-                    raise
+            workers = [threading.Thread(target=worker, name=f"refill-{n}", daemon=True)
+                       for n in range(min(self.tuning.threads, len(pieces)))]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            if errors:
+                raise errors[0]  # the first: the others may only have seen it cancel them
+            if self._cancelled.is_set():
+                raise RefillFailure(ErrorCode.REFILL_FAILED, "cancelled")
             t2 = time.monotonic()
             self.sink.finish()
             self.timings["read_s"], self.timings["finish_s"] = t2 - t1, time.monotonic() - t2
