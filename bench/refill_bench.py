@@ -369,6 +369,8 @@ def main() -> None:
     ap.add_argument("--h2d-gib", type=float, default=4.0)
     ap.add_argument("--fastsafetensors", type=Path, metavar="DIR",
                     help="an unpacked fastsafetensors wheel: measure its nogds loader too")
+    ap.add_argument("--modelgen-device", choices=["cpu", "cuda"],
+                    help="where make-model makes the weights (default: the backend's)")
     ap.add_argument("--budget-s", type=float, default=150.0,
                     help="stop starting combinations after this many seconds of sweep")
     a = ap.parse_args()
@@ -376,7 +378,7 @@ def main() -> None:
     work = a.out / "work"
     work.mkdir(exist_ok=True)
 
-    model = model_dir(a.models, a.gib, "cuda" if a.backend == "cuda" else "cpu")
+    model = model_dir(a.models, a.gib, a.modelgen_device or a.backend)
     names = sorted(n for n in os.listdir(model) if is_model_file(n))
     # Placeholders for sha256: a refill checks the files' stat keys, it does not hash them.
     digests = tuple(FileDigest(n, (model / n).stat().st_size, "0" * 64) for n in names)
