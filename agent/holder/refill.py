@@ -31,7 +31,6 @@ from agent.weights import stat_key
 
 log = logging.getLogger("pitstop.holder.refill")
 
-
 PAGE = mmap.PAGESIZE
 
 
@@ -42,6 +41,7 @@ class Tuning:
     Example::
 
         Tuning(threads=16, piece=64 << 20, buffers=3, write_combined=True)
+        replace(DEFAULT_TUNING, threads=4)     # `pitstop holder --refill-threads 4`
     """
 
     # Reads in flight: page cache and NVMe both want several to reach their rate. From
@@ -66,11 +66,10 @@ class Tuning:
             raise ValueError(f"{self}: a piece is a whole number of {PAGE}-byte pages")
 
 
-# The one place the refill's defaults live (bench/refill_bench.py sweeps them on a GPU).
+# The one place the refill's defaults live; bench/refill_bench.py sweeps every knob on a
+# GPU in one run. One thread a core, up to 16: the reads from the page cache are copies.
 DEFAULT_TUNING = Tuning(threads=min(16, os.cpu_count() or 1), piece=16 << 20, buffers=2,
-                        write_combined=False)
-DEFAULT_THREADS = DEFAULT_TUNING.threads
-PIECE = DEFAULT_TUNING.piece
+                        write_combined=False, direct=False)
 # cuda.h's CU_MEMHOSTALLOC_WRITECOMBINED, for bindings that do not name it.
 WRITECOMBINED = 0x04
 

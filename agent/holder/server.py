@@ -390,10 +390,13 @@ class HolderServer:
             self.table.session_closed(writer)
             with contextlib.suppress(BackendError):
                 sink.close()
-            if isinstance(e, GpuFaultError) or not isinstance(e, (RequestRefused, BackendError)):
-                raise  # a fault stops the holder; anything else is a bug
-            code = e.code if isinstance(e, RequestRefused) else p.ErrorCode.REFILL_FAILED
-            return _error(code, f"refill of {digest}: {e}")
+            if isinstance(e, GpuFaultError):
+                raise  # serve() stops: the GPU's memory is not to be trusted
+            if isinstance(e, RequestRefused):
+                return _error(e.code, f"refill of {digest}: {e}")
+            if isinstance(e, BackendError):
+                return _error(p.ErrorCode.REFILL_FAILED, f"refill of {digest}: {e}")
+            raise
         self._refill_writer = writer
         self._refill = RefillJob(plan, allocations, sink, on_done=self._refill_wake,
                                  tuning=self._refill_tuning, rate=self._refill_rate)
