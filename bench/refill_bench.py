@@ -1,7 +1,7 @@
 """The holder's refill load alone, its knobs swept in one run, against the host's own copy
 rate measured in the same run.
 
-Each combination of `--threads`, `--piece-mib`, `--buffers`, `--wc` and `--direct`
+Each combination of `--threads`, `--piece-mib`, `--buffers` and `--host`
 (agent/holder/refill.py `Tuning`) loads the model's safetensors files from the page cache
 the way the holder does (the sink made first, the regions created meanwhile, then the
 job), in this process, `--runs` times; the first run's bytes are compared with the files
@@ -14,7 +14,7 @@ fastsafetensors wheel) adds its nogds loader on the same files. cpu: only --thre
 repository root:
 
     python3 bench/refill_bench.py OUT --backend cuda --gib 32 --models /dev/shm/models \
-        --threads 8,16 --piece-mib 4,16,64 --wc 0,1 --direct 0,1 --runs 2
+        --threads 8,16 --piece-mib 4,16,64 --host pinned,huge,wc,direct --runs 2
     python3 bench/refill_bench.py OUT --backend cpu --gib 0.05 --models /tmp/m --threads 1,2
 
 The model is `MODELS/<gib>gib`, made by `pitstop make-model` as bench/gpu_recovery_bench.py
@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from agent.holder.client import HolderClient  # noqa: E402
-from agent.holder.refill import DEFAULT_TUNING, RefillJob, Tuning, make_sink  # noqa: E402
+from agent.holder.refill import DEFAULT_TUNING, Host, RefillJob, Tuning, make_sink  # noqa: E402
 from agent.holder.weightplan import RefillPlan, build_plan, write_plan  # noqa: E402
 from agent.weights import FileDigest, is_model_file, manifest_digest  # noqa: E402
 
@@ -283,9 +283,12 @@ def fastsafetensors(path: Path, files: list[Path], threads: int, runs: int,
     bbuf_kb = DEFAULT_TUNING.threads * DEFAULT_TUNING.buffers * DEFAULT_TUNING.piece >> 10
     loads, ctx = [], []
     for _ in range(runs):
-        out = subprocess.run([sys.executable, "-c", FST_SCRIPT, str(threads), str(bbuf_kb),
-                              *map(str, files)], capture_output=True, text=True, env=env,
-                             timeout=300)
+        try:
+            out = subprocess.run([sys.executable, "-c", FST_SCRIPT, str(threads), str(bbuf_kb),
+                                  *map(str, files)], capture_output=True, text=True, env=env,
+                                 timeout=90)
+        except subprocess.TimeoutExpired:
+            return {"error": "no load within 90 s"}
         if out.returncode != 0:
             return {"error": out.stderr.strip()[-800:]}
         r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -331,7 +334,7 @@ def machine(backend: str) -> str:
 
 def tuning_fields(t: Tuning) -> dict:
     return {"threads": t.threads, "piece_mib": t.piece / (1 << 20), "buffers": t.buffers,
-            "write_combined": t.write_combined, "direct": t.direct}
+            "host": t.host.value}
 
 
 def row(a: argparse.Namespace, gib: float, plan: RefillPlan, secs: list[float], ref: dict,
@@ -361,12 +364,11 @@ def main() -> None:
     d = DEFAULT_TUNING
     ap.add_argument("--threads", default=str(d.threads), help="comma list")
     ap.add_argument("--piece-mib", default=str(d.piece >> 20), help="comma list")
-    ap.add_argument("--buffers", default=str(d.buffers), help="pinned buffers per thread, "
-                    "comma list")
-    ap.add_argument("--wc", default=str(int(d.write_combined)), help="write-combined pinned "
-                    "buffers, 0,1")
-    ap.add_argument("--direct", default=str(int(d.direct)), help="copy from the registered page "
-                    "cache instead of pinned buffers (buffers: registrations in flight), 0,1")
+    ap.add_argument("--buffers", default=str(d.buffers), help="host buffers per thread "
+                    "(registrations in flight when direct), comma list")
+    ap.add_argument("--host", default=d.host.value, help="where pieces wait for their copy, "
+                    f"comma list of {', '.join(h.value for h in Host)} (agent/holder/refill.py "
+                    "Host)")
     ap.add_argument("--runs", type=int, default=2, help="runs of each combination")
     ap.add_argument("--holder-runs", type=int, default=1,
                     help="loads through a real `pitstop holder` with its defaults")
@@ -406,14 +408,15 @@ def main() -> None:
     backend = make_backend(a.backend, gpu)
     # cpu: reads land in the memfds, so only threads and piece matter there.
     cuda = a.backend == "cuda"
+    hosts = [Host(h) for h in a.host.split(",") if h]
     combos = list(dict.fromkeys(
         Tuning(threads=t, piece=p << 20, buffers=b if cuda else DEFAULT_TUNING.buffers,
-               write_combined=bool(w) and not x and cuda, direct=bool(x) and cuda)
-        for t, p, b, w, x in itertools.product(ints(a.threads), ints(a.piece_mib),
-                                               ints(a.buffers), ints(a.wc), ints(a.direct))))
-    # The holder's default first, then the copies through pinned buffers, direct last: what
-    # --budget-s leaves out is the least likely to be the default.
-    combos.sort(key=lambda t: (t != DEFAULT_TUNING, t.direct))
+               host=h if cuda else DEFAULT_TUNING.host)
+        for t, p, b, h in itertools.product(ints(a.threads), ints(a.piece_mib),
+                                            ints(a.buffers), hosts)))
+    # The holder's default first, then in the order of --host: what --budget-s leaves out
+    # is what was named last.
+    combos.sort(key=lambda t: (t != DEFAULT_TUNING, hosts.index(t.host)))
     rows, left = [], []
     t_sweep = time.monotonic()
     for tuning in combos:

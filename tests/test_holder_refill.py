@@ -265,17 +265,18 @@ def test_the_plan_names_the_regions_the_tenant_layout_makes(model):
                                             "model-00002-of-00002.safetensors"}
 
 
-@pytest.mark.parametrize(("buffers", "direct"), [(1, False), (2, False), (3, False),
-                                                (2, True)])
+@pytest.mark.parametrize(("buffers", "host"), [(1, "pinned"), (2, "wc"), (3, "pinned"),
+                                              (2, "huge"), (2, "direct")])
 def test_the_cuda_loader_puts_every_byte_in_place_through_its_buffers(tmp_path, model, buffers,
-                                                                      direct):
+                                                                      host):
     """The cuda side on a driver fake whose copies run only when their stream is
     synchronized: a pinned buffer refilled (or a file range unregistered) before its last
     copy ended would land wrong bytes. Small chunks and pieces make pieces cross chunks and
-    buffers turn over; direct registers every piece's pages, never one page twice."""
+    buffers turn over; huge pins its own buffers with cuMemHostRegister, direct registers
+    every piece's pages, never one page twice."""
     from agent.holder.backends import Allocation
     from agent.holder.backends.cuda import plan_chunks
-    from agent.holder.refill import WRITECOMBINED, CudaSink, RefillJob, Tuning
+    from agent.holder.refill import WRITECOMBINED, CudaSink, Host, RefillJob, Tuning
     from tests.fake_cuda import FakeCuda
 
     d = WeightsDigester(None).digest(model)
@@ -287,8 +288,7 @@ def test_the_cuda_loader_puts_every_byte_in_place_through_its_buffers(tmp_path, 
         chunks = plan_chunks(r.size, granularity, max_chunk=granularity)
         allocations.append(Allocation(fds=[], chunks=chunks,
                                       handle=[bytearray(n) for n in chunks]))
-    tuning = Tuning(threads=3, piece=1 << 20, buffers=buffers, write_combined=True,
-                    direct=direct)
+    tuning = Tuning(threads=3, piece=1 << 20, buffers=buffers, host=Host(host))
     sink = CudaSink(SimpleNamespace(ordinal=0, align=granularity), tuning, driver=cu)
     ended = threading.Event()
     job = RefillJob(plan, allocations, sink, on_done=ended.set, tuning=tuning)
@@ -300,10 +300,14 @@ def test_the_cuda_loader_puts_every_byte_in_place_through_its_buffers(tmp_path, 
         assert same, f"{r.name}: the held bytes are not the file's"
     # Everything the load made is gone again: the context, the pinned buffers, the VA.
     assert +cu.live == Counter(), cu.live
-    if direct:  # no pinned buffers; every piece registered (21 MB in 1 MiB pieces)
+    # threads x buffers host buffers, each made as `host` says; every registration undone.
+    if host == "direct":  # no buffers; every piece registered (21 MB in 1 MiB pieces)
         assert cu.host_flags == [] and cu.registrations >= 20, cu.registrations
+    elif host == "huge":
+        assert cu.host_flags == [] and cu.registrations == 3 * buffers
     else:
-        assert cu.host_flags == [WRITECOMBINED] * 3 * buffers  # threads x buffers, wc
+        flags = WRITECOMBINED if host == "wc" else 0
+        assert cu.host_flags == [flags] * 3 * buffers and cu.registrations == 0
 
 
 def test_a_cuda_loader_that_cannot_pin_its_buffers_fails_the_load_and_frees_all(model):

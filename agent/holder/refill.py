@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,30 +35,41 @@ log = logging.getLogger("pitstop.holder.refill")
 PAGE = mmap.PAGESIZE
 
 
+class Host(StrEnum):
+    """Where a piece waits in host memory for its copy to the GPU (cuda)."""
+
+    # cuMemHostAlloc'ed buffers: the driver's own pinned memory.
+    PINNED = "pinned"
+    # cuMemHostAlloc(CU_MEMHOSTALLOC_WRITECOMBINED): the CPU only writes these buffers and
+    # the GPU only reads them, so writes need not go through (and evict) the CPU caches.
+    WRITE_COMBINED = "wc"
+    # Anonymous memory in 2 MiB pages (MADV_HUGEPAGE), pinned with cuMemHostRegister: the
+    # kernel's copies into it miss the TLB once every 2 MiB instead of every 4 KiB.
+    HUGE_PAGES = "huge"
+    # No buffers: the files are mapped here and each piece's page-cache pages registered
+    # (cuMemHostRegister, read-only) and copied from where they are; the CPU copies nothing.
+    DIRECT = "direct"
+
+
 @dataclass(frozen=True)
 class Tuning:
     """How a refill reads and copies; `DEFAULT_TUNING` is what the holder uses.
 
     Example::
 
-        Tuning(threads=16, piece=64 << 20, buffers=3, write_combined=True)
+        Tuning(threads=16, piece=64 << 20, buffers=3, host=Host.HUGE_PAGES)
         replace(DEFAULT_TUNING, threads=4)     # `pitstop holder --refill-threads 4`
     """
 
     # Reads in flight: page cache and NVMe both want several to reach their rate. From
     # the page cache each read is a kernel memcpy, so a thread moves what one core copies.
     threads: int
-    # Bytes of one read, and on cuda of one host-to-device copy and one pinned buffer.
+    # Bytes of one read, and on cuda of one host-to-device copy and one host buffer.
     piece: int = 16 << 20
-    # Pinned buffers per thread (cuda): a thread reads into one while the copies of the
-    # others run; the load holds threads x buffers x piece bytes of pinned memory.
+    # Host buffers per thread (cuda; registrations in flight when direct): a thread reads
+    # into one while the copies of the others run; threads x buffers x piece bytes pinned.
     buffers: int = 2
-    # cuMemHostAlloc(CU_MEMHOSTALLOC_WRITECOMBINED): the CPU only writes these buffers and
-    # the GPU only reads them, so writes need not go through (and evict) the CPU caches.
-    write_combined: bool = False
-    # cuda: copy from the page cache's own pages, registered for DMA piece by piece
-    # (cuMemHostRegister), instead of reading them into pinned buffers (see CudaSink).
-    direct: bool = False
+    host: Host = Host.PINNED
 
     def __post_init__(self) -> None:
         if self.threads < 1 or self.piece < 1 or self.buffers < 1:
@@ -69,7 +81,7 @@ class Tuning:
 # The one place the refill's defaults live; bench/refill_bench.py sweeps every knob on a
 # GPU in one run. One thread a core, up to 16: the reads from the page cache are copies.
 DEFAULT_TUNING = Tuning(threads=min(16, os.cpu_count() or 1), piece=16 << 20, buffers=2,
-                        write_combined=False, direct=False)
+                        host=Host.PINNED)
 # cuda.h's CU_MEMHOSTALLOC_WRITECOMBINED, for bindings that do not name it.
 WRITECOMBINED = 0x04
 
@@ -154,7 +166,10 @@ class _Lane:
     direct, a registered range of a file's pages) and the event of its last copy."""
 
     stream: Any
-    buffers: list[int] = field(default_factory=list)
+    buffers: list[int] = field(default_factory=list)      # cuMemHostAlloc'ed, to free
+    pinned: list[int] = field(default_factory=list)       # cuMemHostRegister'ed, to unregister
+    anonymous: list[tuple[int, int]] = field(default_factory=list)  # mmap'ed, to munmap
+    address: list[int] = field(default_factory=list)      # each slot's buffer
     views: list[memoryview] = field(default_factory=list)
     events: list[Any] = field(default_factory=list)
     registered: list[int | None] = field(default_factory=list)
@@ -171,9 +186,9 @@ class CudaSink:
     when the sink is made, while the server creates the regions (cuMemCreate needs no
     context); `open` waits for it, then maps the regions.
 
-    `Tuning.direct`: no pinned buffers; the files are mapped here and each piece's page
-    cache pages are registered (cuMemHostRegister, read-only) and copied from where they
-    are, so the CPU copies nothing; a range is unregistered once its copy has landed.
+    `Host.DIRECT`: no buffers; the files are mapped here and each piece's page-cache pages
+    are registered (cuMemHostRegister, read-only) and copied from where they are; a range
+    is unregistered once its copy has landed.
     """
 
     def __init__(self, backend: Any, tuning: Tuning = DEFAULT_TUNING, driver: Any = None) -> None:
@@ -205,8 +220,6 @@ class CudaSink:
             self._ctx = check(cu.cuDevicePrimaryCtxRetain(self._dev), "cuDevicePrimaryCtxRetain")
             check(cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
             self.timings["context_s"] = time.monotonic() - t0
-            flags = (int(getattr(cu, "CU_MEMHOSTALLOC_WRITECOMBINED", WRITECOMBINED))
-                     if self._tuning.write_combined else 0)
             t1 = time.monotonic()
             for _ in range(self._tuning.threads):
                 stream = check(cu.cuStreamCreate(int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)),
@@ -214,10 +227,9 @@ class CudaSink:
                 lane = _Lane(stream=stream)
                 self._lanes.append(lane)
                 for _ in range(self._tuning.buffers):
-                    if not self._tuning.direct:
-                        buf = int(check(cu.cuMemHostAlloc(self._tuning.piece, flags),
-                                        "cuMemHostAlloc"))
-                        lane.buffers.append(buf)
+                    if self._tuning.host is not Host.DIRECT:
+                        buf = self._buffer(lane)
+                        lane.address.append(buf)
                         lane.views.append(memoryview(
                             (ctypes.c_char * self._tuning.piece).from_address(buf)).cast("B"))
                     lane.registered.append(None)
@@ -227,6 +239,26 @@ class CudaSink:
             self.timings["pinned_s"] = time.monotonic() - t1
         except BaseException as e:  # noqa: BLE001 - handed to the job's thread by open()
             self._prep_error = e
+
+    def _buffer(self, lane: _Lane) -> int:
+        """One host buffer of a piece for `lane`, pinned as the tuning says; its address."""
+        cu, check, n = self._cu, self._check, self._tuning.piece
+        if self._tuning.host is Host.HUGE_PAGES:
+            # Over-allocated by a huge page so the buffer can start on one.
+            length = n + HUGE
+            base = _libc_mmap(length, -1, mmap.PROT_READ | mmap.PROT_WRITE,
+                              mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            lane.anonymous.append((base, length))
+            buf = -(-base // HUGE) * HUGE
+            _libc.madvise(buf, n, MADV_HUGEPAGE)  # advice only: 4 KiB pages still work
+            check(cu.cuMemHostRegister(buf, n, 0), "cuMemHostRegister")
+            lane.pinned.append(buf)
+            return buf
+        wc = self._tuning.host is Host.WRITE_COMBINED
+        flags = int(getattr(cu, "CU_MEMHOSTALLOC_WRITECOMBINED", WRITECOMBINED)) if wc else 0
+        buf = int(check(cu.cuMemHostAlloc(n, flags), "cuMemHostAlloc"))
+        lane.buffers.append(buf)
+        return buf
 
     def open(self, allocations: list[Allocation]) -> None:
         cu, check = self._cu, self._check
@@ -281,7 +313,8 @@ class CudaSink:
         lane = self._lane()
         dst = self._bases[region][0] + offset
         piece = self._tuning.piece
-        file_at = self._mapped(fd) if self._tuning.direct else 0
+        direct = self._tuning.host is Host.DIRECT
+        file_at = self._mapped(fd) if direct else 0
         done = 0
         while done < length:
             n = min(piece, length - done)
@@ -290,7 +323,7 @@ class CudaSink:
             # This slot's last copy must be done before it is refilled (or unregistered),
             # while the copies of the lane's other slots may still run.
             check(cu.cuEventSynchronize(lane.events[b]), "cuEventSynchronize")
-            if self._tuning.direct:
+            if direct:
                 self._unregister(lane, b)
                 src = file_at + file_offset + done
                 lo, hi = src - src % PAGE, -(-(src + n) // PAGE) * PAGE
@@ -298,8 +331,9 @@ class CudaSink:
                       "cuMemHostRegister")
                 lane.registered[b] = lo
             else:
-                pread_into(fd, lane.views[b][:n], file_offset + done)
-                src = lane.buffers[b]
+                view = lane.views[b]
+                pread_into(fd, view[:n], file_offset + done)
+                src = lane.address[b]
             check(cu.cuMemcpyHtoDAsync(dst + done, src, n, lane.stream), "cuMemcpyHtoDAsync")
             check(cu.cuEventRecord(lane.events[b], lane.stream), "cuEventRecord")
             done += n
@@ -340,6 +374,10 @@ class CudaSink:
                 view.release()
             for buf in lane.buffers:
                 attempt(cu.cuMemFreeHost(buf), "cuMemFreeHost")
+            for buf in lane.pinned:
+                attempt(cu.cuMemHostUnregister(buf), "cuMemHostUnregister")
+            for base, length in lane.anonymous:
+                _libc_munmap(base, length)
             for ev in lane.events:
                 attempt(cu.cuEventDestroy(ev), "cuEventDestroy")
             attempt(cu.cuStreamDestroy(lane.stream), "cuStreamDestroy")
@@ -369,12 +407,16 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                        ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+HUGE = 2 << 20
+MADV_HUGEPAGE = 14
 
 
-def _libc_mmap(length: int, fd: int) -> int:
-    """mmap(2) of a whole file, read-only and shared: the page cache's own pages (Python's
-    mmap gives no address for a read-only map)."""
-    addr = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+def _libc_mmap(length: int, fd: int, prot: int = mmap.PROT_READ,
+               flags: int = mmap.MAP_SHARED) -> int:
+    """mmap(2), by default of a whole file, read-only and shared: the page cache's own
+    pages (Python's mmap gives no address for a read-only map)."""
+    addr = _libc.mmap(None, length, prot, flags, fd, 0)
     if addr in (None, ctypes.c_void_p(-1).value):
         err = ctypes.get_errno()
         raise OSError(err, f"mmap of {length} bytes: {os.strerror(err)}")
