@@ -195,7 +195,9 @@ def _cmd_holder(args: argparse.Namespace) -> int:
         if args.names or args.all:
             print("pitstop: holder: names and --all go with `release`", file=sys.stderr)
             return EXIT_USAGE
-        from agent.holder.refill import DEFAULT_THREADS
+        from dataclasses import replace
+
+        from agent.holder.refill import DEFAULT_TUNING
 
         if args.refill_rate is not None and args.refill_rate <= 0:
             print("pitstop: holder: --refill-rate must be a positive number of MB/s",
@@ -203,7 +205,8 @@ def _cmd_holder(args: argparse.Namespace) -> int:
             return EXIT_USAGE
         rate = args.refill_rate * 1e6 if args.refill_rate else None
         return run_holder(args.backend, gpu, args.dir, max_bytes=args.max_bytes,
-                          refill_threads=args.refill_threads or DEFAULT_THREADS,
+                          refill_tuning=replace(DEFAULT_TUNING, threads=args.refill_threads
+                                                or DEFAULT_TUNING.threads),
                           refill_rate=rate, refill_at_start=not args.no_refill)
     from agent.holder.cli import holder_release, holder_status
 
@@ -498,7 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--no-refill", action="store_true", help="do not load the weights the "
                    "refill plan in DIR/<gpu>/ names at start-up (the agent still may ask)")
     h.add_argument("--refill-threads", type=_positive_int, metavar="N",
-                   help="reads in flight during a refill (default: the cores, at most 8)")
+                   help="reads in flight during a refill (default: the cores, at most 16)")
     h.add_argument("--refill-rate", type=float, metavar="MB_PER_S",
                    help="cap a refill's reads at this many MB/s (default: no cap)")
     h.add_argument("--all", action="store_true", help="release: every committed region")

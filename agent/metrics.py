@@ -182,8 +182,9 @@ class Metrics:
             registry=registry)
         self.refill_duration = Histogram(
             "pitstop_holder_refill_duration_seconds",
-            "How long the holder took to load the weights for the refill rung, first read to "
-            "last copy (GB/s: rate of the bytes counter over rate of this histogram's sum).",
+            "How long the holder took to load the weights for the refill rung, from the request "
+            "to the commit: creating the regions, then every read and copy (GB/s: rate of the "
+            "bytes counter over rate of this histogram's sum).",
             buckets=STAGE_BUCKETS, registry=registry)
         self._initialise_known_labels()
         registry.register(StatusCollector(status))

@@ -7,10 +7,17 @@ from __future__ import annotations
 import ctypes
 import itertools
 from collections import Counter
+from enum import IntEnum
 from types import SimpleNamespace
 from typing import Any
 
 OK = 0
+
+
+class CUresult(IntEnum):
+    """The failures this fake returns, named as cuda-bindings names them."""
+
+    CUDA_ERROR_OUT_OF_MEMORY = 2
 
 
 class FakeCuda:
@@ -31,6 +38,10 @@ class FakeCuda:
         self.events: dict[int, int | None] = {}     # event -> the stream it was recorded on
         self.live = Counter()                       # what is allocated now, by kind
         self.ctx_current: set[int] = set()
+        self.host_flags: list[int] = []             # cuMemHostAlloc's flags, call by call
+        self.host_alloc_fails_after: int | None = None  # then CUDA_ERROR_OUT_OF_MEMORY
+        self.registered: dict[int, int] = {}        # cuMemHostRegister'ed: address -> bytes
+        self.registrations = 0
 
     @staticmethod
     def CUmemAccessDesc() -> Any:  # noqa: N802 - the driver's name
@@ -95,6 +106,10 @@ class FakeCuda:
         return (OK,)
 
     def cuMemHostAlloc(self, n: int, flags: int):  # noqa: N802
+        if self.host_alloc_fails_after is not None and \
+                len(self.host_flags) >= self.host_alloc_fails_after:
+            return CUresult.CUDA_ERROR_OUT_OF_MEMORY, None
+        self.host_flags.append(flags)
         buf = (ctypes.c_char * n)()
         self.host[ctypes.addressof(buf)] = buf
         self.live["pinned"] += 1
@@ -103,6 +118,21 @@ class FakeCuda:
     def cuMemFreeHost(self, ptr: int):  # noqa: N802
         del self.host[ptr]
         self.live["pinned"] -= 1
+        return (OK,)
+
+    def cuMemHostRegister(self, ptr: int, n: int, flags: int):  # noqa: N802
+        assert ptr % 4096 == 0 and n % 4096 == 0, "a registration of whole pages"
+        for at, k in self.registered.items():
+            if at < ptr + n and ptr < at + k:  # the driver's HOST_MEMORY_ALREADY_REGISTERED
+                raise AssertionError(f"{ptr:#x}+{n} overlaps the registration {at:#x}+{k}")
+        self.registered[ptr] = n
+        self.registrations += 1
+        self.live["registered"] += 1
+        return (OK,)
+
+    def cuMemHostUnregister(self, ptr: int):  # noqa: N802
+        del self.registered[ptr]
+        self.live["registered"] -= 1
         return (OK,)
 
     def cuMemcpyHtoDAsync(self, dst: int, src: int, n: int, stream: int):  # noqa: N802
@@ -133,7 +163,12 @@ class FakeCuda:
                     return
                 continue
             _, dst, src, n = op
+            assert self._host_memory(src, n), f"a copy from {src:#x}, neither pinned nor registered"
             self._write(dst, ctypes.string_at(src, n))
+
+    def _host_memory(self, src: int, n: int) -> bool:
+        ranges = [*((a, len(b)) for a, b in self.host.items()), *self.registered.items()]
+        return any(a <= src and src + n <= a + k for a, k in ranges)
 
     def _write(self, dst: int, data: bytes) -> None:
         done = 0

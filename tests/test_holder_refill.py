@@ -265,13 +265,18 @@ def test_the_plan_names_the_regions_the_tenant_layout_makes(model):
                                             "model-00002-of-00002.safetensors"}
 
 
-def test_the_cuda_loader_puts_every_byte_in_place_through_its_double_buffers(tmp_path, model):
+@pytest.mark.parametrize(("buffers", "host"), [(1, "pinned"), (2, "wc"), (3, "pinned"),
+                                              (2, "huge"), (2, "direct")])
+def test_the_cuda_loader_puts_every_byte_in_place_through_its_buffers(tmp_path, model, buffers,
+                                                                      host):
     """The cuda side on a driver fake whose copies run only when their stream is
-    synchronized: a pinned buffer refilled before its last copy ended would land wrong
-    bytes. Small chunks and pieces make pieces cross chunks and buffers turn over."""
+    synchronized: a pinned buffer refilled (or a file range unregistered) before its last
+    copy ended would land wrong bytes. Small chunks and pieces make pieces cross chunks and
+    buffers turn over; huge pins its own buffers with cuMemHostRegister, direct registers
+    every piece's pages, never one page twice."""
     from agent.holder.backends import Allocation
     from agent.holder.backends.cuda import plan_chunks
-    from agent.holder.refill import CudaSink, RefillJob
+    from agent.holder.refill import WRITECOMBINED, CudaSink, Host, RefillJob, Tuning
     from tests.fake_cuda import FakeCuda
 
     d = WeightsDigester(None).digest(model)
@@ -283,10 +288,10 @@ def test_the_cuda_loader_puts_every_byte_in_place_through_its_double_buffers(tmp
         chunks = plan_chunks(r.size, granularity, max_chunk=granularity)
         allocations.append(Allocation(fds=[], chunks=chunks,
                                       handle=[bytearray(n) for n in chunks]))
-    sink = CudaSink(SimpleNamespace(ordinal=0, align=granularity), allocations,
-                    piece=1 << 20, driver=cu)
+    tuning = Tuning(threads=3, piece=1 << 20, buffers=buffers, host=Host(host))
+    sink = CudaSink(SimpleNamespace(ordinal=0, align=granularity), tuning, driver=cu)
     ended = threading.Event()
-    job = RefillJob(plan, allocations, sink, on_done=ended.set, threads=3, piece=3 << 20)
+    job = RefillJob(plan, allocations, sink, on_done=ended.set, tuning=tuning)
     job.start()
     assert ended.wait(60)
     assert job.error is None, job.error
@@ -295,3 +300,48 @@ def test_the_cuda_loader_puts_every_byte_in_place_through_its_double_buffers(tmp
         assert same, f"{r.name}: the held bytes are not the file's"
     # Everything the load made is gone again: the context, the pinned buffers, the VA.
     assert +cu.live == Counter(), cu.live
+    # threads x buffers host buffers, each made as `host` says; every registration undone.
+    if host == "direct":  # no buffers; every piece registered (21 MB in 1 MiB pieces)
+        assert cu.host_flags == [] and cu.registrations >= 20, cu.registrations
+    elif host == "huge":
+        assert cu.host_flags == [] and cu.registrations == 3 * buffers
+    else:
+        flags = WRITECOMBINED if host == "wc" else 0
+        assert cu.host_flags == [flags] * 3 * buffers and cu.registrations == 0
+
+
+def test_a_cuda_loader_that_cannot_pin_its_buffers_fails_the_load_and_frees_all(model):
+    """Pinned memory running out while the sink prepares (on its own thread) is the job's
+    error, not a hang or a half load, and what was made before is given back."""
+    from agent.holder.backends import Allocation
+    from agent.holder.refill import CudaSink, RefillJob, Tuning
+    from tests.fake_cuda import FakeCuda
+
+    d = WeightsDigester(None).digest(model)
+    plan = build_plan(model, d.files, d.digest)
+    cu = FakeCuda()
+    cu.host_alloc_fails_after = 3
+    allocations = [Allocation(fds=[], chunks=[r.size], handle=[bytearray(r.size)])
+                   for r in plan.regions]
+    tuning = Tuning(threads=2, piece=1 << 20, buffers=2)
+    sink = CudaSink(SimpleNamespace(ordinal=0, align=1), tuning, driver=cu)
+    ended = threading.Event()
+    job = RefillJob(plan, allocations, sink, on_done=ended.set, tuning=tuning)
+    job.start()
+    assert ended.wait(60)
+    assert job.error is not None and "CUDA_ERROR_OUT_OF_MEMORY" in str(job.error)
+    assert all(not any(a.handle[0]) for a in allocations)  # nothing was copied
+    assert +cu.live == Counter(), cu.live
+
+
+def test_a_cuda_sink_closed_before_it_was_opened_frees_what_it_prepared():
+    """The server makes the sink first; when creating the regions then fails, the sink is
+    closed unopened and the context and pinned buffers it made go back."""
+    from agent.holder.refill import CudaSink, Tuning
+    from tests.fake_cuda import FakeCuda
+
+    cu = FakeCuda()
+    sink = CudaSink(SimpleNamespace(ordinal=0, align=1), Tuning(threads=4, piece=4096),
+                    driver=cu)
+    sink.close()
+    assert len(cu.host_flags) == 8 and +cu.live == Counter(), cu.live

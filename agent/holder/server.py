@@ -11,6 +11,7 @@ import signal
 import socket
 import stat
 import struct
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 from agent.errors import HolderError, HolderInvariantError, ModelError
 from agent.holder import protocol as p
 from agent.holder.backends import Backend, BackendError, GpuFaultError
-from agent.holder.refill import DEFAULT_THREADS, RefillFailure, RefillJob, make_sink
+from agent.holder.refill import DEFAULT_TUNING, RefillFailure, RefillJob, Tuning, make_sink
 from agent.holder.regions import RegionTable, RequestRefused
 from agent.holder.weightplan import load_plan
 
@@ -85,7 +86,7 @@ class HolderServer:
     """
 
     def __init__(self, backend: Backend, base: Path, max_bytes: int | None = None,
-                 refill_threads: int = DEFAULT_THREADS, refill_rate: float | None = None
+                 refill_tuning: Tuning = DEFAULT_TUNING, refill_rate: float | None = None
                  ) -> None:
         self.backend = backend
         self.holder_id = uuid.uuid4().hex
@@ -105,7 +106,7 @@ class HolderServer:
         # The one refill that may run, its writer, and how its thread says it ended.
         self._refill: RefillJob | None = None
         self._refill_writer: RefillWriter | None = None
-        self._refill_threads = refill_threads
+        self._refill_tuning = refill_tuning
         self._refill_rate = refill_rate
         self._done_r, self._done_w = socket.socketpair()
 
@@ -374,22 +375,32 @@ class HolderServer:
         if drift is not None:
             return _error(p.ErrorCode.DRIFT, f"refill of {digest} refused: {drift}")
         writer = RefillWriter(pid=os.getpid())
+        t0 = time.monotonic()
+        try:
+            # First: the cuda sink makes its context and pinned buffers meanwhile.
+            sink = make_sink(self.backend, self._refill_tuning)
+        except BackendError as e:
+            return _error(p.ErrorCode.REFILL_FAILED, f"refill of {digest}: {e}")
         try:
             allocations = []
             for r in plan.regions:
                 region = self.table.create(writer, r.name, r.size, digest, len(plan.regions))
                 allocations.append(region.allocation)
-            sink = make_sink(self.backend, allocations)
-        except GpuFaultError:
+        except BaseException as e:
             self.table.session_closed(writer)
+            with contextlib.suppress(BackendError):
+                sink.close()
+            if isinstance(e, GpuFaultError):
+                raise  # serve() stops: the GPU's memory is not to be trusted
+            if isinstance(e, RequestRefused):
+                return _error(e.code, f"refill of {digest}: {e}")
+            if isinstance(e, BackendError):
+                return _error(p.ErrorCode.REFILL_FAILED, f"refill of {digest}: {e}")
             raise
-        except (RequestRefused, BackendError) as e:
-            self.table.session_closed(writer)
-            code = e.code if isinstance(e, RequestRefused) else p.ErrorCode.REFILL_FAILED
-            return _error(code, f"refill of {digest}: {e}")
         self._refill_writer = writer
         self._refill = RefillJob(plan, allocations, sink, on_done=self._refill_wake,
-                                 threads=self._refill_threads, rate=self._refill_rate)
+                                 tuning=self._refill_tuning, rate=self._refill_rate)
+        self._refill.timings["create_s"] = time.monotonic() - t0
         if waiter is not None:
             self._refill.waiters.append(waiter)
         log.info("refill of %s started: %d regions, %d bytes from %s", digest,
@@ -445,11 +456,13 @@ class HolderServer:
             # All on this thread, between two requests: a reader sees none or all of them.
             for r in mine:
                 self.table.commit(writer, r.name)
+            # From the request to here: creating the regions, then the job's load.
             done = p.Refilled(digest=job.digest, regions=len(mine), bytes=job.bytes,
-                              seconds=job.seconds)
+                              seconds=job.timings.get("create_s", 0.0) + job.seconds)
             reply = p.Reply(ok=True, refilled=done)
-            log.info("refill of %s committed: %d bytes in %.2fs (%.2f GB/s)", job.digest,
-                     done.bytes, done.seconds, done.gbps)
+            log.info("refill of %s committed: %d bytes in %.2fs (%.2f GB/s); %s", job.digest,
+                     done.bytes, done.seconds, done.gbps,
+                     ", ".join(f"{k} {v:.3f}" for k, v in sorted(job.timings.items())))
         for w in job.waiters:
             if id(w) in self._sessions:
                 self._answer(w, reply)
@@ -461,7 +474,7 @@ def _error(code: p.ErrorCode, message: str) -> p.Reply:
 
 
 def run_holder(backend_kind: str, gpu: str, base: Path, max_bytes: int | None = None,
-               refill_threads: int = DEFAULT_THREADS, refill_rate: float | None = None,
+               refill_tuning: Tuning = DEFAULT_TUNING, refill_rate: float | None = None,
                refill_at_start: bool = True) -> int:
     """`pitstop holder`: build the backend, bind, tell systemd, start the refill its plan
     asks for, serve until told to stop."""
@@ -472,7 +485,7 @@ def run_holder(backend_kind: str, gpu: str, base: Path, max_bytes: int | None = 
         backend = make_backend(backend_kind, gpu)
     except BackendError as e:
         raise HolderError(f"holder for {gpu}: {e}") from e
-    server = HolderServer(backend, base, max_bytes=max_bytes, refill_threads=refill_threads,
+    server = HolderServer(backend, base, max_bytes=max_bytes, refill_tuning=refill_tuning,
                           refill_rate=refill_rate)
     try:
         server.bind()
