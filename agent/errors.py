@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 # A leaf module: this one stays low, importing nothing else of agent/.
 from agent.refusal import Refusal, RefusalCode
+
+if TYPE_CHECKING:
+    # Only the type: errors is imported everywhere, the protocol brings pydantic.
+    from agent.holder.protocol import ErrorCode
 
 
 class BlockingConnection(Protocol):
@@ -114,9 +118,10 @@ class HolderUnavailableError(HolderError):
 
 
 class HolderRefusedError(HolderError):
-    """The holder answered a request with an error; `code` says which (not_found, busy...)."""
+    """The holder answered a request with an error; `code` says which (not_found, busy...);
+    None when the answer itself broke the protocol."""
 
-    def __init__(self, message: str, code: str = "") -> None:
+    def __init__(self, message: str, code: ErrorCode | None = None) -> None:
         super().__init__(message)
         self.code = code
 

@@ -274,7 +274,7 @@ def test_a_stray_file_in_the_store_is_listed_as_a_problem_and_never_stops_the_se
 def _quarantine_one(store: SnapshotStore, size: int, minutes: int, now: list[float]) -> str:
     m = publish(store, size, minutes=minutes)
     now[0] += 1
-    store.quarantine(m.id, f"corrupt: test {minutes}", "corrupt")
+    store.quarantine(m.id, f"corrupt: test {minutes}", RefusalCode.CORRUPT)
     return m.id
 
 
@@ -315,7 +315,7 @@ def test_without_a_retention_the_quarantine_is_only_pruned_when_asked(store: Sna
         store.quarantine(sid, "corrupt: x")
     assert len(store.quarantined()) == 3
     assert len(store.prune_quarantine(keep=1, budget_bytes=1 << 30)) == 2
-    assert [q.code for q in store.quarantined()] == [""]
+    assert [q.code for q in store.quarantined()] == [None]
 
 
 def test_a_draft_made_in_place_is_invisible_until_published_and_cleaned_at_start(

@@ -113,7 +113,7 @@ class HolderClient:
             if reply.error.code == p.ErrorCode.FORBIDDEN:
                 self.close()
             raise HolderRefusedError(f"holder at {self.path}: {reply.error.message}",
-                                     code=reply.error.code.value)
+                                     code=reply.error.code)
         return reply, fds
 
     def _grant(self, req: p.CreateRequest | p.NameRequest) -> Grant:

@@ -111,13 +111,14 @@ class Quarantined:
     """One snapshot set aside in `<root>/.quarantine/<id>.<time>`, as `quarantined` lists it.
 
     `code` is the refusal's code as the caller gave it (corrupt, canary, restore_failed...);
-    `reason` its words. A directory quarantined before the record existed has code "".
+    `reason` its words. A directory quarantined before the record existed, or by a version
+    with a code this one does not know, has code None.
     """
 
     id: str
     path: Path
     manifest: Manifest | None
-    code: str
+    code: RefusalCode | None
     reason: str
     quarantined_at: float
     bytes_on_disk: int
@@ -470,7 +471,8 @@ class SnapshotStore:
 
     # --- removing -----------------------------------------------------------------
 
-    def quarantine(self, snapshot_id: str, reason: str, code: str = "") -> Path:
+    def quarantine(self, snapshot_id: str, reason: str,
+                   code: RefusalCode | None = None) -> Path:
         """Move a snapshot aside for inspection; it is never selected again. With a
         `retention`, the quarantine is pruned to it afterwards."""
         src = self.path(snapshot_id)
@@ -482,7 +484,8 @@ class SnapshotStore:
         fsync_dir(self.root)
         write_private(dst / QUARANTINE_NOTE, (reason.rstrip("\n") + "\n").encode())
         write_private(dst / QUARANTINE_RECORD, json.dumps(
-            {"code": code, "reason": reason, "quarantined_at": now}).encode())
+            {"code": code.value if code else "", "reason": reason,
+             "quarantined_at": now}).encode())
         self._bound_quarantine()
         return dst
 
@@ -508,7 +511,7 @@ class SnapshotStore:
             with contextlib.suppress(OSError, ValueError, SnapshotError):
                 manifest = Manifest.model_validate_json(read_private(d / MANIFEST_NAME))
             out.append(Quarantined(
-                id=sid, path=d, manifest=manifest, code=str(record.get("code", "")),
+                id=sid, path=d, manifest=manifest, code=_known_code(record.get("code")),
                 reason=str(record.get("reason", "")),
                 quarantined_at=float(record.get("quarantined_at", stamp)),
                 bytes_on_disk=tree_bytes(d)))
@@ -580,3 +583,10 @@ def _quarantine_record(d: Path) -> dict:
 def _created(e: Entry) -> tuple[float, str]:
     # Unreadable ones sort oldest; ties (same second) fall back to the id.
     return (e.manifest.created_at.timestamp() if e.manifest else 0.0, e.id)
+
+
+def _known_code(value: object) -> RefusalCode | None:
+    try:
+        return RefusalCode(value)
+    except ValueError:
+        return None

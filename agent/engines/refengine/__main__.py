@@ -194,6 +194,7 @@ def _held_weights(args: argparse.Namespace, device: object) -> HeldWeights | Non
     asked for a warm start and falls to a cold one."""
     from agent.engines.refengine.model import weight_files
     from agent.errors import HolderRefusedError
+    from agent.holder.protocol import ErrorCode
     from agent.tenant.weights import HeldWeights
     from agent.weights import WeightsDigester
 
@@ -206,7 +207,7 @@ def _held_weights(args: argparse.Namespace, device: object) -> HeldWeights | Non
     try:
         return HeldWeights.open(args.holder, files, digest, device)
     except HolderRefusedError as e:
-        if e.code != "busy":
+        if e.code is not ErrorCode.BUSY:
             raise
         log.warning("%s; loading the weights privately this time", e)
         return None

@@ -101,7 +101,7 @@ class SnapshotRestore:
     def _quarantine(self, snapshot_id: str, reason: str, code: RefusalCode) -> None:
         assert self._store is not None
         try:
-            where = self._store.quarantine(snapshot_id, reason, code.value)
+            where = self._store.quarantine(snapshot_id, reason, code)
             log.error("snapshot %s quarantined (%s): %s", snapshot_id, where, reason)
         except (OSError, SnapshotError) as e:
             log.error("snapshot %s failed (%s) and could not be quarantined: %s",
