@@ -17,7 +17,13 @@ from agent.config import parse_config
 from agent.engines.vllm.adapter import VllmAdapter
 from agent.engines.vllm.cli import VllmFeatures
 from agent.engines.vllm.plugin import support
-from agent.engines.vllm.plugin.held import ALIGN, HeldParams, Layout
+from agent.engines.vllm.plugin.held import (
+    ALIGN,
+    HeldParams,
+    Layout,
+    give_back_storage,
+    specs_of,
+)
 from agent.errors import ConfigError, HolderError
 from agent.refusal import Refusal, RefusalCode
 from agent.supervisor.ladder import Attempt
@@ -135,23 +141,29 @@ def _params(dtype: torch.dtype = torch.float32) -> dict[str, torch.nn.Parameter]
 
 def test_the_layout_is_by_name_aligned_and_signed_by_what_shapes_it():
     p = _params()
-    lay = Layout.of(p, "0.32.0")
+    lay = Layout.of(specs_of(p), "0.32.0")
     assert [s.name for s in lay.slots] == sorted(p)
     assert all(s.offset % ALIGN == 0 for s in lay.slots)
     assert lay.size >= sum(s.nbytes for s in lay.slots)
-    assert Layout.of(_params(), "0.32.0").signature == lay.signature
-    assert Layout.of(p, "0.32.1").signature != lay.signature
-    assert Layout.of(_params(torch.bfloat16), "0.32.0").signature != lay.signature
+    assert Layout.of(specs_of(_params()), "0.32.0").signature == lay.signature
+    assert Layout.of(specs_of(p), "0.32.1").signature != lay.signature
+    assert Layout.of(specs_of(_params(torch.bfloat16)), "0.32.0").signature != lay.signature
 
 
 def test_held_parameters_are_loaded_once_then_attached_at_fixed_addresses(tmp_path: Path):
     holder = Holder(tmp_path / "holder")
     try:
         first, truth = _params(), {n: t.detach().clone() for n, t in _params().items()}
-        held = HeldParams.open(holder.sock, DIGEST, first, "0.32.0")
+        # The loader's order: what the parameters are, then their own storage given back
+        # (the engine never has the weights twice), then the held set made and bound.
+        specs = specs_of(first)
+        give_back_storage(first)
+        assert all(p.numel() == 0 for p in first.values())
+        held = HeldParams.open(holder.sock, DIGEST, specs, "0.32.0")
         assert held.source == "disk"
         attrs = id(first["lm_head.weight"])
         held.bind(first)
+        assert specs_of(first) == specs
         # The Parameter objects stay (vLLM's weight loaders hang attributes on them); their
         # storage is held memory, which a loader's copy_ fills in place.
         assert id(first["lm_head.weight"]) == attrs and held.outside(first) == []
@@ -161,7 +173,7 @@ def test_held_parameters_are_loaded_once_then_attached_at_fixed_addresses(tmp_pa
         # A warm start: a fresh model (other values), attached, not filled.
         second = {n: torch.nn.Parameter(torch.zeros_like(t), requires_grad=False)
                   for n, t in truth.items()}
-        warm = HeldParams.open(holder.sock, DIGEST, second, "0.32.0")
+        warm = HeldParams.open(holder.sock, DIGEST, specs_of(second), "0.32.0")
         assert warm.source == "holder"
         warm.bind(second)
         assert all(torch.equal(second[n], truth[n]) for n in truth)
@@ -172,7 +184,8 @@ def test_held_parameters_are_loaded_once_then_attached_at_fixed_addresses(tmp_pa
         assert {n: p.data_ptr() for n, p in second.items()} == ptrs
         assert all(torch.equal(second[n], truth[n]) for n in truth)
         # Another layout of the same weights (vLLM upgraded, another dtype) replaces the set.
-        other = HeldParams.open(holder.sock, DIGEST, _params(torch.bfloat16), "0.32.0")
+        other = HeldParams.open(holder.sock, DIGEST, specs_of(_params(torch.bfloat16)),
+                                "0.32.0")
         assert other.source == "disk"
         with holder.client() as c:
             assert [r.name for r in c.list(DIGEST) if r.committed] == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,13 +21,37 @@ log = logging.getLogger("vllm.pitstop")
 ALIGN = 256
 
 
+# A parameter's dtype and shape: what its slot must hold, known before any storage exists.
+Spec = tuple[Any, tuple[int, ...]]
+
+
+def specs_of(params: dict[str, Any]) -> dict[str, Spec]:
+    return {n: (p.dtype, tuple(p.shape)) for n, p in params.items()}
+
+
+def give_back_storage(params: dict[str, Any]) -> None:
+    """Empty every parameter (dtype kept, no bytes; the Parameter objects stay for bind()),
+    before anything was loaded into them. On CUDA the memory goes back to the driver: vLLM's
+    sleep-mode allocator releases a freed block at once, torch's own cache is emptied."""
+    import torch
+
+    cuda = False
+    for p in params.values():
+        cuda = cuda or p.device.type == "cuda"
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    if cuda:
+        torch.cuda.empty_cache()
+
+
 @dataclass(frozen=True)
 class Slot:
-    """Where one parameter lives in the region."""
+    """Where one parameter lives in the region, and what it is."""
 
     name: str
     offset: int
     nbytes: int
+    dtype: Any
+    shape: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -40,14 +65,14 @@ class Layout:
     signature: str
 
     @classmethod
-    def of(cls, params: dict[str, Any], vllm_version: str) -> Layout:
+    def of(cls, specs: dict[str, Spec], vllm_version: str) -> Layout:
         slots, at, h = [], 0, hashlib.sha256(vllm_version.encode())
-        for name in sorted(params):
-            p = params[name]
+        for name in sorted(specs):
+            dtype, shape = specs[name]
             at = -(-at // ALIGN) * ALIGN
-            n = p.numel() * p.element_size()
-            slots.append(Slot(name, at, n))
-            h.update(f"\n{name} {p.dtype} {tuple(p.shape)}".encode())
+            n = math.prod(shape) * dtype.itemsize
+            slots.append(Slot(name, at, n, dtype, shape))
+            h.update(f"\n{name} {dtype} {shape}".encode())
             at += n
         return cls(tuple(slots), max(at, ALIGN), h.hexdigest()[:16])
 
@@ -60,7 +85,7 @@ class HeldParams:
 
     Example::
 
-        held = HeldParams.open(sock, digest, params, version, HostSpace)
+        held = HeldParams.open(sock, digest, specs_of(params), version, HostSpace)
         held.bind(params)        # every parameter's .data is now a view over held memory
         if held.source == "disk":
             ...                  # vLLM's weight loaders fill the views; then held.commit()
@@ -79,15 +104,15 @@ class HeldParams:
         self._writer = writer
 
     @classmethod
-    def open(cls, socket: Path, digest: str, params: dict[str, Any], vllm_version: str,
+    def open(cls, socket: Path, digest: str, specs: dict[str, Spec], vllm_version: str,
              make_space: Callable[[int, int], Space] = HostSpace) -> HeldParams:
-        """Attach the committed set of `digest` laid out as `params` are, or make a new one.
+        """Attach the committed set of `digest` laid out as `specs` say, or make a new one.
 
         A committed set of `digest` under another layout (vLLM upgraded, another dtype) is
         released first: the holder keeps one set per digest, and this engine's is the one
         the agent will restore against.
         """
-        layout = Layout.of(params, vllm_version)
+        layout = Layout.of(specs, vllm_version)
         name = layout.region(digest)
         client = HolderClient(socket)
         try:
@@ -113,13 +138,13 @@ class HeldParams:
 
     def bind(self, params: dict[str, Any]) -> None:
         """Make each parameter's storage its slot in held memory (the Parameter objects,
-        and so vLLM's weight-loader attributes on them, stay)."""
+        and so vLLM's weight-loader attributes on them, stay). The slot says the dtype and
+        shape: a parameter whose own storage was already given back has neither."""
         raw = self.held.tensor(self.layout.region(self.digest))
         for s in self.layout.slots:
-            p = params[s.name]
             # Attached: the held bytes are the loaded weights already. Made here: vLLM's
             # weight loaders copy into .data, so they fill held memory in place.
-            p.data = raw[s.offset:s.offset + s.nbytes].view(p.dtype).view(p.shape)
+            params[s.name].data = raw[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape)
 
     def commit(self) -> None:
         if self._writer is None:

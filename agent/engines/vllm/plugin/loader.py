@@ -21,7 +21,7 @@ from vllm.model_executor.model_loader.utils import (
 from vllm.utils.torch_utils import set_default_torch_dtype
 
 from agent.engines.vllm.plugin import state
-from agent.engines.vllm.plugin.held import HeldParams
+from agent.engines.vllm.plugin.held import HeldParams, give_back_storage, specs_of
 from agent.engines.vllm.plugin.support import DIGEST_KEY, SOCKET_KEY
 
 # Under vLLM's logger: its handlers print it with the process name, like its own lines.
@@ -90,7 +90,12 @@ class PitstopModelLoader(BaseModelLoader):
                 model = initialize_model(vllm_config=vllm_config, model_config=model_config,
                                          prefix=prefix)
             params = dict(model.named_parameters())
-            held = HeldParams.open(self.socket, self.digest, params, vllm.__version__,
+            specs = specs_of(params)
+            # vLLM made the parameters' storage; the held set is their storage from now on.
+            # Given back first, the engine never has the weights twice on the device: the
+            # holder's allocation would otherwise come on top of vLLM's for a moment.
+            give_back_storage(params)
+            held = HeldParams.open(self.socket, self.digest, specs, vllm.__version__,
                                    _space_factory(device))
             try:
                 held.bind(params)
