@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
@@ -18,6 +19,7 @@ from prometheus_client.registry import Collector
 import agent
 from agent.gpu_health import FaultKind
 from agent.holder.kvledger import KeptKVOutcome
+from agent.store.manifest import SnapshotKind
 from agent.supervisor.states import Cause, Fall
 
 # Recovery times span a 1 s hybrid restore to a multi-minute cold start of a big model.
@@ -38,7 +40,7 @@ FAILURE_CAUSES = tuple(c.value for c in (Cause.CRASH, Cause.EXIT, Cause.HANG, Ca
 FALLTHROUGH_REASONS = tuple(f.value for f in Fall)
 # The first streamed request an engine answers after it (re)started, and every later one.
 FIRST_TOKEN_PHASES = ("after_recovery", "steady")
-SNAPSHOT_KINDS = ("hybrid", "full")
+SNAPSHOT_KINDS = get_args(SnapshotKind)
 # What a resumed stream found on the recovered engine: kept KV, or why not.
 KV_RESUME_OUTCOMES = tuple(o.value for o in KeptKVOutcome)
 
