@@ -1,0 +1,128 @@
+"""What a snapshot's image will hold of this engine, made smaller just before the dump.
+
+A hybrid image is the engine's own memory: its host pages, and everything the CUDA
+checkpoint moves from the GPU into them (the CUDA context, cuBLAS workspaces, the graphs'
+pool, whatever torch's caching allocator still reserves). Its restore reads every byte
+back at the speed of CRIU's page reads, then the CUDA restore copies the device part back
+to the GPU; so what is dropped here, before the dump, comes off both.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from typing import Any
+
+log = logging.getLogger("refengine")
+
+
+def shrink(cuda: bool) -> None:
+    """Give back what the engine keeps only as a cache, all of it made again on demand:
+    torch's unused GPU blocks and cached pinned host buffers (the weights' load staging),
+    and the host heap's free pages. Graphs keep their own pool, and cuBLAS its workspaces
+    (their addresses are baked into the graphs)."""
+    if cuda:
+        import torch
+
+        torch.cuda.empty_cache()
+        host_empty = getattr(torch._C, "_host_emptyCache", None)
+        if host_empty is not None:
+            host_empty()
+    _malloc_trim()
+
+
+def describe(device: Any, graphs: int | None) -> dict[str, int | None]:
+    """Figures for the prepare log: where the image's bytes will come from."""
+    out: dict[str, int | None] = {**_rss(), "graphs": graphs}
+    if getattr(device, "type", "cpu") != "cuda":
+        return out
+    import torch
+
+    out["torch_reserved"] = torch.cuda.memory_reserved(device)
+    out["torch_allocated"] = torch.cuda.memory_allocated(device)
+    try:
+        out["pinned_cached"] = int(
+            torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+    except (AttributeError, RuntimeError):
+        out["pinned_cached"] = None
+    out["process_gpu"] = _process_gpu_bytes(device)
+    out["device_free"] = int(torch.cuda.mem_get_info(device)[0])
+    out["stack_per_thread"] = _stack_limit()
+    return out
+
+
+def _stack_limit() -> int | None:
+    """The context's per-thread stack size: the driver keeps local memory for it on every
+    thread the GPU can hold at once (and grows it for a kernel that needs more), which is
+    part of what the CUDA checkpoint moves. None without cuda-bindings."""
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError:
+        return None
+    err, value = cu.cuCtxGetLimit(cu.CUlimit.CU_LIMIT_STACK_SIZE)
+    return int(value) if err == cu.CUresult.CUDA_SUCCESS else None
+
+
+def _malloc_trim() -> None:
+    # glibc keeps freed heap pages mapped (and dirty) for later mallocs; CRIU would dump
+    # them. malloc_trim(0) returns them; absent outside glibc, where nothing is done.
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+
+
+def _rss() -> dict[str, int | None]:
+    """This process's resident memory by kind (/proc/self/status, in bytes)."""
+    want = {"RssAnon": "host_anon", "RssFile": "host_file", "RssShmem": "host_shmem"}
+    out: dict[str, int | None] = dict.fromkeys(want.values())
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in want:
+                    out[want[key]] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def _process_gpu_bytes(device: Any) -> int | None:
+    """GPU memory NVML counts for this process (the CUDA context included, which torch
+    cannot see); None without nvidia-ml-py or when NVML does not say."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        import torch
+
+        pynvml.nvmlInit()
+        try:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            uuid = str(torch.cuda.get_device_properties(index).uuid)
+            handle = _handle_for(pynvml, uuid, index)
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if p.pid == os.getpid() and p.usedGpuMemory is not None:
+                    return int(p.usedGpuMemory)
+            return None
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as e:  # noqa: BLE001 - a figure for the log, never a failed prepare
+        log.debug("NVML: %s", e)
+        return None
+
+
+def _handle_for(pynvml: Any, uuid: str, index: int) -> Any:
+    # torch's index follows CUDA_VISIBLE_DEVICES, NVML's does not: match by UUID.
+    for i in range(pynvml.nvmlDeviceGetCount()):
+        h = pynvml.nvmlDeviceGetHandleByIndex(i)
+        got = pynvml.nvmlDeviceGetUUID(h)
+        got = got.decode() if isinstance(got, bytes) else str(got)
+        if got.removeprefix("GPU-") == uuid.removeprefix("GPU-"):
+            return h
+    return pynvml.nvmlDeviceGetHandleByIndex(index)
