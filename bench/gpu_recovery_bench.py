@@ -291,6 +291,10 @@ def rows(result: dict, gib: float, command: str) -> list[dict]:
             **({"fell_to": fell_to, **refill_figures(recs, result["weights_bytes"],
                                                      result.get("pinned_h2d_gbps"))}
                if path == "refill" else {}),
+            # The image these restores read: its size and what the engine said it held.
+            **({"image_bytes": snap.get("image_bytes"), "footprint": snap.get("footprint")}
+               if (snap := result.get("snapshot" if path == "full" else "hybrid_snapshot"))
+               and path in ("hybrid", "refill", "full") else {}),
         })
     return out
 
@@ -359,9 +363,30 @@ def first_snapshot(agent: Agent) -> dict:
             "image_bytes": sum(f["size"] for f in m["files"]), "timings": m["timings"],
             # Where the image's bytes are (CRIU's pages-N.img per process dominate).
             "largest_files": {f["name"]: f["size"] for f in
-                              sorted(m["files"], key=lambda f: -f["size"])[:6]}}
+                              sorted(m["files"], key=lambda f: -f["size"])[:6]},
+            **prepare_lines(agent.path.parent / "agent.log")}
     log(f"snapshot {snap}")
     return snap
+
+
+def prepare_lines(agent_log: Path) -> dict:
+    """What the engine said at the snapshot's prepare (the last one in the agent's log):
+    its lines, and the figures of its footprint line (torch's reserved and allocated GPU
+    bytes, the process's GPU bytes as NVML counts them, host RSS by kind, graphs), which
+    say what the image is made of beside CRIU's pages-N.img sizes."""
+    lines = agent_log.read_text(errors="replace").splitlines()
+    starts = [i for i, x in enumerate(lines) if "prepare: KV pool freed" in x]
+    if not starts:
+        return {"prepare_log": [], "footprint": {}}
+    mine = [x for x in lines[starts[-1]:] if "prepare:" in x][:8]
+    figures: dict = {}
+    for x in mine:
+        if "image footprint " in x:
+            head = x.split("image footprint ", 1)[1].split(" (", 1)[0]
+            for pair in head.split():
+                k, _, v = pair.partition("=")
+                figures[k] = int(v) if v.lstrip("-").isdigit() else None
+    return {"prepare_log": mine, "footprint": figures}
 
 
 def starts(cfg: dict, work: Path, runs: int, what: str, steady: int) -> list[dict]:
