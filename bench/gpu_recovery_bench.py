@@ -418,6 +418,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script")
     ap.add_argument("--steady-requests", type=int, default=5,
                     help="streamed requests after the first one following each recovery")
+    ap.add_argument("--engine-args", default="",
+                    help="more reference-engine arguments, e.g. '--reset-stack'")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     tag = f"{a.gib:g}gib"
@@ -437,7 +439,8 @@ def main() -> None:
     work.mkdir(parents=True)
     cfg = {
         "engine": {"kind": "reference", "model": str(model), "device": a.device,
-                   "args": kv_args(model, a.kv_gib, a.max_len), "stop_timeout_s": 30},
+                   "args": [*kv_args(model, a.kv_gib, a.max_len), *a.engine_args.split()],
+                   "stop_timeout_s": 30},
         "paths": {"state_dir": str(work / "state")},
         # The front measures the first token after each recovery (first_tokens()).
         "front": {"host": "127.0.0.1", "port": 0},

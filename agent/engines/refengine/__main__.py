@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "may differ in the last bits from an uninterrupted one")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="on a GPU, replay one-token steps from CUDA graphs (default on)")
+    p.add_argument("--reset-stack", action="store_true",
+                   help="on a GPU, set the per-thread stack back to CUDA's default at a "
+                        "snapshot's prepare: local memory the driver grew for a kernel "
+                        "that needed more stays out of the image (grown again on use)")
     p.add_argument("--holder", type=Path, metavar="SOCK",
                    help="keep the weights in the holder at SOCK: attach them when held "
                         "(a warm start), else load them from disk into it and commit")
@@ -140,7 +144,8 @@ async def _serve(args: argparse.Namespace) -> int:
     sched = Scheduler(model, pool, eos, args.prefill_chunk, on_fatal)
     sched.start()
     name = args.served_model_name or args.model.name
-    app = EngineApp(model, tokenizer, sched, name, str(args.model), held=held)
+    app = EngineApp(model, tokenizer, sched, name, str(args.model), held=held,
+                    reset_stack=args.reset_stack)
     runner = web.AppRunner(app.build(), access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     where = []

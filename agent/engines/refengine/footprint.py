@@ -10,6 +10,7 @@ to the GPU; so what is dropped here, before the dump, comes off both.
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 from typing import Any
@@ -17,11 +18,19 @@ from typing import Any
 log = logging.getLogger("refengine")
 
 
-def shrink(cuda: bool) -> None:
+# The CUDA default per-thread stack size, which --reset-stack goes back to.
+DEFAULT_STACK = 1024
+
+
+def shrink(cuda: bool, reset_stack: bool = False) -> None:
     """Give back what the engine keeps only as a cache, all of it made again on demand:
-    torch's unused GPU blocks and cached pinned host buffers (the weights' load staging),
-    and the host heap's free pages. Graphs keep their own pool, and cuBLAS its workspaces
-    (their addresses are baked into the graphs)."""
+    Python's unreachable objects, torch's unused GPU blocks and cached pinned host buffers
+    (the weights' load staging), and the host heap's free pages. Graphs keep their own
+    pool, and cuBLAS its workspaces (their addresses are baked into the graphs).
+    `reset_stack`: the per-thread stack back to CUDA's default, so that the local memory
+    the driver grew for a kernel that needed more is not in the image (the driver grows it
+    again at that kernel's next launch)."""
+    gc.collect()
     if cuda:
         import torch
 
@@ -29,6 +38,8 @@ def shrink(cuda: bool) -> None:
         host_empty = getattr(torch._C, "_host_emptyCache", None)
         if host_empty is not None:
             host_empty()
+        if reset_stack:
+            _set_stack_limit(DEFAULT_STACK)
     _malloc_trim()
 
 
@@ -57,11 +68,54 @@ def _stack_limit() -> int | None:
     thread the GPU can hold at once (and grows it for a kernel that needs more), which is
     part of what the CUDA checkpoint moves. None without cuda-bindings."""
     try:
-        from cuda.bindings import driver as cu
+        from cuda.bindings import runtime as rt
     except ImportError:
         return None
-    err, value = cu.cuCtxGetLimit(cu.CUlimit.CU_LIMIT_STACK_SIZE)
-    return int(value) if err == cu.CUresult.CUDA_SUCCESS else None
+    # The runtime API: it makes the primary context current on this (worker) thread.
+    err, value = rt.cudaDeviceGetLimit(rt.cudaLimit.cudaLimitStackSize)
+    return int(value) if err == rt.cudaError_t.cudaSuccess else None
+
+
+def _set_stack_limit(size: int) -> None:
+    try:
+        from cuda.bindings import runtime as rt
+    except ImportError:
+        log.warning("--reset-stack needs cuda-bindings (pip install cuda-bindings); "
+                    "the stack is left as it is")
+        return
+    (err,) = rt.cudaDeviceSetLimit(rt.cudaLimit.cudaLimitStackSize, size)
+    if err != rt.cudaError_t.cudaSuccess:
+        log.warning("prepare: the per-thread stack could not be set to %d bytes: %s",
+                    size, err)
+
+
+def largest_mappings(n: int = 6) -> list[str]:
+    """This process's `n` mappings with the most private dirty memory (what CRIU dumps of
+    the host side), as "START-END SIZE_MB dirty DIRTY_MB NAME" from /proc/self/smaps."""
+    found: list[tuple[int, str]] = []
+    head, dirty = "", 0
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                key = line.split(maxsplit=1)[0]
+                if "-" in key and not key.endswith(":"):  # a mapping's first line
+                    if head:
+                        found.append((dirty, head))
+                    head, dirty = line.strip(), 0
+                elif key == "Private_Dirty:":
+                    dirty = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return []
+    if head:
+        found.append((dirty, head))
+    out = []
+    for d, h in sorted(found, reverse=True)[:n]:
+        parts = h.split()
+        lo, _, hi = parts[0].partition("-")
+        size = (int(hi, 16) - int(lo, 16)) / 1e6
+        name = parts[5] if len(parts) > 5 else "[anon]"
+        out.append(f"{parts[0]} {size:.0f}MB dirty {d / 1e6:.0f}MB {name}")
+    return out
 
 
 def _malloc_trim() -> None:

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from agent.checkpoint.xcomp import request_amx_self
 from agent.engines.refengine import protocol as P
 from agent.engines.refengine.detok import Detokenizer
-from agent.engines.refengine.footprint import describe, shrink
+from agent.engines.refengine.footprint import describe, largest_mappings, shrink
 from agent.engines.refengine.metrics import EngineCollector
 from agent.engines.refengine.model import Llama
 from agent.engines.refengine.sampling import SamplingParams
@@ -59,8 +59,10 @@ class EngineApp:
     """
 
     def __init__(self, model: Llama, tokenizer: Tokenizer, scheduler: Scheduler,
-                 served_name: str, model_dir: str, held: HeldWeights | None = None) -> None:
+                 served_name: str, model_dir: str, held: HeldWeights | None = None,
+                 reset_stack: bool = False) -> None:
         self.model, self.tok, self.sched = model, tokenizer, scheduler
+        self.reset_stack = reset_stack  # --reset-stack: footprint.shrink
         # Weights in the holder's memory (--holder): detached by prepare, back by resume.
         self.held = held
         self.served_name, self.model_dir = served_name, model_dir
@@ -154,11 +156,12 @@ class EngineApp:
         cuda = self.model.device.type == "cuda"
         before = describe(self.model.device, self.model.graphs)
         t0 = time.monotonic()
-        shrink(cuda)
+        shrink(cuda, self.reset_stack)
         spent = time.monotonic() - t0
         after = describe(self.model.device, self.model.graphs)
         log.info("prepare: image footprint %s (before the caches were given back in %.3fs: "
                  "%s)", _figures(after), spent, _figures(before))
+        log.info("prepare: largest host mappings: %s", "; ".join(largest_mappings()))
         return after
 
     async def resume(self, request: web.Request) -> web.Response:
