@@ -419,7 +419,7 @@ def main() -> None:
     ap.add_argument("--steady-requests", type=int, default=5,
                     help="streamed requests after the first one following each recovery")
     ap.add_argument("--engine-args", default="",
-                    help="more reference-engine arguments, e.g. '--reset-stack'")
+                    help="more reference-engine arguments, e.g. --engine-args=--prepare-stack=1024")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     tag = f"{a.gib:g}gib"

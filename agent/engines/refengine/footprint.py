@@ -18,18 +18,14 @@ from typing import Any
 log = logging.getLogger("refengine")
 
 
-# The CUDA default per-thread stack size, which --reset-stack goes back to.
-DEFAULT_STACK = 1024
-
-
-def shrink(cuda: bool, reset_stack: bool = False) -> None:
+def shrink(cuda: bool, stack: int | None = None) -> None:
     """Give back what the engine keeps only as a cache, all of it made again on demand:
     Python's unreachable objects, torch's unused GPU blocks and cached pinned host buffers
     (the weights' load staging), and the host heap's free pages. Graphs keep their own
     pool, and cuBLAS its workspaces (their addresses are baked into the graphs).
-    `reset_stack`: the per-thread stack back to CUDA's default, so that the local memory
-    the driver grew for a kernel that needed more is not in the image (the driver grows it
-    again at that kernel's next launch)."""
+    `stack`: the per-thread stack set to that many bytes (CUDA's default is 1024), so that
+    local memory the driver keeps for a larger one is not in the image (the driver grows
+    it again at the launch of a kernel that needs more)."""
     gc.collect()
     if cuda:
         import torch
@@ -38,8 +34,8 @@ def shrink(cuda: bool, reset_stack: bool = False) -> None:
         host_empty = getattr(torch._C, "_host_emptyCache", None)
         if host_empty is not None:
             host_empty()
-        if reset_stack:
-            _set_stack_limit(DEFAULT_STACK)
+        if stack is not None:
+            _set_stack_limit(stack)
     _malloc_trim()
 
 
@@ -80,7 +76,7 @@ def _set_stack_limit(size: int) -> None:
     try:
         from cuda.bindings import runtime as rt
     except ImportError:
-        log.warning("--reset-stack needs cuda-bindings (pip install cuda-bindings); "
+        log.warning("--prepare-stack needs cuda-bindings (pip install cuda-bindings); "
                     "the stack is left as it is")
         return
     (err,) = rt.cudaDeviceSetLimit(rt.cudaLimit.cudaLimitStackSize, size)

@@ -71,8 +71,9 @@ class GraphSteps:
         self._prefills: dict[tuple[int, int], tuple[Any, torch.Tensor, torch.Tensor]] = {}
         self.prefill_exact = True  # False once a captured prefill answered other bits
         self._pool = torch.cuda.graph_pool_handle()
-        # One side stream for every warm-up: cuBLAS keeps a workspace per stream it ran
-        # on for the life of the process, and each workspace goes into a snapshot's image.
+        # One side stream for every warm-up and capture: cuBLAS keeps a workspace per
+        # stream it ran on for the life of the process, and each goes into a snapshot's
+        # image (with the prefill graphed too, the canary runs no cuBLAS call elsewhere).
         self._side = torch.cuda.Stream(device)
 
     def __len__(self) -> int:
@@ -146,6 +147,7 @@ class GraphSteps:
     def _record(self, fn: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
         graph = torch.cuda.CUDAGraph()
         # thread_local: the server's thread may touch CUDA (held weights) while we capture.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._side,
+                              capture_error_mode="thread_local"):
             out = fn()
         return graph, out

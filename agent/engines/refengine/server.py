@@ -60,9 +60,9 @@ class EngineApp:
 
     def __init__(self, model: Llama, tokenizer: Tokenizer, scheduler: Scheduler,
                  served_name: str, model_dir: str, held: HeldWeights | None = None,
-                 reset_stack: bool = False) -> None:
+                 prepare_stack: int | None = None) -> None:
         self.model, self.tok, self.sched = model, tokenizer, scheduler
-        self.reset_stack = reset_stack  # --reset-stack: footprint.shrink
+        self.prepare_stack = prepare_stack  # --prepare-stack: footprint.shrink
         # Weights in the holder's memory (--holder): detached by prepare, back by resume.
         self.held = held
         self.served_name, self.model_dir = served_name, model_dir
@@ -156,7 +156,7 @@ class EngineApp:
         cuda = self.model.device.type == "cuda"
         before = describe(self.model.device, self.model.graphs)
         t0 = time.monotonic()
-        shrink(cuda, self.reset_stack)
+        shrink(cuda, self.prepare_stack)
         spent = time.monotonic() - t0
         after = describe(self.model.device, self.model.graphs)
         log.info("prepare: image footprint %s (before the caches were given back in %.3fs: "
