@@ -365,8 +365,30 @@ def first_snapshot(agent: Agent) -> dict:
             "largest_files": {f["name"]: f["size"] for f in
                               sorted(m["files"], key=lambda f: -f["size"])[:6]},
             **prepare_lines(agent.path.parent / "agent.log")}
+    paths = agent.cfg["paths"]
+    image = Path(paths.get("snapshot_dir") or Path(paths["state_dir"]) / "snapshots") / m["id"]
+    snap["zero_pages"] = zero_pages(image, list(snap["largest_files"])[:3])
     log(f"snapshot {snap}")
     return snap
+
+
+def zero_pages(image: Path, names: list[str]) -> dict:
+    """Of each of CRIU's pages-N.img named: its 4 KiB pages, and how many are all zeros
+    (memory a restore reads back although a fresh mapping would hold it already)."""
+    out = {}
+    zero = bytes(4096)
+    for name in names:
+        path = image / name
+        if not name.startswith("pages-") or not path.exists():
+            continue
+        pages = zeros = 0
+        with path.open("rb", buffering=0) as f:
+            while chunk := f.read(64 << 20):
+                for i in range(0, len(chunk), 4096):
+                    pages += 1
+                    zeros += chunk[i:i + 4096] == zero
+        out[name] = {"pages": pages, "zero": zeros}
+    return out
 
 
 def prepare_lines(agent_log: Path) -> dict:
