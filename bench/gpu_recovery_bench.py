@@ -368,6 +368,10 @@ def first_snapshot(agent: Agent) -> dict:
     paths = agent.cfg["paths"]
     image = Path(paths.get("snapshot_dir") or Path(paths["state_dir"]) / "snapshots") / m["id"]
     snap["zero_pages"] = zero_pages(image, list(snap["largest_files"])[:3])
+    # What the agent left out of the image after the dump (a hybrid image only).
+    said = [x for x in (agent.path.parent / "agent.log").read_text(errors="replace")
+            .splitlines() if "all-zero pages" in x]
+    snap["zero_pages_left_out"] = said[-1].split("pitstop.snapshot: ", 1)[-1] if said else None
     log(f"snapshot {snap}")
     return snap
 
