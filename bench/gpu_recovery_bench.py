@@ -368,12 +368,29 @@ def first_snapshot(agent: Agent) -> dict:
     paths = agent.cfg["paths"]
     image = Path(paths.get("snapshot_dir") or Path(paths["state_dir"]) / "snapshots") / m["id"]
     snap["zero_pages"] = zero_pages(image, list(snap["largest_files"])[:3])
+    # Each process's GPU memory now (the engine serves again, as at the dump but with its
+    # caches refilled): beside torch's figures above, what its CUDA context holds.
+    snap["gpu_apps_mib"] = gpu_apps()
     # What the agent left out of the image after the dump (a hybrid image only).
     said = [x for x in (agent.path.parent / "agent.log").read_text(errors="replace")
             .splitlines() if "all-zero pages" in x]
     snap["zero_pages_left_out"] = said[-1].split("pitstop.snapshot: ", 1)[-1] if said else None
     log(f"snapshot {snap}")
     return snap
+
+
+def gpu_apps() -> dict[str, int]:
+    """PID -> MiB of GPU memory for every compute process, as nvidia-smi lists them."""
+    if shutil.which("nvidia-smi") is None:
+        return {}
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                          "--format=csv,noheader,nounits"], capture_output=True, text=True)
+    apps = {}
+    for line in out.stdout.splitlines():
+        pid, _, mib = line.partition(",")
+        if mib.strip().isdigit():
+            apps[pid.strip()] = int(mib)
+    return apps
 
 
 def zero_pages(image: Path, names: list[str]) -> dict:
@@ -398,7 +415,7 @@ def zero_pages(image: Path, names: list[str]) -> dict:
 def prepare_lines(agent_log: Path) -> dict:
     """What the engine said at the snapshot's prepare (the last one in the agent's log):
     its lines, and the figures of its footprint line (torch's reserved and allocated GPU
-    bytes, the process's GPU bytes as NVML counts them, host RSS by kind, graphs), which
+    bytes, the GPU's free bytes, host RSS by kind, graphs, the per-thread stack), which
     say what the image is made of beside CRIU's pages-N.img sizes."""
     lines = agent_log.read_text(errors="replace").splitlines()
     starts = [i for i, x in enumerate(lines) if "prepare: KV pool freed" in x]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
-import os
 from typing import Any
 
 log = logging.getLogger("refengine")
@@ -53,7 +52,6 @@ def describe(device: Any, graphs: int | None) -> dict[str, int | None]:
             torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
     except (AttributeError, RuntimeError):
         out["pinned_cached"] = None
-    out["process_gpu"] = _process_gpu_bytes(device)
     out["device_free"] = int(torch.cuda.mem_get_info(device)[0])
     out["stack_per_thread"] = _stack_limit()
     return out
@@ -139,40 +137,3 @@ def _rss() -> dict[str, int | None]:
     except (OSError, ValueError, IndexError):
         pass
     return out
-
-
-def _process_gpu_bytes(device: Any) -> int | None:
-    """GPU memory NVML counts for this process (the CUDA context included, which torch
-    cannot see); None without nvidia-ml-py or when NVML does not say."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        import torch
-
-        pynvml.nvmlInit()
-        try:
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            uuid = str(torch.cuda.get_device_properties(index).uuid)
-            handle = _handle_for(pynvml, uuid, index)
-            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                if p.pid == os.getpid() and p.usedGpuMemory is not None:
-                    return int(p.usedGpuMemory)
-            return None
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception as e:  # noqa: BLE001 - a figure for the log, never a failed prepare
-        log.debug("NVML: %s", e)
-        return None
-
-
-def _handle_for(pynvml: Any, uuid: str, index: int) -> Any:
-    # torch's index follows CUDA_VISIBLE_DEVICES, NVML's does not: match by UUID.
-    for i in range(pynvml.nvmlDeviceGetCount()):
-        h = pynvml.nvmlDeviceGetHandleByIndex(i)
-        got = pynvml.nvmlDeviceGetUUID(h)
-        got = got.decode() if isinstance(got, bytes) else str(got)
-        if got.removeprefix("GPU-") == uuid.removeprefix("GPU-"):
-            return h
-    return pynvml.nvmlDeviceGetHandleByIndex(index)
