@@ -517,6 +517,7 @@ def main() -> None:
         gpu = gpu_id(a.device)
         holder_dir = work / "holder"
         holder = start_holder(gpu, holder_dir, work)
+        result["holder_pid"] = holder.pid  # to tell it from the engine in gpu_apps_mib
         hcfg = {**cfg, "holder": {"enabled": True, "dir": str(holder_dir), "gpu": gpu},
                 "paths": {"state_dir": str(work / "state-holder")},
                 "snapshots": {**cfg["snapshots"],
