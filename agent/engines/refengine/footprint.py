@@ -9,33 +9,25 @@ to the GPU; so what is dropped here, before the dump, comes off both.
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import logging
 from typing import Any
+
+from agent.tenant.trim import Trimmed, give_back
 
 log = logging.getLogger("refengine")
 
 
-def shrink(cuda: bool, stack: int | None = None) -> None:
-    """Give back what the engine keeps only as a cache, all of it made again on demand:
-    Python's unreachable objects, torch's unused GPU blocks and cached pinned host buffers
-    (the weights' load staging), and the host heap's free pages. Graphs keep their own
-    pool, and cuBLAS its workspaces (their addresses are baked into the graphs).
-    `stack`: the per-thread stack set to that many bytes (CUDA's default is 1024), so that
-    local memory the driver keeps for a larger one is not in the image (the driver grows
-    it again at the launch of a kernel that needs more)."""
-    gc.collect()
-    if cuda:
-        import torch
-
-        torch.cuda.empty_cache()
-        host_empty = getattr(torch._C, "_host_emptyCache", None)
-        if host_empty is not None:
-            host_empty()
-        if stack is not None:
-            _set_stack_limit(stack)
-    _malloc_trim()
+def shrink(cuda: bool, stack: int | None = None) -> Trimmed:
+    """Give back what the engine keeps only as a cache (agent/tenant/trim.py: Python's
+    garbage, torch's unused GPU blocks and cached pinned host buffers, the heap's free
+    pages). Graphs keep their own pool, and cuBLAS its workspaces (their addresses are
+    baked into the graphs). `stack`: the per-thread stack set to that many bytes (CUDA's
+    default is 1024), so that local memory the driver keeps for a larger one is not in
+    the image (the driver grows it again at the launch of a kernel that needs more)."""
+    trimmed = give_back(cuda)
+    if cuda and stack is not None:
+        _set_stack_limit(stack)
+    return trimmed
 
 
 def describe(device: Any, graphs: int | None) -> dict[str, int | None]:
@@ -110,18 +102,6 @@ def largest_mappings(n: int = 6) -> list[str]:
         name = parts[5] if len(parts) > 5 else "[anon]"
         out.append(f"{parts[0]} {size:.0f}MB dirty {d / 1e6:.0f}MB {name}")
     return out
-
-
-def _malloc_trim() -> None:
-    # glibc keeps freed heap pages mapped (and dirty) for later mallocs; CRIU would dump
-    # them. malloc_trim(0) returns them; absent outside glibc, where nothing is done.
-    try:
-        libc = ctypes.CDLL(None)
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim.argtypes = [ctypes.c_size_t]
-    trim(0)
 
 
 def _rss() -> dict[str, int | None]:

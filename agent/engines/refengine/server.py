@@ -156,11 +156,12 @@ class EngineApp:
         cuda = self.model.device.type == "cuda"
         before = describe(self.model.device, self.model.graphs)
         t0 = time.monotonic()
-        shrink(cuda, self.prepare_stack)
+        trimmed = shrink(cuda, self.prepare_stack)
         spent = time.monotonic() - t0
         after = describe(self.model.device, self.model.graphs)
-        log.info("prepare: image footprint %s (before the caches were given back in %.3fs: "
-                 "%s)", _figures(after), spent, _figures(before))
+        log.info("prepare: %s in %.3fs", trimmed.describe(), spent)
+        log.info("prepare: image footprint %s (before the caches were given back: %s)",
+                 _figures(after), _figures(before))
         log.info("prepare: largest host mappings: %s", "; ".join(largest_mappings()))
         return after
 
