@@ -102,21 +102,22 @@ def _one(pagemap: Path, mm: Path, image_dir: Path) -> tuple[int, int]:
                 while done < nr:
                     n = min(nr - done, _CHUNK // PAGE)
                     data = _read_exact(src, n * PAGE, pages)
-                    keep_from = 0  # the chunk's kept pages not yet written start here
-                    for i in range(n):
-                        addr = vaddr + (done + i) * PAGE
-                        if data[i * PAGE:(i + 1) * PAGE] == zero and _inside(anon, addr):
+                    drop = [i for i in _zero_indices(data, n, zero)
+                            if _inside(anon, vaddr + (done + i) * PAGE)]
+                    view = memoryview(data)  # writes of its slices copy nothing
+                    prev = 0  # the first page of the chunk not yet written or dropped
+                    for i in [*drop, n]:
+                        if i > prev:  # pages prev..i-1 are kept
+                            dst.write(view[prev * PAGE:i * PAGE])
+                            if not run_len:
+                                run_start = vaddr + (done + prev) * PAGE
+                            run_len += i - prev
+                        if i < n:
                             dropped += 1
-                            dst.write(data[keep_from * PAGE:i * PAGE])
-                            keep_from = i + 1
                             if run_len:
                                 out_entries.append(_entry(run_start, run_len, flags))
                                 run_len = 0
-                            continue
-                        if not run_len:
-                            run_start = addr
-                        run_len += 1
-                    dst.write(data[keep_from * PAGE:n * PAGE])
+                        prev = i + 1
                     done += n
                 if run_len:
                     out_entries.append(_entry(run_start, run_len, flags))
@@ -137,6 +138,17 @@ def _one(pagemap: Path, mm: Path, image_dir: Path) -> tuple[int, int]:
         tmp_pages.unlink(missing_ok=True)
         tmp_map.unlink(missing_ok=True)
     return total, dropped
+
+
+def _zero_indices(data: bytes, n: int, zero: bytes) -> list[int]:
+    """Which of the `n` pages in `data` are all zeros, in order (numpy when it is there,
+    several times faster than comparing page by page)."""
+    try:
+        import numpy as np
+    except ImportError:
+        return [i for i in range(n) if data[i * PAGE:(i + 1) * PAGE] == zero]
+    words = np.frombuffer(data, dtype=np.uint64, count=n * PAGE // 8).reshape(n, PAGE // 8)
+    return np.flatnonzero(~words.any(axis=1)).tolist()
 
 
 def _read_exact(src, n: int, path: Path) -> bytes:  # type: ignore[no-untyped-def]
