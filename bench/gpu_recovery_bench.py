@@ -291,6 +291,10 @@ def rows(result: dict, gib: float, command: str) -> list[dict]:
             **({"fell_to": fell_to, **refill_figures(recs, result["weights_bytes"],
                                                      result.get("pinned_h2d_gbps"))}
                if path == "refill" else {}),
+            # The image these restores read: its size and what the engine said it held.
+            **({"image_bytes": snap.get("image_bytes"), "footprint": snap.get("footprint")}
+               if (snap := result.get("snapshot" if path == "full" else "hybrid_snapshot"))
+               and path in ("hybrid", "refill", "full") else {}),
         })
     return out
 
@@ -359,9 +363,73 @@ def first_snapshot(agent: Agent) -> dict:
             "image_bytes": sum(f["size"] for f in m["files"]), "timings": m["timings"],
             # Where the image's bytes are (CRIU's pages-N.img per process dominate).
             "largest_files": {f["name"]: f["size"] for f in
-                              sorted(m["files"], key=lambda f: -f["size"])[:6]}}
+                              sorted(m["files"], key=lambda f: -f["size"])[:6]},
+            **prepare_lines(agent.path.parent / "agent.log")}
+    paths = agent.cfg["paths"]
+    image = Path(paths.get("snapshot_dir") or Path(paths["state_dir"]) / "snapshots") / m["id"]
+    snap["zero_pages"] = zero_pages(image, list(snap["largest_files"])[:3])
+    # Each process's GPU memory now (the engine serves again, as at the dump but with its
+    # caches refilled): beside torch's figures above, what its CUDA context holds.
+    snap["gpu_apps_mib"] = gpu_apps()
+    # What the agent left out of the image after the dump (a hybrid image only).
+    said = [x for x in (agent.path.parent / "agent.log").read_text(errors="replace")
+            .splitlines() if "all-zero pages" in x]
+    snap["zero_pages_left_out"] = said[-1].split("pitstop.snapshot: ", 1)[-1] if said else None
     log(f"snapshot {snap}")
     return snap
+
+
+def gpu_apps() -> dict[str, int]:
+    """PID -> MiB of GPU memory for every compute process, as nvidia-smi lists them."""
+    if shutil.which("nvidia-smi") is None:
+        return {}
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                          "--format=csv,noheader,nounits"], capture_output=True, text=True)
+    apps = {}
+    for line in out.stdout.splitlines():
+        pid, _, mib = line.partition(",")
+        if mib.strip().isdigit():
+            apps[pid.strip()] = int(mib)
+    return apps
+
+
+def zero_pages(image: Path, names: list[str]) -> dict:
+    """Of each of CRIU's pages-N.img named: its 4 KiB pages, and how many are all zeros
+    (memory a restore reads back although a fresh mapping would hold it already)."""
+    out = {}
+    zero = bytes(4096)
+    for name in names:
+        path = image / name
+        if not name.startswith("pages-") or not path.exists():
+            continue
+        pages = zeros = 0
+        with path.open("rb", buffering=0) as f:
+            while chunk := f.read(64 << 20):
+                for i in range(0, len(chunk), 4096):
+                    pages += 1
+                    zeros += chunk[i:i + 4096] == zero
+        out[name] = {"pages": pages, "zero": zeros}
+    return out
+
+
+def prepare_lines(agent_log: Path) -> dict:
+    """What the engine said at the snapshot's prepare (the last one in the agent's log):
+    its lines, and the figures of its footprint line (torch's reserved and allocated GPU
+    bytes, the GPU's free bytes, host RSS by kind, graphs, the per-thread stack), which
+    say what the image is made of beside CRIU's pages-N.img sizes."""
+    lines = agent_log.read_text(errors="replace").splitlines()
+    starts = [i for i, x in enumerate(lines) if "prepare: KV pool freed" in x]
+    if not starts:
+        return {"prepare_log": [], "footprint": {}}
+    mine = [x for x in lines[starts[-1]:] if "prepare:" in x][:8]
+    figures: dict = {}
+    for x in mine:
+        if "image footprint " in x:
+            head = x.split("image footprint ", 1)[1].split(" (", 1)[0]
+            for pair in head.split():
+                k, _, v = pair.partition("=")
+                figures[k] = int(v) if v.lstrip("-").isdigit() else None
+    return {"prepare_log": mine, "footprint": figures}
 
 
 def starts(cfg: dict, work: Path, runs: int, what: str, steady: int) -> list[dict]:
@@ -393,6 +461,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script")
     ap.add_argument("--steady-requests", type=int, default=5,
                     help="streamed requests after the first one following each recovery")
+    ap.add_argument("--engine-args", default="",
+                    help="more reference-engine arguments, e.g. --engine-args=--prepare-stack=1024")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     tag = f"{a.gib:g}gib"
@@ -412,7 +482,8 @@ def main() -> None:
     work.mkdir(parents=True)
     cfg = {
         "engine": {"kind": "reference", "model": str(model), "device": a.device,
-                   "args": kv_args(model, a.kv_gib, a.max_len), "stop_timeout_s": 30},
+                   "args": [*kv_args(model, a.kv_gib, a.max_len), *a.engine_args.split()],
+                   "stop_timeout_s": 30},
         "paths": {"state_dir": str(work / "state")},
         # The front measures the first token after each recovery (first_tokens()).
         "front": {"host": "127.0.0.1", "port": 0},
@@ -446,6 +517,7 @@ def main() -> None:
         gpu = gpu_id(a.device)
         holder_dir = work / "holder"
         holder = start_holder(gpu, holder_dir, work)
+        result["holder_pid"] = holder.pid  # to tell it from the engine in gpu_apps_mib
         hcfg = {**cfg, "holder": {"enabled": True, "dir": str(holder_dir), "gpu": gpu},
                 "paths": {"state_dir": str(work / "state-holder")},
                 "snapshots": {**cfg["snapshots"],

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -21,6 +23,7 @@ from tests.snapshot_helpers import (
     CANARY,
     REPO,
     Counter,
+    Workload,
     identity,
     inc,
     kill_and_reap,
@@ -197,3 +200,42 @@ def test_a_full_disk_publishes_nothing_partial(tmp_path: Path):
         assert snap.store.select(ident).chosen is not None
     finally:
         subprocess.run(["umount", "-l", str(small)], check=True)
+
+
+
+def test_a_hybrid_image_leaves_zero_pages_out_and_restores_the_same_memory(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    # Private anonymous pages of zeros are not in the image (the restore maps them fresh);
+    # a private file page written with zeros is, or it would come back as the file's bytes.
+    snap = snapshotter(tmp_path / "snaps", tmp_path / "logs")
+    sock = tmp_path / "z.sock"
+    w = Workload([sys.executable, str(REPO / "tests" / "workloads" / "zeros.py"), str(sock),
+                  str(tmp_path / "backing")], sock)
+
+    def ask() -> str:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect(str(sock))
+            s.sendall(b"sum\n")
+            return s.recv(256).decode()
+
+    before = ask()
+    assert before.split()[1:] == ["0", "171"]  # the zeroed file page, the file's 0xab
+    with caplog.at_level(logging.INFO, logger="pitstop.snapshot"):
+        info = snap.capture(w.pid, canary=CANARY, identity=identity(snap.criu.version),
+                            kind="hybrid")
+    w.stop()
+    left = [int(m.split()[1]) for m in caplog.messages if m.startswith("left ")]
+    assert left and left[0] >= 4096 * 2 // 3  # the workload's zeroed pages at least
+    image = snap.store.root / info.id
+    zero, pages = bytes(4096), b"".join(p.read_bytes() for p in image.glob("pages-*.img"))
+    zeros = sum(pages[i:i + 4096] == zero for i in range(0, len(pages), 4096))
+    assert 1 <= zeros < 64  # the file's zeroed page stayed (and little else)
+    r = snap.restore(info.manifest)
+    try:
+        assert ask() == before
+    finally:
+        kill_and_reap(r.pid)
+        for f in set(r.outputs.values()):
+            f.close()
+    assert snap.store.verify(info.id).ok

@@ -286,6 +286,8 @@ def test_engine_refuses_a_missing_model_or_a_too_long_context(tmp_path: Path,
     assert r.returncode == 2 and "give --holder SOCK too" in r.stderr
     r = start("--model", str(tiny_model), "--kv-lease-s", "0")
     assert r.returncode == 2 and "--kv-lease-s 0 is out of range" in r.stderr
+    r = start("--model", str(tiny_model), "--prepare-stack", "0")
+    assert r.returncode == 2 and "--prepare-stack takes bytes" in r.stderr
     assert not (tmp_path / "s.sock").exists()
 
 

@@ -178,3 +178,29 @@ def test_a_stop_token_adds_no_text(tok: Tokenizer) -> None:
     last = d.add(ids[-1], stop_terminated=True)
     assert last.token_ids == [ids[-1]] and last.text == ""
     assert "".join(texts) + d.finish() == tok.decode(ids[:-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_with_the_sign_in_the_table_gives_hf_rotate_halfs_bits(model: Llama,
+                                                                   dtype: torch.dtype) -> None:
+    # The canary's recorded tokens depend on these bits: the folded sign must be exact.
+    half = model.config.head_dim // 2
+    cos = model._cos[:9]
+    sin = torch.cat([-model._sin_signed[:9, :half], model._sin_signed[:9, half:]], dim=-1)
+    x = torch.randn(6, 9, model.config.head_dim, generator=torch.Generator().manual_seed(3))
+    x = x.to(dtype)
+    xf = x.float()
+    hf = (xf * cos + torch.cat([-xf[..., half:], xf[..., :half]], dim=-1) * sin).to(dtype)
+    assert torch.equal(model._rope(x, cos, model._sin_signed[:9]), hf)
+
+
+def test_the_prepare_footprint_names_the_host_memory_by_kind_and_the_largest_mappings() -> None:
+    from agent.engines.refengine.footprint import describe, largest_mappings, shrink
+
+    shrink(cuda=False)
+    got = describe(torch.device("cpu"), None)
+    assert got["host_anon"] and got["host_anon"] > 0 and got["host_file"] is not None
+    assert "torch_reserved" not in got  # GPU figures only on a GPU
+    top = largest_mappings(3)
+    assert len(top) == 3 and any("[heap]" in m or "[anon]" in m for m in top)
+    assert all(" dirty " in m and "MB" in m for m in top)

@@ -24,6 +24,7 @@ from agent.checkpoint.connections import refuse_outside_connections
 from agent.checkpoint.criu import CriuBackend, DumpOptions, NetworkLock, restore_flags
 from agent.checkpoint.cuda import CudaCheckpoint, uses_cuda
 from agent.checkpoint.xcomp import Regrant, continue_tree, process_tree, regrant_tree
+from agent.checkpoint.zeropages import ImageFormatError, drop_zero_pages
 from agent.errors import RestoreBlockedError, SnapshotError
 from agent.identity import Identity
 from agent.proc import descendants, ids_in_use, kill_tree, stat
@@ -223,8 +224,26 @@ class Snapshotter:
             )
         if opts.leave_running:
             self._resume(tree.cuda_pids, timings)
+        if request.kind == "hybrid":
+            self._drop_zero_pages(staging, timings)
         return Image(process=tree, canary=request.canary, timings=timings,
                      criu_flags=dumped.flags, held=request.held)
+
+    def _drop_zero_pages(self, staging: Path, timings: dict[str, float]) -> None:
+        # A hybrid image is restored on the path that must take well under a second, and
+        # it is small (the engine's own memory): rewriting it costs about a second at the
+        # dump, once. A full image is mostly weights, which are not zeros.
+        t0 = self._clock()
+        try:
+            d = drop_zero_pages(staging)
+        except ImageFormatError as e:
+            logger.warning("zero pages kept in the image (it stays as CRIU wrote it): %s", e)
+            return
+        except OSError as e:
+            raise SnapshotError(f"dropping zero pages from {staging}: {e}") from e
+        timings["zero_pages"] = self._clock() - t0
+        logger.info("left %d all-zero pages (%.0f MB) of %d out of the image in %.2fs",
+                    d.dropped, d.bytes / 1e6, d.pages, timings["zero_pages"])
 
     def inspect(self, manifest: Manifest, image: Path) -> Skipped | None:
         """Nothing to add: the store's checksums and identity are all CRIU's image needs."""

@@ -77,3 +77,36 @@ def test_graphs_are_captured_again_after_being_dropped(tiny_model, cuda):
     assert model.graphs == 0
     assert greedy(model, pool, [3, 5, 8], 12) == first
     assert model.graphs == 1
+
+
+def one_pass(model: Llama, pool: KVPool, prompt: list[int], n: int) -> tuple[torch.Tensor,
+                                                                              list[int]]:
+    """The canary's way: the prompt in one forward call, then one token a call."""
+    slot = pool.acquire()
+    assert slot is not None
+    try:
+        kv = pool.slot_views(slot)
+        first = model.forward(prompt, 0, kv)
+        tokens = [*prompt, int(first.argmax())]
+        for i in range(len(prompt), len(prompt) + n - 1):
+            tokens.append(int(model.forward([tokens[i]], i, kv).argmax()))
+        return first, tokens[len(prompt):]
+    finally:
+        pool.release(slot)
+
+
+def test_a_short_prefill_is_replayed_from_a_graph_with_the_eager_passs_bits(tiny_model, cuda):
+    eager = Llama.load(tiny_model, cuda, "bfloat16")
+    graphed = Llama.load(tiny_model, cuda, "bfloat16", cuda_graphs=True)
+    pools = [KVPool(m.config, 2, 256, cuda, torch.bfloat16) for m in (eager, graphed)]
+    for p in pools:
+        p.allocate()
+    prompt = [1, 17, 42, 99, 7, 3, 5, 8, 13, 21, 34, 55, 89, 2, 4, 6]
+    want_logits = eager.forward(prompt, 0, pools[0].slot_views(0))
+    got_logits, got = one_pass(graphed, pools[1], prompt, 8)
+    assert torch.equal(got_logits, want_logits)
+    assert graphed.graphs == 2  # the prefill's graph and one decode span
+    again_logits, again = one_pass(graphed, pools[1], prompt, 8)
+    assert torch.equal(again_logits, want_logits) and again == got
+    assert graphed.graphs == 2  # replayed, not captured again
+    assert graphed._graphs is not None and graphed._graphs.prefill_exact

@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "may differ in the last bits from an uninterrupted one")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="on a GPU, replay one-token steps from CUDA graphs (default on)")
+    p.add_argument("--prepare-stack", type=int, metavar="BYTES",
+                   help="on a GPU, set the per-thread stack to BYTES at a snapshot's "
+                        "prepare (CUDA's default: 1024), so local memory the driver keeps "
+                        "for a larger one stays out of the image (grown again on use)")
     p.add_argument("--holder", type=Path, metavar="SOCK",
                    help="keep the weights in the holder at SOCK: attach them when held "
                         "(a warm start), else load them from disk into it and commit")
@@ -69,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.kv_lease_s is not None and not 0 < args.kv_lease_s <= 7 * 86400:
         print(f"refengine: --kv-lease-s {args.kv_lease_s:g} is out of range; give seconds "
               "above 0, at most 604800 (a week)", file=sys.stderr)
+        return 2
+    if args.prepare_stack is not None and not 0 < args.prepare_stack <= 1 << 20:
+        print("refengine: --prepare-stack takes bytes, above 0 and at most 1048576",
+              file=sys.stderr)
         return 2
     if min(args.kv_slots, args.prefill_chunk, args.threads) < 1:
         print("refengine: --kv-slots, --prefill-chunk and --threads must be at least 1",
@@ -140,7 +148,8 @@ async def _serve(args: argparse.Namespace) -> int:
     sched = Scheduler(model, pool, eos, args.prefill_chunk, on_fatal)
     sched.start()
     name = args.served_model_name or args.model.name
-    app = EngineApp(model, tokenizer, sched, name, str(args.model), held=held)
+    app = EngineApp(model, tokenizer, sched, name, str(args.model), held=held,
+                    prepare_stack=args.prepare_stack)
     runner = web.AppRunner(app.build(), access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     where = []

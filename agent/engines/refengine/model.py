@@ -137,12 +137,16 @@ class Llama:
         angles = torch.outer(positions, inv_freq)
         angles = torch.cat([angles, angles], dim=-1)  # HF's rotate_half layout
         self._cos = angles.cos().to(device=device, dtype=torch.float32)
-        self._sin = angles.sin().to(device=device, dtype=torch.float32)
+        # rotate_half's minus sign folded into the table ((-a) * s == a * (-s) exactly):
+        # one kernel fewer per rotation, the same bits.
+        sin = angles.sin()
+        self._sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(
+            device=device, dtype=torch.float32)
         self._graphs = None
         if cuda_graphs and device.type == "cuda":
             from agent.engines.refengine.graphs import GraphSteps
 
-            self._graphs = GraphSteps(self.step_static, device)
+            self._graphs = GraphSteps(self.step_static, device, self.prefill_static)
 
     @property
     def graphs(self) -> int | None:
@@ -194,12 +198,14 @@ class Llama:
         return self._w[name] * xf.to(x.dtype)
 
     @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: (heads, T, head_dim); rotate pairs (i, i + half) like HF Llama.
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        # x: (heads, T, head_dim); rotate pairs (i, i + half) like HF Llama, whose
+        # rotate_half is cat(-x2, x1): here cat(x2, x1) times a sine table that is negative
+        # over its first half.
         xf = x.float()
         half = xf.shape[-1] // 2
-        rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-        return (xf * cos + rotated * sin).to(x.dtype)
+        swapped = torch.cat([xf[..., half:], xf[..., :half]], dim=-1)
+        return (xf * cos + swapped * sin_signed).to(x.dtype)
 
     @torch.inference_mode()
     def forward(self, tokens: list[int], start: int, kv: list[tuple[torch.Tensor, torch.Tensor]]
@@ -208,11 +214,25 @@ class Llama:
         `start..start+T-1` of the slot whose per-layer (K, V) views are `kv`."""
         if self._graphs is not None and len(tokens) == 1:
             return self._graphs.run(tokens[0], start, kv).float().cpu()
+        if self._graphs is not None and start == 0 and self._graphs.can_prefill(len(tokens)):
+            return self._graphs.run_prefill(tokens, kv).float().cpu()
+        ids = torch.tensor(tokens, device=self.device)
+        return self._pass(ids, start, kv).float().cpu()
+
+    @torch.inference_mode()
+    def prefill_static(self, ids: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]]
+                       ) -> torch.Tensor:
+        """The eager pass over token ids `ids` (a device tensor) at positions 0..T-1: logits
+        in the model dtype, on the device. No host synchronisation: CUDA graphs capture it."""
+        return self._pass(ids, 0, kv)
+
+    def _pass(self, ids: torch.Tensor, start: int, kv: list[tuple[torch.Tensor, torch.Tensor]]
+              ) -> torch.Tensor:
         c = self.config
-        t = len(tokens)
+        t = ids.shape[0]
         end = start + t
         pos = torch.arange(start, end, device=self.device)
-        x = self._w["model.embed_tokens.weight"][torch.tensor(tokens, device=self.device)]
+        x = self._w["model.embed_tokens.weight"][ids]
         mask = None
         if t > 1:  # causal mask within the chunk; earlier positions are all visible
             q_pos = pos.view(-1, 1).repeat(c.num_heads // c.num_kv_heads, 1)
@@ -221,7 +241,7 @@ class Llama:
         def write(cache: torch.Tensor, values: torch.Tensor) -> None:
             cache[:, start:end] = values
 
-        return self._layers(x, pos, kv, end, mask, write)[0].float().cpu()
+        return self._layers(x, pos, kv, end, mask, write)[0]
 
     @torch.inference_mode()
     def step_static(self, token: torch.Tensor, position: torch.Tensor,
@@ -248,15 +268,20 @@ class Llama:
         t = x.shape[0]
         group = c.num_heads // c.num_kv_heads
         # Once a pass, not twice a layer: a decode step is bound by its kernel count.
-        cos, sin = self._cos[pos], self._sin[pos]
+        cos, sin = self._cos[pos], self._sin_signed[pos]
+        heads = c.num_heads
         for i, (k_cache, v_cache) in enumerate(kv):
             p = f"model.layers.{i}."
             h = self._rms_norm(x, p + "input_layernorm.weight")
             q = F.linear(h, self._w[p + "self_attn.q_proj.weight"])
             k = F.linear(h, self._w[p + "self_attn.k_proj.weight"])
             v = F.linear(h, self._w[p + "self_attn.v_proj.weight"])
-            q = self._rope(q.view(t, c.num_heads, c.head_dim).transpose(0, 1), cos, sin)
-            k = self._rope(k.view(t, c.num_kv_heads, c.head_dim).transpose(0, 1), cos, sin)
+            # Q and K rotated together: RoPE is elementwise, so one set of its kernels over
+            # both gives the bits of two (and Q comes out contiguous, no copy to reshape).
+            qk = torch.cat([q.view(t, heads, c.head_dim).transpose(0, 1),
+                            k.view(t, c.num_kv_heads, c.head_dim).transpose(0, 1)])
+            qk = self._rope(qk, cos, sin)
+            q, k = qk[:heads], qk[heads:]
             write(k_cache, k)
             write(v_cache, v.view(t, c.num_kv_heads, c.head_dim).transpose(0, 1))
             # GQA: query head h reads KV head h // group, as HF's repeat_kv does.

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from agent.checkpoint.xcomp import request_amx_self
 from agent.engines.refengine import protocol as P
 from agent.engines.refengine.detok import Detokenizer
+from agent.engines.refengine.footprint import describe, largest_mappings, shrink
 from agent.engines.refengine.metrics import EngineCollector
 from agent.engines.refengine.model import Llama
 from agent.engines.refengine.sampling import SamplingParams
@@ -58,8 +59,10 @@ class EngineApp:
     """
 
     def __init__(self, model: Llama, tokenizer: Tokenizer, scheduler: Scheduler,
-                 served_name: str, model_dir: str, held: HeldWeights | None = None) -> None:
+                 served_name: str, model_dir: str, held: HeldWeights | None = None,
+                 prepare_stack: int | None = None) -> None:
         self.model, self.tok, self.sched = model, tokenizer, scheduler
+        self.prepare_stack = prepare_stack  # --prepare-stack: footprint.shrink
         # Weights in the holder's memory (--holder): detached by prepare, back by resume.
         self.held = held
         self.served_name, self.model_dir = served_name, model_dir
@@ -138,17 +141,29 @@ class EngineApp:
             await asyncio.to_thread(self.held.detach)
             log.info("prepare: held weights detached (%d bytes, address range kept)",
                      self.held.nbytes)
+        # Caches given back now are not dumped and not restored (footprint.py).
+        footprint = await asyncio.to_thread(self._shrink)
         if self.model.device.type == "cuda":
-            import torch
-
             # What the CUDA checkpoint will move into the image besides the CUDA context's
             # own memory: the size of the image, and so of the restore, follows it.
             log.info("prepare: torch still holds %d bytes of GPU memory (%d in use: graph "
                      "pools, cuBLAS workspaces, tables); they go into a snapshot's image",
-                     torch.cuda.memory_reserved(self.model.device),
-                     torch.cuda.memory_allocated(self.model.device))
+                     footprint["torch_reserved"], footprint["torch_allocated"])
         return web.json_response({"freed_bytes": freed, **self.sched.state(),
                                   **self._held_state()})
+
+    def _shrink(self) -> dict[str, int | None]:
+        cuda = self.model.device.type == "cuda"
+        before = describe(self.model.device, self.model.graphs)
+        t0 = time.monotonic()
+        trimmed = shrink(cuda, self.prepare_stack)
+        spent = time.monotonic() - t0
+        after = describe(self.model.device, self.model.graphs)
+        log.info("prepare: %s in %.3fs", trimmed.describe(), spent)
+        log.info("prepare: image footprint %s (before the caches were given back: %s)",
+                 _figures(after), _figures(before))
+        log.info("prepare: largest host mappings: %s", "; ".join(largest_mappings()))
+        return after
 
     async def resume(self, request: web.Request) -> web.Response:
         # A CRIU restore loses the AMX permission torch's oneDNN asked for at start, and a
@@ -377,6 +392,10 @@ def _log_admitted(a: Admitted, parsed: Parsed) -> None:
     else:
         log.warning("resume: kept KV not used (%s: %s); prefilling all %d positions",
                     a.outcome.value, a.detail, n)
+
+
+def _figures(d: dict[str, int | None]) -> str:
+    return " ".join(f"{k}={'?' if v is None else v}" for k, v in d.items())
 
 
 def _error(status: int, message: str, err_type: str = "BadRequestError",

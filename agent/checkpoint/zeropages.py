@@ -1,0 +1,261 @@
+"""Drop the all-zero pages of private anonymous memory from a CRIU image.
+
+CRIU dumps every page a process has in memory, zeros included: memory written with zeros,
+the untouched rest of a transparent huge page, and (after a CUDA checkpoint) the unused
+parts of the device memory the driver copied into the process. A restore reads each one
+back into memory that a fresh anonymous mapping already holds as zeros. Without them in
+the image the restore reads less, and the memory comes back the same: CRIU maps a private
+anonymous area fresh (zero-filled), or, for one inherited from the parent, drops what
+the child's image does not hold (mem.c, restore_priv_vma_content). File-backed and shared
+mappings are left alone: a page missing there would read the file's or the other
+process's bytes, not zeros.
+
+The image formats (criu/images/pagemap.proto, mm.proto, vma.proto): each image file
+starts with two 32-bit magics, then entries, each a 32-bit length and a protobuf message.
+pagemap-<pid>.img holds a pagemap_head (pages_id) and pagemap_entry messages in address
+order; pages-<pages_id>.img holds the pages of the entries flagged PE_PRESENT, one after
+another in that order (CRIU finds a page by summing the entries before it).
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+PAGE = 4096
+PE_PRESENT = 1 << 2
+# criu/include/image.h: the status bits of a vma_entry.
+VMA_AREA_REGULAR = 1 << 0
+VMA_AREA_STACK = 1 << 1
+VMA_AREA_HEAP = 1 << 5
+VMA_ANON_PRIVATE = 1 << 9
+# Anything else set (vdso, vvar, AIO ring, SysV IPC, memfd, shadow stack, guard, plugin,
+# unsupported, ...) means the area is not plain private anonymous memory.
+_PLAIN = VMA_AREA_REGULAR | VMA_AREA_STACK | VMA_AREA_HEAP | VMA_ANON_PRIVATE
+_CHUNK = 64 << 20
+
+
+class ImageFormatError(Exception):
+    """An image file is not laid out as expected; nothing was changed."""
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """What `drop_zero_pages` did to one image directory."""
+
+    pages: int    # pages in the pages-N.img files of processes, before
+    dropped: int  # of them all zeros in private anonymous memory, now left out
+
+    @property
+    def bytes(self) -> int:
+        return self.dropped * PAGE
+
+
+def drop_zero_pages(image_dir: Path) -> Dropped:
+    """Rewrite each process's pagemap and pages image in `image_dir` without the all-zero
+    pages of its private anonymous areas. Each pair is replaced by rename, pages first (the
+    store's seal makes them durable). ImageFormatError: a pair is not laid out as expected
+    and was left as CRIU wrote it (pairs before it may be rewritten: the image is whole
+    either way); OSError: the image may be broken, do not publish it."""
+    total = dropped = 0
+    for pagemap in sorted(image_dir.glob("pagemap-*.img")):
+        pid = pagemap.name.removeprefix("pagemap-").removesuffix(".img")
+        if not pid.isdigit():  # pagemap-shmem-*.img: shared memory, left alone
+            continue
+        mm = image_dir / f"mm-{pid}.img"
+        if not mm.exists():
+            continue
+        n, d = _one(pagemap, mm, image_dir)
+        total, dropped = total + n, dropped + d
+    return Dropped(total, dropped)
+
+
+def _one(pagemap: Path, mm: Path, image_dir: Path) -> tuple[int, int]:
+    anon = _anon_private(mm)
+    magic, entries = _read_entries(pagemap)
+    if not entries:
+        raise ImageFormatError(f"{pagemap}: no pagemap_head")
+    pages_id = _fields(entries[0]).get(1)
+    if pages_id is None:
+        raise ImageFormatError(f"{pagemap}: its head names no pages image")
+    pages = image_dir / f"pages-{pages_id}.img"
+    zero = bytes(PAGE)
+    out_entries = [entries[0]]
+    total = dropped = 0
+    tmp_pages = pages.with_name(pages.name + ".nozero")
+    tmp_map = pagemap.with_name(pagemap.name + ".nozero")
+    try:
+        with pages.open("rb", buffering=0) as src, tmp_pages.open("wb") as dst:
+            for raw in entries[1:]:
+                f = _fields(raw)
+                vaddr, flags = f.get(1, 0), f.get(4, PE_PRESENT)
+                nr = f.get(5, f.get(2, 0))
+                if not flags & PE_PRESENT:
+                    out_entries.append(raw)  # no pages of its own in the file
+                    continue
+                total += nr
+                run_start = run_len = 0  # the kept pages since the last dropped one
+                done = 0
+                while done < nr:
+                    n = min(nr - done, _CHUNK // PAGE)
+                    data = _read_exact(src, n * PAGE, pages)
+                    drop = [i for i in _zero_indices(data, n, zero)
+                            if _inside(anon, vaddr + (done + i) * PAGE)]
+                    view = memoryview(data)  # writes of its slices copy nothing
+                    prev = 0  # the first page of the chunk not yet written or dropped
+                    for i in [*drop, n]:
+                        if i > prev:  # pages prev..i-1 are kept
+                            dst.write(view[prev * PAGE:i * PAGE])
+                            if not run_len:
+                                run_start = vaddr + (done + prev) * PAGE
+                            run_len += i - prev
+                        if i < n:
+                            dropped += 1
+                            if run_len:
+                                out_entries.append(_entry(run_start, run_len, flags))
+                                run_len = 0
+                        prev = i + 1
+                    done += n
+                if run_len:
+                    out_entries.append(_entry(run_start, run_len, flags))
+            if src.read(1):
+                raise ImageFormatError(f"{pages}: longer than its pagemap says")
+        if not dropped:
+            tmp_pages.unlink()
+            return total, 0
+        with tmp_map.open("wb") as m:
+            m.write(magic)
+            for raw in out_entries:
+                m.write(struct.pack("<I", len(raw)) + raw)
+        # Pages first: until the pagemap is replaced too, a restore would misread the pair,
+        # but nothing restores a draft (the store publishes it after this returns).
+        os.replace(tmp_pages, pages)
+        os.replace(tmp_map, pagemap)
+    finally:
+        tmp_pages.unlink(missing_ok=True)
+        tmp_map.unlink(missing_ok=True)
+    return total, dropped
+
+
+def _zero_indices(data: bytes, n: int, zero: bytes) -> list[int]:
+    """Which of the `n` pages in `data` are all zeros, in order (numpy when it is there,
+    several times faster than comparing page by page)."""
+    try:
+        import numpy as np
+    except ImportError:
+        return [i for i in range(n) if data[i * PAGE:(i + 1) * PAGE] == zero]
+    words = np.frombuffer(data, dtype=np.uint64, count=n * PAGE // 8).reshape(n, PAGE // 8)
+    return np.flatnonzero(~words.any(axis=1)).tolist()
+
+
+def _read_exact(src, n: int, path: Path) -> bytes:  # type: ignore[no-untyped-def]
+    data = src.read(n)
+    while len(data) < n:
+        more = src.read(n - len(data))
+        if not more:
+            raise ImageFormatError(f"{path}: shorter than its pagemap says")
+        data += more
+    return data
+
+
+def _anon_private(mm: Path) -> tuple[list[int], list[int]]:
+    """The (starts, ends) of the plain private anonymous areas in an mm image, sorted."""
+    _, entries = _read_entries(mm)
+    if len(entries) != 1:
+        raise ImageFormatError(f"{mm}: {len(entries)} mm entries, expected 1")
+    areas = []
+    for field, value in _fields_all(entries[0]):
+        if field != 14 or not isinstance(value, bytes):  # repeated vma_entry vmas = 14
+            continue
+        v = _fields(value)
+        status = v.get(7, 0)
+        if status & VMA_ANON_PRIVATE and status & VMA_AREA_REGULAR and not status & ~_PLAIN:
+            areas.append((v[1], v[2]))
+    areas.sort()
+    return [a for a, _ in areas], [b for _, b in areas]
+
+
+def _inside(areas: tuple[list[int], list[int]], addr: int) -> bool:
+    starts, ends = areas
+    i = bisect.bisect_right(starts, addr) - 1
+    return i >= 0 and addr + PAGE <= ends[i]
+
+
+def _read_entries(path: Path) -> tuple[bytes, list[bytes]]:
+    raw = path.read_bytes()
+    if len(raw) < 8:
+        raise ImageFormatError(f"{path}: too short for an image")
+    magic, at, out = raw[:8], 8, []
+    while at < len(raw):
+        if at + 4 > len(raw):
+            raise ImageFormatError(f"{path}: an entry's length is cut off")
+        (n,) = struct.unpack_from("<I", raw, at)
+        at += 4
+        if at + n > len(raw):
+            raise ImageFormatError(f"{path}: an entry runs past the end")
+        out.append(raw[at:at + n])
+        at += n
+    return magic, out
+
+
+def _varint(buf: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if at >= len(buf) or shift > 63:
+            raise ImageFormatError("a varint is cut off")
+        b = buf[at]
+        at += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, at
+        shift += 7
+
+
+def _fields_all(msg: bytes) -> list[tuple[int, int | bytes]]:
+    """A protobuf message's fields in order: varints as ints, length-delimited as bytes."""
+    out: list[tuple[int, int | bytes]] = []
+    at = 0
+    while at < len(msg):
+        key, at = _varint(msg, at)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            value, at = _varint(msg, at)
+            out.append((field, value))
+        elif wire == 2:
+            n, at = _varint(msg, at)
+            out.append((field, msg[at:at + n]))
+            at += n
+        elif wire == 1:
+            out.append((field, int.from_bytes(msg[at:at + 8], "little")))
+            at += 8
+        elif wire == 5:
+            out.append((field, int.from_bytes(msg[at:at + 4], "little")))
+            at += 4
+        else:
+            raise ImageFormatError(f"protobuf wire type {wire} is not expected here")
+    return out
+
+
+def _fields(msg: bytes) -> dict[int, int]:
+    return {f: v for f, v in _fields_all(msg) if isinstance(v, int)}
+
+
+def _put_varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _entry(vaddr: int, nr_pages: int, flags: int) -> bytes:
+    # As CRIU writes one: vaddr, compat_nr_pages 0, flags, nr_pages (page-xfer.c).
+    return (b"\x08" + _put_varint(vaddr) + b"\x10\x00" + b"\x20" + _put_varint(flags)
+            + b"\x28" + _put_varint(nr_pages))
