@@ -189,6 +189,21 @@ def test_refused_snapshots_are_counted_by_their_code(tmp_path: Path) -> None:
     assert store.ids() == ["20260101T000000Z-full-000000", stale.id]
 
 
+def test_a_snapshot_of_the_other_kind_is_neither_refused_nor_stale(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "snaps")
+    store.open(clean=True)
+    publish(store)  # a full snapshot: the full rung's to restore
+    metrics = Metrics(new_registry(), lambda: None)  # type: ignore[arg-type]
+    rung, _ = _full(store, metrics)
+    rung.kind = "hybrid"  # the hybrid rung's view of the same store
+    refusal = asyncio.run(rung.prepare(Attempt("crash")))
+    assert isinstance(refusal, Refusal) and refusal.code is RefusalCode.NO_SNAPSHOT, refusal
+    assert refusal.detail == "no snapshot yet" and rung.stale_reasons == ()
+    counted = [smp for fam in metrics.snapshots_rejected.collect() for smp in fam.samples
+               if smp.value]
+    assert counted == [], counted
+
+
 def test_status_shows_each_fallthrough_with_its_code_and_detail() -> None:
     status = AgentStatus()
     status.last_recovery = Recovery(

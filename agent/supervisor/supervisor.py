@@ -7,7 +7,7 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from agent.config import Config
@@ -33,6 +33,9 @@ log = logging.getLogger("pitstop.supervisor")
 # How often to re-arm systemd's start timeout while a long start is making progress.
 EXTEND_EVERY_S = 10.0
 HEALTH_POLL_S = 0.1
+# How often the heartbeat is refreshed while one long step (hashing the weights, a restore,
+# a dump) runs off the loop.
+BEAT_S = 1.0
 
 
 class Supervisor:
@@ -155,6 +158,41 @@ class Supervisor:
     def _beat(self) -> None:
         self.heartbeat = self._clock()
 
+    @property
+    def _step_limit_s(self) -> float:
+        # A start may take this long to become healthy; no single step of it takes longer.
+        return self.config.health.start_timeout_s
+
+    @property
+    def _stop_limit_s(self) -> float:
+        # The engine's stop timeout, then its kill and the wait for its whole tree.
+        return self.config.engine.stop_timeout_s + 30.0
+
+    @contextlib.asynccontextmanager
+    async def _working(self, what: str, limit_s: float) -> AsyncIterator[None]:
+        """Keep the heartbeat fresh while one long step runs (its work is in a thread or a
+        child process, so the loop is free), for at most `limit_s`.
+
+        A step may take longer than the watchdog allows the loop to be silent: a 64 GiB
+        model hashed, a CUDA checkpoint and dump of 40 GB. A step past its own limit is
+        stuck: the beats stop and systemd's watchdog restarts the agent. A blocking call on
+        the loop stops them too, since they run on it."""
+        end = self._clock() + limit_s
+
+        async def beat() -> None:
+            while self._clock() < end:
+                self._beat()
+                await asyncio.sleep(BEAT_S)
+            log.warning("%s still running after %.0fs: the supervisor's heartbeat stops",
+                        what, limit_s)
+
+        task = asyncio.ensure_future(beat())
+        try:
+            yield
+        finally:
+            task.cancel()
+            self._beat()
+
     async def _sleep_or_stop(self, seconds: float) -> bool:
         """Sleep; True when a stop was requested meanwhile."""
         with contextlib.suppress(TimeoutError):
@@ -206,7 +244,8 @@ class Supervisor:
         if self._before_start is not None:
             try:
                 with attempt.stage("identity"):
-                    await self._before_start()
+                    async with self._working("reading the identity", self._step_limit_s):
+                        await self._before_start()
             except IdentityError as e:
                 # Weights rewritten while they were hashed, an engine interpreter that cannot
                 # run: this start fails and is retried with backoff; the agent lives on.
@@ -225,7 +264,8 @@ class Supervisor:
                 continue
             # Off the event loop: choosing a snapshot hashes its files, asking the holder is
             # a socket round trip; health probes and the front keep running meanwhile.
-            prepared = await path.prepare(attempt)
+            async with self._working(f"preparing {path.name}", self._step_limit_s):
+                prepared = await path.prepare(attempt)
             if self._stop.is_set():
                 return
             if isinstance(prepared, Refusal):
@@ -235,7 +275,8 @@ class Supervisor:
                 attempt.stages[stage] = attempt.stages.get(stage, 0.0) + secs
             self.notifier.status(f"starting: {path.name} ({attempt.cause})")
             try:
-                engine = await path.start(attempt, prepared)
+                async with self._working(f"starting {path.name}", self._step_limit_s):
+                    engine = await path.start(attempt, prepared)
             except StartPathError as e:
                 self._fall(path.name, Fall.START_FAILED, e.refusal, fallthroughs)
                 continue
@@ -518,7 +559,9 @@ class Supervisor:
             return
         self._fire(Event.SNAPSHOT, why)
         try:
-            result = await self.capture.take(engine, self._verified_canary)
+            async with self._working("the snapshot", self.config.snapshots.quiet_timeout_s
+                                     + self._step_limit_s):
+                result = await self.capture.take(engine, self._verified_canary)
         except SnapshotError as e:
             log.error("%s", e)
             self.status.snapshot_error = self.capture.failure
@@ -571,10 +614,13 @@ class Supervisor:
         if self._cause == "drift":
             # Not urgent: let the requests in flight finish; new ones wait in the front.
             self.gate.pause_admission()
-            await self.gate.wait_quiet(self.config.snapshots.quiet_timeout_s)
+            async with self._working("waiting for requests in flight",
+                                     self.config.snapshots.quiet_timeout_s + BEAT_S):
+                await self.gate.wait_quiet(self.config.snapshots.quiet_timeout_s)
         self.gate.close(f"restarting: {self._cause}")
         self.gate.resume_admission()
-        exit = await engine.stop(self.config.engine.stop_timeout_s)
+        async with self._working("stopping the engine", self._stop_limit_s):
+            exit = await engine.stop(self.config.engine.stop_timeout_s)
         await engine.close()
         log.info("engine %d stopped for a restart (%s): %s", engine.pid, self._cause, exit)
         self.engine = None
@@ -634,7 +680,8 @@ class Supervisor:
         self.gate.close("stopping")
         engine = self.engine
         if engine is not None:
-            exit = await engine.stop(self.config.engine.stop_timeout_s)
+            async with self._working("stopping the engine", self._stop_limit_s):
+                exit = await engine.stop(self.config.engine.stop_timeout_s)
             await engine.close()
             log.info("engine %d stopped: %s", engine.pid, exit)
         self.engine = None

@@ -67,17 +67,20 @@ class SnapshotRestore:
             return Refusal(RefusalCode.SNAPSHOTS_UNAVAILABLE, f"snapshots unavailable: {e}")
         # Verifying every chunk of a multi-GB image is part of the restore's cost.
         select_s = time.monotonic() - t0
-        for s in selection.skipped:
+        # A snapshot of the other kind is the other rung's, not refused: counting it on
+        # every walk would show a stale reason while that rung restores it fine.
+        refused = [s for s in selection.skipped if s.refusal.code is not RefusalCode.WRONG_KIND]
+        for s in refused:
             log.warning("snapshot %s refused (%s): %s", s.id, s.refusal.code, s.refusal.detail)
             self._metrics.snapshots_rejected.labels(reason=s.refusal.code.value).inc()
             if s.corrupt:
                 self._quarantine(s.id, s.refusal.detail, s.refusal.code)
         m = selection.chosen
         if m is None:
-            self.stale_reasons = tuple(sorted({s.refusal.code for s in selection.skipped}))
-            if selection.skipped:
+            self.stale_reasons = tuple(sorted({s.refusal.code for s in refused}))
+            if refused:
                 said = "; ".join(f"{s.id}: {s.refusal.code}: {s.refusal.detail}"
-                                 for s in selection.skipped)
+                                 for s in refused)
                 return Refusal(RefusalCode.NO_USABLE_SNAPSHOT, f"no usable {self.noun}: {said}")
             return Refusal(RefusalCode.NO_SNAPSHOT, self._none_yet())
         self.stale_reasons = ()
