@@ -19,7 +19,14 @@ from pathlib import Path
 from agent.errors import HolderError, HolderInvariantError, ModelError
 from agent.holder import protocol as p
 from agent.holder.backends import Backend, BackendError, GpuFaultError
-from agent.holder.refill import DEFAULT_TUNING, RefillFailure, RefillJob, Tuning, make_sink
+from agent.holder.refill import (
+    DEFAULT_TUNING,
+    RefillFailure,
+    RefillJob,
+    Sink,
+    Tuning,
+    make_sink,
+)
 from agent.holder.regions import RegionTable, RequestRefused
 from agent.holder.weightplan import load_plan
 
@@ -109,6 +116,10 @@ class HolderServer:
         self._refill_tuning = refill_tuning
         self._refill_rate = refill_rate
         self._done_r, self._done_w = socket.socketpair()
+        # A sink made ahead of the refill it will serve (prepare_refill): its context,
+        # streams and pinned buffers are ready when the request comes.
+        self._ready_sink: Sink | None = None
+        self._ready_digest = ""
 
     def bind(self) -> None:
         """Take the per-GPU lock, then the socket; a second holder for the GPU is refused."""
@@ -178,6 +189,10 @@ class HolderServer:
             # Stopped mid-load: the job ends between pieces and its regions go uncommitted.
             self._refill.cancel()
             self._refill = None
+        if self._ready_sink is not None:
+            with contextlib.suppress(BackendError):
+                self._ready_sink.close()
+            self._ready_sink = None
         for sid in list(self._sessions):
             self._drop(sid)
         for pid in list(self._pidfds):
@@ -327,7 +342,9 @@ class HolderServer:
                             f": {req.detail}" if req.detail else "")
                 return p.Reply(ok=True, dropped=p.Dropped(regions=regions, bytes=freed)), []
             if req.op == "commit":
-                return p.Reply(ok=True, region=t.info(t.commit(s, req.name))), []
+                committed = t.commit(s, req.name)
+                self._drop_ready_sink_if_held(committed.digest)
+                return p.Reply(ok=True, region=t.info(committed)), []
             if req.op == "attach":
                 r = t.attach(req.name, s)
                 return p.Reply(ok=True, region=t.info(r)), list(r.allocation.fds)
@@ -376,11 +393,14 @@ class HolderServer:
             return _error(p.ErrorCode.DRIFT, f"refill of {digest} refused: {drift}")
         writer = RefillWriter(pid=os.getpid())
         t0 = time.monotonic()
-        try:
-            # First: the cuda sink makes its context and pinned buffers meanwhile.
-            sink = make_sink(self.backend, self._refill_tuning)
-        except BackendError as e:
-            return _error(p.ErrorCode.REFILL_FAILED, f"refill of {digest}: {e}")
+        sink, self._ready_sink = self._ready_sink, None
+        ready = sink is not None
+        if sink is None:
+            try:
+                # First: the cuda sink makes its context and pinned buffers meanwhile.
+                sink = make_sink(self.backend, self._refill_tuning)
+            except BackendError as e:
+                return _error(p.ErrorCode.REFILL_FAILED, f"refill of {digest}: {e}")
         try:
             allocations = []
             for r in plan.regions:
@@ -403,10 +423,42 @@ class HolderServer:
         self._refill.timings["create_s"] = time.monotonic() - t0
         if waiter is not None:
             self._refill.waiters.append(waiter)
-        log.info("refill of %s started: %d regions, %d bytes from %s", digest,
-                 len(plan.regions), plan.bytes, plan.model)
+        log.info("refill of %s started: %d regions, %d bytes from %s%s", digest,
+                 len(plan.regions), plan.bytes, plan.model,
+                 " (its sink made ahead)" if ready else "")
         self._refill.start()
         return None
+
+    def prepare_refill(self) -> None:
+        """At start-up without a refill of its own: when the directory has a plan, make the
+        sink now, so that a refill the agent asks for later is reading and copying only.
+
+        On cuda that is the device's primary context (some hundred MB of GPU memory), a
+        stream and `buffers` pinned pieces per thread (512 MiB by default) — about half a
+        second to make, a third of a 32 GiB refill. They go with the first refill."""
+        try:
+            plan = load_plan(self.directory)
+        except ModelError as e:
+            log.warning("no refill prepared: %s", e)
+            return
+        if plan is None or self._ready_sink is not None or self._complete(plan.digest):
+            return
+        try:
+            self._ready_sink = make_sink(self.backend, self._refill_tuning)
+        except BackendError as e:
+            log.warning("no refill prepared: %s", e)
+            return
+        self._ready_digest = plan.digest
+        log.info("ready to refill %s: context, streams and buffers made ahead", plan.digest)
+
+    def _drop_ready_sink_if_held(self, digest: str) -> None:
+        """An engine committed the plan's weights itself: no refill will need the sink."""
+        if self._ready_sink is None or digest != self._ready_digest or not self._complete(digest):
+            return
+        with contextlib.suppress(BackendError):
+            self._ready_sink.close()
+        self._ready_sink = None
+        log.info("no longer ready to refill %s: an engine committed the weights", digest)
 
     def refill_from_plan(self) -> None:
         """At start-up: load the weights the plan in the directory names, if there is one."""
@@ -493,6 +545,8 @@ def run_holder(backend_kind: str, gpu: str, base: Path, max_bytes: int | None = 
             # Ready before the load ends: the agent's refill request joins this load, and
             # the regions stay invisible to tenants until all of them are committed.
             server.refill_from_plan()
+        else:
+            server.prepare_refill()
     except BaseException:
         server.close()
         raise
