@@ -254,15 +254,21 @@ def test_a_holder_started_beside_a_plan_refills_by_itself(tmp_path, model):
         h.stop()
 
 
-def test_a_holder_that_does_not_refill_at_start_has_the_refill_ready_for_when_it_is_asked(
-        tmp_path, model):
-    # On cuda, the context, streams and pinned buffers take about a third of a 32 GiB load.
+def _ready_holder(tmp_path: Path, model: Path) -> tuple[Holder, RefillPlan]:
+    """A holder started with a plan beside it and --no-refill, once its sink is made."""
     base = tmp_path / "holder"
     (base / "cpu").mkdir(parents=True, mode=0o700)
     plan = plan_for(model, base / "cpu")
     h = Holder(base, "--no-refill")
+    wait_for(lambda: f"ready to refill {plan.digest}" in h.log.read_text(), "the sink")
+    return h, plan
+
+
+def test_a_holder_that_does_not_refill_at_start_has_the_refill_ready_for_when_it_is_asked(
+        tmp_path, model):
+    # On cuda, the context, streams and pinned buffers take about a third of a 32 GiB load.
+    h, plan = _ready_holder(tmp_path, model)
     try:
-        wait_for(lambda: f"ready to refill {plan.digest}" in h.log.read_text(), "the sink")
         assert h.stats().bytes_committed == 0
         assert h.client().refill(plan.digest).bytes == plan.bytes
         assert f"refill of {plan.digest} started: " in h.log.read_text()
@@ -272,12 +278,8 @@ def test_a_holder_that_does_not_refill_at_start_has_the_refill_ready_for_when_it
 
 
 def test_weights_an_engine_committed_itself_leave_nothing_ready_to_refill(tmp_path, model):
-    base = tmp_path / "holder"
-    (base / "cpu").mkdir(parents=True, mode=0o700)
-    plan = plan_for(model, base / "cpu")
-    h = Holder(base, "--no-refill")
+    h, plan = _ready_holder(tmp_path, model)
     try:
-        wait_for(lambda: f"ready to refill {plan.digest}" in h.log.read_text(), "the sink")
         with h.client() as c:  # the engine's first start: it loads the regions itself
             for r in plan.regions:
                 c.create(r.name, r.size, plan.digest, parts=len(plan.regions)).close()
