@@ -321,10 +321,19 @@ def start_holder(gpu: str, holder_dir: Path, workdir: Path, *extra: str) -> subp
     return p
 
 
+def stop_holder(holder: subprocess.Popen) -> None:
+    """SIGTERM (it frees what it holds), SIGKILL if it has not gone in two minutes."""
+    holder.send_signal(signal.SIGTERM)
+    try:
+        holder.wait(120)
+    except subprocess.TimeoutExpired:
+        holder.kill()
+        holder.wait()
+
+
 def restart_holder(holder: subprocess.Popen, gpu: str, holder_dir: Path,
                    workdir: Path) -> subprocess.Popen:
-    holder.send_signal(signal.SIGTERM)
-    holder.wait(120)
+    stop_holder(holder)
     (holder_dir / gpu / "holder.sock").unlink(missing_ok=True)
     # Empty when the engine dies: a holder left to refill at its start would race the kill.
     return start_holder(gpu, holder_dir, workdir, "--no-refill")
@@ -553,8 +562,7 @@ def main() -> None:
             if "warm" in paths:
                 result["warm"] = starts(hcfg, work, a.runs, "warm start", a.steady_requests)
         finally:
-            holder.send_signal(signal.SIGTERM)
-            holder.wait(120)
+            stop_holder(holder)
         save(result, a, tag, finished=False)
 
     if "full" in paths:

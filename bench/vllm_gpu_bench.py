@@ -74,6 +74,7 @@ from gpu_recovery_bench import (  # noqa: E402
     machine,
     recover,
     start_holder,
+    stop_holder,
 )
 
 from agent.engines.vllm.cli import FLASHINFER_SAMPLER, VllmFeatures, read_features  # noqa: E402
@@ -341,11 +342,7 @@ def holder_phase(result: dict, cfg: dict, a: argparse.Namespace, model: Path, wo
             finally:
                 agent.stop()
     finally:
-        holder.send_signal(signal.SIGTERM)
-        try:
-            holder.wait(120)
-        except subprocess.TimeoutExpired:
-            holder.kill()
+        stop_holder(holder)
 
 
 def main() -> None:

@@ -189,10 +189,7 @@ class HolderServer:
             # Stopped mid-load: the job ends between pieces and its regions go uncommitted.
             self._refill.cancel()
             self._refill = None
-        if self._ready_sink is not None:
-            with contextlib.suppress(BackendError):
-                self._ready_sink.close()
-            self._ready_sink = None
+        self._discard_ready_sink()
         for sid in list(self._sessions):
             self._drop(sid)
         for pid in list(self._pidfds):
@@ -455,10 +452,14 @@ class HolderServer:
         """An engine committed the plan's weights itself: no refill will need the sink."""
         if self._ready_sink is None or digest != self._ready_digest or not self._complete(digest):
             return
-        with contextlib.suppress(BackendError):
-            self._ready_sink.close()
-        self._ready_sink = None
+        self._discard_ready_sink()
         log.info("no longer ready to refill %s: an engine committed the weights", digest)
+
+    def _discard_ready_sink(self) -> None:
+        if self._ready_sink is not None:
+            with contextlib.suppress(BackendError):
+                self._ready_sink.close()
+            self._ready_sink = None
 
     def refill_from_plan(self) -> None:
         """At start-up: load the weights the plan in the directory names, if there is one."""
