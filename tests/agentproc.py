@@ -123,6 +123,12 @@ class RunningAgent:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def log_tail(self, chars: int = 4000) -> str:
+        """The end of the log for a failure message, without the engine's access lines for
+        the agent's own health checks (one a second: minutes of them hide what happened)."""
+        kept = [line for line in self.log().splitlines() if '"GET /health' not in line]
+        return "\n".join(kept)[-chars:]
+
     def status(self) -> dict:
         try:
             return json.loads(self.status_path.read_text())
@@ -138,10 +144,10 @@ class RunningAgent:
                 return st
             if self.proc.poll() is not None:
                 raise AssertionError(f"agent exited ({self.proc.returncode}) waiting for {what}"
-                                     f"\n{self.log()[-4000:]}")
+                                     f"\n{self.log_tail()}")
             time.sleep(0.1)
         raise AssertionError(f"timed out waiting for {what}; status {self.status()}"
-                             f"\n{self.log()[-4000:]}")
+                             f"\n{self.log_tail()}")
 
     def wait_ready(self, timeout: float = 120, after_pid: int | None = None) -> dict:
         return self.wait_for(

@@ -60,7 +60,7 @@ def test_a_crash_while_the_snapshot_disk_is_full_is_restored_and_the_snapshot_ke
                             str(a.config_path)], capture_output=True, text=True, cwd=REPO,
                            timeout=120)
         assert r.returncode != 0, r.stdout
-        assert a.proc.poll() is None, a.log()[-3000:]
+        assert a.proc.poll() is None, a.log_tail(3000)
         assert a.status()["state"] == "ready" and complete(a) == before
         assert [s["id"] for s in snapshot_list(a)] == [snap["id"]]
     finally:

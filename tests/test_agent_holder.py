@@ -30,7 +30,7 @@ def test_a_cold_start_fills_the_holder_and_a_crash_comes_back_through_a_hybrid_r
     os.kill(a.status()["engine_pid"], signal.SIGKILL)
     st = a.wait_recovered(1)
     rec = st["last_recovery"]
-    assert rec["path"] == "hybrid", (rec, a.log()[-3000:])
+    assert rec["path"] == "hybrid", (rec, a.log_tail(3000))
     assert "criu_restore" in rec["stages"] and "resume" in rec["stages"]
     assert complete(a) == before
     assert "held weights re-attached at the same addresses" in a.log()

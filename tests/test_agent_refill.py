@@ -72,7 +72,7 @@ def test_a_holder_restarted_empty_is_refilled_and_the_hybrid_image_answers_the_c
         assert empty.stats().bytes_held == 0
         os.kill(a.status()["engine_pid"], signal.SIGKILL)
         rec = a.wait_recovered(1)["last_recovery"]
-        assert rec["path"] == "refill", (rec, a.log()[-3000:])
+        assert rec["path"] == "refill", (rec, a.log_tail(3000))
         assert "hybrid skipped" in falls(rec) and "is gone" in falls(rec)
         assert {"refill", "criu_restore", "resume"} <= set(rec["stages"])
         with empty.client() as c:

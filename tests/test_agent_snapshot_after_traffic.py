@@ -77,7 +77,7 @@ def test_a_snapshot_after_streaming_and_whole_answers_is_taken_and_restored(manu
     a, kind = manual
     _traffic(a)
     r = _create(a)
-    assert r.returncode == 0, r.stderr + a.log()[-3000:]
+    assert r.returncode == 0, r.stderr + a.log_tail(3000)
     [snap] = snapshot_list(a)
     assert snap["kind"] == kind and snap["id"] == json.loads(r.stdout)["id"]
     before = complete(a)  # the front opens its connections to the engine again
@@ -190,7 +190,7 @@ def test_vllm_a_snapshot_after_whole_and_streaming_answers_through_the_front_is_
         a.wait_ready(timeout=BOOT_S)
         _traffic(a)
         r = _create(a)
-        assert r.returncode == 0, r.stderr + a.log()[-3000:]
+        assert r.returncode == 0, r.stderr + a.log_tail(3000)
         [snap] = snapshot_list(a)
         assert snap["id"] == json.loads(r.stdout)["id"]
         _traffic(a, n=1)  # served on after the dump, on new connections

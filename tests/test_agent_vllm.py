@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import openai
@@ -135,7 +135,7 @@ def agent(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
             a.engines.add(a.status().get("engine_pid") or 0)
         rc = a.stop(timeout=60)
         left = {pid: _session_pids(pid) for pid in a.engines if pid}
-        print(f"\nagent log tail:\n{a.log()[-3000:]}", file=sys.stderr)
+        print(f"\nagent log tail:\n{a.log_tail(3000)}", file=sys.stderr)
         assert rc == 0, f"agent exited {rc}"
         assert not any(left.values()), f"engine processes left after the agent stopped: {left}"
 
@@ -369,41 +369,73 @@ def test_sigkill_of_the_api_server_mid_stream_is_restored_and_the_stream_finishe
     whole = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=LONG, temperature=0)
     # The stream's connection to the engine dies with the API server; the front holds the
     # client and continues the answer on the restored engine from the last token sent.
-    out: dict = {}
-    started = threading.Event()
-    streamer = threading.Thread(target=_stream, args=(client, out, started))
-    streamer.start()
-    assert started.wait(BOOT_S) and "stream" not in out, out
-    os.kill(pid, signal.SIGKILL)
-    st = _restored(agent, client, 1, "crash")
+    stream = _Stream(agent, client, lambda: os.kill(pid, signal.SIGKILL))
+    st = _restored(agent, client, stream.recoveries + 1, "crash")
     # CRIU gives the tree its PIDs back.
     assert st["engine_pid"] == pid
-    streamer.join(BOOT_S)
-    assert not streamer.is_alive()
-    assert not isinstance(out["stream"], Exception), out["stream"]
-    text, finish, usage = out["stream"]
-    assert (finish, usage) == ("length", LONG), out["stream"]
+    text, finish, usage = stream.result()
+    assert (finish, usage) == ("length", LONG), stream
     assert text == whole.choices[0].text, (text, whole.choices[0].text)
 
 
-def _stream(client: openai.OpenAI, out: dict, started: threading.Event) -> None:
-    try:
-        text, finish, usage = "", None, None
-        for chunk in client.completions.create(model=NAME, prompt=PROMPT, max_tokens=LONG,
-                                               temperature=0, stream=True,
-                                               stream_options={"include_usage": True}):
-            if chunk.choices:
-                text += chunk.choices[0].text
-                finish = chunk.choices[0].finish_reason or finish
-                if len(text) >= 8:
-                    started.set()
-            if chunk.usage:
-                usage = chunk.usage.completion_tokens
-        out["stream"] = (text, finish, usage)
-    except Exception as e:  # noqa: BLE001 - the test reports whatever the client saw
-        out["stream"] = e
-    finally:
-        started.set()
+class _Stream:
+    """A streaming completion of LONG tokens, read in a thread of its own that kills the
+    engine itself as soon as the first words have come. A kill sent from the test's thread
+    raced the answer: LONG tokens take a few tenths of a second on the tiny model, and on a
+    faster machine the stream was over before the test's thread ran again."""
+
+    def __init__(self, agent: VllmAgent, client: openai.OpenAI,
+                 kill: Callable[[], None]) -> None:
+        # The agent's count of recoveries before the kill: the one this kill causes is next.
+        self.recoveries = int(agent.status().get("restarts", 0))
+        self.killed_after = ""  # the text the client had when its reader killed the engine
+        self.outcome: tuple[str, str | None, int | None] | Exception | None = None
+        self._client, self._kill = client, kill
+        self._killed = threading.Event()
+        self._thread = threading.Thread(target=self._read)
+        self._thread.start()
+        assert self._killed.wait(BOOT_S) and self.killed_after, \
+            f"the stream ended before the engine was killed under it: {self}"
+
+    def _read(self) -> None:
+        try:
+            text, finish, usage = "", None, None
+            for chunk in self._client.completions.create(
+                    model=NAME, prompt=PROMPT, max_tokens=LONG, temperature=0, stream=True,
+                    stream_options={"include_usage": True}):
+                if chunk.choices:
+                    text += chunk.choices[0].text
+                    finish = chunk.choices[0].finish_reason or finish
+                    if len(text) >= 8 and not self.killed_after:
+                        self.killed_after = text
+                        self._kill()
+                        self._killed.set()
+                if chunk.usage:
+                    usage = chunk.usage.completion_tokens
+            self.outcome = (text, finish, usage)
+        except Exception as e:  # noqa: BLE001 - the test reports whatever the client saw
+            self.outcome = e
+        finally:
+            self._killed.set()
+
+    def result(self) -> tuple[str, str | None, int | None]:
+        """What the client was answered in the end, once the stream is over."""
+        self._thread.join(BOOT_S)
+        assert not self._thread.is_alive(), f"the stream did not end: {self}"
+        assert not isinstance(self.outcome, Exception), self.outcome
+        assert self.outcome is not None, self
+        return self.outcome
+
+    def __repr__(self) -> str:
+        return f"_Stream(killed after {self.killed_after!r}, outcome {self.outcome!r})"
+
+
+def _resumed_completions(agent: VllmAgent) -> float:
+    """The front's count of completions it resumed on a recovered engine."""
+    with urllib.request.urlopen(agent.metrics_url, timeout=10) as r:
+        found = re.search(r'pitstop_front_resumed_requests_total'
+                          r'{endpoint="/v1/completions"} (\S+)', r.read().decode())
+    return float(found.group(1)) if found else 0.0
 
 
 def test_sigkill_of_the_engine_core_mid_stream_is_restored_and_the_stream_finishes(
@@ -412,25 +444,16 @@ def test_sigkill_of_the_engine_core_mid_stream_is_restored_and_the_stream_finish
     whole = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=LONG, temperature=0)
     # A streaming answer is under way when the core dies: vLLM ends it with an error event
     # (EngineDeadError), which the front hides and resumes from on the restored engine.
-    out: dict = {}
-    started = threading.Event()
-    streamer = threading.Thread(target=_stream, args=(client, out, started))
-    streamer.start()
-    assert started.wait(BOOT_S) and "stream" not in out, out
-    os.kill(_engine_core(pid), signal.SIGKILL)
-    st = _restored(agent, client, 2, ("crash", "hang"))
-    streamer.join(BOOT_S)
-    assert not streamer.is_alive()
-    assert not isinstance(out["stream"], Exception), out["stream"]
-    text, finish, usage = out["stream"]
-    assert (finish, usage) == ("length", LONG), out["stream"]
+    core = _engine_core(pid)
+    resumed_before = _resumed_completions(agent)
+    stream = _Stream(agent, client, lambda: os.kill(core, signal.SIGKILL))
+    st = _restored(agent, client, stream.recoveries + 1, ("crash", "hang"))
+    text, finish, usage = stream.result()
+    assert (finish, usage) == ("length", LONG), stream
     assert text == whole.choices[0].text, (text, whole.choices[0].text)
-    with urllib.request.urlopen(agent.metrics_url, timeout=10) as r:
-        resumed = re.search(r'pitstop_front_resumed_requests_total'
-                            r'{endpoint="/v1/completions"} (\S+)', r.read().decode())
-    assert resumed and float(resumed.group(1)) >= 1, "the cut stream was not resumed"
+    assert _resumed_completions(agent) > resumed_before, "the cut stream was not resumed"
     failure = re.search(rf"engine failed \((\w+)\): engine {pid} (.*)", agent.log())
-    assert failure, agent.log()[-3000:]
+    assert failure, agent.log_tail(3000)
     if st["last_recovery"]["cause"] == "crash":
         # The API server may exit 0 when its core dies: a crash all the same.
         assert "exited" in failure.group(2) or "killed" in failure.group(2), failure.group(0)
@@ -439,9 +462,10 @@ def test_sigkill_of_the_engine_core_mid_stream_is_restored_and_the_stream_finish
 def test_a_stopped_api_server_is_a_hang_and_is_restored(agent: VllmAgent,
                                                         client: openai.OpenAI):
     pid = agent.engine_pid()
+    recoveries = int(agent.status().get("restarts", 0))
     os.kill(pid, signal.SIGSTOP)
     try:
-        _restored(agent, client, 3, "hang")
+        _restored(agent, client, recoveries + 1, "hang")
         assert re.search(rf"engine {pid} failed 3 health checks in a row", agent.log())
     finally:
         with contextlib.suppress(ProcessLookupError):

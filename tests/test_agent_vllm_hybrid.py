@@ -110,7 +110,7 @@ def node(plugin_dir: Path, tmp_path_factory: pytest.TempPathFactory,
         yield HybridNode(a, holder, model)
     finally:
         rc = a.stop(timeout=60)
-        print(f"\nagent log tail:\n{a.log()[-3000:]}", file=sys.stderr)
+        print(f"\nagent log tail:\n{a.log_tail(3000)}", file=sys.stderr)
         holder.stop()
         assert rc == 0, f"agent exited {rc}"
 
@@ -140,7 +140,7 @@ def test_the_first_start_loads_the_weights_into_the_holder_and_snapshots_without
     assert st["last_recovery"]["path"] == "cold", st["last_recovery"]
     node.first_answer = _greedy(client)
     [snap] = _snapshots(node.agent)
-    assert snap["kind"] == "hybrid", (snap, node.agent.log()[-4000:])
+    assert snap["kind"] == "hybrid", (snap, node.agent.log_tail(4000))
     node.first_image = snap["image_bytes"]
     m = _manifest(node.agent, snap["id"])
     [(region, held)] = m.held.items()
@@ -158,7 +158,7 @@ def test_the_first_start_loads_the_weights_into_the_holder_and_snapshots_without
 def _hybrid_back(node: HybridNode, client: openai.OpenAI, n: int, causes: tuple[str, ...]) -> dict:
     st = node.agent.wait_recovered(n, timeout=BOOT_S)
     rec = st["last_recovery"]
-    assert (rec["path"], rec["result"]) == ("hybrid", "success"), (rec, node.agent.log()[-3000:])
+    assert (rec["path"], rec["result"]) == ("hybrid", "success"), (rec, node.agent.log_tail(3000))
     assert rec["cause"] in causes and rec["fallthroughs"] == [], rec
     assert {"criu_restore", "resume", "verify"} <= set(rec["stages"]), rec
     print(f"\nrecovery {n} ({rec['cause']}): hybrid restore in {rec['duration_s']:.2f}s, "
@@ -196,7 +196,7 @@ def test_with_no_image_a_warm_start_attaches_the_held_weights_instead_of_reading
     os.kill(a.status()["engine_pid"], signal.SIGKILL)
     st = a.wait_recovered(3, timeout=BOOT_S)
     rec = st["last_recovery"]
-    assert (rec["path"], rec["result"]) == ("warm", "success"), (rec, a.log()[-3000:])
+    assert (rec["path"], rec["result"]) == ("warm", "success"), (rec, a.log_tail(3000))
     falls = " | ".join(fallthroughs(rec))
     assert "hybrid skipped: no snapshot" in falls and "full skipped: no snapshot" in falls, falls
     # The loader attached the committed set: no weight was read from disk.

@@ -172,7 +172,7 @@ def vllm_agent(venv: Path, tiny_model: Path,
         yield agent
     finally:
         rc = agent.stop(timeout=60)
-        assert rc == 0, f"agent exited {rc}:\n{agent.log()[-3000:]}"
+        assert rc == 0, f"agent exited {rc}:\n{agent.log_tail(3000)}"
 
 
 def venv_pitstop(agent: RunningAgent) -> Path:

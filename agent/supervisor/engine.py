@@ -51,8 +51,13 @@ class EngineProcess:
         exit = await eng.wait()
     """
 
-    def __init__(self, pid: int, stdout: int | None = None) -> None:
+    def __init__(self, pid: int, stdout: int | None = None,
+                 health_path: str | None = None) -> None:
         self.pid = pid
+        # The engine's access-log line for a health check the agent made and it passed:
+        # one a second, which would bury the engine's own lines in the journal. A failed
+        # check (any other status) is still logged.
+        self._quiet = f'"GET {health_path} HTTP/1.1" 200' if health_path else None
         self.started = time.monotonic()
         self._pidfd = os.pidfd_open(pid)
         self._exit: asyncio.Future[Exit] = asyncio.get_running_loop().create_future()
@@ -64,7 +69,7 @@ class EngineProcess:
             self._log_task = asyncio.ensure_future(self._forward_log(stdout))
 
     @classmethod
-    def spawn(cls, spec: LaunchSpec) -> EngineProcess:
+    def spawn(cls, spec: LaunchSpec, health_path: str | None = None) -> EngineProcess:
         """Start the engine from the calling thread, which must live as long as the agent
         (the event loop's): the engine is SIGKILLed when that thread exits."""
         env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
@@ -87,13 +92,14 @@ class EngineProcess:
         assert p.stdout is not None
         fd = os.dup(p.stdout.fileno())
         p.stdout.close()
-        return cls(p.pid, stdout=fd)
+        return cls(p.pid, stdout=fd, health_path=health_path)
 
     @classmethod
-    def adopt(cls, pid: int, stdout: int | None = None) -> EngineProcess:
+    def adopt(cls, pid: int, stdout: int | None = None,
+              health_path: str | None = None) -> EngineProcess:
         """A process tree restored by CRIU, re-parented to us as its subreaper."""
         proc.own(pid)
-        return cls(pid, stdout=stdout)
+        return cls(pid, stdout=stdout, health_path=health_path)
 
     def _on_exit(self) -> None:
         loop = asyncio.get_running_loop()
@@ -120,7 +126,9 @@ class EngineProcess:
             lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0))
         try:
             while line := await reader.readline():
-                log.info("[%d] %s", self.pid, line.decode(errors="replace").rstrip())
+                text = line.decode(errors="replace").rstrip()
+                if self._quiet is None or self._quiet not in text:
+                    log.info("[%d] %s", self.pid, text)
         except (ValueError, asyncio.LimitOverrunError):
             pass
         finally:

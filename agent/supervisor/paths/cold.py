@@ -43,7 +43,7 @@ class ColdStart:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(spec.socket)
         with attempt.stage("spawn"):
-            return EngineProcess.spawn(spec)
+            return EngineProcess.spawn(spec, self._adapter.health_path)
 
     async def after_verified(self, engine: EngineProcess,
                              prepared: Prepared[ExtraArgs]) -> None:

@@ -161,7 +161,8 @@ class FullRestore(SnapshotRestore):
         fd = os.dup(out.fileno()) if out is not None else None
         for f in {id(f): f for f in restored.outputs.values()}.values():
             f.close()
-        engine = EngineProcess.adopt(restored.pid, stdout=fd)
+        engine = EngineProcess.adopt(restored.pid, stdout=fd,
+                                      health_path=self._adapter.health_path)
         log.info("restored snapshot %s as PID %d", manifest.id, restored.pid)
         # What prepare dropped before the dump (the KV pool; in a hybrid image the held
         # weights' mapping) comes back before the canary.
