@@ -14,6 +14,8 @@ import socket
 import struct
 import sys
 
+from serve import serve
+
 path = sys.argv[1]
 peer = sys.argv[sys.argv.index("--peer") + 1] if "--peer" in sys.argv else None
 
@@ -49,22 +51,20 @@ else:
     out = socket.create_connection(listener.getsockname())
     back, _ = listener.accept()
 
-if os.path.exists(path):
-    os.unlink(path)
-srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-srv.bind(path)
-srv.listen(8)
-print(f"ready {os.getpid()}", flush=True)
 carried = 0
-while True:
-    conn, _ = srv.accept()
-    with conn:
-        if conn.recv(64).strip() != b"ping":
-            continue
-        for m in (kept, gone):
-            m[:8] = struct.pack("<Q", struct.unpack("<Q", m[:8])[0] + 1)
-        out.sendall(b"x")
-        if back is not None:
-            carried += len(back.recv(1))
-        conn.sendall(b"%d %d %d\n" % (struct.unpack("<Q", kept[:8])[0],
-                                      struct.unpack("<Q", gone[:8])[0], carried))
+
+
+def answer(message: bytes) -> bytes | None:
+    global carried
+    if message.strip() != b"ping":
+        return None
+    for m in (kept, gone):
+        m[:8] = struct.pack("<Q", struct.unpack("<Q", m[:8])[0] + 1)
+    out.sendall(b"x")
+    if back is not None:
+        carried += len(back.recv(1))
+    return b"%d %d %d\n" % (struct.unpack("<Q", kept[:8])[0],
+                             struct.unpack("<Q", gone[:8])[0], carried)
+
+
+serve(path, answer)

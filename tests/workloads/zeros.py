@@ -5,8 +5,9 @@ written with zeros. Answers "sum" over a Unix socket with a digest of all of it.
 import hashlib
 import mmap
 import os
-import socket
 import sys
+
+from serve import serve
 
 path, backing = sys.argv[1], sys.argv[2]
 PAGE, PAGES = 4096, 4096  # 16 MiB
@@ -27,14 +28,10 @@ def digest() -> str:
     return hashlib.sha256(bytes(anon) + bytes(filemap)).hexdigest()
 
 
-if os.path.exists(path):
-    os.unlink(path)
-srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-srv.bind(path)
-srv.listen(8)
-print(f"ready {os.getpid()}", flush=True)
-while True:
-    conn, _ = srv.accept()
-    with conn:
-        if conn.recv(64).startswith(b"sum"):
-            conn.sendall(f"{digest()} {filemap[PAGE]} {filemap[0]}\n".encode())
+def answer(message: bytes) -> bytes | None:
+    if not message.startswith(b"sum"):
+        return None
+    return f"{digest()} {filemap[PAGE]} {filemap[0]}\n".encode()
+
+
+serve(path, answer)
