@@ -58,6 +58,9 @@ class HeldImageRung:
         self.tried += 1
         raise StartPathError(Refusal(RefusalCode.RESTORE_FAILED, "no hybrid image in this test"))
 
+    def start_limit_s(self, prepared: Prepared[None]) -> float:
+        return 0.0
+
     async def after_verified(self, engine, prepared: Prepared[None]) -> None:
         return None
 

@@ -123,6 +123,17 @@ class CheckpointBackend(Protocol):
     # the dumped tree): the store then stages it there (Draft.in_place).
     in_place: bool
 
+    @property
+    def create_limit_s(self) -> float:
+        """The longest a `create` may take: past it, it is stuck (the supervisor keeps
+        systemd's watchdog fed for that long, no longer)."""
+        ...
+
+    @property
+    def restore_limit_s(self) -> float:
+        """The longest a `restore` may take, likewise."""
+        ...
+
     def create(self, request: CreateRequest, staging: Path) -> Image:
         """Write the image into `staging` (an empty private directory)."""
         ...

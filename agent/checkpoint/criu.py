@@ -46,6 +46,11 @@ class NetworkLock(enum.Enum):
 DUMP_ONLY_FLAGS = ("--link-remap",)
 
 
+# The longest one `criu dump` or `criu restore` may run before it is killed: tens of GB of
+# pages at the speed of a slow disk.
+CRIU_TIMEOUT_S = 900.0
+
+
 @dataclass(frozen=True)
 class DumpOptions:
     """Choices for one dump; the defaults fit an engine the supervisor started."""
@@ -55,7 +60,7 @@ class DumpOptions:
     network_lock: NetworkLock = NetworkLock.SKIP
     shell_job: bool = False
     verbosity: int = 4
-    timeout_s: float = 900.0
+    timeout_s: float = CRIU_TIMEOUT_S
     # Run by CRIU at each dump stage (outside.post_dump_script); not recorded for the restore.
     action_script: Path | None = None
 
@@ -155,7 +160,7 @@ class CriuBackend:
         flags: tuple[str, ...] = COMMON_FLAGS,
         inherit_fds: Mapping[int, str] | None = None,
         verbosity: int = 4,
-        timeout_s: float = 900.0,
+        timeout_s: float = CRIU_TIMEOUT_S,
         leave_stopped: bool = False,
     ) -> RestoreResult:
         """Restore detached, as a child of the calling thread, which must outlive the tree

@@ -21,7 +21,13 @@ from agent.checkpoint.backend import (
     take,
 )
 from agent.checkpoint.connections import refuse_outside_connections
-from agent.checkpoint.criu import CriuBackend, DumpOptions, NetworkLock, restore_flags
+from agent.checkpoint.criu import (
+    CRIU_TIMEOUT_S,
+    CriuBackend,
+    DumpOptions,
+    NetworkLock,
+    restore_flags,
+)
 from agent.checkpoint.cuda import CudaCheckpoint, uses_cuda
 from agent.checkpoint.xcomp import Regrant, continue_tree, process_tree, regrant_tree
 from agent.checkpoint.zeropages import ImageFormatError, drop_zero_pages
@@ -122,6 +128,17 @@ class Snapshotter:
         self.regrant = regrant
         self.pid_wait_s = pid_wait_s
         self._sleep = sleep
+
+    @property
+    def create_limit_s(self) -> float:
+        # CRIU's own limit, and as long again for what has none around it: the CUDA
+        # checkpoint and restore of each process, the zero-page rewrite, the seal's hashing.
+        return 2 * CRIU_TIMEOUT_S
+
+    @property
+    def restore_limit_s(self) -> float:
+        # The wait for the image's PIDs, then CRIU and the CUDA restore, likewise.
+        return self.pid_wait_s + 2 * CRIU_TIMEOUT_S
 
     # Retention is the store's (one definition, whoever publishes into it); these read and
     # set it, as a reload does.

@@ -54,6 +54,9 @@ class EngineAdapter(Protocol):
     # How this engine's new canary records are made; a record made another way (an older
     # Pitstop's) is checked the way it was made (canary_fields), then made again this way.
     canary_method: CanaryMethod
+    # The longest its prepare, or its resume, may take in all (the control calls around a
+    # snapshot and after a restore); past it the engine is stuck.
+    control_limit_s: float
 
     def reconfigure(self, config: Config) -> None:
         """Take a reloaded configuration of the same engine kind."""

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 # The reference engine's control endpoints (agent/engines/refengine/server.py).
 PREPARE_PATH = "/pitstop/prepare"
 RESUME_PATH = "/pitstop/resume"
+# The longest a prepare or a resume may take: the reference engine gives back caches and
+# unmaps or maps its held weights.
+CONTROL_LIMIT_S = 60.0
 
 
 class ReferenceAdapter:
@@ -32,6 +35,7 @@ class ReferenceAdapter:
     # One forward call for the prompt, then decode steps from CUDA graphs: the canary costs
     # what a real request costs (one read of the weights a token), not one read a prompt token.
     canary_method = CanaryMethod.ONE_PASS_PREFILL
+    control_limit_s = CONTROL_LIMIT_S
 
     def __init__(self, config: Config) -> None:
         _check_extra(config)
@@ -81,12 +85,12 @@ class ReferenceAdapter:
         return ["--holder", str(socket), "--weights-digest", digest]
 
     async def prepare(self, probe: EngineProbe) -> Prepared:
-        answer = await probe.control(PREPARE_PATH)
+        answer = await probe.control(PREPARE_PATH, timeout=CONTROL_LIMIT_S)
         return Prepared(freed_bytes=int(answer.get("freed_bytes", 0)),
                         held=(answer.get("held") or {}).get("regions") or None)
 
     async def resume(self, probe: EngineProbe) -> None:
-        await probe.control(RESUME_PATH)
+        await probe.control(RESUME_PATH, timeout=CONTROL_LIMIT_S)
 
 
 def _check_extra(config: Config) -> None:

@@ -100,6 +100,13 @@ class Capture:
         # it as their reason to skip, and `pitstop status` shows it (snapshot_error).
         self.failure = ""
 
+    @property
+    def limit_s(self) -> float:
+        """The longest `take` may last before it is stuck: the wait for requests in flight,
+        the engine's prepare and resume, the backend's create (and the seal with it)."""
+        return (self.quiet_timeout_s + 2 * self._adapter.control_limit_s
+                + self._backend.create_limit_s)
+
     async def take(self, engine: EngineProcess, canary: CanaryRecord) -> CaptureResult:
         """A `hybrid` snapshot when the engine's weights live in the holder, else `full`."""
         t0 = time.monotonic()

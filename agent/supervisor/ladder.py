@@ -80,6 +80,11 @@ class StartPath(Protocol[T]):
         """Bring up an engine from `prepared`; raise StartPathError when it cannot."""
         ...
 
+    def start_limit_s(self, prepared: Prepared[T]) -> float:
+        """The longest `start` from `prepared` may take before it is stuck (the wait for
+        health after it is not part of it)."""
+        ...
+
     async def after_verified(self, engine: EngineProcess, prepared: Prepared[T]) -> None:
         """Work once the engine is verified (a restore path may re-attach memory here)."""
         ...

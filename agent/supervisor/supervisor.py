@@ -164,6 +164,11 @@ class Supervisor:
         return self.config.health.start_timeout_s
 
     @property
+    def _canary_timeout_s(self) -> float:
+        # A canary answer is several forward passes: more than a health check may take.
+        return max(self.config.health.timeout_s, 30.0)
+
+    @property
     def _stop_limit_s(self) -> float:
         # The engine's stop timeout, then its kill and the wait for its whole tree.
         return self.config.engine.stop_timeout_s + 30.0
@@ -275,7 +280,8 @@ class Supervisor:
                 attempt.stages[stage] = attempt.stages.get(stage, 0.0) + secs
             self.notifier.status(f"starting: {path.name} ({attempt.cause})")
             try:
-                async with self._working(f"starting {path.name}", self._step_limit_s):
+                limit = max(self._step_limit_s, path.start_limit_s(prepared))
+                async with self._working(f"starting {path.name}", limit):
                     engine = await path.start(attempt, prepared)
             except StartPathError as e:
                 self._fall(path.name, Fall.START_FAILED, e.refusal, fallthroughs)
@@ -388,12 +394,16 @@ class Supervisor:
                                 f"engine {engine.pid} not healthy within {hc.start_timeout_s:.0f}s"
                                 " (health.start_timeout_s)") from None
                     await asyncio.sleep(HEALTH_POLL_S)
+            # The canary may be asked twice (a record of an older method is made again), and
+            # a first answer after a restore can be slower than the watchdog's allowance.
             with attempt.stage("verify"):
-                name = self.adapter.model_name()
-                models = await probe.models()
-                if name not in models:
-                    raise VerifyError(f"engine serves {models}, not the configured model {name!r}")
-                await self._verify_canary(probe, name, prepared)
+                async with self._working("the canary", hc.timeout_s + 2 * self._canary_timeout_s):
+                    name = self.adapter.model_name()
+                    models = await probe.models()
+                    if name not in models:
+                        raise VerifyError(f"engine serves {models}, not the configured model "
+                                          f"{name!r}")
+                    await self._verify_canary(probe, name, prepared)
 
     async def _verify_canary(self, probe: EngineProbe, name: str,
                              prepared: Prepared[Any]) -> None:
@@ -435,7 +445,7 @@ class Supervisor:
                           method: CanaryMethod) -> CanaryAnswer:
         hc = self.config.health
         return await probe.canary(name, hc.canary.prompt, hc.canary.max_tokens,
-                                  timeout=max(hc.timeout_s, 30.0),
+                                  timeout=self._canary_timeout_s,
                                   fields=self.adapter.canary_fields(method))
 
     def _record_canary(self, answer: CanaryAnswer, method: CanaryMethod) -> CanaryRecord:
@@ -559,8 +569,7 @@ class Supervisor:
             return
         self._fire(Event.SNAPSHOT, why)
         try:
-            async with self._working("the snapshot", self.config.snapshots.quiet_timeout_s
-                                     + self._step_limit_s):
+            async with self._working("the snapshot", self.capture.limit_s):
                 result = await self.capture.take(engine, self._verified_canary)
         except SnapshotError as e:
             log.error("%s", e)

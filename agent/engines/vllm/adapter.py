@@ -52,6 +52,8 @@ DEV_ENDPOINTS = ("/collective_rpc", "/reset_prefix_cache", "/reset_mm_cache",
                  "/update_weights", "/start_weight_update", "/finish_weight_update")
 # A detach or an attach runs between engine steps; a step of a loaded engine can be long.
 RPC_TIMEOUT_S = 120.0
+# The longest one control call may take: vLLM's own RPC timeout, and the HTTP around it.
+CONTROL_LIMIT_S = RPC_TIMEOUT_S + 10
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,8 @@ class VllmAdapter:
     # vLLM's own scheduler already prefills a short prompt in one step and decodes from its
     # graphs: a plain request is the cheap one, and records have always been made that way.
     canary_method = CanaryMethod.ENGINE_DEFAULT
+    # A prepare is two control calls (the prefix cache reset, the detach), a resume one.
+    control_limit_s = 2 * CONTROL_LIMIT_S
 
     def __init__(self, config: Config,
                  read: Callable[[str, Mapping[str, str]], VllmFeatures] = read_features) -> None:
@@ -135,7 +139,7 @@ class VllmAdapter:
             return None
         # The prefix cache points into KV blocks that a detach may release (CUDA: vLLM's
         # sleep discards the KV pool): a hit after the restore would read garbage.
-        await probe.control("/reset_prefix_cache")
+        await probe.control("/reset_prefix_cache", timeout=CONTROL_LIMIT_S)
         result = await self._rpc(probe, support.RPC_DETACH)
         held = result.get("held") or {}
         return Prepared(freed_bytes=int(result.get("freed_bytes", 0)),
@@ -153,7 +157,7 @@ class VllmAdapter:
     async def _rpc(probe: EngineProbe, method: str) -> dict[str, Any]:
         answer = await probe.control("/collective_rpc",
                                      {"method": method, "timeout": RPC_TIMEOUT_S},
-                                     timeout=RPC_TIMEOUT_S + 10)
+                                     timeout=CONTROL_LIMIT_S)
         results = answer.get("results") or []
         if len(results) != 1 or not isinstance(results[0], dict):
             raise EngineError(f"vLLM's {method} answered {str(answer)[:300]}; the plugin "

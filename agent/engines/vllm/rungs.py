@@ -138,6 +138,9 @@ class VllmSnapshotRestore(SnapshotRestore):
                  self._socket, self._vllm.port)
         return engine
 
+    def start_limit_s(self, prepared: Prepared[Manifest]) -> float:
+        return self._vllm.restore_limit_s
+
     async def _close_relay_after(self, engine: EngineProcess) -> None:
         with contextlib.suppress(EngineError):
             await engine.wait()

@@ -241,6 +241,16 @@ class VllmSnapshotBackend:
                    timeout_s=snap.timeout_s, cuda_plugin_dir=snap.cuda_plugin_dir, criu=criu,
                    run=run)
 
+    @property
+    def create_limit_s(self) -> float:
+        # vLLM's create starts an engine, warms it and dumps it: several of its own steps,
+        # each allowed vllm.snapshot.timeout_s.
+        return self.timeout_s * 4
+
+    @property
+    def restore_limit_s(self) -> float:
+        return self.timeout_s * 3
+
     @staticmethod
     def artifact(image: Path) -> Path:
         """vLLM's artifact inside a snapshot directory of the store."""
@@ -315,7 +325,7 @@ class VllmSnapshotBackend:
     def create(self, request: CreateRequest, staging: Path) -> Image:
         """Run `vllm snapshot create` into `staging`/vllm: vLLM starts an engine of its own
         (`request.pid` is not used), dumps it and publishes its artifact."""
-        done = self._call("create", self.artifact(staging), self.timeout_s * 4)
+        done = self._call("create", self.artifact(staging), self.create_limit_s)
         m = self.read(self.artifact(staging))
         return Image(
             process=ProcessTree(root_pid=m.root_pid, pids=m.pids or (m.root_pid,),
@@ -354,7 +364,7 @@ class VllmSnapshotBackend:
     def restore(self, manifest: Manifest, image: Path) -> RestoredProcess:
         """Restore and verify (vLLM's own canary). The restored tree is detached from
         `vllm snapshot restore` and re-parented to the nearest subreaper: the agent."""
-        done = self._call("restore", self.artifact(image), self.timeout_s * 3)
+        done = self._call("restore", self.artifact(image), self.restore_limit_s)
         return RestoredProcess(pid=manifest.process.root_pid, snapshot_id=manifest.id,
                                outputs={}, log_path=self.artifact(image) / "child.log",
                                timings={"vllm_restore": done.duration_s})

@@ -34,6 +34,11 @@ SLOWEST_RATE = 100e6
 MIN_TIMEOUT_S = 60.0
 
 
+def refill_timeout(plan: RefillPlan) -> float:
+    """How long the holder's load of `plan` may take at the slowest rate worth waiting for."""
+    return max(MIN_TIMEOUT_S, plan.bytes / SLOWEST_RATE)
+
+
 @dataclass(frozen=True)
 class RefillWork:
     """What the refill rung's prepare found: the plan the holder loads, then the hybrid
@@ -133,7 +138,7 @@ class RefillRestore(HybridRestore):
                     prepared: Prepared[RefillWork]) -> EngineProcess:
         plan, image = prepared.plan.plan, prepared.plan.image
         manifest = image.plan
-        timeout = max(MIN_TIMEOUT_S, plan.bytes / SLOWEST_RATE)
+        timeout = refill_timeout(plan)
         with attempt.stage("refill"):
             try:
                 done = await asyncio.to_thread(self._refill, plan.digest, timeout)
@@ -149,6 +154,9 @@ class RefillRestore(HybridRestore):
             raise StartPathError(Refusal(RefusalCode.HELD_STALE, f"after the refill the held "
                                          f"weights do not match the image: {stale}"))
         return await super().start(attempt, image)
+
+    def start_limit_s(self, prepared: Prepared[RefillWork]) -> float:  # type: ignore[override]
+        return refill_timeout(prepared.plan.plan) + super().start_limit_s(prepared.plan.image)
 
     async def after_verified(self, engine: EngineProcess,  # type: ignore[override]
                              prepared: Prepared[RefillWork]) -> None:

@@ -136,6 +136,11 @@ class FullRestore(SnapshotRestore):
         # Reading the identity and verifying every chunk of a multi-GB image take seconds.
         return await asyncio.to_thread(self._choose)
 
+    def start_limit_s(self, prepared: Prepared[Manifest]) -> float:
+        # The backend's restore, then the engine's resume.
+        backend = self._backend.restore_limit_s if self._backend is not None else 0.0
+        return backend + self._adapter.control_limit_s
+
     async def start(self, attempt: Attempt, prepared: Prepared[Manifest]) -> EngineProcess:
         assert self._backend is not None and self._store is not None
         manifest = prepared.plan
