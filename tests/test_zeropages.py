@@ -8,18 +8,23 @@ from pathlib import Path
 
 import pytest
 
+from agent.checkpoint.criu import CriuBackend
+from agent.checkpoint.snapshotter import Snapshotter
 from agent.checkpoint.zeropages import (
     PAGE,
     PE_PRESENT,
     VMA_ANON_PRIVATE,
     VMA_AREA_REGULAR,
-    ImageFormatError,
+    ImageDamagedError,
     _entry,
     _fields,
     _put_varint,
     _read_entries,
     drop_zero_pages,
 )
+from agent.errors import SnapshotError
+from agent.store import SnapshotStore
+from tests.snapshot_helpers import criu
 
 MAGIC = struct.pack("<II", 0x54564319, 0x56084025)
 VMA_FILE_PRIVATE = 1 << 6
@@ -69,11 +74,37 @@ def test_zero_pages_of_anonymous_memory_go_and_the_entries_split_around_them(tmp
     assert drop_zero_pages(tmp_path) == type(d)(4, 0)  # nothing more to drop: unchanged
 
 
-def test_an_image_shorter_than_its_pagemap_is_left_as_it_was(tmp_path: Path):
+def test_an_image_shorter_than_its_pagemap_is_damaged_and_left_as_it_was(tmp_path: Path):
     anon = VMA_AREA_REGULAR | VMA_ANON_PRIVATE
     _image(tmp_path, [(0x10000, 0x10000 + 4 * PAGE, anon)], [_entry(0x10000, 4, PE_PRESENT)],
            _page(0) + _page(5))
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    with pytest.raises(ImageFormatError, match="shorter than its pagemap"):
+    with pytest.raises(ImageDamagedError, match="shorter than its pagemap"):
         drop_zero_pages(tmp_path)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_an_entry_of_the_older_format_whose_pages_are_in_the_parent_is_kept_as_it_is(
+        tmp_path: Path):
+    anon = VMA_AREA_REGULAR | VMA_ANON_PRIVATE
+    base = 0x20000
+    # No flags field, in_parent set (field 3): CRIU reads it as PE_PARENT, pages elsewhere.
+    old = _msg((1, base), (2, 2), (3, 1))
+    _image(tmp_path, [(base, base + 4 * PAGE, anon)],
+           [old, _entry(base + 2 * PAGE, 2, PE_PRESENT)], _page(0) + _page(7))
+    d = drop_zero_pages(tmp_path)
+    assert (d.pages, d.dropped) == (2, 1)
+    assert (tmp_path / "pages-3.img").read_bytes() == _page(7)
+    _, entries = _read_entries(tmp_path / "pagemap-7.img")
+    assert entries[1] == old
+    assert [(f[1], f[5], f[4]) for f in map(_fields, entries[2:])] == [
+        (base + 3 * PAGE, 1, PE_PRESENT)]
+
+
+def test_a_damaged_dump_is_a_failed_snapshot_not_one_kept_as_written(tmp_path: Path):
+    anon = VMA_AREA_REGULAR | VMA_ANON_PRIVATE
+    _image(tmp_path, [(0x10000, 0x10000 + 4 * PAGE, anon)], [_entry(0x10000, 4, PE_PRESENT)],
+           _page(0) + _page(5))
+    snap = Snapshotter(SnapshotStore(tmp_path / "snaps"), CriuBackend(criu()), None)
+    with pytest.raises(SnapshotError, match="damaged, not published.*shorter than its pagemap"):
+        snap._drop_zero_pages(tmp_path, {})

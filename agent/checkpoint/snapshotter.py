@@ -30,7 +30,7 @@ from agent.checkpoint.criu import (
 )
 from agent.checkpoint.cuda import CudaCheckpoint, uses_cuda
 from agent.checkpoint.xcomp import Regrant, continue_tree, process_tree, regrant_tree
-from agent.checkpoint.zeropages import ImageFormatError, drop_zero_pages
+from agent.checkpoint.zeropages import ImageDamagedError, ImageFormatError, drop_zero_pages
 from agent.errors import RestoreBlockedError, SnapshotError
 from agent.identity import Identity
 from agent.proc import descendants, ids_in_use, kill_tree, stat
@@ -256,6 +256,8 @@ class Snapshotter:
         except ImageFormatError as e:
             logger.warning("zero pages kept in the image (it stays as CRIU wrote it): %s", e)
             return
+        except ImageDamagedError as e:
+            raise SnapshotError(f"the dump's image is damaged, not published: {e}") from e
         except OSError as e:
             raise SnapshotError(f"dropping zero pages from {staging}: {e}") from e
         timings["zero_pages"] = self._clock() - t0

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PAGE = 4096
+# criu/include/pagemap.h: a pagemap entry's flags.
+PE_PARENT = 1 << 0
 PE_PRESENT = 1 << 2
 # criu/include/image.h: the status bits of a vma_entry.
 VMA_AREA_REGULAR = 1 << 0
@@ -39,7 +41,13 @@ _CHUNK = 64 << 20
 
 
 class ImageFormatError(Exception):
-    """An image file is not laid out as expected; nothing was changed."""
+    """An image file is not laid out as this module expects (another CRIU's format, say);
+    nothing was changed, and the image may still be sound."""
+
+
+class ImageDamagedError(Exception):
+    """An image file is cut short, or its pages and its pagemap disagree: the image as CRIU
+    wrote it cannot be restored either; nothing was changed."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +67,8 @@ def drop_zero_pages(image_dir: Path) -> Dropped:
     pages of its private anonymous areas. Each pair is replaced by rename, pages first (the
     store's seal makes them durable). ImageFormatError: a pair is not laid out as expected
     and was left as CRIU wrote it (pairs before it may be rewritten: the image is whole
-    either way); OSError: the image may be broken, do not publish it."""
+    either way); ImageDamagedError: CRIU's image itself is broken, and OSError: it may be
+    (a write failed); do not publish it either way."""
     total = dropped = 0
     for pagemap in sorted(image_dir.glob("pagemap-*.img")):
         pid = pagemap.name.removeprefix("pagemap-").removesuffix(".img")
@@ -91,7 +100,10 @@ def _one(pagemap: Path, mm: Path, image_dir: Path) -> tuple[int, int]:
         with pages.open("rb", buffering=0) as src, tmp_pages.open("wb") as dst:
             for raw in entries[1:]:
                 f = _fields(raw)
-                vaddr, flags = f.get(1, 0), f.get(4, PE_PRESENT)
+                # An entry without flags is of CRIU's older format: its `in_parent` (field 3)
+                # meant the pages are in the parent image (CRIU's init_compat_pagemap_entry).
+                vaddr = f.get(1, 0)
+                flags = f.get(4, PE_PARENT if f.get(3) else PE_PRESENT)
                 nr = f.get(5, f.get(2, 0))
                 if not flags & PE_PRESENT:
                     out_entries.append(raw)  # no pages of its own in the file
@@ -122,7 +134,7 @@ def _one(pagemap: Path, mm: Path, image_dir: Path) -> tuple[int, int]:
                 if run_len:
                     out_entries.append(_entry(run_start, run_len, flags))
             if src.read(1):
-                raise ImageFormatError(f"{pages}: longer than its pagemap says")
+                raise ImageDamagedError(f"{pages}: longer than its pagemap says")
         if not dropped:
             tmp_pages.unlink()
             return total, 0
@@ -156,7 +168,7 @@ def _read_exact(src, n: int, path: Path) -> bytes:  # type: ignore[no-untyped-de
     while len(data) < n:
         more = src.read(n - len(data))
         if not more:
-            raise ImageFormatError(f"{path}: shorter than its pagemap says")
+            raise ImageDamagedError(f"{path}: shorter than its pagemap says")
         data += more
     return data
 
@@ -187,15 +199,15 @@ def _inside(areas: tuple[list[int], list[int]], addr: int) -> bool:
 def _read_entries(path: Path) -> tuple[bytes, list[bytes]]:
     raw = path.read_bytes()
     if len(raw) < 8:
-        raise ImageFormatError(f"{path}: too short for an image")
+        raise ImageDamagedError(f"{path}: too short for an image")
     magic, at, out = raw[:8], 8, []
     while at < len(raw):
         if at + 4 > len(raw):
-            raise ImageFormatError(f"{path}: an entry's length is cut off")
+            raise ImageDamagedError(f"{path}: an entry's length is cut off")
         (n,) = struct.unpack_from("<I", raw, at)
         at += 4
         if at + n > len(raw):
-            raise ImageFormatError(f"{path}: an entry runs past the end")
+            raise ImageDamagedError(f"{path}: an entry runs past the end")
         out.append(raw[at:at + n])
         at += n
     return magic, out
