@@ -229,3 +229,41 @@ def test_the_holder_and_vllm_preload_cannot_both_give_vllm_its_loader(tmp_path: 
     }, "<test>")
     with pytest.raises(ConfigError, match="holder.enabled and vllm.preload.enabled"):
         VllmAdapter(cfg, read=lambda python, env: CPU)
+
+
+class _DetachedOnce:
+    """A held set standing in for HeldParams: counts its detaches."""
+
+    nbytes = 4096
+    digest = DIGEST
+    attached = True
+    identity: dict = {}
+
+    def __init__(self) -> None:
+        self.detached = 0
+
+    def detach(self) -> None:
+        self.detached += 1
+        self.attached = False
+
+
+def test_a_failed_trim_before_a_checkpoint_does_not_fail_the_detach(
+        monkeypatch: pytest.MonkeyPatch):
+    from agent.engines.vllm.plugin import state, worker
+
+    def broken(cuda: bool):  # noqa: ANN202
+        raise RuntimeError("malloc_trim exploded")
+
+    monkeypatch.setattr(worker, "give_back", broken)
+    held = _DetachedOnce()
+    monkeypatch.setattr(state, "current", lambda: held)
+
+    class CpuWorker(worker.PitstopWorkerExtension):
+        """A CPU worker with no KV pool to drop: the answer comes from the held set alone."""
+
+        def pitstop_state(self) -> dict:
+            return {}
+
+    answer = CpuWorker().pitstop_detach()
+    assert held.detached == 1
+    assert answer == {"freed_bytes": 4096, "trimmed": {"host_bytes": 0, "gpu_bytes": 0}}

@@ -156,7 +156,13 @@ class EngineApp:
         cuda = self.model.device.type == "cuda"
         before = describe(self.model.device, self.model.graphs)
         t0 = time.monotonic()
-        trimmed = shrink(cuda, self.prepare_stack)
+        # Only a smaller image rides on it: a failure must not fail the prepare, which has
+        # already unmapped the weights the agent would otherwise leave unmapped.
+        try:
+            trimmed = shrink(cuda, self.prepare_stack)
+        except Exception as e:  # noqa: BLE001 - any failure of it is only logged
+            log.warning("prepare: caches not given back: %s", e)
+            return before
         spent = time.monotonic() - t0
         after = describe(self.model.device, self.model.graphs)
         log.info("prepare: %s in %.3fs", trimmed.describe(), spent)

@@ -15,7 +15,7 @@ from typing import Any
 
 from agent.engines.vllm.plugin import state
 from agent.errors import HolderError, MappingError
-from agent.tenant.trim import give_back
+from agent.tenant.trim import Trimmed, give_back
 
 # Under vLLM's logger: its handlers print it with the process name, like its own lines.
 log = logging.getLogger("vllm.pitstop")
@@ -83,7 +83,13 @@ class PitstopWorkerExtension:
         held.detach()
         freed += held.nbytes
         log.info("pitstop: held weights detached (%d bytes, addresses kept)", held.nbytes)
-        trimmed = give_back(cuda=self._pitstop_on_cuda())
+        # Only a smaller image rides on the trim: a failure of it must not fail the detach
+        # (the agent would then leave an engine serving with its weights unmapped).
+        try:
+            trimmed = give_back(cuda=self._pitstop_on_cuda())
+        except Exception as e:  # noqa: BLE001 - any failure of it is only logged
+            log.warning("pitstop: memory not given back before the checkpoint: %s", e)
+            trimmed = Trimmed(host_bytes=0, gpu_bytes=0)
         log.info("pitstop: before the checkpoint, %s", trimmed.describe())
         return {"freed_bytes": freed, "trimmed": dataclasses.asdict(trimmed),
                 **self.pitstop_state()}
