@@ -291,6 +291,34 @@ def test_weights_an_engine_committed_itself_leave_nothing_ready_to_refill(tmp_pa
         h.stop()
 
 
+def test_other_weights_an_engine_committed_leave_nothing_ready_to_refill(tmp_path, model):
+    # The node's engine now runs another model: no refill of the planned one is coming.
+    h, plan = _ready_holder(tmp_path, model)
+    other = "sha256:" + "cd" * 32
+    try:
+        with h.client() as c:
+            c.create(f"{other}/model.safetensors", 4096, other, parts=1).close()
+            c.commit(f"{other}/model.safetensors")
+        wait_for(lambda: f"no longer ready to refill {plan.digest}: an engine committed other "
+                 f"weights ({other})" in h.log.read_text(), "the sink given back")
+    finally:
+        h.stop()
+
+
+def test_a_refill_refused_for_drift_leaves_nothing_ready_to_refill(tmp_path, model):
+    h, plan = _ready_holder(tmp_path, model)
+    try:
+        weights = next(model.glob("*.safetensors"))
+        os.utime(weights, ns=(1, 1))  # the plan's stat key no longer holds
+        with pytest.raises(HolderRefusedError) as refused:
+            h.client().refill(plan.digest)
+        assert refused.value.code == p.ErrorCode.DRIFT
+        assert f"no longer ready to refill {plan.digest}: refill of {plan.digest} refused" \
+            in h.log.read_text()
+    finally:
+        h.stop()
+
+
 def test_the_plan_names_the_regions_the_tenant_layout_makes(model):
     digest = WeightsDigester(None).digest(model).digest
     files = [WeightFile.read_header(f) for f in sorted(model.glob("*.safetensors"))]

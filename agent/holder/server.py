@@ -375,19 +375,20 @@ class HolderServer:
         try:
             plan = load_plan(self.directory)
         except ModelError as e:
-            return _error(p.ErrorCode.NO_PLAN, str(e))
+            return self._unplanned(p.ErrorCode.NO_PLAN, str(e))
         if plan is None:
-            return _error(p.ErrorCode.NO_PLAN, f"no refill plan in {self.directory}: the agent "
-                          "writes one once an engine has committed weights to this holder")
+            return self._unplanned(p.ErrorCode.NO_PLAN, f"no refill plan in {self.directory}: "
+                                   "the agent writes one once an engine has committed weights "
+                                   "to this holder")
         if plan.digest != digest:
-            return _error(p.ErrorCode.NO_PLAN, f"the refill plan in {self.directory} is for "
-                          f"weights {plan.digest}, not {digest}")
+            return self._unplanned(p.ErrorCode.NO_PLAN, f"the refill plan in {self.directory} "
+                                   f"is for weights {plan.digest}, not {digest}")
         if self._complete(digest):
             return p.Reply(ok=True, refilled=p.Refilled(digest=digest, regions=len(plan.regions),
                                                         bytes=0, seconds=0.0))
         drift = plan.drift()
         if drift is not None:
-            return _error(p.ErrorCode.DRIFT, f"refill of {digest} refused: {drift}")
+            return self._unplanned(p.ErrorCode.DRIFT, f"refill of {digest} refused: {drift}")
         writer = RefillWriter(pid=os.getpid())
         t0 = time.monotonic()
         sink, self._ready_sink = self._ready_sink, None
@@ -449,11 +450,23 @@ class HolderServer:
         log.info("ready to refill %s: context, streams and buffers made ahead", plan.digest)
 
     def _drop_ready_sink_if_held(self, digest: str) -> None:
-        """An engine committed the plan's weights itself: no refill will need the sink."""
-        if self._ready_sink is None or digest != self._ready_digest or not self._complete(digest):
+        """An engine committed a whole set of weights itself, the plan's or others (it
+        started on another model): no refill is coming for the sink made ahead."""
+        if self._ready_sink is None or not self._complete(digest):
             return
+        ready = self._ready_digest
         self._discard_ready_sink()
-        log.info("no longer ready to refill %s: an engine committed the weights", digest)
+        log.info("no longer ready to refill %s: an engine committed %s", ready,
+                 "the weights" if digest == ready else f"other weights ({digest})")
+
+    def _unplanned(self, code: p.ErrorCode, message: str) -> p.Reply:
+        """A refill refused for its plan (none, another digest's, drifted): the sink made
+        ahead for that plan is not kept for one that cannot come."""
+        if self._ready_sink is not None:
+            ready = self._ready_digest
+            self._discard_ready_sink()
+            log.info("no longer ready to refill %s: %s", ready, message)
+        return _error(code, message)
 
     def _discard_ready_sink(self) -> None:
         if self._ready_sink is not None:
