@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import threading
 from collections import Counter
 from enum import IntEnum
 from types import SimpleNamespace
@@ -37,7 +38,7 @@ class FakeCuda:
         self.streams: dict[int, list[tuple]] = {}   # stream -> queued work
         self.events: dict[int, int | None] = {}     # event -> the stream it was recorded on
         self.live = Counter()                       # what is allocated now, by kind
-        self.ctx_current: set[int] = set()
+        self.current: dict[int, int] = {}           # thread -> its current context (0: none)
         self.host_flags: list[int] = []             # cuMemHostAlloc's flags, call by call
         self.host_alloc_fails_after: int | None = None  # then CUDA_ERROR_OUT_OF_MEMORY
         self.registered: dict[int, int] = {}        # cuMemHostRegister'ed: address -> bytes
@@ -59,7 +60,11 @@ class FakeCuda:
         return (OK,)
 
     def cuCtxSetCurrent(self, ctx: int):  # noqa: N802
+        self.current[threading.get_ident()] = ctx
         return (OK,)
+
+    def cuCtxGetCurrent(self):  # noqa: N802
+        return OK, self.current.get(threading.get_ident(), 0)
 
     def cuMemAddressReserve(self, size: int, align: int, addr: int, flags: int):  # noqa: N802
         base = self._next_va

@@ -410,3 +410,19 @@ def test_a_cuda_sink_closed_before_it_was_opened_frees_what_it_prepared():
                     driver=cu)
     sink.close()
     assert len(cu.host_flags) == 8 and +cu.live == Counter(), cu.live
+
+
+def test_a_cuda_sink_closed_on_another_thread_gives_that_thread_its_context_back():
+    """The server's loop discards a sink made ahead: the loop thread's own current context
+    (the backend's, for drivers that want one for cuMemCreate) is what it has after, not the
+    sink's, released."""
+    from agent.holder.refill import CudaSink, Tuning
+    from tests.fake_cuda import FakeCuda
+
+    cu = FakeCuda()
+    cu.cuCtxSetCurrent(4242)  # the backend's context, current on this (the loop's) thread
+    sink = CudaSink(SimpleNamespace(ordinal=0, align=1), Tuning(threads=1, piece=4096),
+                    driver=cu)
+    sink.close()
+    assert cu.cuCtxGetCurrent() == (0, 4242)
+    assert +cu.live == Counter(), cu.live

@@ -363,7 +363,12 @@ class CudaSink:
             except BackendError as e:
                 errors.append(str(e))
 
+        # close() may run on any thread (the server's loop discards a sink made ahead): the
+        # context that thread had current is put back after, not left at one released here.
+        previous = None
         if self._ctx is not None:
+            err, previous = cu.cuCtxGetCurrent()
+            attempt((err,), "cuCtxGetCurrent")
             attempt(cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
         for lane in self._lanes:
             attempt(cu.cuStreamSynchronize(lane.stream), "cuStreamSynchronize")
@@ -396,6 +401,7 @@ class CudaSink:
         if self._ctx is not None:
             attempt(cu.cuDevicePrimaryCtxRelease(self._dev), "cuDevicePrimaryCtxRelease")
             self._ctx = None
+            attempt(cu.cuCtxSetCurrent(previous), "cuCtxSetCurrent")
         if errors:
             raise BackendError("after the refill: " + "; ".join(errors))
 
