@@ -4,8 +4,10 @@ plugin, real CRIU, a real holder (memfd backend) keeping the weights.
 One agent for the module and two vLLM boots: the first start, which loads the weights from
 disk into the holder and takes a hybrid snapshot (the weights and the KV pool left out),
 then a warm start that attaches them. Between the two, SIGKILL of the API server and of the
-engine core each come back through the hybrid restore, answering as the first start did. A
-last test starts a vLLM without the plugin (a third boot) for a full image of the same model.
+engine core each come back through the hybrid restore, answering as the first start did, and
+after the holder is restarted empty, through the refill of the copy of the held set the agent
+had written. A last test starts a vLLM without the plugin (a third boot) for a full image of
+the same model.
 """
 
 from __future__ import annotations
