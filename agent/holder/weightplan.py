@@ -203,7 +203,6 @@ class RefillPlan(_Model):
                          "files make")
         return None
 
-
     def _copy_drift(self) -> Drift | None:
         # The model's own files are the agent's digest's to check (plan.digest against it);
         # the copies only have to be the files that were written.
