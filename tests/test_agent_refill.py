@@ -207,11 +207,14 @@ def test_after_the_holder_dropped_everything_the_refill_loads_the_weights_again(
     assert holder.stats().regions_committed > 0
 
 
-def test_weights_held_in_another_layout_than_the_files_get_no_refill_plan(holder, model):
+def test_weights_held_in_another_layout_than_the_files_get_a_plan_of_their_copy(holder, model):
     """vLLM holds its parameters in its own layout under the weights digest: a refill of
-    the files would not give those regions, so no plan is written, and an old one goes."""
+    the files would not give those regions, so the plan loads a copy of them instead, made
+    once (the plan of the files goes), and a holder restarted empty refills from it."""
+    import torch
+
     from agent.config import HolderConfig
-    from agent.holder.weightplan import PLAN_NAME, plan_for, write_plan
+    from agent.holder.weightplan import PLAN_NAME, PlanSource, load_plan, plan_for, write_plan
     from agent.supervisor.paths.holder import HolderLink
     from agent.supervisor.paths.refill import RefillRestore
     from agent.tenant.mapping import HeldSet, HostSpace
@@ -228,9 +231,27 @@ def test_weights_held_in_another_layout_than_the_files_get_no_refill_plan(holder
     plan_file = holder.sock.parent / PLAN_NAME
     assert rung.remember(digest) is None and not plan_file.exists()  # nothing held yet
     write_plan(holder.sock.parent, plan_for(model, WeightsDigester(None), digest))
+    name = f"{digest}/vllm-params-abc"
+    data = os.urandom(1 << 20)
     with holder.client() as c:
-        held = HeldSet.create(c, digest, {f"{digest}/vllm-params-abc": 1 << 20}, HostSpace)
+        held = HeldSet.create(c, digest, {name: len(data)}, HostSpace)
+        held.tensor(name)[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         held.commit()
         held.close()
-    assert rung.remember(digest) is None
-    assert not plan_file.exists()
+    assert rung.remember(digest) == plan_file
+    plan = load_plan(holder.sock.parent)
+    assert plan is not None and plan.source is PlanSource.COPY
+    assert [r.name for r in plan.regions] == [name] and plan.drift() is None
+    # Once made, it is kept: the agent remembers at every recovery, the copy is made once.
+    stamp = plan_file.stat().st_mtime_ns
+    assert rung.remember(digest) is None and plan_file.stat().st_mtime_ns == stamp
+    holder.stop()
+    empty = Holder(holder.base, "--no-refill")
+    try:
+        assert empty.client().refill(digest).bytes == len(data)
+        with empty.client() as c:
+            again = HeldSet.attach(c, digest, HostSpace)
+        assert bytes(again.tensor(name).numpy()) == data
+        again.close()
+    finally:
+        empty.stop()

@@ -4,8 +4,10 @@ plugin, real CRIU, a real holder (memfd backend) keeping the weights.
 One agent for the module and two vLLM boots: the first start, which loads the weights from
 disk into the holder and takes a hybrid snapshot (the weights and the KV pool left out),
 then a warm start that attaches them. Between the two, SIGKILL of the API server and of the
-engine core each come back through the hybrid restore, answering as the first start did. A
-last test starts a vLLM without the plugin (a third boot) for a full image of the same model.
+engine core each come back through the hybrid restore, answering as the first start did, and
+after the holder is restarted empty, through the refill of the copy of the held set the agent
+had written. A last test starts a vLLM without the plugin (a third boot) for a full image of
+the same model.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ import openai
 import pytest
 
 from agent.engines.vllm.plugin import support
+from agent.holder.weightplan import PLAN_NAME, PlanSource, load_plan
 from tests.agentproc import REPO, RunningAgent, agent_config, fallthroughs
 from tests.conftest import cached_model
-from tests.holder_proc import Holder
+from tests.holder_proc import Holder, wait_for
 from tests.test_agent_vllm import (
     BOOT_S,
     _engine_core,
@@ -104,14 +107,15 @@ def node(plugin_dir: Path, tmp_path_factory: pytest.TempPathFactory,
     cfg = _config(tmp, model, {**ENV, "PYTHONPATH": str(plugin_dir)}, tmp / "holder")
     a = RunningAgent(tmp, cfg)
     t0 = time.monotonic()
+    n = HybridNode(a, holder, model)
     try:
         a.wait_ready(timeout=BOOT_S)
         print(f"\nagent + vLLM (plugin) ready in {time.monotonic() - t0:.1f}s", file=sys.stderr)
-        yield HybridNode(a, holder, model)
+        yield n
     finally:
         rc = a.stop(timeout=60)
         print(f"\nagent log tail:\n{a.log_tail(3000)}", file=sys.stderr)
-        holder.stop()
+        n.holder.stop()  # the one serving now: a test restarts it
         assert rc == 0, f"agent exited {rc}"
 
 
@@ -184,6 +188,31 @@ def test_sigkill_of_the_engine_core_comes_back_through_the_hybrid_restore(
     _hybrid_back(node, client, 2, ("crash", "hang"))
 
 
+def test_a_holder_restarted_empty_is_refilled_from_its_copy_then_the_image_restored(
+        node: HybridNode, client: openai.OpenAI):
+    # vLLM's held set is its parameters, not the files' bytes: the refill plan loads a copy
+    # of them, which the agent had the holder's set written to once it was committed.
+    a = node.agent
+    directory = node.holder.sock.parent
+    wait_for(lambda: (directory / PLAN_NAME).exists(), "the refill plan", timeout=120)
+    plan = load_plan(directory)
+    assert plan is not None and plan.source is PlanSource.COPY, plan
+    [(region, _)] = _manifest(a, _snapshots(a)[0]["id"]).held.items()
+    assert [r.name for r in plan.regions] == [region]
+    recoveries = a.status()["restarts"]
+    node.holder.stop()
+    node.holder = Holder(node.holder.base, "--no-refill")  # a new holder, nothing held
+    os.kill(a.status()["engine_pid"], signal.SIGKILL)
+    rec = a.wait_recovered(recoveries + 1, timeout=BOOT_S)["last_recovery"]
+    assert (rec["path"], rec["result"]) == ("refill", "success"), (rec, a.log_tail(3000))
+    assert "hybrid skipped" in " | ".join(fallthroughs(rec)), rec
+    assert {"refill", "criu_restore", "resume"} <= set(rec["stages"]), rec
+    print(f"\nrefill + hybrid restore in {rec['duration_s']:.2f}s, stages {rec['stages']}",
+          file=sys.stderr)
+    assert node.engine_rpc(support.RPC_STATE)["held"]["attached"]
+    assert _greedy(client) == node.first_answer
+
+
 def test_with_no_image_a_warm_start_attaches_the_held_weights_instead_of_reading_disk(
         node: HybridNode, client: openai.OpenAI):
     a = node.agent
@@ -193,8 +222,9 @@ def test_with_no_image_a_warm_start_attaches_the_held_weights_instead_of_reading
         if not entry.name.startswith("."):
             shutil.rmtree(entry)
     before = time.time()
+    recoveries = a.status()["restarts"]
     os.kill(a.status()["engine_pid"], signal.SIGKILL)
-    st = a.wait_recovered(3, timeout=BOOT_S)
+    st = a.wait_recovered(recoveries + 1, timeout=BOOT_S)
     rec = st["last_recovery"]
     assert (rec["path"], rec["result"]) == ("warm", "success"), (rec, a.log_tail(3000))
     falls = " | ".join(fallthroughs(rec))

@@ -131,6 +131,19 @@ class PlanRegion(_Model):
     size: int
 
 
+class PlanSource(StrEnum):
+    """Where a plan's bytes come from."""
+
+    # The data sections of the model's safetensors files: an engine that holds the files'
+    # bytes as they are (the reference engine).
+    FILES = "files"
+    # Copies of held regions, written from the holder's memory once an engine committed
+    # them (agent/holder/heldcopy.py): an engine that holds its own layout (vLLM's
+    # parameters). The region name fixes the bytes (weights digest, vLLM version, names,
+    # dtypes and shapes), as it does for the warm start that attaches them by name.
+    COPY = "copy"
+
+
 class RefillPlan(_Model):
     """What the holder needs to load a model's weights by itself: files, digest, regions.
 
@@ -143,9 +156,11 @@ class RefillPlan(_Model):
 
     version: int = PLAN_VERSION
     digest: str
+    # The directory the files are in: the model's, or the copies' (source copy).
     model: str
     files: list[PlanFile]
     regions: list[PlanRegion]
+    source: PlanSource = PlanSource.FILES
 
     @property
     def bytes(self) -> int:
@@ -153,6 +168,8 @@ class RefillPlan(_Model):
 
     def drift(self) -> Drift | None:
         """Why the files on disk are no longer the ones this plan describes, or None."""
+        if self.source is PlanSource.COPY:
+            return self._copy_drift()
         if manifest_digest(tuple(FileDigest(f.name, f.size, f.sha256)
                                  for f in self.files)) != self.digest:
             return Drift(DriftCode.INCONSISTENT, "", "the plan's files do not make its digest")
@@ -184,6 +201,22 @@ class RefillPlan(_Model):
         if want != self.regions:
             return Drift(DriftCode.INCONSISTENT, "", "the plan's regions are not the ones its "
                          "files make")
+        return None
+
+    def _copy_drift(self) -> Drift | None:
+        # The model's own files are the agent's digest's to check (plan.digest against it);
+        # the copies only have to be the files that were written.
+        names = {f.name for f in self.files}
+        if any(r.file not in names or not content_addressed(r.name, self.digest)
+               for r in self.regions):
+            return Drift(DriftCode.INCONSISTENT, "", "the plan's regions are not its copies")
+        for f in self.files:
+            try:
+                key = stat_key(os.stat(Path(self.model) / f.name))
+            except OSError as e:
+                return Drift(DriftCode.MISSING, f.name, f"cannot stat it: {e.strerror}")
+            if key != f.key:
+                return Drift(DriftCode.CHANGED, f.name, _key_change(f.key, key))
         return None
 
 
@@ -254,7 +287,10 @@ def build_plan(model: Path, files: tuple[FileDigest, ...], digest: str,
 
 def write_plan(directory: Path, plan: RefillPlan) -> Path:
     path = Path(directory) / PLAN_NAME
-    write_private(path, plan.model_dump_json(indent=1).encode())
+    # A plan of the files' bytes is written as before the copies existed: a holder of the
+    # previous version, still running through an upgrade of the agent, reads it.
+    exclude = {"source"} if plan.source is PlanSource.FILES else None
+    write_private(path, plan.model_dump_json(indent=1, exclude=exclude).encode())
     return path
 
 
@@ -286,6 +322,6 @@ def load_plan(directory: Path) -> RefillPlan | None:
     return plan
 
 
-__all__ = ["DTYPES", "Drift", "DriftCode", "PlanFile", "PlanRegion", "RefillPlan",
+__all__ = ["DTYPES", "Drift", "DriftCode", "PlanFile", "PlanRegion", "PlanSource", "RefillPlan",
            "TensorEntry", "WeightFile", "WeightRegion", "build_plan", "content_addressed",
            "load_plan", "plan_for", "region_name", "weight_regions", "write_plan"]

@@ -4,15 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.errors import HolderError, HolderRefusedError, ModelError, StartPathError, WeightsError
+from pydantic import ValidationError
+
+from agent import commands
+from agent.errors import (
+    CommandError,
+    HolderError,
+    HolderRefusedError,
+    ModelError,
+    StartPathError,
+    WeightsError,
+)
 from agent.holder.client import HolderClient
+from agent.holder.heldcopy import COPY_DIR
+from agent.holder.protocol import RegionInfo
 from agent.holder.weightplan import (
     PLAN_NAME,
     DriftCode,
+    PlanSource,
     RefillPlan,
     load_plan,
     plan_for,
@@ -32,6 +47,8 @@ log = logging.getLogger("pitstop.refill")
 # The holder answers when the load ends; the client's timeout must outlast it.
 SLOWEST_RATE = 100e6
 MIN_TIMEOUT_S = 60.0
+# Room left on the holder's file system beside a copy of the held weights.
+COPY_HEADROOM = 1 << 30
 
 
 def refill_timeout(plan: RefillPlan) -> float:
@@ -79,6 +96,7 @@ class RefillRestore(HybridRestore):
         self._model = model
         self._digester = digester
         self._on_refilled = on_refilled
+        self._run: commands.Runner = commands.run
 
     async def prepare(self, attempt: Attempt) -> Prepared[RefillWork] | Refusal:  # type: ignore[override]
         # Asking the holder, reading the plan and stat-ing (or hashing) its files block.
@@ -113,7 +131,8 @@ class RefillRestore(HybridRestore):
                            f"the weights on disk ({digest}) are not the ones the refill plan "
                            f"names ({plan.digest})" + (f": {drift}" if drift else ""))
         drift = plan.drift()
-        if drift is not None and drift.code is DriftCode.CHANGED:
+        if drift is not None and drift.code is DriftCode.CHANGED \
+                and plan.source is PlanSource.FILES:
             # Same digest, other stat (a file touched or copied back): the bytes are the
             # plan's; a fresh plan records the keys they have now.
             plan = self._fresh_plan(digest) or plan
@@ -189,14 +208,12 @@ class RefillRestore(HybridRestore):
             if held is None:
                 return None
             directory = self._link.path.parent
+            names = sorted(r.name for r in held)
             plan = plan_for(self._model, self._digester(), digest)
-            if sorted(r.name for r in held) != sorted(r.name for r in plan.regions):
+            if names != sorted(r.name for r in plan.regions):
                 # Held in another layout than the files' (vLLM's parameters): a refill of
-                # the files would not give this engine's regions, so none is planned.
-                (directory / PLAN_NAME).unlink(missing_ok=True)
-                log.info("no refill plan: the held regions of %s are not the files' layout",
-                         digest)
-                return None
+                # the files would not give this engine's regions; a copy of them will.
+                return self._remember_copy(digest, held, directory)
             try:
                 if load_plan(directory) == plan:
                     return None
@@ -208,6 +225,47 @@ class RefillRestore(HybridRestore):
             return None
         log.info("refill plan for %s written to %s (%d regions, %.1f MB)", digest, path,
                  len(plan.regions), plan.bytes / 1e6)
+        return path
+
+    def _remember_copy(self, digest: str, held: list[RegionInfo],
+                       directory: Path) -> Path | None:
+        """A plan that loads a copy of the held set (written once per set: kept while it
+        still names these regions and its copies are the files written)."""
+        names = sorted(r.name for r in held)
+        try:
+            current = load_plan(directory)
+        except ModelError as e:
+            log.warning("replacing the refill plan: %s", e)
+            current = None
+        if (current is not None and current.source is PlanSource.COPY
+                and current.digest == digest
+                and sorted(r.name for r in current.regions) == names
+                and current.drift() is None):
+            return None
+        copies = directory / COPY_DIR
+        held_bytes = sum(r.size for r in held)
+        free = shutil.disk_usage(directory).free
+        if free < held_bytes + COPY_HEADROOM:
+            (directory / PLAN_NAME).unlink(missing_ok=True)
+            log.warning("no refill plan: a copy of the held weights (%.1f GB) does not fit "
+                        "in %s (%.1f GB free)", held_bytes / 1e9, directory, free / 1e9)
+            return None
+        (directory / PLAN_NAME).unlink(missing_ok=True)  # never a plan of the old copies
+        try:
+            done = self._run([sys.executable, "-m", "agent.holder.heldcopy", "--socket",
+                              str(self._link.path), "--digest", digest, "--out", str(copies)],
+                             timeout_s=max(MIN_TIMEOUT_S, held_bytes / SLOWEST_RATE))
+            plan = RefillPlan.model_validate_json(done.stdout)
+        except (CommandError, ValidationError) as e:
+            log.warning("no refill plan: the held weights of %s could not be copied: %s",
+                        digest, e)
+            return None
+        for old in copies.iterdir():
+            if old.name not in {f.name for f in plan.files}:
+                old.unlink(missing_ok=True)
+        path = write_plan(directory, plan)
+        log.info("refill plan for %s written to %s: a copy of the held regions (%d, %.1f MB) "
+                 "in %s", digest, path, len(plan.regions), plan.bytes / 1e6, copies)
         return path
 
 

@@ -118,7 +118,7 @@ class HeldParams:
         try:
             regions = client.committed_set(digest)
             if regions is not None and [r.name for r in regions] == [name]:
-                held = HeldSet.attach(client, digest, make_space)
+                held = HeldSet.attach(client, digest, make_space, by_digest=True)
                 client.close()
                 log.info("attached held weights %s (%.1f MB): nothing read from disk", name,
                          layout.size / 1e6)
@@ -128,7 +128,10 @@ class HeldParams:
                     log.warning("releasing held region %s: this engine lays its weights out "
                                 "as %s", r.name, name)
                     client.release(r.name)
-            held = HeldSet.create(client, digest, {name: layout.size}, make_space)
+            # The name fixes the bytes (digest and layout): a restored engine re-attaches
+            # the same name from another holder or epoch, e.g. one refilled from a copy.
+            held = HeldSet.create(client, digest, {name: layout.size}, make_space,
+                                  by_digest=True)
         except BaseException:
             client.close()
             raise

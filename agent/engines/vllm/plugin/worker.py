@@ -121,7 +121,9 @@ class PitstopWorkerExtension:
             # Serving other bytes at these addresses would be wrong, serving none is a
             # crash: the agent kills this engine and takes the next rung.
             log.error("pitstop: held weights cannot be re-attached: %s", e)
-            return {"attached": False, "error": str(e)}
+            # With its state ("held" set): the agent fails the resume, and the restore
+            # with it, rather than ask a canary of an engine without its weights.
+            return {**self.pitstop_state(), "attached": False, "error": str(e)}
         if self._pitstop_sleeps():
             self.wake_up()  # type: ignore[attr-defined]
         log.info("pitstop: held weights re-attached at the same addresses")
