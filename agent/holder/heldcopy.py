@@ -28,6 +28,8 @@ from agent.weights import stat_key
 
 # Where the copies live, under the holder's per-GPU directory (beside its plan).
 COPY_DIR = "copies"
+# The backend whose regions this can read back: a memfd reads like a file.
+COPYABLE_BACKEND = "cpu"
 PIECE = 16 << 20
 
 
@@ -47,7 +49,7 @@ def copy_held(socket: Path, digest: str, directory: Path) -> RefillPlan:
         regions = c.committed_set(digest)
         if regions is None:
             raise HolderError(f"the holder at {socket} holds no committed set of {digest}")
-        if backend != "cpu" and any(r.memory is MemoryKind.DEVICE for r in regions):
+        if backend != COPYABLE_BACKEND and any(r.memory is MemoryKind.DEVICE for r in regions):
             raise HolderError(f"the {backend} backend's regions cannot be copied to disk yet "
                               "(only the cpu backend's)")
         files, planned = [], []

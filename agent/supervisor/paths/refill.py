@@ -22,7 +22,7 @@ from agent.errors import (
     WeightsError,
 )
 from agent.holder.client import HolderClient
-from agent.holder.heldcopy import COPY_DIR
+from agent.holder.heldcopy import COPY_DIR, COPYABLE_BACKEND
 from agent.holder.protocol import RegionInfo
 from agent.holder.weightplan import (
     PLAN_NAME,
@@ -205,6 +205,7 @@ class RefillRestore(HybridRestore):
         try:
             with HolderClient(self._link.path) as c:
                 held = c.committed_set(digest)
+                backend = c.stats().backend
             if held is None:
                 return None
             directory = self._link.path.parent
@@ -213,7 +214,7 @@ class RefillRestore(HybridRestore):
             if names != sorted(r.name for r in plan.regions):
                 # Held in another layout than the files' (vLLM's parameters): a refill of
                 # the files would not give this engine's regions; a copy of them will.
-                return self._remember_copy(digest, held, directory)
+                return self._remember_copy(digest, held, directory, backend)
             try:
                 if load_plan(directory) == plan:
                     return None
@@ -227,10 +228,15 @@ class RefillRestore(HybridRestore):
                  len(plan.regions), plan.bytes / 1e6)
         return path
 
-    def _remember_copy(self, digest: str, held: list[RegionInfo],
-                       directory: Path) -> Path | None:
+    def _remember_copy(self, digest: str, held: list[RegionInfo], directory: Path,
+                       backend: str) -> Path | None:
         """A plan that loads a copy of the held set (written once per set: kept while it
         still names these regions and its copies are the files written)."""
+        if backend != COPYABLE_BACKEND:
+            (directory / PLAN_NAME).unlink(missing_ok=True)
+            log.info("no refill plan: the held regions of %s are not the files' layout, and "
+                     "the %s backend's cannot be copied to disk yet", digest, backend)
+            return None
         names = sorted(r.name for r in held)
         try:
             current = load_plan(directory)
