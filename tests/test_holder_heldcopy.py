@@ -3,9 +3,11 @@ refill that loads it back into a holder that lost it; a real cpu holder."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -57,44 +59,42 @@ def test_the_copy_has_the_held_bytes_and_its_plan_names_them(held):
         h.stop()
 
 
-def test_a_holder_restarted_empty_refills_the_copy_to_the_same_bytes(held, tmp_path):
-    h, plan = held
+@contextlib.contextmanager
+def _restarted(h: Holder, *args: str) -> Iterator[Holder]:
+    """The holder stopped (its memory gone with it) and a new one on its directory."""
     h.stop()
-    empty = Holder(tmp_path / "holder", "--no-refill")
+    again = Holder(h.base, *args)
     try:
-        assert empty.stats().bytes_held == 0
-        assert empty.client().refill(DIGEST).bytes == len(DATA)
-        assert region_bytes(empty, REGION) == DATA
-    finally:
-        empty.stop()
-
-
-def test_a_holder_started_beside_a_copy_plan_refills_by_itself(held, tmp_path):
-    h, _ = held
-    h.stop()
-    again = Holder(tmp_path / "holder")
-    try:
-        with again.client() as c:
-            wait_for(lambda: c.has_committed(DIGEST), "the start-up refill", timeout=30)
-        assert region_bytes(again, REGION) == DATA
+        yield again
     finally:
         again.stop()
 
 
-def test_a_copy_changed_on_disk_is_drift_and_nothing_is_refilled(held, tmp_path):
+def test_a_holder_restarted_empty_refills_the_copy_to_the_same_bytes(held):
+    h, _ = held
+    with _restarted(h, "--no-refill") as empty:
+        assert empty.stats().bytes_held == 0
+        assert empty.client().refill(DIGEST).bytes == len(DATA)
+        assert region_bytes(empty, REGION) == DATA
+
+
+def test_a_holder_started_beside_a_copy_plan_refills_by_itself(held):
+    h, _ = held
+    with _restarted(h) as again, again.client() as c:
+        wait_for(lambda: c.has_committed(DIGEST), "the start-up refill", timeout=30)
+        assert region_bytes(again, REGION) == DATA
+
+
+def test_a_copy_changed_on_disk_is_drift_and_nothing_is_refilled(held):
     h, plan = held
-    h.stop()
     copy = Path(plan.model) / plan.files[0].name
-    copy.write_bytes(b"\0" * len(DATA))
-    empty = Holder(tmp_path / "holder", "--no-refill")
-    try:
+    with _restarted(h, "--no-refill") as empty:
+        copy.write_bytes(b"\0" * len(DATA))
         with pytest.raises(HolderRefusedError) as refused:
             empty.client().refill(DIGEST)
         assert refused.value.code == p.ErrorCode.DRIFT
         assert copy.name in str(refused.value)
         assert empty.stats().regions_committed == 0
-    finally:
-        empty.stop()
 
 
 def test_a_set_not_committed_yet_is_not_copied(tmp_path):
