@@ -321,14 +321,19 @@ def start_holder(gpu: str, holder_dir: Path, workdir: Path, *extra: str) -> subp
     return p
 
 
+def stop_process(p: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM, then SIGKILL if it has not gone within `grace_s`."""
+    p.send_signal(signal.SIGTERM)
+    try:
+        p.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+
+
 def stop_holder(holder: subprocess.Popen) -> None:
     """SIGTERM (it frees what it holds), SIGKILL if it has not gone in two minutes."""
-    holder.send_signal(signal.SIGTERM)
-    try:
-        holder.wait(120)
-    except subprocess.TimeoutExpired:
-        holder.kill()
-        holder.wait()
+    stop_process(holder, 120)
 
 
 def restart_holder(holder: subprocess.Popen, gpu: str, holder_dir: Path,

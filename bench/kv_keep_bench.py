@@ -46,7 +46,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_recovery_bench import Agent, first_snapshot, gpu_id, log, machine, start_holder  # noqa: E402
+from gpu_recovery_bench import (  # noqa: E402
+    Agent,
+    first_snapshot,
+    gpu_id,
+    log,
+    machine,
+    start_holder,
+    stop_process,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 REQUEST, RESUME, KV, KV_KEPT = ("X-Pitstop-Request", "X-Pitstop-Resume", "X-Pitstop-KV",
@@ -178,12 +186,7 @@ def throughput(model: Path, device: str, holder_sock: Path, keep: bool, slots: i
                     "inter_token_median_s": round(statistics.median(gaps), 5),
                     "inter_token_p99_s": round(sorted(gaps)[int(0.99 * (len(gaps) - 1))], 5)}
         finally:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            stop_process(p, 60)
 
 
 def rows(result: dict, gib: float, command: str) -> list[dict]:

@@ -67,30 +67,28 @@ def copy_held(socket: Path, digest: str, directory: Path) -> RefillPlan:
 def _write(fds: list[int], chunks: list[int], size: int, path: Path) -> str:
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     h = hashlib.sha256()
-    out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                  0o600)
+    fd_out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
     try:
-        left = size
-        for fd, chunk in zip(fds, chunks, strict=True):
-            at = 0
-            while left and at < chunk:
-                data = os.pread(fd, min(PIECE, chunk - at, left), at)
-                if not data:
-                    raise HolderError(f"a held chunk ended {at} bytes in, not {chunk}")
-                h.update(data)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(out, view):]
-                at += len(data)
-                left -= len(data)
-        if left:
-            raise HolderError(f"the held chunks hold {size - left} bytes, not {size}")
-        os.fsync(out)
+        with os.fdopen(fd_out, "wb") as out:
+            left = size
+            for fd, chunk in zip(fds, chunks, strict=True):
+                at = 0
+                while left and at < chunk:
+                    data = os.pread(fd, min(PIECE, chunk - at, left), at)
+                    if not data:
+                        raise HolderError(f"a held chunk ended {at} bytes in, not {chunk}")
+                    h.update(data)
+                    out.write(data)
+                    at += len(data)
+                    left -= len(data)
+            if left:
+                raise HolderError(f"the held chunks hold {size - left} bytes, not {size}")
+            out.flush()
+            os.fsync(out.fileno())
     except BaseException:
-        os.close(out)
         tmp.unlink(missing_ok=True)
         raise
-    os.close(out)
     os.replace(tmp, path)
     return h.hexdigest()
 

@@ -51,9 +51,10 @@ MIN_TIMEOUT_S = 60.0
 COPY_HEADROOM = 1 << 30
 
 
-def refill_timeout(plan: RefillPlan) -> float:
-    """How long the holder's load of `plan` may take at the slowest rate worth waiting for."""
-    return max(MIN_TIMEOUT_S, plan.bytes / SLOWEST_RATE)
+def load_timeout(nbytes: int) -> float:
+    """How long loading (or copying) `nbytes` of weights may take at the slowest rate worth
+    waiting for."""
+    return max(MIN_TIMEOUT_S, nbytes / SLOWEST_RATE)
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ class RefillRestore(HybridRestore):
                     prepared: Prepared[RefillWork]) -> EngineProcess:
         plan, image = prepared.plan.plan, prepared.plan.image
         manifest = image.plan
-        timeout = refill_timeout(plan)
+        timeout = load_timeout(plan.bytes)
         with attempt.stage("refill"):
             try:
                 done = await asyncio.to_thread(self._refill, plan.digest, timeout)
@@ -175,7 +176,8 @@ class RefillRestore(HybridRestore):
         return await super().start(attempt, image)
 
     def start_limit_s(self, prepared: Prepared[RefillWork]) -> float:  # type: ignore[override]
-        return refill_timeout(prepared.plan.plan) + super().start_limit_s(prepared.plan.image)
+        return (load_timeout(prepared.plan.plan.bytes)
+                + super().start_limit_s(prepared.plan.image))
 
     async def after_verified(self, engine: EngineProcess,  # type: ignore[override]
                              prepared: Prepared[RefillWork]) -> None:
@@ -232,35 +234,36 @@ class RefillRestore(HybridRestore):
                        backend: str) -> Path | None:
         """A plan that loads a copy of the held set (written once per set: kept while it
         still names these regions and its copies are the files written)."""
+        if backend == COPYABLE_BACKEND:
+            names = sorted(r.name for r in held)
+            try:
+                current = load_plan(directory)
+            except ModelError as e:
+                log.warning("replacing the refill plan: %s", e)
+                current = None
+            if (current is not None and current.source is PlanSource.COPY
+                    and current.digest == digest
+                    and sorted(r.name for r in current.regions) == names
+                    and current.drift() is None):
+                return None
+        # From here on no plan names what is on disk: the old one (of the files' layout, or
+        # of copies being replaced) goes first.
+        (directory / PLAN_NAME).unlink(missing_ok=True)
         if backend != COPYABLE_BACKEND:
-            (directory / PLAN_NAME).unlink(missing_ok=True)
             log.info("no refill plan: the held regions of %s are not the files' layout, and "
                      "the %s backend's cannot be copied to disk yet", digest, backend)
-            return None
-        names = sorted(r.name for r in held)
-        try:
-            current = load_plan(directory)
-        except ModelError as e:
-            log.warning("replacing the refill plan: %s", e)
-            current = None
-        if (current is not None and current.source is PlanSource.COPY
-                and current.digest == digest
-                and sorted(r.name for r in current.regions) == names
-                and current.drift() is None):
             return None
         copies = directory / COPY_DIR
         held_bytes = sum(r.size for r in held)
         free = shutil.disk_usage(directory).free
         if free < held_bytes + COPY_HEADROOM:
-            (directory / PLAN_NAME).unlink(missing_ok=True)
             log.warning("no refill plan: a copy of the held weights (%.1f GB) does not fit "
                         "in %s (%.1f GB free)", held_bytes / 1e9, directory, free / 1e9)
             return None
-        (directory / PLAN_NAME).unlink(missing_ok=True)  # never a plan of the old copies
         try:
             done = self._run([sys.executable, "-m", "agent.holder.heldcopy", "--socket",
                               str(self._link.path), "--digest", digest, "--out", str(copies)],
-                             timeout_s=max(MIN_TIMEOUT_S, held_bytes / SLOWEST_RATE))
+                             timeout_s=load_timeout(held_bytes))
             plan = RefillPlan.model_validate_json(done.stdout)
         except (CommandError, ValidationError) as e:
             log.warning("no refill plan: the held weights of %s could not be copied: %s",
