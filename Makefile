@@ -6,7 +6,7 @@ CACHE ?= .cache
 MODEL ?= $(HOME)/.cache/pitstop/tiny-llama
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: run test lint venv vllm model criu criu-bundle clean prometheus docs-images rootfs \
+.PHONY: run test lint venv vllm model criu criu-bundle criu-cuda-plugin clean prometheus docs-images rootfs \
 	rootfs-trixie ansible ansible-hosts bench-front
 
 venv: $(VENV)/.installed
@@ -35,6 +35,12 @@ $(CACHE)/criu/.installed: scripts/install-criu.sh
 # A self-contained CRIU (binary, ld.so, libraries) to carry to a GPU host.
 criu-bundle: criu
 	scripts/install-criu.sh bundle .gpu/criu
+
+# CRIU's CUDA plugin (cuda_plugin.so), which vLLM's own `vllm snapshot` needs and Debian's criu
+# packages do not ship: built from Debian's CRIU 4.2.1 source into $(CACHE)/criu-cuda-plugin.
+# Only for GPU hosts that use the vllm-snapshot rung (and its bench); the tests do not need it.
+criu-cuda-plugin:
+	scripts/build-criu-cuda-plugin.sh $(CACHE)/criu-cuda-plugin
 
 # Ansible and ansible-lint in their own venv: ansible-core pins its own jinja2 and
 # resolvelib, and the `ansible` package (which bundles the collections) is ~0.5 GB
