@@ -355,10 +355,11 @@ def _cmd_drift(args: argparse.Namespace) -> int:
 
     from agent.checkpoint.criu_locate import locate
     from agent.config import load_config
-    from agent.drift import compare
+    from agent.drift import classify
     from agent.drift_watch import build_reader
     from agent.engines import build_adapter
     from agent.errors import SnapshotError
+    from agent.identity import REMAPPED_FIELDS
     from agent.store import SnapshotStore
 
     cfg = load_config(args.config)
@@ -380,15 +381,20 @@ def _cmd_drift(args: argparse.Namespace) -> int:
     except SnapshotError:
         criu = None  # as the agent records it when it has no CRIU
     now = build_reader(cfg, build_adapter(cfg), criu)()
-    diffs = compare(manifest.identity, now)
+    # vLLM's own snapshots are restored by `vllm snapshot restore`, which remaps nothing.
+    remapped = frozenset() if manifest.kind == "vllm" else REMAPPED_FIELDS
+    diffs = classify(manifest.identity, now, remapped)
+    refused = [d for d in diffs if not d.remapped]
     if args.json:
-        print(json.dumps({"snapshot": manifest.id, "drift": bool(diffs), "differences": [
-            {"field": d.field, "old": d.old, "new": d.new} for d in diffs]}, indent=1))
-    elif diffs:
-        print("\n".join(str(d) for d in diffs))
+        print(json.dumps({"snapshot": manifest.id, "drift": bool(refused), "differences": [
+            {"field": d.field, "old": d.old, "new": d.new, "remapped": d.remapped}
+            for d in diffs]}, indent=1))
     else:
-        print(f"snapshot {manifest.id} matches this host")
-    return EXIT_FAIL if diffs else EXIT_OK
+        for d in diffs:
+            print(str(d) + (" (remapped at restore)" if d.remapped else ""))
+        if not refused:
+            print(f"snapshot {manifest.id} matches this host")
+    return EXIT_FAIL if refused else EXIT_OK
 
 
 def _cmd_digest(args: argparse.Namespace) -> int:
