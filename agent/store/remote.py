@@ -21,7 +21,7 @@ from agent.identity import REMAPPED_FIELDS, Identity
 from agent.refusal import Refusal, RefusalCode
 from agent.store.files import DIR_MODE, FILE_MODE
 from agent.store.manifest import ImageFile, Manifest, SnapshotKind
-from agent.store.s3 import Bucket, ObjectTooLong, WindowReader, WindowWriter
+from agent.store.s3 import Bucket, ObjectTooLong, Transfers, WindowReader, WindowWriter
 from agent.store.store import SnapshotStore
 
 log = logging.getLogger("pitstop.remote")
@@ -279,23 +279,12 @@ def _run(bucket: Bucket, jobs: list[tuple[str, str, int, _Piece]], deadline: flo
     once on one TransferManager; the first failure, or the deadline, cancels the rest."""
     tx = bucket.transfers()
     futures: list[Future] = []
-    timer = None
     expired = threading.Event()
+    timer = None
     try:
-        for key, way, fd, p in jobs:
-            if way == "up":
-                futures.append(tx.upload(key, WindowReader(fd, p.offset, p.length)))
-            else:
-                futures.append(tx.download(key, WindowWriter(fd, p.offset, p.length,
-                                                             f"{bucket.url}/{key}")))
+        futures += [_submit(tx, bucket, job) for job in jobs]
         if deadline is not None:
-            def expire() -> None:
-                expired.set()
-                for f in futures:
-                    f.cancel()
-            timer = threading.Timer(max(0.0, deadline - clock()), expire)
-            timer.daemon = True
-            timer.start()
+            timer = _cancel_at(deadline - clock(), futures, expired)
         for f in futures:
             try:
                 f.result()
@@ -313,3 +302,24 @@ def _run(bucket: Bucket, jobs: list[tuple[str, str, int, _Piece]], deadline: flo
         if timer is not None:
             timer.cancel()
     tx.close()
+
+
+def _submit(tx: Transfers, bucket: Bucket, job: tuple[str, str, int, _Piece]) -> Future:
+    key, way, fd, p = job
+    if way == "up":
+        return tx.upload(key, WindowReader(fd, p.offset, p.length))
+    return tx.download(key, WindowWriter(fd, p.offset, p.length, f"{bucket.url}/{key}"))
+
+
+def _cancel_at(seconds: float, futures: list[Future], expired: threading.Event
+               ) -> threading.Timer:
+    """A timer that cancels every transfer of `futures` after `seconds`, flagging `expired`."""
+    def expire() -> None:
+        expired.set()
+        for f in futures:
+            f.cancel()
+
+    timer = threading.Timer(max(0.0, seconds), expire)
+    timer.daemon = True
+    timer.start()
+    return timer
