@@ -105,6 +105,11 @@ class CuttingProxy:
                 if passed + len(data) > self._cut_after:
                     client.sendall(data[:max(0, self._cut_after - passed)])
                     self.cuts += 1
+                    # A shutdown, not only a close: the other thread's recv on these
+                    # sockets would otherwise keep them open, and the client waiting.
+                    for s in (client, up):
+                        with contextlib.suppress(OSError):
+                            s.shutdown(socket.SHUT_RDWR)
                     return
                 passed += len(data)
                 client.sendall(data)
