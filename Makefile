@@ -12,12 +12,13 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 venv: $(VENV)/.installed
 
 # The reference extra (torch & co.: the reference engine that `make run` serves, and the
-# tests) on top of the agent. torch comes first from the local CPU wheel of this machine
+# tests) and the s3 extra (boto3: snapshots in an S3 store) on top of the agent; the dev
+# extra brings the test tools, among them the S3-compatible server the tests start. torch comes first from the local CPU wheel of this machine
 # kind: asked for through the dependency list alone, pip would fetch a multi-GiB CUDA build.
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --find-links /opt/wheels 'torch==2.13.0'
-	$(BIN)/pip install -q -e '.[reference,dev]'
+	$(BIN)/pip install -q -e '.[reference,s3,dev]'
 	touch $@
 
 # Real vLLM (CPU build) in a venv of its own, for tests/test_vllm_engine.py; cached by a stamp

@@ -5,8 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agent.errors import AgentRunningError, ConfigError, PitstopError
+
+if TYPE_CHECKING:
+    from agent.config import Config
+    from agent.identity import Identity
+    from agent.store import SnapshotStore
 
 EXIT_OK = 0
 EXIT_FAIL = 1
@@ -162,6 +168,7 @@ def format_status(data: dict) -> str:
     if holder:
         lines.append("holder:   " + (f"up, {holder['bytes_held'] / 2**30:.2f} GiB held"
                                      if holder["up"] else "not answering"))
+    lines += _transfer_lines(data)
     reload = data.get("last_reload")
     if reload:
         lines.append("reload:   " + format_reload(reload).replace("\n", "\n  "))
@@ -170,6 +177,19 @@ def format_status(data: dict) -> str:
     if data.get("metrics"):
         lines.append(f"metrics:  http://{data['metrics']}/metrics")
     return "\n".join(lines)
+
+
+def _transfer_lines(data: dict) -> list[str]:
+    """The last pull from and push to the remote store, one line each."""
+    out = []
+    for key in ("last_pull", "last_push"):
+        t = data.get(key)
+        if not t:
+            continue
+        what = f"{t['snapshot']} ({t['kind']}): " if t["snapshot"] else ""
+        moved = f", {t['bytes'] / 1e6:.1f} MB in {t['seconds']:.2f}s" if t["bytes"] else ""
+        out.append(f"{t['direction']}:     {t['result']}: {what}{t['detail']}{moved}")
+    return out
 
 
 def _positive_int(text: str) -> int:
@@ -322,6 +342,8 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
               f"{done['duration_s']:.2f}s")
         return EXIT_OK
     store = SnapshotStore(cfg.paths.snapshots)
+    if args.action in ("push", "pull"):
+        return _snapshot_transfer(args, cfg, store)
     if args.action == "list":
         # Every backend's snapshots in one list; the quarantine (every backend's) in the same
         # shape.
@@ -350,15 +372,65 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _cmd_drift(args: argparse.Namespace) -> int:
+def _snapshot_transfer(args: argparse.Namespace, cfg: Config, store: SnapshotStore) -> int:
+    """`pitstop snapshot push [ID]` and `pitstop snapshot pull`: to and from the S3 store."""
     import json
 
+    from agent.config import S3Url
+    from agent.store import remote
+    from agent.store.s3 import Bucket
+
+    where = args.url or cfg.snapshots.remote
+    if where is None:
+        print(f"pitstop: no store to {args.action} {'to' if args.action == 'push' else 'from'}:"
+              " set snapshots.remote in the configuration or pass --url s3://BUCKET/PREFIX",
+              file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        url = S3Url.parse(where)
+    except ValueError as e:
+        print(f"pitstop: --url: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    bucket = Bucket(url)
+    if args.action == "push":
+        sid = args.id or next((e.id for e in store.entries() if e.manifest), None)
+        if sid is None:
+            print(f"pitstop: no snapshot in {cfg.paths.snapshots} to push", file=sys.stderr)
+            return EXIT_USAGE
+        done = remote.push(store, sid, bucket)
+    else:
+        kinds = (args.kind,) if args.kind else remote.PORTABLE_KINDS
+        done = remote.pull(store, bucket, _host_identity(cfg), kinds=kinds,
+                           timeout_s=cfg.snapshots.pull_timeout_s)
+    if args.json:
+        print(json.dumps({**vars(done), "mb_per_s": round(done.mb_per_s, 1)}, indent=1))
+    else:
+        print(f"{done.direction} {done.snapshot} ({done.kind}): {done.detail}; "
+              f"{done.bytes / 1e6:.1f} MB in {done.seconds:.2f}s ({done.mb_per_s:.0f} MB/s)")
+    return EXIT_OK
+
+
+def _host_identity(cfg: Config) -> Identity:
+    """This host's identity as the agent reads it (CRIU's version included)."""
     from agent.checkpoint.criu_locate import locate
-    from agent.config import load_config
-    from agent.drift import compare
     from agent.drift_watch import build_reader
     from agent.engines import build_adapter
     from agent.errors import SnapshotError
+
+    try:
+        criu = locate(cfg.snapshots.criu).version
+    except SnapshotError:
+        criu = None  # as the agent records it when it has no CRIU
+    return build_reader(cfg, build_adapter(cfg), criu)()
+
+
+def _cmd_drift(args: argparse.Namespace) -> int:
+    import json
+
+    from agent.config import load_config
+    from agent.drift import classify
+    from agent.errors import SnapshotError
+    from agent.identity import REMAPPED_FIELDS
     from agent.store import SnapshotStore
 
     cfg = load_config(args.config)
@@ -375,20 +447,21 @@ def _cmd_drift(args: argparse.Namespace) -> int:
         print(f"pitstop: no readable snapshot in {cfg.paths.snapshots} to compare with; "
               "`pitstop snapshot list` shows them", file=sys.stderr)
         return EXIT_USAGE
-    try:
-        criu = locate(cfg.snapshots.criu).version
-    except SnapshotError:
-        criu = None  # as the agent records it when it has no CRIU
-    now = build_reader(cfg, build_adapter(cfg), criu)()
-    diffs = compare(manifest.identity, now)
+    now = _host_identity(cfg)
+    # vLLM's own snapshots are restored by `vllm snapshot restore`, which remaps nothing.
+    remapped = frozenset() if manifest.kind == "vllm" else REMAPPED_FIELDS
+    diffs = classify(manifest.identity, now, remapped)
+    refused = [d for d in diffs if not d.remapped]
     if args.json:
-        print(json.dumps({"snapshot": manifest.id, "drift": bool(diffs), "differences": [
-            {"field": d.field, "old": d.old, "new": d.new} for d in diffs]}, indent=1))
-    elif diffs:
-        print("\n".join(str(d) for d in diffs))
+        print(json.dumps({"snapshot": manifest.id, "drift": bool(refused), "differences": [
+            {"field": d.field, "old": d.old, "new": d.new, "remapped": d.remapped}
+            for d in diffs]}, indent=1))
     else:
-        print(f"snapshot {manifest.id} matches this host")
-    return EXIT_FAIL if diffs else EXIT_OK
+        for d in diffs:
+            print(str(d) + (" (remapped at restore)" if d.remapped else ""))
+        if not refused:
+            print(f"snapshot {manifest.id} matches this host")
+    return EXIT_FAIL if refused else EXIT_OK
 
 
 def _cmd_digest(args: argparse.Namespace) -> int:
@@ -408,6 +481,45 @@ def _cmd_digest(args: argparse.Namespace) -> int:
         print(f"{d.digest}  {d.model}\n{len(d.files)} files, {d.files_hashed} hashed, "
               f"{d.bytes_read} bytes read in {d.seconds:.2f}s")
     return EXIT_OK
+
+
+def _snapshot_parser(sub: argparse._SubParsersAction) -> None:
+    """`pitstop snapshot ACTION`: its actions and their arguments."""
+    sn = sub.add_parser("snapshot", help="create, list, inspect, verify or delete snapshots")
+    snsub = sn.add_subparsers(dest="action", required=True, metavar="ACTION")
+    for name, text in (
+        ("create", "ask the running agent to snapshot its engine at the next quiet moment"),
+        ("list", "every snapshot, newest first"),
+        ("inspect", "one snapshot's manifest"),
+        ("verify", "check manifests, permissions and checksums (exit 1 when one is refused)"),
+        ("delete", "remove snapshots"),
+        ("push", "upload a snapshot (default: the newest) to the S3 store, only the chunks it "
+                 "lacks"),
+        ("pull", "download the newest snapshot of the S3 store that fits this host, verified "
+                 "before it is published"),
+    ):
+        a = snsub.add_parser(name, help=text)
+        a.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
+        a.add_argument("--json", action="store_true")
+        if name == "inspect":
+            a.add_argument("id")
+        elif name == "verify":
+            a.add_argument("ids", nargs="*", metavar="ID", help="default: all")
+        elif name == "delete":
+            a.add_argument("ids", nargs="+", metavar="ID")
+        elif name == "list":
+            a.add_argument("--quarantined", action="store_true",
+                           help="the quarantine instead, newest first, in the same columns")
+        if name in ("push", "pull"):
+            a.add_argument("--url", metavar="s3://BUCKET/PREFIX",
+                           help="the store (default: snapshots.remote); endpoint and "
+                                "credentials from AWS_* variables and ~/.aws")
+        if name == "push":
+            a.add_argument("id", nargs="?", metavar="ID", help="default: the newest")
+        elif name == "pull":
+            a.add_argument("--kind", choices=["hybrid", "full"],
+                           help="only this kind (default: hybrid, else full)")
+    sn.set_defaults(func=_cmd_snapshot)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -451,28 +563,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=_cmd_doctor)
 
-    sn = sub.add_parser("snapshot", help="create, list, inspect, verify or delete snapshots")
-    snsub = sn.add_subparsers(dest="action", required=True, metavar="ACTION")
-    for name, text in (
-        ("create", "ask the running agent to snapshot its engine at the next quiet moment"),
-        ("list", "every snapshot, newest first"),
-        ("inspect", "one snapshot's manifest"),
-        ("verify", "check manifests, permissions and checksums (exit 1 when one is refused)"),
-        ("delete", "remove snapshots"),
-    ):
-        a = snsub.add_parser(name, help=text)
-        a.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
-        a.add_argument("--json", action="store_true")
-        if name == "inspect":
-            a.add_argument("id")
-        elif name == "verify":
-            a.add_argument("ids", nargs="*", metavar="ID", help="default: all")
-        elif name == "delete":
-            a.add_argument("ids", nargs="+", metavar="ID")
-        elif name == "list":
-            a.add_argument("--quarantined", action="store_true",
-                           help="the quarantine instead, newest first, in the same columns")
-    sn.set_defaults(func=_cmd_snapshot)
+    _snapshot_parser(sub)
 
     dr = sub.add_parser("drift", help="compare a snapshot's identity with this host's "
                         "(exit 1 when a field differs)")

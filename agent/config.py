@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -108,6 +109,45 @@ class PathsConfig(_Strict):
         return self.run_dir or self.state_dir / "run"
 
 
+# S3 bucket names: 3-63 lowercase letters, digits, dots and hyphens (the AWS naming rules).
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
+@dataclass(frozen=True)
+class S3Url:
+    """`s3://bucket/prefix`: where a fleet's snapshots live in an S3-compatible store.
+
+    Example::
+
+        u = S3Url.parse("s3://fleet-snapshots/llama-8b")
+        u.bucket, u.prefix, u.key("manifests", "x.json")  # ..., 'llama-8b/manifests/x.json'
+    """
+
+    bucket: str
+    prefix: str  # no slash at either end; "" for the whole bucket
+
+    @classmethod
+    def parse(cls, text: str) -> S3Url:
+        """The URL's parts; ValueError saying what is wrong with it."""
+        if not text.startswith("s3://"):
+            raise ValueError(f"{text!r} is not an s3:// URL; write s3://BUCKET/PREFIX (the "
+                             "endpoint comes from AWS_ENDPOINT_URL or ~/.aws/config)")
+        bucket, _, prefix = text.removeprefix("s3://").partition("/")
+        if not _BUCKET.match(bucket) or ".." in bucket:
+            raise ValueError(f"{bucket!r} is not an S3 bucket name (3-63 lowercase letters, "
+                             "digits, dots and hyphens)")
+        prefix = prefix.strip("/")
+        if any(p in ("", ".", "..") for p in prefix.split("/")) and prefix:
+            raise ValueError(f"prefix {prefix!r} of {text!r} has an empty, . or .. part")
+        return cls(bucket, prefix)
+
+    def key(self, *parts: str) -> str:
+        return "/".join(p for p in (self.prefix, *parts) if p)
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+
 class SnapshotsConfig(_Strict):
     """Where CRIU is and how many snapshots to keep (the directory is paths.snapshots)."""
 
@@ -134,7 +174,23 @@ class SnapshotsConfig(_Strict):
     # disk_budget_gib beside the published ones; 0 deletes each one as it is refused.
     quarantine_keep: int = Field(2, ge=0)
     cuda_lock_timeout_ms: int = Field(10_000, ge=1)
+    # An S3-compatible store shared by a fleet (s3://bucket/prefix; credentials, region and
+    # endpoint from the standard AWS variables and files): a start without a matching
+    # local snapshot pulls one from it before it would cold-start (docs/snapshots.md).
+    remote: str | None = None
+    # Push each snapshot this agent publishes to `remote`: the first node seeds the fleet.
+    publish: bool = False
+    # The longest a pull may take (listing, download, verification) before the start gives
+    # up on it and goes on down the ladder.
+    pull_timeout_s: float = Field(900.0, gt=0)
 
+
+    @field_validator("remote")
+    @classmethod
+    def _s3_url(cls, v: str | None) -> str | None:
+        if v is not None:
+            S3Url.parse(v)  # ValueError naming what is wrong
+        return v
 
     @field_validator("drift_check_interval_s")
     @classmethod
@@ -301,6 +357,9 @@ class Config(_Strict):
                     "snapshots.backend: vllm needs vllm.snapshot.model and vllm.snapshot.revision "
                     "(`vllm snapshot create` wants a Hugging Face repo id and its 40-character "
                     "commit, not a local directory)")
+        if self.snapshots.publish and self.snapshots.remote is None:
+            raise ValueError("snapshots.publish: true needs snapshots.remote, the "
+                             "s3://bucket/prefix to push to")
         pre = self.vllm.preload
         if pre.enabled:
             if not vllm_engine:

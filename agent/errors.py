@@ -79,6 +79,15 @@ class SnapshotUnusableError(SnapshotError):
         self.refusal = refusal
 
 
+class RemoteError(SnapshotError):
+    """A push to or pull from the remote snapshot store was refused or failed; `refusal`
+    says why (stale, corrupt, no_snapshot, transfer_failed). Nothing half-made was published."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(refusal.detail)
+        self.refusal = refusal
+
+
 class RestoreBlockedError(SnapshotError):
     """A restore could not run for a reason of this host, not of the image (a PID it must get
     back is taken): the snapshot is not quarantined and stays a candidate."""

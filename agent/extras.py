@@ -17,12 +17,15 @@ class Extra(StrEnum):
     # agent that supervises vLLM never needs it: vLLM brings its own torch, in its own
     # interpreter (engine.python).
     REFERENCE = "reference"
+    # Snapshots in an S3-compatible store (snapshots.remote, `pitstop snapshot push|pull`).
+    S3 = "s3"
 
 
 # The top-level module each distribution of the extra provides (the same names, for these).
 MODULES: dict[Extra, tuple[str, ...]] = {
     # jinja2 renders the model's chat template.
     Extra.REFERENCE: ("torch", "numpy", "safetensors", "tokenizers", "jinja2"),
+    Extra.S3: ("boto3",),
 }
 
 

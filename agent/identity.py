@@ -61,8 +61,18 @@ SELECTED_ENV = (
 )
 
 
+# What a restore puts right on another host instead of needing it equal: the GPU's UUID,
+# through the CUDA driver's GPU pairs (cuCheckpointProcessRestore with CUcheckpointGpuPair,
+# driver 580+; the GPU must be of the same chip and memory, which gpu_name and
+# gpu_memory_bytes keep equal). Every other field must match on every host. The host name and
+# the agent's own directories (state, run, snapshots) are no fields at all: nothing of the
+# engine's image depends on them.
+REMAPPED_FIELDS = frozenset({"gpu_uuid"})
+
+
 class Identity(BaseModel):
-    """Everything a snapshot depends on; a restore needs every field equal.
+    """Everything a snapshot depends on; a restore needs every field equal but those in
+    REMAPPED_FIELDS, which a backend that remaps them puts right (agent/drift.py).
 
     Fields with a default came after schema 1's first manifests: an older manifest reads
     them as None, which differs from a host that has them, so its snapshot is stale.

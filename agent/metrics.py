@@ -41,6 +41,8 @@ FALLTHROUGH_REASONS = tuple(f.value for f in Fall)
 # The first streamed request an engine answers after it (re)started, and every later one.
 FIRST_TOKEN_PHASES = ("after_recovery", "steady")
 SNAPSHOT_KINDS = get_args(SnapshotKind)
+# A snapshot sent to the remote store (snapshots.publish) or taken from it before a start.
+TRANSFER_DIRECTIONS = ("push", "pull")
 # What a resumed stream found on the recovered engine: kept KV, or why not.
 KV_RESUME_OUTCOMES = tuple(o.value for o in KeptKVOutcome)
 
@@ -144,6 +146,12 @@ class Metrics:
             "pitstop_regenerations_total",
             "Snapshot regenerations after drift or a cold start, by result.",
             ["result"], registry=registry)
+        self.snapshot_transfers = Counter(
+            "pitstop_snapshot_transfers_total",
+            "Pushes to and pulls from the remote snapshot store (snapshots.remote), by "
+            "direction and result (ok, or the refusal code: stale, corrupt, no_snapshot, "
+            "transfer_failed).",
+            ["direction", "result"], registry=registry)
         # --- front -------------------------------------------------------------------
         self.front_requests = Counter(
             "pitstop_front_requests_total",
@@ -212,6 +220,8 @@ class Metrics:
             self.engine_failures.labels(cause=cause)
         for outcome in KV_RESUME_OUTCOMES:
             self.front_kv_resumes.labels(outcome=outcome)
+        for direction in TRANSFER_DIRECTIONS:
+            self.snapshot_transfers.labels(direction=direction, result="ok")
         for result in RESULTS:
             self.regenerations.labels(result=result)
             for kind in SNAPSHOT_KINDS:

@@ -31,6 +31,9 @@ class RefusalCode(StrEnum):
     WRONG_KIND = "wrong_kind"
     # Its restore or the engine's resume after it failed: quarantined.
     RESTORE_FAILED = "restore_failed"
+    # A push to or pull from the remote store (snapshots.remote) stopped part way: the
+    # network, the store, its timeout or the local disk; nothing was published.
+    TRANSFER_FAILED = "transfer_failed"
     # --- how `vllm snapshot` failed (agent/engines/vllm/snapshot.py `map_failure`) ----
     FAILED = "failed"
     INVALID_ARGS = "invalid_args"

@@ -11,6 +11,7 @@ from prometheus_client import start_http_server
 
 from agent import proc
 from agent.checkpoint import build_snapshotter, build_store, retention
+from agent.checkpoint.backend import SnapshotInfo
 from agent.checkpoint.snapshotter import Snapshotter
 from agent.config import Config
 from agent.control import ControlServer
@@ -36,6 +37,7 @@ from agent.supervisor.paths.cold import ColdStart
 from agent.supervisor.paths.holder import HolderLink, HybridRestore, WarmStart
 from agent.supervisor.paths.refill import RefillRestore
 from agent.supervisor.paths.restore import FullRestore
+from agent.supervisor.remote import RemoteSnapshots
 from agent.supervisor.status import AgentStatus, HolderFacts, NewestSnapshot, StatusFile
 from agent.supervisor.supervisor import Supervisor
 from agent.systemd import Notifier
@@ -112,7 +114,8 @@ class Agent:
         if self.snapshotter is not None:
             self.capture = Capture(self.snapshotter, self.store, self.adapter,
                                    config.engine_socket, self.gate, self.metrics,
-                                   self.identity, config.snapshots.quiet_timeout_s)
+                                   self.identity, config.snapshots.quiet_timeout_s,
+                                   on_published=lambda info: self._remote_published(info))
         restore = dict(snapshotter=self.snapshotter, unavailable=unavailable,
                        adapter=self.adapter, socket=config.engine_socket,
                        identity=self.identity, metrics=self.metrics,
@@ -123,6 +126,11 @@ class Agent:
         self.refill = RefillRestore(
             self.holder, enabled=config.holder.refill, model=config.engine.model,
             digester=lambda: self.reader.digester, on_refilled=self.metrics.refilled, **restore)
+        # The fleet's store (snapshots.remote): restored by Pitstop's CRIU backend only.
+        self.remote = None if self.snapshotter is None else RemoteSnapshots(
+            settings=lambda: self.config.snapshots, store=self.store, identity=self.identity,
+            remaps=self.snapshotter.remaps, refill=self.refill, metrics=self.metrics,
+            status=self.status, on_change=self._changed)
         self._tasks: set[asyncio.Task] = set()
         self.gpu = GpuGuard(self._watch_gpu(config), drop_held=self.holder.drop,
                             metrics=self.metrics)
@@ -135,7 +143,7 @@ class Agent:
             canaries=CanaryBook(config.paths.state_dir / "canary.json"),
             capture=self.capture, on_change=self._changed,
             before_start=self._before_start, on_ready=self._on_ready, gpu=self.gpu,
-            on_engine=self.ledger.record)
+            on_engine=self.ledger.record, pull=self.remote)
         self.board = StatusBoard(
             self.status, node=self._node_info, stale=self._stale_reasons,
             gpu_watched=lambda: self.gpu.watch is not None,
@@ -260,6 +268,10 @@ class Agent:
                 asyncio.to_thread(self.refill.remember, digest))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    def _remote_published(self, info: SnapshotInfo) -> None:
+        if self.remote is not None:
+            self.remote.published(info)
 
     def _on_drift(self, diffs: list[Difference]) -> None:
         self.drifted = tuple(sorted({d.field for d in diffs}))

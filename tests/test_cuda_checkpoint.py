@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from agent.checkpoint.cuda import CudaCheckpoint
+from agent.checkpoint.cuda import CudaCheckpoint, gpu_pairs, uuid_bytes
 from agent.errors import SnapshotError
 
 
@@ -43,3 +43,46 @@ def test_when_the_unlock_fails_too_both_errors_are_kept():
     assert "cuCheckpointProcessCheckpoint of PID 7 failed: CUDA_ERROR_NOT_SUPPORTED" in text
     assert "cuCheckpointProcessUnlock (after a failed checkpoint) of PID 7 failed" in text
     assert "stays locked" in text
+
+
+def restoring_driver(calls: list) -> SimpleNamespace:
+    """A stand-in whose restore records the arguments it was given."""
+    class Uuid(SimpleNamespace):
+        bytes = b""
+
+    return SimpleNamespace(
+        CUresult=CUresult, CUcheckpointRestoreArgs=SimpleNamespace,
+        CUcheckpointUnlockArgs=SimpleNamespace, CUcheckpointGpuPair=SimpleNamespace,
+        CUuuid=Uuid,
+        cuCheckpointProcessGetState=lambda pid: (
+            CUresult.CUDA_SUCCESS, SimpleNamespace(name="CU_PROCESS_STATE_CHECKPOINTED")),
+        cuCheckpointProcessRestore=lambda pid, args: (calls.append(args),
+                                                      CUresult.CUDA_SUCCESS)[1:],
+        cuCheckpointProcessUnlock=lambda pid, args: (CUresult.CUDA_SUCCESS,),
+    )
+
+
+A = "GPU-3f2a6b1c-0d4e-5f60-7182-93a4b5c6d7e8"
+B = "GPU-00112233-4455-6677-8899-aabbccddeeff"
+
+
+def test_a_snapshot_of_another_gpu_is_restored_through_the_drivers_gpu_pairs():
+    calls: list = []
+    CudaCheckpoint(driver=restoring_driver(calls)).resume(7, gpu_pairs(A, B))
+    [args] = calls
+    assert args.gpuPairsCount == 1
+    [pair] = args.gpuPairs
+    assert pair.oldUuid.bytes == bytes.fromhex("3f2a6b1c0d4e5f60718293a4b5c6d7e8")
+    assert pair.newUuid.bytes == bytes.fromhex("00112233445566778899aabbccddeeff")
+
+
+def test_the_same_gpu_or_no_gpu_needs_no_pairs():
+    assert gpu_pairs(A, A) == () and gpu_pairs(None, B) == () and gpu_pairs(A, None) == ()
+    calls: list = []
+    CudaCheckpoint(driver=restoring_driver(calls)).resume(7)
+    assert not hasattr(calls[0], "gpuPairs")
+
+
+def test_a_uuid_that_is_not_one_is_named():
+    with pytest.raises(SnapshotError, match="'GPU-xyz' is not a GPU UUID"):
+        uuid_bytes("GPU-xyz")

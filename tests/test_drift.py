@@ -29,3 +29,25 @@ def test_compare_names_every_differing_field_old_to_new():
     assert describe(diffs) == (
         "engine_version: '1' -> '2'; criu: '4.1.1' -> '4.2'; env: {} -> {'X': '1'}"
     )
+
+
+def test_the_gpu_uuid_is_remapped_and_everything_else_must_match():
+    from agent.drift import classify
+    from agent.identity import REMAPPED_FIELDS
+
+    IDENT_GPU = collect(engine_kind="vllm", engine_version="0.32.0", criu="4.2.1").model_copy(
+        update={"gpu_name": "NVIDIA H200", "gpu_memory_bytes": 150 << 30})
+    a = "GPU-" + "a" * 32
+    old = IDENT_GPU.model_copy(update={"gpu_uuid": a, "env": {"CUDA_VISIBLE_DEVICES": a}})
+    new = old.model_copy(update={"gpu_uuid": "GPU-" + "b" * 32,
+                                 "env": {"CUDA_VISIBLE_DEVICES": "GPU-" + "b" * 32}})
+    # Where the engine's environment names the GPU by its UUID, that is the GPU remapped too.
+    [d] = classify(old, new)
+    assert (d.field, d.remapped) == ("gpu_uuid", True)
+    assert str(d) == f"gpu_uuid: '{a}' -> 'GPU-{'b' * 32}'"
+    assert compare(old, new, REMAPPED_FIELDS) == []
+    # Strict by default (the drift watcher: the engine's own GPU changed under it).
+    assert [x.field for x in compare(old, new)] == ["gpu_uuid", "env"]
+    other = new.model_copy(update={"kernel": "6.1.0", "gpu_memory_bytes": 80 << 30})
+    assert [(x.field, x.remapped) for x in classify(old, other)] == [
+        ("gpu_uuid", True), ("gpu_memory_bytes", False), ("kernel", False)]

@@ -50,6 +50,7 @@ def test_the_reference_extra_installs_what_agent_extras_looks_for():
     extras = _project()["optional-dependencies"]
     assert _names(extras["reference"]) == set(MODULES[Extra.REFERENCE]) >= set(HEAVY)
     assert _names(extras["cuda"]) == {"cuda-bindings"}
+    assert _names(extras["s3"]) == set(MODULES[Extra.S3]) == {"boto3"}
 
 
 def test_a_missing_module_of_an_extra_is_named_with_the_pip_command():

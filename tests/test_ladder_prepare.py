@@ -51,11 +51,12 @@ class StoreOnly:
     def __init__(self, store: SnapshotStore) -> None:
         self.store = store
         self.restored: list[str] = []
+        self.remaps: frozenset[str] = frozenset()
 
     def inspect(self, manifest: Manifest, image: Path) -> None:
         return None
 
-    def restore(self, manifest: Manifest, image: Path) -> None:
+    def restore(self, manifest: Manifest, image: Path, *, gpu_uuid: str | None = None) -> None:
         self.restored.append(manifest.id)
         raise SnapshotError(f"no CRIU in this test to restore {manifest.id}")
 

@@ -122,6 +122,9 @@ class CheckpointBackend(Protocol):
     # Whether the image must be made under its final path (vLLM's records its own path in
     # the dumped tree): the store then stages it there (Draft.in_place).
     in_place: bool
+    # Identity fields it puts right at restore instead of needing them equal (the CRIU
+    # backend: gpu_uuid, through the CUDA driver's GPU pairs); the store compares the rest.
+    remaps: frozenset[str]
 
     @property
     def create_limit_s(self) -> float:
@@ -143,8 +146,11 @@ class CheckpointBackend(Protocol):
         host (`corrupt` when it can never be used); None when it would restore it."""
         ...
 
-    def restore(self, manifest: Manifest, image: Path) -> RestoredProcess:
-        """Bring the engine back from `image`; on failure nothing of it is left running."""
+    def restore(self, manifest: Manifest, image: Path, *,
+                gpu_uuid: str | None = None) -> RestoredProcess:
+        """Bring the engine back from `image`, onto the GPU `gpu_uuid` (the host's; None: the
+        one it was taken on) when it `remaps` gpu_uuid; on failure nothing of it is left
+        running."""
         ...
 
 

@@ -45,6 +45,44 @@ def uses_cuda(pid: int, proc_root: Path = Path("/proc")) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class GpuPair:
+    """Restore onto GPU `new` what was checkpointed on GPU `old` (NVML's "GPU-<uuid>")."""
+
+    old: str
+    new: str
+
+    def __str__(self) -> str:
+        return f"{self.old} -> {self.new}"
+
+
+def uuid_bytes(uuid: str) -> bytes:
+    """The 16 bytes of a GPU UUID as NVML writes it ("GPU-3f2a...-..."), as CUuuid holds them."""
+    raw = uuid.removeprefix("GPU-").replace("-", "")
+    try:
+        out = bytes.fromhex(raw)
+    except ValueError:
+        out = b""
+    if len(out) != 16:
+        raise SnapshotError(f"{uuid!r} is not a GPU UUID (GPU- and 32 hex digits, as "
+                            "`nvidia-smi -L` shows)")
+    return out
+
+
+def gpu_pairs(snapshot_gpu: str | None, host_gpu: str | None) -> tuple[GpuPair, ...]:
+    """The pairs a restore of a snapshot taken on `snapshot_gpu` needs on `host_gpu`: none
+    when either is unknown (no GPU) or they are the same GPU."""
+    if not snapshot_gpu or not host_gpu or snapshot_gpu == host_gpu:
+        return ()
+    return (GpuPair(snapshot_gpu, host_gpu),)
+
+
+def _cu_uuid(cu: Any, uuid: str) -> Any:
+    value = cu.CUuuid()
+    value.bytes = uuid_bytes(uuid)
+    return value
+
+
 class CudaCheckpoint:
     """cuCheckpointProcess{Lock,Checkpoint,Restore,Unlock,GetState} on other processes.
 
@@ -127,14 +165,32 @@ class CudaCheckpoint:
             raise
         return CudaTimings(t1 - t0, time.monotonic() - t1)
 
-    def resume(self, pid: int) -> CudaTimings:
-        """Restore GPU memory from host memory, then unlock: the process runs CUDA again."""
+    def _restore_args(self, gpu_pairs: tuple[GpuPair, ...]) -> Any:
+        cu = self._cu()
+        args = cu.CUcheckpointRestoreArgs()
+        if gpu_pairs:
+            pairs = []
+            for p in gpu_pairs:
+                pair = cu.CUcheckpointGpuPair()
+                pair.oldUuid = _cu_uuid(cu, p.old)
+                pair.newUuid = _cu_uuid(cu, p.new)
+                pairs.append(pair)
+            # The driver wants every GPU the process had: one engine process has one.
+            args.gpuPairs = pairs
+            args.gpuPairsCount = len(pairs)
+        return args
+
+    def resume(self, pid: int, gpu_pairs: tuple[GpuPair, ...] = ()) -> CudaTimings:
+        """Restore GPU memory from host memory, then unlock: the process runs CUDA again.
+
+        `gpu_pairs` moves the process from the GPU it was checkpointed on to another of the
+        same chip (driver 580+); empty: back onto the same GPU."""
         cu = self._cu()
         t0 = time.monotonic()
         if self.state(pid) == "checkpointed":
             self._check(
-                cu.cuCheckpointProcessRestore(pid, cu.CUcheckpointRestoreArgs()),
-                "cuCheckpointProcessRestore",
+                cu.cuCheckpointProcessRestore(pid, self._restore_args(gpu_pairs)),
+                "cuCheckpointProcessRestore" + "".join(f" ({p})" for p in gpu_pairs),
                 pid,
             )
         t1 = time.monotonic()

@@ -28,11 +28,11 @@ from agent.checkpoint.criu import (
     NetworkLock,
     restore_flags,
 )
-from agent.checkpoint.cuda import CudaCheckpoint, uses_cuda
+from agent.checkpoint.cuda import CudaCheckpoint, GpuPair, gpu_pairs, uses_cuda
 from agent.checkpoint.xcomp import Regrant, continue_tree, process_tree, regrant_tree
 from agent.checkpoint.zeropages import ImageDamagedError, ImageFormatError, drop_zero_pages
 from agent.errors import RestoreBlockedError, SnapshotError
-from agent.identity import Identity
+from agent.identity import REMAPPED_FIELDS, Identity
 from agent.proc import descendants, ids_in_use, kill_tree, stat
 from agent.store import (
     Canary,
@@ -113,6 +113,8 @@ class Snapshotter:
         self.kinds: frozenset[SnapshotKind] = frozenset({"full", "hybrid"})
         # CRIU restores the tree from anywhere: images are made in a draft and renamed.
         self.in_place = False
+        # A snapshot taken on another GPU of the same kind comes back on this host's GPU.
+        self.remaps: frozenset[str] = REMAPPED_FIELDS
         self.store = store
         self.criu = criu
         self.cuda = cuda
@@ -287,13 +289,15 @@ class Snapshotter:
             timings["cuda_checkpoint"] = timings.get("cuda_checkpoint", 0.0) + t.second_s
 
     def _resume(
-        self, pids: tuple[int, ...], timings: dict[str, float], cause: Exception | None = None
+        self, pids: tuple[int, ...], timings: dict[str, float], cause: Exception | None = None,
+        pairs: tuple[GpuPair, ...] = (),
     ) -> None:
-        """CUDA restore + unlock of each PID. After a failure (`cause`), a failing resume
-        is reported together with the cause: that engine can no longer serve."""
+        """CUDA restore + unlock of each PID (onto other GPUs per `pairs`). After a failure
+        (`cause`), a failing resume is reported together with the cause: that engine can no
+        longer serve."""
         for p in pids:
             try:
-                t = self._cuda().resume(p)
+                t = self._cuda().resume(p, pairs)
             except SnapshotError as e:
                 if cause is None:
                     raise
@@ -304,12 +308,14 @@ class Snapshotter:
             timings["cuda_restore"] = timings.get("cuda_restore", 0.0) + t.first_s
             timings["cuda_unlock"] = timings.get("cuda_unlock", 0.0) + t.second_s
 
-    def restore(self, manifest: Manifest, image: Path | None = None) -> RestoredProcess:
+    def restore(self, manifest: Manifest, image: Path | None = None, *,
+                gpu_uuid: str | None = None) -> RestoredProcess:
         """Restore a snapshot `select` chose (from `image`, by default its directory in the
-        store). On any failure the restored tree is killed and SnapshotError raised: the
-        caller quarantines it and falls to a cold start. RestoreBlockedError (a PID of the
-        image still taken) is the host's failure, not the image's: nothing ran, and the
-        snapshot stays good."""
+        store), onto the GPU `gpu_uuid` when it was taken on another (the CUDA driver's GPU
+        pairs; None: the GPU it was taken on). On any failure the restored tree is killed
+        and SnapshotError raised: the caller quarantines it and falls to a cold start.
+        RestoreBlockedError (a PID of the image still taken) is the host's failure, not the
+        image's: nothing ran, and the snapshot stays good."""
         waited = self._wait_pids_free(manifest)
         image_dir = image or self.store.path(manifest.id)
         log = self._log(f"{manifest.id}-restore-{int(time.time() * 1000)}.log",
@@ -361,7 +367,11 @@ class Snapshotter:
                 timings["amx_regrant"] = self._clock() - t0
             # Continued first: the CUDA restore was only ever run, and measured, on a
             # running tree.
-            self._resume(manifest.process.cuda_pids, timings)
+            pairs = gpu_pairs(manifest.identity.gpu_uuid, gpu_uuid)
+            if pairs:
+                logger.info("snapshot %s: restoring its CUDA state onto another GPU: %s",
+                            manifest.id, ", ".join(map(str, pairs)))
+            self._resume(manifest.process.cuda_pids, timings, pairs=pairs)
         except BaseException:
             kill_tree(done.pid, proc=self._proc)
             for f in files.values():

@@ -9,7 +9,7 @@ import secrets
 import shutil
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -295,11 +295,16 @@ class SnapshotStore:
         return f"{stamp}-{kind}-{secrets.token_hex(3)}"
 
     @contextmanager
-    def begin(self, kind: SnapshotKind, *, in_place: bool = False) -> Iterator[Draft]:
+    def begin(self, kind: SnapshotKind, *, in_place: bool = False,
+              snapshot_id: str | None = None) -> Iterator[Draft]:
         """A draft directory; removed on any exception or when left unpublished. With
-        `in_place`, under its final name (see Draft)."""
+        `in_place`, under its final name (see Draft). `snapshot_id` keeps the id a snapshot
+        already has (one pulled from a remote store); by default a new one."""
         self.open()
-        snapshot_id = self.new_id(kind)
+        if snapshot_id is None:
+            snapshot_id = self.new_id(kind)
+        elif os.path.lexists(self.path(snapshot_id)):
+            raise SnapshotError(f"snapshot {snapshot_id} is already in {self.root}")
         tmp = self.root / f"{TMP_PREFIX}{snapshot_id}"
         os.mkdir(tmp, DIR_MODE)
         if in_place:
@@ -437,10 +442,12 @@ class SnapshotStore:
         return raw if isinstance(raw, dict) else {}
 
     def select(self, identity: Identity, kind: SnapshotKind | None = None,
-               accept: Callable[[Manifest], Skipped | None] | None = None) -> Selection:
-        """The newest snapshot (of `kind`, if given) whose identity equals `identity`, that
-        `accept` (the backend's own check) does not refuse, and which verifies; every other
-        one is named in `skipped` with its refusal.
+               accept: Callable[[Manifest], Skipped | None] | None = None,
+               remapped: Collection[str] = frozenset()) -> Selection:
+        """The newest snapshot (of `kind`, if given) whose identity equals `identity` but for
+        the `remapped` fields (which the restoring backend puts right), that `accept` (the
+        backend's own check) does not refuse, and which verifies; every other one is named in
+        `skipped` with its refusal.
 
         It hashes image files: call it from a worker thread, never on the event loop."""
         skipped: list[Skipped] = []
@@ -457,7 +464,7 @@ class SnapshotStore:
                 skip(e.id, RefusalCode.SUPERSEDED, f"older than the chosen {chosen.id}")
             elif kind is not None and e.manifest.kind != kind:
                 skip(e.id, RefusalCode.WRONG_KIND, f"kind {e.manifest.kind}, wanted {kind}")
-            elif diffs := compare(e.manifest.identity, identity):
+            elif diffs := compare(e.manifest.identity, identity, remapped):
                 skip(e.id, RefusalCode.STALE, describe(diffs))
             elif accept is not None and (refused := accept(e.manifest)) is not None:
                 skipped.append(refused)

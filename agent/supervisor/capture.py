@@ -83,7 +83,8 @@ class Capture:
     def __init__(self, backend: CheckpointBackend, store: SnapshotStore, adapter: EngineAdapter,
                  socket: Path, gate: EngineGate, metrics: Metrics,
                  identity: Callable[[], Identity], quiet_timeout_s: float,
-                 control_timeout_s: float = 60.0) -> None:
+                 control_timeout_s: float = 60.0,
+                 on_published: Callable[[SnapshotInfo], None] = lambda info: None) -> None:
         self._backend = backend
         # Publishes into it, pruned to its retention after each publish.
         self._store = store
@@ -95,6 +96,8 @@ class Capture:
         # Public: a reload sets it (snapshots.quiet_timeout_s), the next capture uses it.
         self.quiet_timeout_s = quiet_timeout_s
         self._control_timeout = control_timeout_s
+        # Told each snapshot once it is published (the remote store's push).
+        self._on_published = on_published
         self.last: SnapshotInfo | None = None
         # Why the last attempt failed, one line; "" once one succeeds. The restore rungs give
         # it as their reason to skip, and `pitstop status` shows it (snapshot_error).
@@ -135,6 +138,7 @@ class Capture:
         self._metrics.snapshots_created.labels(kind=kind, result="success").inc()
         self._metrics.snapshot_create_duration.labels(kind=kind).observe(result.duration_s)
         self.last = result.info
+        self._on_published(result.info)
         return result
 
     async def _dump(self, engine: EngineProcess, canary: CanaryRecord,

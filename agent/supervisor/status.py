@@ -12,6 +12,7 @@ from agent.errors import StatusError
 from agent.fsutil import write_private
 from agent.refusal import Refusal
 from agent.reload import ReloadResult
+from agent.store.remote import Transfer
 from agent.supervisor.states import Fall, State
 
 
@@ -99,6 +100,10 @@ class AgentStatus:
     holder: HolderFacts | None = None
     # What the last reload (SIGHUP or `pitstop reload`) applied and refused.
     last_reload: ReloadResult | None = None
+    # The last pull from and push to the remote store (snapshots.remote): which snapshot,
+    # how it ended (`result`: ok or a refusal code) and why, bytes and seconds.
+    last_pull: Transfer | None = None
+    last_push: Transfer | None = None
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from agent.config import Config
 from agent.engines.base import EngineAdapter
@@ -38,6 +38,16 @@ HEALTH_POLL_S = 0.1
 BEAT_S = 1.0
 
 
+class Puller(Protocol):
+    """Takes a snapshot from the fleet's store before a walk finds none (agent/supervisor/
+    remote.py): blocking work in a thread, for at most `limit_s`."""
+
+    @property
+    def limit_s(self) -> float: ...
+
+    async def before_walk(self, attempt: Attempt) -> None: ...
+
+
 class Supervisor:
     """Owns the engine: starts it through the ladder, keeps it healthy, stops it.
 
@@ -58,6 +68,7 @@ class Supervisor:
                  on_ready: Callable[[], None] | None = None,
                  gpu: GpuGuard | None = None,
                  on_engine: Callable[[int], None] = lambda pid: None,
+                 pull: Puller | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.adapter = adapter
@@ -80,6 +91,7 @@ class Supervisor:
         # Told each new engine's PID at once, before it is verified: should the agent die
         # now, the next one must know which tree to kill.
         self._on_engine = on_engine
+        self._pull = pull
         self._clock = clock
         self.state = State.STOPPED
         self.engine: EngineProcess | None = None
@@ -258,6 +270,7 @@ class Supervisor:
                 self.record_failure()
                 self._fire(Event.START_FAILED, f"cannot read what the engine depends on: {e}")
                 return
+        await self._pull_snapshot(attempt)
         last_path = "cold"
         for path in self.paths:
             if self._stop.is_set():
@@ -319,6 +332,13 @@ class Supervisor:
         self.record_failure()
         self._fire(Event.START_FAILED,
                    f"every start path failed: {'; '.join(map(str, fallthroughs))}")
+
+    async def _pull_snapshot(self, attempt: Attempt) -> None:
+        """Let the fleet's store give this walk a snapshot its local store lacks."""
+        if self._pull is not None:
+            # Off the loop like a rung's prepare: the front and the health probes go on.
+            async with self._working("pulling a snapshot", self._pull.limit_s):
+                await self._pull.before_walk(attempt)
 
     async def _gpu_check(self) -> GpuCheck:
         """The GPU's faults and health now (off the event loop), kept in the status."""

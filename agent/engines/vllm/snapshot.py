@@ -205,6 +205,8 @@ class VllmSnapshotBackend:
     name = BackendName.VLLM
     kinds: frozenset[SnapshotKind] = frozenset({"vllm"})
     in_place = True
+    # `vllm snapshot restore` takes no GPU pairs: every identity field must match.
+    remaps: frozenset[str] = frozenset()
 
     def __init__(self, *, python: str, model: str, revision: str,
                  served_model_name: str, engine_args: Sequence[str], engine_env: Mapping[str, str],
@@ -361,9 +363,11 @@ class VllmSnapshotBackend:
                     "engine.served_model_name changed)")
         return None
 
-    def restore(self, manifest: Manifest, image: Path) -> RestoredProcess:
-        """Restore and verify (vLLM's own canary). The restored tree is detached from
-        `vllm snapshot restore` and re-parented to the nearest subreaper: the agent."""
+    def restore(self, manifest: Manifest, image: Path, *,
+                gpu_uuid: str | None = None) -> RestoredProcess:
+        """Restore and verify (vLLM's own canary); `gpu_uuid` is unused (it remaps nothing).
+        The restored tree is detached from `vllm snapshot restore` and re-parented to the
+        nearest subreaper: the agent."""
         done = self._call("restore", self.artifact(image), self.restore_limit_s)
         return RestoredProcess(pid=manifest.process.root_pid, snapshot_id=manifest.id,
                                outputs={}, log_path=self.artifact(image) / "child.log",

@@ -190,6 +190,20 @@ class RefillRestore(HybridRestore):
         with HolderClient(self._link.path, timeout=timeout) as c:
             return c.refill(digest)
 
+    def holder_answers(self) -> bool:
+        """Whether a holder for this engine is configured and answers (blocking: a thread)."""
+        return self._link.unavailable() is None
+
+    def plan_from_files(self, digest: str) -> RefillPlan | None:
+        """Leave the plan that loads `digest` from the model's files beside the holder, for a
+        hybrid image this host did not make (one pulled from the fleet's store): its engine
+        never committed the weights here, so no plan was left the usual way. Blocking."""
+        plan = self._fresh_plan(digest)
+        if plan is not None:
+            log.info("refill plan for %s written from the model files (%d regions, %.1f MB)",
+                     digest, len(plan.regions), plan.bytes / 1e6)
+        return plan
+
     def _fresh_plan(self, digest: str) -> RefillPlan | None:
         try:
             plan = plan_for(self._model, self._digester(), digest)

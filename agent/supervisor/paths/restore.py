@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -61,7 +62,8 @@ class SnapshotRestore:
         t0 = time.monotonic()
         try:
             selection = store.select(self._identity(), kind=self.kind,
-                                     accept=lambda m: backend.inspect(m, store.path(m.id)))
+                                     accept=lambda m: backend.inspect(m, store.path(m.id)),
+                                     remapped=backend.remaps)
         except SnapshotError as e:
             # The store's root itself is refused (a symlink, another owner): no rung of it.
             return Refusal(RefusalCode.SNAPSHOTS_UNAVAILABLE, f"snapshots unavailable: {e}")
@@ -147,9 +149,13 @@ class FullRestore(SnapshotRestore):
         # The dumped engine re-binds its socket path on restore; a leftover file blocks it.
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._socket)
+        # The host's GPU (the engine identity of this start: no I/O): a snapshot taken on
+        # another GPU of the same kind is restored onto this one.
+        gpu = self._identity().gpu_uuid
         try:
-            restored = await proc.in_parent_thread(self._backend.restore, manifest,
-                                                   self._store.path(manifest.id))
+            restored = await proc.in_parent_thread(
+                functools.partial(self._backend.restore, gpu_uuid=gpu), manifest,
+                self._store.path(manifest.id))
         except RestoreBlockedError as e:
             # The host's failure (a PID still taken), not the image's: it stays a candidate.
             raise StartPathError(Refusal(

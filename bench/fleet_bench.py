@@ -1,0 +1,237 @@
+"""A node that never ran the model: pull the fleet's snapshot and restore it, against a cold start.
+
+Runs the real agent with the reference engine over a model of --gib GiB made by
+`pitstop make-model`, in one run:
+
+1. cold: `--runs` cold starts (snapshots off), the baseline;
+2. seed: an agent with a holder makes the first snapshot (hybrid) and pushes it
+   (`snapshots.publish`) to the S3 store; then one without a holder does the same (full);
+3. pull+refill: `--runs` times, the node's state (its snapshot store) and holder wiped, a
+   fresh empty holder, and a start that pulls the hybrid image, has the holder load the
+   weights from the model files (the refill rung) and restores the image;
+4. pull+full: `--runs` times, the store wiped, no holder: a start that pulls the full image
+   and restores it.
+
+Each start is timed by the agent itself (`last_recovery.duration_s`: from the decision to
+start, pull included, to the verified canary), and the pull's bytes and seconds give the
+download rate (`last_pull`). The store is `--url` (credentials and endpoint from the AWS_*
+variables and ~/.aws, as the agent reads them); without it the bench starts moto's
+S3-compatible server on loopback (the dev extra), whose Python server, not a network,
+then bounds the rate. On the GPU host, from the repository root:
+
+    PITSTOP_CRIU=$PWD/.gpu/criu/bin/criu python3 bench/fleet_bench.py OUT --gib 8
+
+and on CPU (`--device cpu`) it is a dry run of the same script. Writes
+OUT/fleet-<gib>gib.json with `rows` (engine, path, gib, runs_s, median_s, machine, command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from gpu_recovery_bench import (
+    REPO,
+    Agent,
+    gpu_id,
+    kv_args,
+    log,
+    machine,
+    start_holder,
+    starts,
+    stop_holder,
+)
+
+BUCKET = "pitstop-fleet-bench"
+
+
+@contextlib.contextmanager
+def store(url: str | None, work: Path) -> Iterator[tuple[str, dict[str, str]]]:
+    """(s3 URL, environment for the agents): `url` as given, or moto's server on loopback."""
+    if url:
+        yield url, {}
+        return
+    sys.path.insert(0, str(REPO))
+    from tests.s3_server import s3_server
+
+    with s3_server(work / "aws") as server:
+        server.create_bucket(BUCKET)
+        yield f"s3://{BUCKET}/bench", server.env()
+
+
+def node(cfg: dict, work: Path, name: str) -> dict:
+    """`cfg` as a node of its own: a state directory (and so a snapshot store) of its own,
+    emptied first; the engine's socket and the holder's directory stay the fleet's."""
+    state = work / name
+    shutil.rmtree(state, ignore_errors=True)
+    state.mkdir(parents=True)
+    return {**cfg, "paths": {"state_dir": str(state / "state")}}
+
+
+def seed(cfg: dict, work: Path, name: str) -> dict:
+    """The first node: a cold start, its snapshot, pushed. What the push moved and took."""
+    agent = Agent(node({**cfg, "snapshots": {**cfg["snapshots"], "publish": True}}, work,
+                       name), work / name)
+    try:
+        st = agent.wait(lambda s: (s.get("last_push") or {}).get("result") not in (None, ""),
+                        1800, f"{name}'s snapshot pushed")
+    finally:
+        agent.stop()
+    push = st["last_push"]
+    if push["result"] != "ok":
+        raise SystemExit(f"{name}: the push failed: {push}")
+    log(f"{name}: pushed {push['snapshot']} ({push['kind']}): {push['bytes'] / 1e9:.2f} GB "
+        f"in {push['seconds']:.1f}s")
+    return {**push, "first_start": st["last_recovery"]}
+
+
+def pulled_start(cfg: dict, work: Path, name: str, want: str) -> dict:
+    """A node that never ran the engine: its start, which pulls and restores."""
+    agent = Agent(node(cfg, work, name), work / name)
+    try:
+        st = agent.wait(lambda s: s.get("state") == "ready", 1800, f"{name} ready")
+    finally:
+        agent.stop()
+    rec, pull = st["last_recovery"], st.get("last_pull") or {}
+    log(f"{name}: {rec['path']} in {rec['duration_s']:.2f}s; pull {pull.get('result')} "
+        f"{pull.get('bytes', 0) / 1e9:.2f} GB in {pull.get('seconds', 0):.2f}s")
+    if rec["path"] != want or pull.get("result") != "ok":
+        log(f"{name}: expected a pull and {want}: {rec.get('fallthroughs')} {pull}")
+    return {**rec, "pull": pull}
+
+
+def rows(result: dict, gib: float, command: str) -> list[dict]:
+    where, host = machine()
+    out = []
+    for path, want in (("cold", "cold"), ("pull+refill", "refill"), ("pull+full", "full")):
+        recs = [r for r in result.get(path, []) if r.get("result") == "success"
+                and r.get("path") == want]
+        if not recs:
+            continue
+        runs = [r["duration_s"] for r in recs]
+        pulls = [r["pull"] for r in recs if r.get("pull")]
+        rates = [p["bytes"] / p["seconds"] / 1e6 for p in pulls if p.get("seconds")]
+        out.append({
+            "engine": "reference", "path": path, "gib": gib, "runs_s": runs,
+            "median_s": statistics.median(runs), "machine": where, "host": host,
+            "command": command,
+            "fell_to": [r["path"] for r in result.get(path, []) if r.get("path") != want],
+            **({"pull_s": [p["seconds"] for p in pulls],
+                "pulled_bytes": [p["bytes"] for p in pulls],
+                "download_mb_per_s": [round(r, 1) for r in rates],
+                "download_median_mb_per_s": round(statistics.median(rates), 1) if rates
+                else None,
+                "stages_median_s": {k: round(statistics.median(r["stages"].get(k, 0.0)
+                                                               for r in recs), 4)
+                                    for k in sorted({k for r in recs for k in r["stages"]})}}
+               if pulls else {}),
+        })
+    return out
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--gib", type=float, required=True)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--kv-gib", type=float, default=4.0)
+    ap.add_argument("--max-len", type=int, default=4096)
+    ap.add_argument("--models", type=Path, default=Path("/dev/shm/pitstop-models"))
+    ap.add_argument("--work", type=Path, default=Path("/root/pitstop-fleet-bench"))
+    ap.add_argument("--url", help="s3://BUCKET/PREFIX (default: moto's server on loopback)")
+    ap.add_argument("--paths", default="cold,pull+refill,pull+full")
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script")
+    return ap.parse_args()
+
+
+def pull_runs(result: dict, cfg: dict, held: dict, work: Path, a: argparse.Namespace,
+              save: Callable[[], None]) -> None:
+    """Seed the store, then `--runs` nodes that pull and restore, for each path asked."""
+    paths = a.paths.split(",")
+    holder_dir = Path(held["holder"]["dir"])
+    gpu = held["holder"]["gpu"]
+    if "pull+refill" in paths:
+        holder = start_holder(gpu, holder_dir, work)
+        try:
+            result["seed_hybrid"] = seed(held, work, "seed-hybrid")
+        finally:
+            stop_holder(holder)
+        result["pull+refill"] = []
+        for n in range(a.runs):
+            # Wiped: the node's store (node() empties its state) and the holder's memory
+            # and directory (no refill plan left there).
+            shutil.rmtree(holder_dir, ignore_errors=True)
+            holder = start_holder(gpu, holder_dir, work)
+            try:
+                result["pull+refill"].append(
+                    pulled_start(held, work, f"node-refill-{n}", "refill"))
+            finally:
+                stop_holder(holder)
+            save()
+    if "pull+full" in paths:
+        result["seed_full"] = seed(cfg, work, "seed-full")
+        result["pull+full"] = [pulled_start(cfg, work, f"node-full-{n}", "full")
+                               for n in range(a.runs)]
+        save()
+
+
+def main() -> None:
+    a = parse_args()
+    paths = a.paths.split(",")
+    a.out.mkdir(parents=True, exist_ok=True)
+    tag = f"{a.gib:g}gib"
+    command = " ".join(["python3", *sys.argv])
+    result: dict = {"gib": a.gib, "runs": a.runs, "host": os.uname().nodename}
+    model = a.models / tag
+    subprocess.run([sys.executable, "-m", "agent", "make-model", str(model), "--target-gib",
+                    str(a.gib)], cwd=REPO, check=True,
+                   env={**os.environ, "PITSTOP_MODELGEN_DEVICE": a.device})
+    result["weights_bytes"] = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    work = a.work / tag
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    gpu = gpu_id(a.device)
+    holder_dir = work / "holder"
+    cfg = {
+        "engine": {"kind": "reference", "model": str(model), "device": a.device,
+                   "args": kv_args(model, a.kv_gib, a.max_len), "stop_timeout_s": 30,
+                   # The fleet's one configuration: the same socket on every node.
+                   "socket": str(work / "engine.sock")},
+        "front": {"host": "127.0.0.1", "port": 0},
+        "metrics": {"host": "127.0.0.1", "port": 0},
+        "health": {"start_timeout_s": 900, "timeout_s": 5},
+        "snapshots": {"drift_check_interval_s": 0, "quiet_timeout_s": 60,
+                      "regenerate": "before-serving", "pull_timeout_s": 1800},
+        "restart": {"crash_loop_limit": 1000},
+    }
+
+    def save() -> None:
+        result["rows"] = rows(result, a.gib, command)
+        (a.out / f"fleet-{tag}.json").write_text(json.dumps(result, indent=1))
+
+    if "cold" in paths:
+        off = node({**cfg, "snapshots": {"enabled": False}}, work, "cold")
+        result["cold"] = starts(off, work / "cold", a.runs, "cold start", 0)
+        save()
+    with store(a.url, work) as (url, env):
+        os.environ.update(env)  # the agents started from here reach the store with these
+        cfg["snapshots"]["remote"] = url
+        result["store"] = url if a.url else f"{url} (moto's server on loopback)"
+        held = {**cfg, "holder": {"enabled": True, "dir": str(holder_dir), "gpu": gpu}}
+        pull_runs(result, cfg, held, work, a, save)
+    result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    save()
+    log("wrote", a.out / f"fleet-{tag}.json")
+
+
+if __name__ == "__main__":
+    main()
