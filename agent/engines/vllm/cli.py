@@ -69,7 +69,7 @@ print(json.dumps({"vllm": [[n, md.version(n)] for n in names], "plugin": plugin,
     "snapshot": has("entrypoints", "cli", "snapshot.py") and has("snapshot", "controller.py"),
     "preload": has("entrypoints", "cli", "preload.py")
         and has("model_executor", "model_loader", "weight_cache", "ipc_loader.py"),
-    "torch_cuda": cuda, "flashinfer": u.find_spec("flashinfer") is not None}))
+    "torch_cuda": cuda, "flashinfer": u.find_spec("flashinfer") is not None, "root": v}))
 """
 FEATURES_TIMEOUT_S = 60.0
 # vLLM (vllm/envs.py, 0.25): unset means on; the value is read as int(value) != 0.
@@ -105,6 +105,8 @@ class VllmFeatures:
     # (vLLM's CUDA requirements install it; a vLLM installed without its dependencies lacks
     # it). None: not asked.
     flashinfer: bool | None = None
+    # The directory of the `vllm` package: where the plugin's probes read vLLM's source.
+    root: str | None = None
 
     @property
     def cuda_build(self) -> bool:
@@ -136,7 +138,8 @@ def read_features(python: str, env: Mapping[str, str] | None = None,
     dist, version = (data["vllm"][0] if data["vllm"] else (None, None))
     return VllmFeatures(distribution=dist, version=version, snapshot=bool(data["snapshot"]),
                         preload=bool(data["preload"]), torch_cuda=data["torch_cuda"] or None,
-                        plugin=data.get("plugin"), flashinfer=bool(data["flashinfer"]))
+                        plugin=data.get("plugin"), flashinfer=bool(data["flashinfer"]),
+                        root=data.get("root"))
 
 
 def sampler_off(env: Mapping[str, str]) -> bool:
