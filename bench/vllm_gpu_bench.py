@@ -690,7 +690,10 @@ RUNNERS = {"holder": holder_phase, "pitstop": pitstop_phase,
 def main() -> None:
     a = parse_args()
     run = prepare(a)
-    skipped = run.result["skipped"] = {}
+    # What an earlier run into OUT skipped stays said, but for what this run tries again.
+    mine = {*a.paths, *(ph for ph, ps in PHASES.items() if set(ps) & set(a.paths))}
+    skipped = run.result["skipped"] = {k: v for k, v in run.result.get("skipped", {}).items()
+                                       if k.split("#")[0] not in mine}
     if not run.cuda:
         for p in CUDA_ONLY:
             if p in a.paths:

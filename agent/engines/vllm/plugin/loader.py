@@ -28,7 +28,7 @@ from agent.engines.vllm.plugin.held import (
     params_without_storage,
     specs_of,
 )
-from agent.engines.vllm.plugin.optional import already_processed, trim_sleep_pool
+from agent.engines.vllm.plugin.optional import already_processed
 from agent.engines.vllm.plugin.support import DIGEST_KEY, SOCKET_KEY
 
 # Under vLLM's logger: its handlers print it with the process name, like its own lines.
@@ -121,10 +121,12 @@ class PitstopModelLoader(BaseModelLoader):
         """Make the held set the parameters' storage: attached when the holder has it (a
         warm start), else made, filled by vLLM's weight loaders and committed."""
         specs = specs_of(params)
-        # What vLLM still holds of its own (small parameters, its allocator's cache) goes
-        # back before the holder allocates the set: the device never has the weights twice.
+        # The parameters' own storage (the small ones', and the scratch the big ones were
+        # views of) goes back before the holder allocates the set. vLLM's sleep-mode pool
+        # keeps the freed blocks until the load ends (it trims them then; trimming earlier
+        # would let torch hand out unmapped memory), but they are only the scratch and one
+        # block per parameter size, never the weights.
         give_back_storage(params)
-        trim_sleep_pool()
         held = HeldParams.open(self.socket, self.digest, specs, version, _space_factory(device))
         try:
             held.bind(params)
