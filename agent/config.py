@@ -266,11 +266,20 @@ class VllmPreloadConfig(_Strict):
 
 
 
+class VllmPluginConfig(_Strict):
+    """Pitstop's vLLM plugin (the hybrid, refill and warm rungs; docs/vllm.md, section 8)."""
+
+    # A vLLM series the plugin was not tested against: `probe` serves it when every vLLM
+    # internal the plugin uses is there, `refuse` keeps to the tested series.
+    untested: Literal["probe", "refuse"] = "probe"
+
+
 class VllmConfig(_Strict):
-    """vLLM-only paths: its own snapshots and its weight-cache daemon."""
+    """vLLM-only paths: its own snapshots, its weight-cache daemon, Pitstop's plugin."""
 
     snapshot: VllmSnapshotConfig = Field(default_factory=VllmSnapshotConfig)
     preload: VllmPreloadConfig = Field(default_factory=VllmPreloadConfig)
+    plugin: VllmPluginConfig = Field(default_factory=VllmPluginConfig)
 
 
 # engine.args that would contradict the preload path (Pitstop sets the first two; vLLM's

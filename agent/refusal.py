@@ -69,11 +69,13 @@ class RefusalCode(StrEnum):
     REFILL_LAYOUT = "refill_layout"
     NO_VLLM = "no_vllm"
     # Pitstop's vLLM plugin (agent/engines/vllm/adapter.py `plugin_refusal`): not installed in
-    # vLLM's interpreter, another version than the agent's, or a vLLM series it does not
-    # support; vLLM's hybrid and warm rungs are then skipped.
+    # vLLM's interpreter, another version than the agent's, a vLLM version it refuses (not
+    # readable, or an untested series under vllm.plugin.untested: refuse), or a vLLM that
+    # lacks an internal the plugin uses; vLLM's hybrid and warm rungs are then skipped.
     PLUGIN_NOT_INSTALLED = "plugin_not_installed"
     PLUGIN_VERSION_MISMATCH = "plugin_version_mismatch"
     VLLM_VERSION_UNSUPPORTED = "vllm_version_unsupported"
+    VLLM_INTERNALS_MISSING = "vllm_internals_missing"
     NO_GPU = "no_gpu"
     PRELOAD_DOWN = "preload_down"
     # Not tried: it would reuse memory that a GPU fault made suspect.

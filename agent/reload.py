@@ -96,6 +96,7 @@ POLICY: dict[str, tuple[Apply, str]] = {
     "vllm.preload.socket_dir": (Apply.RESTART, "vLLM's rungs are built at start"),
     "vllm.preload.health_port": (Apply.RESTART, "vLLM's rungs are built at start"),
     "vllm.preload.args": (Apply.RESTART, "vLLM's rungs are built at start"),
+    "vllm.plugin.untested": (Apply.LIVE, "the next ladder walk"),
 }
 
 # A change of this key makes every other change meaningless for the running agent.

@@ -1,47 +1,47 @@
-"""CUDA vLLM under the real agent on a GPU: cold start, full and hybrid restore, warm start and
-vLLM's own sleep/wake.
+"""CUDA vLLM on a GPU, every recovery path side by side: Pitstop's rungs and vLLM's own.
 
-On the GPU host, from the repository root, with a CUDA vLLM importable from --site:
+On the GPU host, from the repository root, with a CUDA vLLM (0.33) importable from --site:
 
-    PITSTOP_CRIU=$PWD/.gpu/criu/bin/criu python3 bench/vllm_gpu_bench.py OUT --gib 8 \\
-        --site /tmp/vsite
+    python3 bench/vllm_gpu_bench.py OUT --gib 8 --site /tmp/vsite033 \\
+        --engine-env VLLM_USE_FLASHINFER_SAMPLER=0 \\
+        --engine-env PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1 \\
+        --criu .gpu/criu/bin/criu --cuda-checkpoint /tmp/cc/cuda-checkpoint \\
+        --cuda-plugin-dir /tmp/cc --budget-s 500 --paths hybrid,refill,warm
 
-One run measures, on one model of --gib GiB (`pitstop make-model --target-gib`, in
-/dev/shm), side by side:
+One model of --gib GiB (`pitstop make-model --target-gib`, in /dev/shm), the real agent
+(`pitstop run`, engine.kind vllm) in phases, each a fresh agent:
 
-- **cold**: `pitstop run` with `engine.kind: vllm` starts vLLM from nothing (import, weights,
-  torch.compile from vLLM's compile cache, CUDA graphs, KV pool) to the verified canary: the
-  first start of agent A, then agent B (snapshots off) started and its API server SIGKILLed
-  until --runs cold starts were seen.
-- **full**: agent A, snapshots on, takes its after-serving snapshot (CUDA checkpoint of every
-  process of the tree holding a CUDA context, CRIU dump), then its API server is SIGKILLed
-  --runs times; each recovery is a full restore (CRIU restore, CUDA restore, canary). A
-  recovery that falls through to a cold start (the restore failed: its reason is in the
-  record's fallthroughs) ends the series and counts as a cold start.
-- **hybrid**: agent C, with a holder (`pitstop holder`, cuda backend, started here) and the
-  Pitstop plugin installed for vLLM's interpreter (`scripts/install-vllm-plugin.sh`, into a
-  folder put first on the engine's PYTHONPATH): the first start loads the weights into the
-  holder (`--load-format pitstop`), the after-serving snapshot is a hybrid one (the weights
-  detached and the KV pool released by the worker extension, vLLM's sleep mode), then
-  --runs SIGKILLs, each recovery a hybrid restore (CRIU restore of the small image, CUDA
-  restore, the held weights mapped again at their addresses, the KV pool re-made, canary).
-- **warm**: agent C's engine once more, snapshots off: a fresh vLLM whose loader maps the
-  held weights instead of reading the files, --warm-runs times.
-- **sleep**: vLLM's own sleep level 1 and wake_up (`VLLM_SERVER_DEV_MODE=1`) on agent B's
-  first engine, --runs times, each checked by the same greedy answer: the in-process
-  reference a restore can approach. Agent B's engines run with `--enable-sleep-mode` (vLLM's
-  CuMemAllocator); agent A's do not, so the snapshot is of the engine a user runs by default.
+- **holder** (paths hybrid, refill, warm): a holder (`pitstop holder`, cuda backend) and the
+  Pitstop plugin for vLLM's interpreter. The first start loads the weights into the holder
+  (its peak GPU memory is recorded: `first-start-holder`), a hybrid snapshot is taken, then
+  --runs SIGKILLs of the API server come back through `hybrid`; once the agent has written
+  its copy of the held set (the refill plan), --runs times the holder is restarted empty
+  and the API server killed: `refill`; then the snapshots are deleted and --warm-runs kills
+  come back through `warm` (a fresh vLLM attaching the held weights).
+- **pitstop** (paths cold, full, sleep): no holder. The first start is a plain one (its peak
+  GPU memory: `first-start-plain`); with `full` a snapshot is taken and --runs kills come
+  back through `full`; the snapshots deleted, one more kill comes back through `cold`; then
+  vLLM's own sleep (level 1) and wake_up, --runs times (`sleep-wake`, process alive).
+- **vllm-snapshot**: `pitstop vllm-snapshot create` over a Hugging Face cache this script
+  makes of the model (symlinks, a fixed 40-hex revision, HF_HUB_OFFLINE=1), then an agent
+  with `snapshots.backend: vllm`: its first start and --runs kills come back through the
+  `vllm-snapshot` rung; then, the agent stopped, `vllm snapshot restore` of the same
+  snapshot run by hand as a user of vLLM would (`python3 -m vllm.entrypoints.cli.main`),
+  --runs times after a SIGKILL of the restored API server (`vllm-snapshot-manual`).
+- **vllm-preload**: vLLM's weight-cache daemon (`pitstop vllm-preload`, what its unit runs),
+  then an agent with `vllm.preload.enabled`: its first start and --runs kills come back
+  through the `vllm-preload` rung (`--load-format ipc_cache`).
 
-Every engine gets --max-model-len at most the model's max_position_embeddings and a KV pool
-of --kv-gib by `--kv-cache-memory-bytes` (the image then holds the weights plus a pool of the
-same size at every model size, and fits the disk at 32 GiB). Recovery figures are the agent's
-own `last_recovery` (decision to restart -> verified canary) with its stages; the snapshot's
-timings and image size come from its manifest. Writes OUT/vllm-gpu-<gib>gib.json (rows in the
-result-row format) after every phase, so a run cut short still returns what it measured, and
-copies the agents' logs to OUT.
+Every recovery is timed twice: the agent's own figure (decision to restart -> verified
+canary, `runs_s`) and the client's (`kill_to_answer_s`: SIGKILL of the API server -> the
+next request through the front that completes; its answer must equal the one before).
+OUT/vllm-gpu-<gib>gib.json is written after every phase, so a run cut short keeps what it
+measured; phases of an earlier run into the same OUT are kept (run --paths subsets one after
+the other, each under its own --budget-s, to fit a caller's time limit). A phase or a run
+that would not fit --budget-s is skipped, with the reason in `skipped`.
 
-`--device cpu` is a dry run of the script against vLLM's CPU build on the tests' tiny Llama
-(no sleep mode there: use `--paths cold,full`).
+`--device cpu` is a dry run against vLLM's CPU build (.venv-vllm) on the tests' tiny Llama:
+hybrid, refill, warm, full and cold; the rest need CUDA and are skipped with that reason.
 """
 
 from __future__ import annotations
@@ -49,17 +49,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import http.client
 import json
 import os
 import shutil
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -68,88 +66,103 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from gpu_recovery_bench import (  # noqa: E402
     Agent,
-    first_snapshot,
     gpu_id,
     log,
-    machine,
-    recover,
+    manifest,
+    restart_holder,
+    snapshots,
     start_holder,
     stop_holder,
+    stop_process,
+)
+from vllm_bench_kit import (  # noqa: E402
+    Budget,
+    answer,
+    engine_call,
+    first_answer,
+    gpu_used_bytes,
+    hf_cache,
+    kill_to_answer,
+    kill_tree,
+    set_subreaper,
+    start_peaks,
+    summarize,
+    tree_of,
+    write_config,
 )
 
-from agent.engines.vllm.cli import FLASHINFER_SAMPLER, VllmFeatures, read_features  # noqa: E402
+from agent.engines.vllm.cli import VllmFeatures, read_features  # noqa: E402
 from agent.modelgen import make_model, record_for, spec_for  # noqa: E402
 
 IO_URING = Path("/proc/sys/kernel/io_uring_disabled")
 BOOT_S = 900
-# A full image holds the weights, the KV pool and about this much more (CUDA context, torch
-# and vLLM's host memory, vLLM's shared-memory rings): 4.0 GB at 8 GiB in the hand-run recipe.
-IMAGE_OVERHEAD_BYTES = 8 << 30
-COMPILE_CACHE = Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache" / "vllm"))
-PROMPT = "The license"
+MODEL_NAME = "bench"
+# Where the held set's copy and the refill plan appear (agent/holder/weightplan.py).
+PLAN_NAME = "refill.json"
+PATHS = ("hybrid", "refill", "warm", "cold", "full", "sleep", "vllm-snapshot",
+         "vllm-snapshot-manual", "vllm-preload")
+CUDA_ONLY = ("sleep", "vllm-snapshot", "vllm-snapshot-manual", "vllm-preload")
+PHASES = {  # in the order they run: the holder's rungs first, the ones this bench is for
+    "holder": ("hybrid", "refill", "warm"),
+    "pitstop": ("cold", "full", "sleep"),
+    "vllm-snapshot": ("vllm-snapshot", "vllm-snapshot-manual"),
+    "vllm-preload": ("vllm-preload",),
+}
+SNAPSHOT_PORT = 8011
+PRELOAD_PORT = 8470
 
 
-class UnixHTTP(http.client.HTTPConnection):
-    """HTTP over the engine's Unix socket: sleep/wake go to vLLM itself, not the front."""
+@dataclass
+class Run:
+    """One run of the bench: its arguments, what it measured so far, where it works."""
 
-    def __init__(self, path: Path, timeout: float = 300.0) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self._path = str(path)
+    a: argparse.Namespace
+    result: dict
+    out_json: Path
+    budget: Budget
+    model: Path
+    work: Path
+    cfg: dict
+    features: VllmFeatures
+    command: str
 
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self._path)
+    @property
+    def cuda(self) -> bool:
+        return self.a.device != "cpu"
+
+    def wants(self, path: str) -> bool:
+        return path in self.a.paths
+
+    def save(self) -> None:
+        ctx = {"gib": self.result["gib"], "command": self.command, "model": self.result["model"],
+               "vllm_version": self.result.get("vllm_version")}
+        r = self.result
+        rows = [*start_peaks(r, ctx)]
+        for path in ("hybrid", "refill", "warm", "full", "cold", "vllm-snapshot",
+                     "vllm-preload"):
+            key = path.replace("-", "_")
+            # A rung's first start (no kill before it, so no client figure) is one of its
+            # runs too, when it took that rung.
+            first = [x for x in [r.get(f"{key}_first")] if x]
+            rows.append(summarize(path, [*first, *r.get(key, [])], ctx))
+        rows.append(summarize("vllm-snapshot-manual", r.get("vllm_snapshot_manual", []), ctx,
+                              time_key="restore_to_answer_s"))
+        rows.append(summarize("sleep-wake", r.get("sleep", []), ctx,
+                              time_key="wake_to_answer_s"))
+        for row in rows:
+            snap = r.get({"full": "snapshot", "hybrid": "hybrid_snapshot",
+                          "refill": "hybrid_snapshot"}.get(row["path"], "")) if row else None
+            if row and snap:
+                row["image_bytes"] = snap.get("image_bytes")
+        r["rows"] = [x for x in rows if x]
+        self.out_json.write_text(json.dumps(r, indent=1) + "\n")
+        for name in ("holder", "pitstop", "vllm-snapshot", "vllm-preload"):
+            for f in ("agent.log", "holder.log", "daemon.log", "manual.log"):
+                with contextlib.suppress(OSError):
+                    shutil.copy(self.work / name / f, self.a.out / f"{name}-{f}")
 
 
-def engine_call(sock: Path, method: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
-    c = UnixHTTP(sock)
-    try:
-        c.request(method, path, body=json.dumps(body) if body is not None else None,
-                  headers={"Content-Type": "application/json"})
-        r = c.getresponse()
-        return r.status, r.read()
-    finally:
-        c.close()
-
-
-def greedy(sock: Path, model: str) -> list[int] | str:
-    """A fixed greedy completion's token ids (its error text when it fails)."""
-    status, body = engine_call(sock, "POST", "/v1/completions", {
-        "model": model, "prompt": PROMPT, "max_tokens": 16, "temperature": 0,
-        "return_token_ids": True})
-    if status != 200:
-        return body[:300].decode(errors="replace")
-    choice = json.loads(body)["choices"][0]
-    return choice.get("token_ids") or choice["text"]
-
-
-def sleep_wake(sock: Path, model: str, runs: int) -> list[dict]:
-    """vLLM's own sleep (level 1: weights to host memory, KV pool dropped) and wake_up, each
-    followed by the greedy answer, which must equal the one before the first sleep."""
-    before = greedy(sock, model)
-    out = []
-    for n in range(1, runs + 1):
-        t0 = time.monotonic()
-        s1, b1 = engine_call(sock, "POST", "/sleep?level=1")
-        t1 = time.monotonic()
-        # A vLLM without sleep mode answers /sleep 200 and does nothing: ask.
-        _, asleep = engine_call(sock, "GET", "/is_sleeping")
-        t1b = time.monotonic()
-        s2, b2 = engine_call(sock, "POST", "/wake_up")
-        t2 = time.monotonic()
-        answer = greedy(sock, model)
-        t3 = time.monotonic()
-        r = {"sleep_s": round(t1 - t0, 3), "wake_s": round(t2 - t1b, 3),
-             "first_answer_s": round(t3 - t2, 3), "wake_to_answer_s": round(t3 - t1b, 3),
-             "status": [s1, s2], "asleep": _is_sleeping(asleep), "same_answer": answer == before}
-        if (s1, s2) != (200, 200):
-            r["error"] = (b1 if s1 != 200 else b2)[:300].decode(errors="replace")
-        log(f"sleep/wake {n}: {r}")
-        out.append(r)
-        if "error" in r:
-            break
-    return out
+# --- the engine and its agent ----------------------------------------------------------------
 
 
 def started(st: dict) -> bool:
@@ -159,6 +172,261 @@ def started(st: dict) -> bool:
     return rec.get("result") == "success" and st.get("state") in ("ready", "snapshotting")
 
 
+def engine_args(model: Path, a: argparse.Namespace, sleep_mode: bool) -> list[str]:
+    c = json.loads((model / "config.json").read_text())
+    # vLLM refuses a --max-model-len above the model's max_position_embeddings.
+    max_len = min(a.max_len, c["max_position_embeddings"])
+    if a.device == "cpu":
+        return ["--gpu-memory-utilization", "0.1", "--enforce-eager", "--max-model-len",
+                str(min(max_len, 512))]
+    # The KV pool by size, not as a fraction of the GPU: every image holds a pool of the
+    # same size at every model size. vLLM still checks at start that this fraction of the
+    # GPU is free; 0.6 leaves room for a CUDA context a killed engine has not given back.
+    return ["--max-model-len", str(max_len), "--kv-cache-memory-bytes",
+            str(int(a.kv_gib * (1 << 30))), "--gpu-memory-utilization", "0.6",
+            "--max-num-seqs", "16", *(["--enable-sleep-mode"] if sleep_mode else [])]
+
+
+def engine_env(a: argparse.Namespace) -> dict[str, str]:
+    env = {"VLLM_SERVER_DEV_MODE": "1"}  # /sleep and /wake_up
+    if a.site:
+        env["PYTHONPATH"] = str(a.site)
+    for kv in a.engine_env:
+        k, _, v = kv.partition("=")
+        env[k] = v
+    return env
+
+
+def agent_cfg(run_dir: Path, base: dict, **over: dict) -> dict:
+    """The base configuration for an agent working in `run_dir`, sections replaced by
+    `over` (merged one level down)."""
+    cfg = {**base, "paths": {"state_dir": str(run_dir / "state")}}
+    cfg["engine"] = {**base["engine"], "socket": str(run_dir / "engine.sock")}
+    for k, v in over.items():
+        cfg[k] = {**cfg.get(k, {}), **v}
+    return cfg
+
+
+def kill(agent: Agent, want: str) -> dict:
+    """SIGKILL the agent's API server; the recovery as the agent saw it and as a client did."""
+    st = agent.status()
+    n = st.get("restarts", 0) + 1
+    client = kill_to_answer(st["front"], MODEL_NAME, st["engine_pid"])
+    st = agent.wait(lambda s: s.get("restarts", 0) >= n and s.get("state") in
+                    ("ready", "snapshotting"), BOOT_S, f"recovery {n}")
+    rec = {**st["last_recovery"], **client}
+    log(f"recovery {n}: {rec['path']} (wanted {want}) {rec['duration_s']:.2f} s by the agent, "
+        f"{client['kill_to_answer_s']} s kill to answer, same answer {client['same_answer']}; "
+        f"stages {rec['stages']}; fell through {rec.get('fallthroughs')}")
+    return rec
+
+
+def series(run: Run, agent: Agent, key: str, want: str, runs: int, each_s: float,
+           before: Callable[[], None] | None = None) -> None:
+    """`runs` kills that should come back through `want`, into result[key]; stops at the
+    first that does not, or when the next would not fit the budget."""
+    recs = run.result[key] = []
+    for n in range(runs):
+        why = run.budget.refuse(each_s, f"{want} run {n + 1}")
+        if why:
+            run.result.setdefault("skipped", {})[f"{want}#{n + 1}"] = why
+            break
+        if before is not None:
+            before()
+        rec = kill(agent, want)
+        recs.append(rec)
+        run.save()
+        if rec["path"] != want:
+            break
+
+
+def take_snapshot(agent: Agent) -> dict:
+    """Ask the running agent for a snapshot (`pitstop snapshot create`: regenerate is
+    manual here, so no other is ever taken) and read what it holds from its manifest."""
+    done = subprocess.run([sys.executable, "-m", "agent", "snapshot", "create", "--json",
+                           "--config", str(agent.path)], cwd=REPO, capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"snapshot create failed: {done.stderr[-1500:]}")
+    sid = json.loads(done.stdout)["id"]
+    m = manifest(agent.path, sid)
+    snap = {"id": sid, "kind": m.get("kind"), "timings": m.get("timings"),
+            "image_bytes": sum(f["size"] for f in m["files"]),
+            "largest_files": {f["name"]: f["size"] for f in
+                              sorted(m["files"], key=lambda f: -f["size"])[:6]}}
+    log(f"snapshot {snap}")
+    return snap
+
+
+def delete_snapshots(agent: Agent) -> None:
+    ids = [s["id"] for s in snapshots(agent.path)]
+    if ids:
+        subprocess.run([sys.executable, "-m", "agent", "snapshot", "delete", *ids, "--config",
+                        str(agent.path)], cwd=REPO, check=True, capture_output=True)
+
+
+def first_start(agent: Agent, what: str, baseline: int | None) -> dict:
+    st = agent.wait(started, BOOT_S, what)
+    rec = {**st["last_recovery"], "gpu_baseline_bytes": baseline, "what": what}
+    log(f"{what}: {rec['path']} in {rec['duration_s']:.2f} s, peak GPU memory "
+        f"{rec.get('gpu_peak_bytes')} (baseline {baseline})")
+    return rec
+
+
+def start_estimate(run: Run) -> float:
+    """Seconds one engine start takes: the first start this run measured, else a guess."""
+    for key in ("first_start_plain", "first_start_holder"):
+        rec = run.result.get(key)
+        if rec and rec.get("duration_s"):
+            return float(rec["duration_s"])
+    return 60.0 + 4.0 * run.result["gib"] if run.cuda else 90.0
+
+
+# --- the phases ------------------------------------------------------------------------------
+
+
+def install_plugin(run: Run, where: Path) -> Path:
+    """The Pitstop plugin for vLLM's interpreter, in a folder of its own (as on a node)."""
+    plugin = where / "vllm-plugin"
+    env = {**os.environ, **({"PYTHONPATH": str(run.a.site)} if run.a.site else {})}
+    subprocess.run([str(REPO / "scripts" / "install-vllm-plugin.sh"), run.a.python,
+                    str(plugin)], check=True, env=env)
+    return plugin
+
+
+def wait_copy_plan(plan: Path, limit_s: float) -> float | None:
+    """Seconds until the agent's copy of the held set and its plan are there."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(plan.read_text()).get("source") == "copy":
+                return round(time.monotonic() - t0, 2)
+        time.sleep(0.5)
+    return None
+
+
+def holder_phase(run: Run) -> None:
+    a, r = run.a, run.result
+    d = run.work / "holder"
+    d.mkdir(parents=True, exist_ok=True)
+    plugin = install_plugin(run, d)
+    gpu = gpu_id(a.device)
+    hdir = d / "holder-dir"
+    env = dict(run.cfg["engine"]["env"])
+    env["PYTHONPATH"] = os.pathsep.join([str(plugin), *([str(a.site)] if a.site else [])])
+    snaps = run.wants("hybrid") or run.wants("refill")
+    cfg = agent_cfg(d, run.cfg, engine={"env": env},
+                    holder={"enabled": True, "dir": str(hdir), "gpu": gpu},
+                    snapshots={"enabled": snaps})
+    holder = [start_holder(gpu, hdir, d)]
+    try:
+        baseline = gpu_used_bytes()
+        agent = Agent(cfg, d)
+        try:
+            r["first_start_holder"] = first_start(agent, "first start over the holder",
+                                                  baseline)
+            run.save()
+            if snaps:
+                hybrid_and_refill(run, agent, holder, gpu, hdir, d)
+        finally:
+            agent.stop()
+        if run.wants("warm"):
+            # A fresh agent with snapshots off: every start is a warm one (the holder holds
+            # the weights), its first included.
+            agent = Agent({**cfg, "snapshots": {**cfg["snapshots"], "enabled": False}}, d)
+            try:
+                r["warm_first"] = first_start(agent, "first start (warm)", None)
+                series(run, agent, "warm", "warm", a.warm_runs, 30 + start_estimate(run))
+            finally:
+                agent.stop()
+    finally:
+        stop_holder(holder[0])
+        # The copy is as large as the weights: the full image needs the disk next.
+        shutil.rmtree(hdir / gpu / "copies", ignore_errors=True)
+
+
+def hybrid_and_refill(run: Run, agent: Agent, holder: list[subprocess.Popen], gpu: str,
+                      hdir: Path, d: Path) -> None:
+    r = run.result
+    r["hybrid_snapshot"] = snap = take_snapshot(agent)
+    run.save()
+    if snap.get("kind") != "hybrid":
+        r.setdefault("skipped", {})["hybrid"] = f"the snapshot is {snap.get('kind')}"
+        return
+    if run.wants("hybrid"):
+        series(run, agent, "hybrid", "hybrid", run.a.runs, 30 + start_estimate(run))
+    if not run.wants("refill"):
+        return
+    # The agent writes its copy of the held set (vLLM's parameters are not the files'
+    # bytes) once the engine is ready: the refill plan names it.
+    waited = wait_copy_plan(hdir / gpu / PLAN_NAME, limit_s=max(120.0, r["gib"] * 20))
+    r["copy_plan_wait_s"] = waited
+    if waited is None:
+        r.setdefault("skipped", {})["refill"] = "no copy of the held set was written"
+        return
+
+    def empty() -> None:
+        # The holder restarted empty (as after its crash or a reboot), then the API server
+        # is killed: the refill rung loads the copy, then restores.
+        holder[0] = restart_holder(holder[0], gpu, hdir, d)
+
+    series(run, agent, "refill", "refill", run.a.runs, 60 + r["gib"] * 5, empty)
+
+
+def pitstop_phase(run: Run) -> None:
+    a, r = run.a, run.result
+    d = run.work / "pitstop"
+    d.mkdir(parents=True, exist_ok=True)
+    # Sleep mode (vLLM's CuMemAllocator) on CUDA as over the holder, where the plugin turns
+    # it on for the KV pool: the two first starts' peaks compare like with like.
+    cfg = agent_cfg(d, run.cfg, engine={"args": engine_args(run.model, a, run.cuda)},
+                    snapshots={"enabled": run.wants("full")})
+    agent = Agent(cfg, d)
+    try:
+        r["first_start_plain"] = first_start(agent, "plain first start", gpu_used_bytes())
+        run.save()
+        if run.wants("full"):
+            r["snapshot"] = take_snapshot(agent)
+            run.save()
+            series(run, agent, "full", "full", a.runs, 30 + 2 * r["gib"])
+            delete_snapshots(agent)
+        if run.wants("cold"):
+            series(run, agent, "cold", "cold", a.cold_runs, 30 + start_estimate(run))
+        if run.wants("sleep") and run.cuda:
+            r["sleep"] = sleep_wake(agent.status()["front"], Path(cfg["engine"]["socket"]),
+                                    a.runs)
+            run.save()
+    finally:
+        agent.stop()
+        shutil.rmtree(d / "state" / "snapshots", ignore_errors=True)
+
+
+def sleep_wake(front: str, sock: Path, runs: int) -> list[dict]:
+    """vLLM's own sleep (level 1: weights to host memory, KV pool dropped) and wake_up on
+    the engine's private socket, each followed by the answer through the front."""
+    before = answer(front, MODEL_NAME)
+    out = []
+    for n in range(1, runs + 1):
+        t0 = time.monotonic()
+        s1, b1 = engine_call(sock, "POST", "/sleep?level=1")
+        t1 = time.monotonic()
+        _, asleep = engine_call(sock, "GET", "/is_sleeping")
+        t1b = time.monotonic()
+        s2, b2 = engine_call(sock, "POST", "/wake_up")
+        secs, text = first_answer(front, MODEL_NAME, t1b)
+        rec = {"sleep_s": round(t1 - t0, 3), "wake_to_answer_s": secs,
+               "status": [s1, s2], "asleep": _is_sleeping(asleep),
+               "same_answer": text == before, "path": "sleep-wake"}
+        if (s1, s2) != (200, 200):
+            rec["error"] = (b1 if s1 != 200 else b2)[:300].decode(errors="replace")
+            rec["result"] = "failure"
+        log(f"sleep/wake {n}: {rec}")
+        out.append(rec)
+        if "error" in rec:
+            break
+    return out
+
+
 def _is_sleeping(body: bytes) -> bool:
     try:
         return bool(json.loads(body).get("is_sleeping"))
@@ -166,9 +434,139 @@ def _is_sleeping(body: bytes) -> bool:
         return False
 
 
-def compile_cache_entries() -> int:
-    d = COMPILE_CACHE / "torch_compile_cache"
-    return sum(1 for _ in d.rglob("*")) if d.is_dir() else 0
+def vllm_snapshot_phase(run: Run) -> None:
+    a, r = run.a, run.result
+    d = run.work / "vllm-snapshot"
+    d.mkdir(parents=True, exist_ok=True)
+    repo = f"pitstop/bench-{a.gib:g}gib"
+    rev, hf_env = hf_cache(run.model, d / "hf", repo)
+    cfg = agent_cfg(d, run.cfg, engine={"env": {**run.cfg["engine"]["env"], **hf_env}},
+                    snapshots={"enabled": True, "backend": "vllm"},
+                    vllm={"snapshot": {"model": repo, "revision": rev, "port": SNAPSHOT_PORT,
+                                       "cuda_plugin_dir": str(a.cuda_plugin_dir),
+                                       "timeout_s": 600}})
+    cfg_path = write_config(cfg, d / "pitstop.yaml")
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "agent", "vllm-snapshot", "create", "--json",
+                           "--config", str(cfg_path)], cwd=REPO, capture_output=True,
+                          text=True)
+    r["vllm_snapshot_create"] = {"seconds": round(time.monotonic() - t0, 2),
+                                 "returncode": done.returncode,
+                                 "stderr_tail": done.stderr[-3000:]}
+    run.save()
+    if done.returncode != 0:
+        log(f"vllm snapshot create failed: {done.stderr[-1500:]}")
+        return
+    sid = next(s["id"] for s in snapshots(cfg_path) if "-vllm-" in s["id"])
+    r["vllm_snapshot_create"]["id"] = sid
+    if run.wants("vllm-snapshot"):
+        agent = Agent(cfg, d)
+        try:
+            r["vllm_snapshot_first"] = first_start(agent, "first start (vllm-snapshot)", None)
+            run.save()
+            series(run, agent, "vllm_snapshot", "vllm-snapshot", a.runs, 60 + 3 * r["gib"])
+        finally:
+            agent.stop()
+    if run.wants("vllm-snapshot-manual"):
+        manual_restores(run, cfg, Path(cfg["paths"]["state_dir"]) / "snapshots" / sid / "vllm",
+                        d)
+
+
+def manual_restores(run: Run, cfg: dict, artifact: Path, d: Path) -> None:
+    """`vllm snapshot restore` as a user of vLLM runs it by hand once the engine died: the
+    first from a stopped engine, each next one after a SIGKILL of the restored API server
+    (its whole tree gone first: a restore wants the snapshot's PIDs free)."""
+    from agent.config import parse_config
+    from agent.engines.vllm.snapshot import VllmSnapshotBackend
+
+    a = run.a
+    backend = VllmSnapshotBackend.from_config(parse_config(cfg, "<bench>"), python=a.python,
+                                              criu=a.criu)
+    env = backend.env()  # the environment the snapshot was taken with (vLLM hashes it)
+    argv = [a.python, "-m", "vllm.entrypoints.cli.main", "snapshot", "restore", str(artifact),
+            "--host", "127.0.0.1", "--port", str(SNAPSHOT_PORT)]
+    recs = run.result["vllm_snapshot_manual"] = []
+    tree: list[int] = []
+    # The restored tree leaves the restore command: it comes to this process to be reaped.
+    set_subreaper(True)
+    try:
+        for n in range(a.runs + 1):
+            why = run.budget.refuse(60 + 3 * run.result["gib"], f"manual restore {n + 1}")
+            if why:
+                run.result.setdefault("skipped", {})[f"vllm-snapshot-manual#{n + 1}"] = why
+                break
+            rec = manual_restore(argv, env, tree, d)
+            recs.append(rec)
+            run.save()
+            if rec["result"] != "success":
+                break
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                tree = tree_of(int((artifact / "restored.pid").read_text().split()[0]))
+    finally:
+        kill_tree(tree)
+        set_subreaper(False)
+
+
+def manual_restore(argv: list[str], env: dict[str, str], tree: list[int], d: Path) -> dict:
+    t_kill = None
+    if tree:
+        t_kill = time.monotonic()
+        kill_tree(tree)
+    t0 = time.monotonic()
+    with (d / "manual.log").open("ab") as logf:
+        done = subprocess.run(argv, env=env, stdout=logf, stderr=subprocess.STDOUT)
+    restored = time.monotonic()
+    secs, text = first_answer(f"127.0.0.1:{SNAPSHOT_PORT}", MODEL_NAME, t0, limit_s=120)
+    rec = {"path": "vllm-snapshot-manual", "returncode": done.returncode,
+           "restore_cli_s": round(restored - t0, 3), "restore_to_answer_s": secs,
+           "kill_to_answer_s": round(secs + t0 - t_kill, 3) if t_kill and secs else None,
+           "answer": text, "result": "success" if secs is not None else "failure"}
+    log(f"manual vllm snapshot restore: {rec}")
+    return rec
+
+
+def vllm_preload_phase(run: Run) -> None:
+    from agent.engines.vllm.preload import check_health
+
+    a, r = run.a, run.result
+    d = run.work / "vllm-preload"
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = agent_cfg(d, run.cfg, snapshots={"enabled": False},
+                    vllm={"preload": {"enabled": True, "socket_dir": str(d / "sock"),
+                                      "health_port": PRELOAD_PORT}})
+    cfg_path = write_config(cfg, d / "pitstop.yaml")
+    t0 = time.monotonic()
+    daemon = subprocess.Popen([sys.executable, "-m", "agent", "vllm-preload", "--config",
+                               str(cfg_path), "--gpu", "0"], cwd=REPO,
+                              stdout=(d / "daemon.log").open("ab"), stderr=subprocess.STDOUT)
+    try:
+        while check_health(PRELOAD_PORT) is not None:
+            if daemon.poll() is not None or time.monotonic() - t0 > BOOT_S:
+                r.setdefault("skipped", {})["vllm-preload"] = "the preload daemon did not start"
+                return
+            time.sleep(0.5)
+        r["vllm_preload_daemon_s"] = round(time.monotonic() - t0, 2)
+        run.save()
+        agent = Agent(cfg, d)
+        try:
+            r["vllm_preload_first"] = first_start(agent, "first start (vllm-preload)", None)
+            run.save()
+            series(run, agent, "vllm_preload", "vllm-preload", a.runs, 30 + start_estimate(run))
+        finally:
+            agent.stop()
+    finally:
+        stop_process(daemon, 60)
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+
+def phase_estimate(run: Run, phase: str) -> float:
+    """Seconds a phase takes at least (its first start and one recovery), for --budget-s."""
+    start, gib = start_estimate(run), run.result["gib"]
+    return {"holder": 1.5 * start + 30, "pitstop": start + (30 + 2 * gib if run.wants("full")
+                                                             else 0),
+            "vllm-snapshot": 2.5 * start + 3 * gib, "vllm-preload": 2.5 * start}[phase]
 
 
 def model_dir(a: argparse.Namespace) -> Path:
@@ -186,338 +584,144 @@ def model_dir(a: argparse.Namespace) -> Path:
     return d
 
 
-def engine_args(model: Path, a: argparse.Namespace, sleep_mode: bool) -> list[str]:
-    c = json.loads((model / "config.json").read_text())
-    # vLLM refuses a --max-model-len above the model's max_position_embeddings (2048 for
-    # make-model's): the derived maximum is the longest the model was built for.
-    max_len = min(a.max_len, c["max_position_embeddings"])
-    if a.device == "cpu":
-        return ["--gpu-memory-utilization", "0.1", "--enforce-eager", "--max-model-len",
-                str(min(max_len, 512))]
-    # The KV pool by size, not as a fraction of the GPU: the image then holds the weights
-    # plus a pool that is the same at every model size (and fits the disk at 32 GiB).
-    # vLLM still checks at start that this fraction of the GPU is free; 0.6 leaves room for
-    # a CUDA context that a killed engine has not yet given back.
-    return ["--max-model-len", str(max_len), "--kv-cache-memory-bytes",
-            str(int(a.kv_gib * (1 << 30))), "--gpu-memory-utilization", "0.6",
-            "--max-num-seqs", "16", *(["--enable-sleep-mode"] if sleep_mode else [])]
-
-
-def engine_env(a: argparse.Namespace) -> tuple[dict[str, str], VllmFeatures]:
-    env = {"VLLM_SERVER_DEV_MODE": "1"}  # /sleep and /wake_up
-    if a.site:
-        env["PYTHONPATH"] = str(a.site)
-    f = read_features(a.python, {**os.environ, **env})
-    # A vLLM carried without its dependencies (the device's bundle) lacks flashinfer, which
-    # the default CUDA sampler imports (`pitstop doctor` says the same).
-    if f.cuda_build and f.flashinfer is False:
-        env[FLASHINFER_SAMPLER] = "0"
-    return env, f
-
-
-def image_on_disk(snapshot_dir: Path, sid: str) -> int:
-    """Bytes the image takes on disk (vLLM's shared-memory rings are saved sparse)."""
-    return sum(p.stat().st_blocks * 512 for p in (snapshot_dir / sid).rglob("*") if p.is_file())
-
-
-def _mem_available() -> int | None:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return None
-
-
-def check_disk(where: Path, need: int) -> dict:
-    where.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(where).free
-    if free < need:
-        raise SystemExit(f"{where} has {free / 1e9:.1f} GB free, a full image needs about "
-                         f"{need / 1e9:.1f} GB: lower --kv-gib or give --snapshot-dir on a "
-                         "bigger file system")
-    return {"dir": str(where), "free_bytes": free, "needed_bytes": need}
-
-
-def summarize(path: str, recs: list[dict], gib: float, command: str) -> dict | None:
-    # A recovery that fell through to another path is not a run of this one.
-    ok = [r for r in recs if r.get("result") == "success" and r.get("path") == path]
-    if not ok:
-        return None
-    runs = [r["duration_s"] for r in ok]
-    where, host = machine()
-    stages: dict[str, list[float]] = {}
-    for r in ok:
-        for k, v in r.get("stages", {}).items():
-            stages.setdefault(k, []).append(round(v, 3))
-    return {"engine": "vllm", "path": path, "gib": gib, "runs_s": runs,
-            "median_s": round(statistics.median(runs), 3), "min_s": min(runs),
-            "max_s": max(runs), "machine": where, "host": host, "command": command,
-            "stages_s": stages,
-            "stages_median_s": {k: round(statistics.median(v), 3) for k, v in stages.items()}}
-
-
-def sleep_row(recs: list[dict], gib: float, command: str) -> dict | None:
-    ok = [r for r in recs if r["status"] == [200, 200] and r["asleep"] and r["same_answer"]]
-    if not ok:
-        return None
-    where, host = machine()
-    runs = [r["wake_to_answer_s"] for r in ok]
-    return {"engine": "vllm", "path": "sleep-wake", "gib": gib, "runs_s": runs,
-            "median_s": round(statistics.median(runs), 3), "min_s": min(runs),
-            "max_s": max(runs), "machine": where, "host": host, "command": command,
-            "what": "vLLM's own wake_up (level 1) to the first greedy answer, process alive",
-            "wake_s": [r["wake_s"] for r in ok], "sleep_s": [r["sleep_s"] for r in ok]}
-
-
-def install_plugin(a: argparse.Namespace, where: Path) -> Path:
-    """The Pitstop plugin for vLLM's interpreter, in a folder of its own (as on a node)."""
-    plugin = where / "vllm-plugin"
-    env = {**os.environ, **({"PYTHONPATH": str(a.site)} if a.site else {})}
-    subprocess.run([str(REPO / "scripts" / "install-vllm-plugin.sh"), a.python, str(plugin)],
-                   check=True, env=env)
-    return plugin
-
-
-def holder_phase(result: dict, cfg: dict, a: argparse.Namespace, model: Path, work: Path,
-                 save: Callable[[], None]) -> None:
-    """Agent C over a holder: its first start fills the holder, then hybrid restores; then
-    warm starts (snapshots off, the holder still holding the weights)."""
-    c = work / "hybrid"
-    c.mkdir()
-    plugin = install_plugin(a, c)
-    gpu = gpu_id(a.device)
-    holder = start_holder(gpu, c / "holder", c)
-    env = dict(cfg["engine"]["env"])
-    env["PYTHONPATH"] = os.pathsep.join([str(plugin), *([str(a.site)] if a.site else [])])
-    ccfg = {**cfg, "engine": {**cfg["engine"], "socket": str(c / "engine.sock"), "env": env},
-            "holder": {"enabled": True, "dir": str(c / "holder"), "gpu": gpu},
-            "paths": {"state_dir": str(c / "state")},
-            "snapshots": {**cfg["snapshots"], "enabled": "hybrid" in a.paths.split(",")}}
-    result["engine_env_hybrid"] = env
-    try:
-        if ccfg["snapshots"]["enabled"]:
-            agent = Agent(ccfg, c)
-            try:
-                st = agent.wait(started, BOOT_S, "agent C's first start (weights into the holder)")
-                result["holder_first"] = st["last_recovery"]
-                log(f"first start over the holder {st['last_recovery']}")
-                save()
-                snap = first_snapshot(agent)
-                snap["image_on_disk_bytes"] = image_on_disk(c / "state" / "snapshots",
-                                                            snap["id"])
-                result["hybrid_snapshot"] = snap
-                save()
-                if snap.get("kind") != "hybrid":
-                    log(f"the snapshot is {snap.get('kind')}, not hybrid: see agent-hybrid log")
-                    return
-                result["hybrid"] = []
-                for n in range(1, a.runs + 1):
-                    rec = recover(agent, n, a.steady_requests)
-                    result["hybrid"].append(rec)
-                    save()
-                    if rec["path"] != "hybrid":
-                        log(f"recovery {n} went {rec['path']}: {rec['fallthroughs']}")
-                        break
-            finally:
-                agent.stop()
-        if "warm" in a.paths.split(","):
-            wcfg = {**ccfg, "snapshots": {**ccfg["snapshots"], "enabled": False}}
-            agent = Agent(wcfg, c)
-            try:
-                result["warm"] = []
-                st = agent.wait(started, BOOT_S, "agent C's start with snapshots off")
-                rec, n = st["last_recovery"], 0
-                if rec["path"] != "warm":
-                    # No earlier phase filled the holder: this start did.
-                    result.setdefault("holder_first", rec)
-                    n, rec = 1, recover(agent, 1, 0)
-                while True:
-                    result["warm"].append(rec)
-                    log(f"warm start {len(result['warm'])}: {rec['path']} "
-                        f"{rec['duration_s']:.2f} s {rec['stages']} {rec.get('fallthroughs')}")
-                    save()
-                    if rec["path"] != "warm" or len(result["warm"]) >= a.warm_runs:
-                        break
-                    n += 1
-                    rec = recover(agent, n, 0)
-            finally:
-                agent.stop()
-    finally:
-        stop_holder(holder)
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--gib", type=float, default=8.0)
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--kv-gib", type=float, default=2.0, help="the KV pool, in GiB")
-    ap.add_argument("--max-len", type=int, default=2048)
-    ap.add_argument("--paths", default="cold,full,sleep")
-    ap.add_argument("--python", default=os.environ.get("PITSTOP_VLLM_PYTHON", sys.executable),
-                    help="the interpreter that runs vLLM (engine.python)")
-    ap.add_argument("--site", type=Path, default=None,
-                    help="PYTHONPATH for vLLM's interpreter (an unpacked vLLM bundle)")
-    ap.add_argument("--models", type=Path, default=Path("/dev/shm/models"))
-    ap.add_argument("--work", type=Path, default=Path("/root/pitstop-vllm-bench"))
-    ap.add_argument("--snapshot-dir", type=Path, default=None,
-                    help="default: on disk under --work")
-    ap.add_argument("--device", default="cuda", help="cpu: a dry run on vLLM's CPU build")
-    ap.add_argument("--steady-requests", type=int, default=2)
-    ap.add_argument("--warm-runs", type=int, default=1,
-                    help="warm starts (each a fresh vLLM over the held weights)")
-    a = ap.parse_args()
-    paths = a.paths.split(",")
-    a.out.mkdir(parents=True, exist_ok=True)
-    tag = f"{a.gib:g}gib" if a.device != "cpu" else "tiny"
-    command = " ".join(["python3", "bench/vllm_gpu_bench.py", *sys.argv[1:]])
-    result: dict = {"gib": a.gib, "runs": a.runs, "kv_gib": a.kv_gib, "paths": paths,
-                    "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    out_json = a.out / f"vllm-gpu-{tag}.json"
-
-    def save() -> None:
-        rows = [summarize("cold", result.get("cold", []), a.gib, command),
-                summarize("full", result.get("full", []), a.gib, command),
-                summarize("hybrid", result.get("hybrid", []), a.gib, command),
-                summarize("warm", result.get("warm", []), a.gib, command),
-                sleep_row(result.get("sleep", []), a.gib, command)]
-        for r in rows:
-            snap = result.get({"full": "snapshot", "hybrid": "hybrid_snapshot"}.get(
-                r["path"], "") if r else "")
-            if r and snap:
-                r["image_bytes"] = snap["image_bytes"]
-        result["rows"] = [r for r in rows if r]
-        out_json.write_text(json.dumps(result, indent=1) + "\n")
-        # The agents' logs too, each time: a run stopped by its time limit keeps them.
-        for log_file, name in ((work / "agent.log", "agent"),
-                               (work / "cold" / "agent.log", "agent-cold"),
-                               (work / "hybrid" / "agent.log", "agent-hybrid"),
-                               (work / "hybrid" / "holder.log", "holder")):
-            with contextlib.suppress(OSError):
-                shutil.copy(log_file, a.out / f"{name}-{tag}.log")
-
-    work = a.work / tag
-    t0 = time.monotonic()
-    model = model_dir(a)
-    result["make_model_s"] = round(time.monotonic() - t0, 2)
-    weights = sum(p.stat().st_size for p in model.glob("*.safetensors"))
-    result["weights_bytes"] = weights
-    if a.device == "cpu":
-        a.gib = round(weights / (1 << 30), 4)
-    log(f"model {model}: {weights / 1e9:.2f} GB ({result['make_model_s']} s)")
-    result["memory"] = {"shm_free_bytes": shutil.disk_usage("/dev/shm").free,
-                        "ram_available_bytes": _mem_available()}
-
-    # Disk: the images of an earlier size go first (a 32 GiB image and an 8 GiB one do not
-    # both fit the device's 64 GiB disk).
-    if a.work.exists():
-        for old in a.work.iterdir():
-            shutil.rmtree(old, ignore_errors=True)
-    work.mkdir(parents=True)
-    snap_dir = a.snapshot_dir or work / "state" / "snapshots"
-    if a.snapshot_dir:
-        shutil.rmtree(a.snapshot_dir, ignore_errors=True)
-    need = weights + int(a.kv_gib * (1 << 30)) + IMAGE_OVERHEAD_BYTES
-    result["disk"] = check_disk(snap_dir.parent, need if "full" in paths else 0)
-    sock = work / "engine.sock"
-    env, features = engine_env(a)
-    result["vllm"] = features.describe()
-    log(f"vLLM: {features.describe()}; engine env {env}")
-    cfg = {
+def base_config(a: argparse.Namespace, model: Path, env: dict[str, str]) -> dict:
+    return {
         "engine": {"kind": "vllm", "model": str(model), "python": a.python,
-                   "served_model_name": "bench", "socket": str(sock),
-                   "args": engine_args(model, a, sleep_mode=False), "env": env,
-                   "stop_timeout_s": 30},
-        "paths": {"state_dir": str(work / "state"), "snapshot_dir": str(snap_dir)},
+                   "served_model_name": MODEL_NAME, "args": engine_args(model, a, False),
+                   "env": env, "stop_timeout_s": 30},
         "front": {"host": "127.0.0.1", "port": 0},
         "metrics": {"host": "127.0.0.1", "port": 0},
         "health": {"interval_s": 1.0, "timeout_s": 10.0, "failures_before_restart": 3,
                    "start_timeout_s": BOOT_S},
-        # Every kill is the bench's own: --runs of them within a minute or two would be a
-        # crash loop to the default limit (5 in 300 s).
+        # Every kill is the bench's own: many within minutes would be a crash loop to the
+        # default limit (5 in 300 s).
         "restart": {"backoff_initial_s": 0.2, "backoff_max_s": 1.0, "crash_loop_limit": 1000},
-        "snapshots": {"enabled": "full" in paths, "regenerate": "after-serving",
-                      "drift_check_interval_s": 0, "quiet_timeout_s": 60, "keep": 1},
+        # Snapshots only when the bench asks (`pitstop snapshot create`): after a cold or
+        # warm start the agent would otherwise take one by itself, and the next kill would
+        # be restored instead of measuring that path again.
+        "snapshots": {"enabled": False, "regenerate": "manual",
+                      "drift_check_interval_s": 0, "quiet_timeout_s": 60, "keep": 1,
+                      **({"criu": str(a.criu)} if a.criu else {})},
     }
-    result["engine_args"] = cfg["engine"]["args"]
-    result["engine_env"] = cfg["engine"]["env"]
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--gib", type=float, default=8.0)
+    ap.add_argument("--paths", default=",".join(PATHS), help=f"any of {', '.join(PATHS)}")
+    ap.add_argument("--runs", type=int, default=2, help="kills per path")
+    ap.add_argument("--warm-runs", type=int, default=1)
+    ap.add_argument("--cold-runs", type=int, default=1)
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="skip what would not fit in this many seconds")
+    ap.add_argument("--kv-gib", type=float, default=2.0, help="the KV pool, in GiB")
+    ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument("--python", default=os.environ.get("PITSTOP_VLLM_PYTHON", sys.executable),
+                    help="the interpreter that runs vLLM (engine.python)")
+    ap.add_argument("--site", type=Path, default=None,
+                    help="PYTHONPATH of vLLM's interpreter (an unpacked vLLM bundle)")
+    ap.add_argument("--engine-env", action="append", default=[], metavar="K=V",
+                    help="more environment for every vLLM process (repeatable)")
+    ap.add_argument("--criu", type=Path, default=os.environ.get("PITSTOP_CRIU"))
+    ap.add_argument("--cuda-checkpoint", type=Path, default=None,
+                    help="NVIDIA's cuda-checkpoint binary (vLLM's snapshots run it)")
+    ap.add_argument("--cuda-plugin-dir", type=Path, default=None,
+                    help="the directory holding CRIU's cuda_plugin.so")
+    ap.add_argument("--models", type=Path, default=Path("/dev/shm/models"))
+    ap.add_argument("--work", type=Path, default=Path("/root/pitstop-vllm-bench"))
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run on vLLM's CPU build")
+    a = ap.parse_args()
+    a.paths = a.paths.split(",")
+    unknown = sorted(set(a.paths) - set(PATHS))
+    if unknown:
+        ap.error(f"--paths: unknown {', '.join(unknown)}; choose from {', '.join(PATHS)}")
+    if a.criu:
+        a.criu = a.criu.resolve()
+    return a
+
+
+def open_result(a: argparse.Namespace, out_json: Path, model: Path) -> dict:
+    """What an earlier run into OUT measured on this model (kept), or a new result."""
+    with contextlib.suppress(OSError, ValueError):
+        old = json.loads(out_json.read_text())
+        if old.get("model_dir") == str(model):
+            return old
+    return {"gib": a.gib, "model_dir": str(model), "runs": a.runs, "kv_gib": a.kv_gib}
+
+
+def prepare(a: argparse.Namespace) -> Run:
+    budget = Budget(a.budget_s)
+    a.out.mkdir(parents=True, exist_ok=True)
+    if a.cuda_checkpoint:  # vLLM's snapshots run it by name
+        os.environ["PATH"] = f"{a.cuda_checkpoint.resolve().parent}:{os.environ['PATH']}"
+    tag = f"{a.gib:g}gib" if a.device != "cpu" else "tiny"
+    t0 = time.monotonic()
+    model = model_dir(a)
+    out_json = a.out / f"vllm-gpu-{tag}.json"
+    result = open_result(a, out_json, model)
+    weights = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    if a.device == "cpu":
+        a.gib = round(weights / (1 << 30), 4)
+    env = engine_env(a)
+    features = read_features(a.python, {**os.environ, **env})
+    result.update(gib=a.gib, weights_bytes=weights, make_model_s=round(time.monotonic() - t0, 2),
+                  model=model.name, vllm=features.describe(), vllm_version=features.version,
+                  engine_env=env, started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    log(f"model {model}: {weights / 1e9:.2f} GB; vLLM {features.describe()}")
+    work = a.work / tag
+    for name in PHASES:  # this run's phases start clean; an earlier size's go for disk
+        if any(p in a.paths for p in PHASES[name]):
+            shutil.rmtree(work / name, ignore_errors=True)
+    if a.work.exists():
+        for old in a.work.iterdir():
+            if old.name != tag:
+                shutil.rmtree(old, ignore_errors=True)
+    work.mkdir(parents=True, exist_ok=True)
+    command = " ".join(["python3", "bench/vllm_gpu_bench.py", *sys.argv[1:]])
+    return Run(a, result, out_json, budget, model, work, base_config(a, model, env), features,
+               command)
+
+
+RUNNERS = {"holder": holder_phase, "pitstop": pitstop_phase,
+           "vllm-snapshot": vllm_snapshot_phase, "vllm-preload": vllm_preload_phase}
+
+
+def main() -> None:
+    a = parse_args()
+    run = prepare(a)
+    # What an earlier run into OUT skipped stays said, but for what this run tries again.
+    mine = {*a.paths, *(ph for ph, ps in PHASES.items() if set(ps) & set(a.paths))}
+    skipped = run.result["skipped"] = {k: v for k, v in run.result.get("skipped", {}).items()
+                                       if k.split("#")[0] not in mine}
+    if not run.cuda:
+        for p in CUDA_ONLY:
+            if p in a.paths:
+                skipped[p] = "needs a CUDA build of vLLM and a GPU"
+        a.paths = [p for p in a.paths if p not in CUDA_ONLY]
     uring = IO_URING.read_text().strip()
     IO_URING.write_text("2")  # CRIU refuses io_uring, which vLLM's API server sets up
-    result["cold"] = []
     try:
-        if "hybrid" in paths or "warm" in paths:
-            # First: the path this bench exists for, kept should a later phase run out of
-            # time.
-            holder_phase(result, cfg, a, model, work, save)
-        if not {"cold", "full", "sleep"} & set(paths):
-            return
-        agent = Agent(cfg, work)
-        try:
-            cache = compile_cache_entries()
-            st = agent.wait(started, BOOT_S, "first start")
-            result["cold"].append({**st["last_recovery"], "compile_cache_entries": cache,
-                                   "sleep_mode": False})
-            log(f"cold start (agent A) {st['last_recovery']}")
-            save()
-            if "full" in paths:
-                snap = first_snapshot(agent)
-                snap["image_on_disk_bytes"] = image_on_disk(snap_dir, snap["id"])
-                result["snapshot"] = snap
-                save()
-                result["full"] = []
-                for n in range(1, a.runs + 1):
-                    rec = recover(agent, n, a.steady_requests)
-                    result["full"].append(rec)
-                    if rec["path"] != "full":
-                        # The restore failed (fallthroughs say why) and the image is
-                        # quarantined: what follows would be cold starts, measured below.
-                        log(f"recovery {n} fell through to {rec['path']}: {rec['fallthroughs']}")
-                        result["cold"].append({**rec, "after_failed_restore": True,
-                                               "compile_cache_entries": None,
-                                               "sleep_mode": False})
-                        save()
-                        break
-                    save()
-        finally:
-            agent.stop()
-        if "cold" in paths or "sleep" in paths:
-            b = work / "cold"
-            b.mkdir()
-            sleep_mode = "sleep" in paths and a.device != "cpu"
-            bcfg = {**cfg, "paths": {"state_dir": str(b / "state")},
-                    "engine": {**cfg["engine"], "socket": str(b / "engine.sock"),
-                               "args": engine_args(model, a, sleep_mode)},
-                    "snapshots": {**cfg["snapshots"], "enabled": False}}
-            result["engine_args_b"] = bcfg["engine"]["args"]
-            agent = Agent(bcfg, b)
-            try:
-                for n in range(a.runs - 1):
-                    cache = compile_cache_entries()
-                    if n == 0:
-                        st = agent.wait(started, BOOT_S, "agent B's first start")
-                        rec = st["last_recovery"]
-                    else:
-                        rec = recover(agent, n, 0)
-                    result["cold"].append({**rec, "compile_cache_entries": cache,
-                                           "sleep_mode": sleep_mode})
-                    log(f"cold start {len(result['cold'])}: {rec['duration_s']:.2f} s "
-                        f"{rec['stages']}")
-                    save()
-                    if n == 0 and "sleep" in paths:
-                        result["sleep"] = sleep_wake(b / "engine.sock", "bench", a.runs)
-                        save()
-            finally:
-                agent.stop()
-                with contextlib.suppress(OSError):
-                    shutil.copy(b / "agent.log", a.out / f"agent-cold-{tag}.log")
+        for phase, paths in PHASES.items():
+            if not any(run.wants(p) for p in paths):
+                continue
+            why = run.budget.refuse(phase_estimate(run, phase), f"phase {phase}")
+            if why:
+                skipped[phase] = why
+                continue
+            log(f"phase {phase}: {', '.join(p for p in paths if run.wants(p))}")
+            t0 = time.monotonic()
+            RUNNERS[phase](run)
+            run.result.setdefault("phase_s", {})[phase] = round(time.monotonic() - t0, 1)
+            run.save()
     finally:
         IO_URING.write_text(uring)
-        with contextlib.suppress(OSError):
-            shutil.copy(work / "agent.log", a.out / f"agent-{tag}.log")
-        result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        save()
-        log("wrote", out_json)
-        for r in result["rows"]:
-            log(f"{r['path']}: median {r['median_s']} s of {r['runs_s']}")
+        run.result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        run.save()
+        log("wrote", run.out_json)
+        for row in run.result["rows"]:
+            log(f"{row['path']}: median {row['median_s']} s of {row['runs_s']}; kill to answer "
+                f"{row['kill_to_answer_s']}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import mmap
+import os
 import threading
 from collections import Counter
 from enum import IntEnum
@@ -29,6 +31,7 @@ class FakeCuda:
     CUmemAccess_flags = SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READWRITE=3)
     CUstream_flags = SimpleNamespace(CU_STREAM_NON_BLOCKING=1)
     CUevent_flags = SimpleNamespace(CU_EVENT_DISABLE_TIMING=2)
+    CUmemAllocationHandleType = SimpleNamespace(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR=1)
 
     def __init__(self) -> None:
         self._ids = itertools.count(1)
@@ -43,6 +46,38 @@ class FakeCuda:
         self.host_alloc_fails_after: int | None = None  # then CUDA_ERROR_OUT_OF_MEMORY
         self.registered: dict[int, int] = {}        # cuMemHostRegister'ed: address -> bytes
         self.registrations = 0
+        self.copied_dtoh = 0                        # bytes cuMemcpyDtoH moved
+
+    def cuInit(self, flags: int):  # noqa: N802
+        return (OK,)
+
+    def cuMemImportFromShareableHandle(self, fd: int, kind: int):  # noqa: N802
+        """A holder's exported chunk: here a memfd, mapped shared, so the "device memory"
+        is the holder's own bytes."""
+        assert kind == self.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        self.live["imported"] += 1
+        return OK, mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED)
+
+    def cuMemGetAllocationPropertiesFromHandle(self, handle: Any):  # noqa: N802
+        return OK, SimpleNamespace(location=SimpleNamespace(type=1, id=0))
+
+    def cuMemRelease(self, handle: Any):  # noqa: N802
+        if isinstance(handle, mmap.mmap):
+            handle.close()
+            self.live["imported"] -= 1
+        return (OK,)
+
+    def cuCtxSynchronize(self):  # noqa: N802
+        return (OK,)
+
+    def cuMemcpyDtoH(self, dst: int, src: int, n: int):  # noqa: N802
+        """Synchronous: device bytes at `src` into host memory at `dst`, which must be
+        pinned (a pageable destination would be legal, but not what the reader means)."""
+        assert self._host_memory(dst, n), f"a copy to {dst:#x}, neither pinned nor registered"
+        data = self._read(src, n)
+        ctypes.memmove(dst, data, n)
+        self.copied_dtoh += n
+        return (OK,)
 
     @staticmethod
     def CUmemAccessDesc() -> Any:  # noqa: N802 - the driver's name
@@ -76,7 +111,7 @@ class FakeCuda:
         self.live["va"] -= 1
         return (OK,)
 
-    def cuMemMap(self, addr: int, length: int, offset: int, handle: bytearray, flags: int):  # noqa: N802
+    def cuMemMap(self, addr: int, length: int, offset: int, handle: Any, flags: int):  # noqa: N802
         assert len(handle) == length
         self.maps[addr] = handle
         return (OK,)
@@ -174,6 +209,18 @@ class FakeCuda:
     def _host_memory(self, src: int, n: int) -> bool:
         ranges = [*((a, len(b)) for a, b in self.host.items()), *self.registered.items()]
         return any(a <= src and src + n <= a + k for a, k in ranges)
+
+    def _read(self, src: int, n: int) -> bytes:
+        out = bytearray(n)
+        done = 0
+        for base in sorted(self.maps):
+            chunk = self.maps[base]
+            lo, hi = max(src, base), min(src + n, base + len(chunk))
+            if lo < hi:
+                out[lo - src:hi - src] = chunk[lo - base:hi - base]
+                done += hi - lo
+        assert done == n, f"a copy from {src:#x} of {n} bytes left the mappings"
+        return bytes(out)
 
     def _write(self, dst: int, data: bytes) -> None:
         done = 0

@@ -7,6 +7,7 @@ import contextlib
 import os
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -128,3 +129,56 @@ def test_the_copier_runs_as_its_own_process_and_prints_the_plan(tmp_path):
         assert bad.returncode == 1 and bad.stderr.startswith("heldcopy: ")
     finally:
         h.stop()
+
+
+def test_a_cuda_holders_set_is_copied_through_device_memory_piece_by_piece(tmp_path):
+    """The cuda backend's regions are read back as an engine maps them: the grant's fds
+    imported into a reserved VA range, then copied device to host piece by piece through one
+    pinned buffer (on the driver fake, whose device memory is the holder's own chunks). The
+    copy and its plan are the ones a memfd read gives, and all the read made is given back."""
+    from agent.holder.heldcopy import PIECE, CudaReader
+    from tests.fake_cuda import FakeCuda
+
+    data = os.urandom(2 * PIECE + 12345)  # three pieces, the last one short
+    h = Holder(tmp_path / "holder")
+    try:
+        _engine_commits(h, data)
+        cu = FakeCuda()
+        plan = copy_held(h.sock, DIGEST, tmp_path / "cuda", device_reader=CudaReader(cu))
+        same = (tmp_path / "cuda" / plan.files[0].name).read_bytes() == data  # no 32 MB diff
+        assert same, "the copy is not the held bytes"
+        assert cu.copied_dtoh == len(data)
+        assert +cu.live == Counter(), cu.live  # imports, VA, context, pinned buffer
+        memfd = copy_held(h.sock, DIGEST, tmp_path / "memfd")
+        assert [(f.name, f.size, f.sha256) for f in plan.files] == \
+            [(f.name, f.size, f.sha256) for f in memfd.files]
+        assert plan.regions == memfd.regions
+    finally:
+        h.stop()
+
+
+def test_a_cuda_region_of_several_chunks_reads_back_in_order_across_their_edges():
+    """A cuda region over 1 GiB is several exported allocations: the pieces cross their
+    edges, and the padding of the last chunk is not part of the copy."""
+    from agent.holder.heldcopy import PIECE, CudaReader
+    from tests.fake_cuda import FakeCuda
+
+    chunk = PIECE + (1 << 20)  # pieces straddle every chunk's end
+    data = os.urandom(3 * chunk - 4096 - 7)
+    fds = []
+    try:
+        for i in range(3):
+            fd = os.memfd_create(f"chunk{i}")
+            os.ftruncate(fd, chunk)
+            os.pwrite(fd, data[i * chunk:(i + 1) * chunk], 0)
+            fds.append(fd)
+        region = p.RegionInfo(name=REGION, size=len(data), digest=DIGEST, parts=1, epoch=1,
+                              holder_id="h", committed=True, chunks=[chunk] * 3, align=4096)
+        cu = FakeCuda()
+        reader = CudaReader(cu)
+        same = b"".join(bytes(piece) for piece in reader.pieces(region, fds)) == data
+        assert same, "the pieces are not the region's bytes in order"
+        assert +cu.live == Counter(), cu.live
+    finally:
+        for fd in fds:
+            os.close(fd)

@@ -170,3 +170,64 @@ def test_the_adapter_refuses_the_max_model_len_that_vllm_refuses(
         assert ours == vllm["ok"], (n, vllm)
     assert [v["ok"] for v in verdicts] == [True, True, False, False]
     assert "max_position_embeddings=2048" in verdicts[2]["error"]
+
+
+# In vLLM's interpreter: a tree as CRIU leaves it after a dump, every process SIGKILLed
+# and nobody waited for yet. The root is the command's own child; its child (the engine
+# core) is then an orphan of this process (a subreaper in both runs, so that no init
+# reaps it first), a zombie until it is reaped, as it is a live process while it still
+# gives its GPU memory back: vLLM's own check fails on it either way.
+_DUMPED_TREE = """
+import ctypes, json, os, signal, subprocess, sys, time
+from types import SimpleNamespace
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+from vllm.snapshot.runtime import LocalSnapshotTools, SnapshotCreateError
+vllms_own = LocalSnapshotTools.verify_dead
+
+def dumped_tree():
+    root = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        "print(p.pid, flush=True); time.sleep(60)"], stdout=subprocess.PIPE,
+        start_new_session=True)
+    core = int(root.stdout.readline())
+    tools = LocalSnapshotTools()
+    tools._children[root.pid] = root
+    os.killpg(root.pid, signal.SIGKILL)
+    time.sleep(0.2)  # both are dead; the root's child is nobody's to reap yet
+    return tools, SimpleNamespace(root_pid=root.pid, process_tree=(root.pid, core)), core
+
+out = {}
+if sys.argv[1] == "patched":
+    _wait_dumped_tree()
+tools, inventory, core = dumped_tree()
+try:
+    LocalSnapshotTools.verify_dead(tools, inventory)
+    out["passed"] = True
+except SnapshotCreateError as e:
+    out["passed"], out["error"] = False, str(e)
+out["core_gone"] = not os.path.exists(f"/proc/{core}")
+out["patched"] = LocalSnapshotTools.verify_dead is not vllms_own
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_vllms_snapshot_create_waits_for_the_dumped_tree_before_its_own_check(
+        py: Path, patched: bool) -> None:
+    """vLLM's create checks right after CRIU's dump that no process of the tree survived,
+    while its engine core is still exiting: `process survived CRIU dump`. Pitstop's create
+    runs as a subreaper and lets the tree be gone (reaped) before that check."""
+    import subprocess
+
+    from agent.engines.vllm.cli import DUMP_RACE_PATCH, VERSION_PATCH
+
+    code = VERSION_PATCH + DUMP_RACE_PATCH + _DUMPED_TREE
+    done = subprocess.run([str(py), "-c", code, "patched" if patched else "vllms"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["patched"] is patched
+    if patched:
+        assert out == {"passed": True, "core_gone": True, "patched": True}
+    else:
+        assert not out["passed"] and out["error"].startswith("process survived CRIU dump: ")

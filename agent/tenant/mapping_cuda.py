@@ -9,7 +9,8 @@ from agent.holder.backends import BackendError
 from agent.holder.backends.cuda import check
 
 
-def _ck(result: Any, what: str) -> Any:
+def checked(result: Any, what: str) -> Any:
+    """cuda-bindings' `(CUresult, value...)` unwrapped; a failure as MappingError."""
     try:
         return check(result, what)
     except BackendError as e:
@@ -29,12 +30,15 @@ class CudaSpace:
         space = CudaSpace(total, align=granularity, device=torch.cuda.current_device())
         space.map(0, grant.fds, grant.region.chunks)
         w = space.tensor(0, grant.region.size)
+
+    `driver` is cuda-bindings' driver module (the default), or a fake of it in tests.
     """
 
-    def __init__(self, size: int, align: int, device: int) -> None:
-        from cuda.bindings import driver as cu
+    def __init__(self, size: int, align: int, device: int, driver: Any = None) -> None:
+        if driver is None:
+            from cuda.bindings import driver
 
-        self._cu = cu
+        cu = self._cu = driver
         self.align = align
         self.size = -(-size // align) * align
         self.device = device
@@ -42,12 +46,12 @@ class CudaSpace:
         # The device's primary context: the one torch uses. Calls may come from another
         # thread (the engine's prepare/resume run off its event loop), where no context is
         # current, so every call binds it first.
-        _ck(cu.cuInit(0), "cuInit")
-        dev = _ck(cu.cuDeviceGet(device), f"cuDeviceGet({device})")
+        checked(cu.cuInit(0), "cuInit")
+        dev = checked(cu.cuDeviceGet(device), f"cuDeviceGet({device})")
         self._dev = dev
-        self._ctx = _ck(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+        self._ctx = checked(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
         self._bind()
-        self.base = int(_ck(cu.cuMemAddressReserve(self.size, align, 0, 0),
+        self.base = int(checked(cu.cuMemAddressReserve(self.size, align, 0, 0),
                             f"cuMemAddressReserve({self.size})"))
         acc = cu.CUmemAccessDesc()
         acc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -56,7 +60,7 @@ class CudaSpace:
         self._access = acc
 
     def _bind(self) -> None:
-        _ck(self._cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+        checked(self._cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
 
     def map(self, offset: int, fds: list[int], chunks: list[int]) -> None:
         cu = self._cu
@@ -68,7 +72,7 @@ class CudaSpace:
                 raise MappingError(f"{length} bytes at offset {at} do not fit the reserved "
                                    f"{self.size} bytes at {self.base:#x}")
             # The import takes its own reference; the fd itself can be closed right after.
-            h = _ck(cu.cuMemImportFromShareableHandle(fd, kind),
+            h = checked(cu.cuMemImportFromShareableHandle(fd, kind),
                     "cuMemImportFromShareableHandle")
             self._place(at, length, h)
             at += length
@@ -82,29 +86,29 @@ class CudaSpace:
         if offset < 0 or offset + length > self.size or offset % self.align or length % self.align:
             raise MappingError(f"{length} bytes at offset {offset} do not fit the reserved "
                                f"{self.size} bytes at {self.base:#x} in {self.align}-byte units")
-        h = _ck(cu.cuMemCreate(length, local_prop(self.device), 0), f"cuMemCreate({length})")
+        h = checked(cu.cuMemCreate(length, local_prop(self.device), 0), f"cuMemCreate({length})")
         self._place(offset, length, h)
 
     def _place(self, at: int, length: int, h: Any) -> None:
         """Map the handle `h` at offset `at` and own it (released if it cannot be mapped)."""
         cu = self._cu
         try:
-            _ck(cu.cuMemMap(self.base + at, length, 0, h, 0), "cuMemMap")
+            checked(cu.cuMemMap(self.base + at, length, 0, h, 0), "cuMemMap")
         except MappingError:
-            _ck(cu.cuMemRelease(h), "cuMemRelease")
+            checked(cu.cuMemRelease(h), "cuMemRelease")
             raise
         self._handles[at] = (h, length)
-        _ck(cu.cuMemSetAccess(self.base + at, length, [self._access], 1), "cuMemSetAccess")
+        checked(cu.cuMemSetAccess(self.base + at, length, [self._access], 1), "cuMemSetAccess")
 
     def unmap(self, offset: int, length: int) -> None:
         cu = self._cu
         self._bind()
         # Kernels still reading the weights must finish before the pages go.
-        _ck(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+        checked(cu.cuCtxSynchronize(), "cuCtxSynchronize")
         for at in sorted(a for a in self._handles if offset <= a < offset + length):
             h, size = self._handles.pop(at)
-            _ck(cu.cuMemUnmap(self.base + at, size), "cuMemUnmap")
-            _ck(cu.cuMemRelease(h), "cuMemRelease")
+            checked(cu.cuMemUnmap(self.base + at, size), "cuMemUnmap")
+            checked(cu.cuMemRelease(h), "cuMemRelease")
 
     def tensor(self, offset: int, length: int) -> Any:
         import torch
@@ -121,9 +125,9 @@ class CudaSpace:
         if not self.size:
             return
         self.unmap(0, self.size)
-        _ck(self._cu.cuMemAddressFree(self.base, self.size), "cuMemAddressFree")
+        checked(self._cu.cuMemAddressFree(self.base, self.size), "cuMemAddressFree")
         self.size = 0
-        _ck(self._cu.cuDevicePrimaryCtxRelease(self._dev), "cuDevicePrimaryCtxRelease")
+        checked(self._cu.cuDevicePrimaryCtxRelease(self._dev), "cuDevicePrimaryCtxRelease")
 
 
 def local_prop(device: int) -> Any:
@@ -140,9 +144,9 @@ def local_prop(device: int) -> Any:
 def local_granularity(device: int) -> int:
     from cuda.bindings import driver as cu
 
-    _ck(cu.cuInit(0), "cuInit")
+    checked(cu.cuInit(0), "cuInit")
     flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
-    return int(_ck(cu.cuMemGetAllocationGranularity(local_prop(device), flag),
+    return int(checked(cu.cuMemGetAllocationGranularity(local_prop(device), flag),
                    "cuMemGetAllocationGranularity"))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -16,7 +17,7 @@ from agent.config import Config
 from agent.engines.base import LaunchSpec, Prepared
 from agent.engines.vllm.cli import VllmFeatures, read_features
 from agent.engines.vllm.maxlen import check_max_model_len
-from agent.engines.vllm.plugin import support
+from agent.engines.vllm.plugin import probes, support
 from agent.errors import ConfigError, EngineError, IdentityError
 from agent.identity import read_vllm_package
 from agent.refusal import Refusal, RefusalCode
@@ -115,7 +116,8 @@ class VllmAdapter:
             features = self.features
         except EngineError as e:
             return Refusal(RefusalCode.NO_VLLM, str(e))
-        return plugin_refusal(features, self.python())
+        return plugin_refusal(features, self.python(),
+                              support.Untested(self._config.vllm.plugin.untested))
 
     def plugin_on(self) -> bool:
         """Whether this engine runs with the plugin: a holder configured, the plugin fit."""
@@ -218,9 +220,13 @@ class VllmAdapter:
         return True
 
 
-def plugin_refusal(f: VllmFeatures, python: str) -> Refusal | None:
+def plugin_refusal(f: VllmFeatures, python: str,
+                   untested: support.Untested = support.Untested.PROBE) -> Refusal | None:
     """Why the Pitstop plugin in `python` (what its probe found: `f`) cannot serve the vLLM
-    hybrid and warm rungs; None when it can."""
+    hybrid and warm rungs; None when it can. The policy is support.fit_of's: a tested
+    series is served, any other release only where every internal the plugin uses is there
+    (probes.NEEDS, read from vLLM's source), an untested series not at all under
+    `vllm.plugin.untested: refuse`."""
     if f.distribution is None or f.version is None:
         return Refusal(RefusalCode.NO_VLLM, f"engine.python {python} has no vLLM")
     if f.plugin is None:
@@ -234,10 +240,24 @@ def plugin_refusal(f: VllmFeatures, python: str) -> Refusal | None:
             RefusalCode.PLUGIN_VERSION_MISMATCH,
             f"vLLM's interpreter has the Pitstop plugin {f.plugin}, this agent is "
             f"{agent.__version__}; install the same version in both")
-    unsupported = support.version_refusal(f.version, f.cuda_build)
-    if unsupported is not None:
-        return Refusal(RefusalCode.VLLM_VERSION_UNSUPPORTED, unsupported)
+    verdict = support.fit_of(f.version, f.cuda_build, untested)
+    if verdict.refused:
+        return Refusal(RefusalCode.VLLM_VERSION_UNSUPPORTED, verdict.detail)
+    found = _missing(f.root, verdict.build, f.version)
+    if found:
+        return Refusal(RefusalCode.VLLM_INTERNALS_MISSING,
+                       f"vLLM {f.version} ({verdict.build} build) lacks what the Pitstop "
+                       f"plugin uses: {found}")
     return None
+
+
+@functools.lru_cache(maxsize=8)
+def _missing(root: str | None, build: str, version: str) -> str:
+    """What the vLLM at `root` lacks, in words ('' for nothing); the version keys the cache,
+    since an upgrade in place keeps the directory."""
+    if root is None:
+        return "its package directory was not found"
+    return probes.describe(probes.missing(Path(root), build))
 
 
 def read_package(python: str, env: Mapping[str, str] | None = None) -> VllmPackage:

@@ -30,9 +30,51 @@ def version(name):
         return _version(dist) + ("+" + suffix if suffix else "")
 md.version = version
 """
-SHIM = VERSION_PATCH + """
+# `vllm snapshot create` (vllm/snapshot/controller.py) dumps the engine's tree with CRIU,
+# which SIGKILLs every process of it once the images are written but does not wait for
+# them, then checks at once that none survived (LocalSnapshotTools.verify_dead): it reaps
+# its own child, the tree's root, and calls kill(pid, 0) on the others. The engine core is
+# then still exiting (giving its GPU memory back takes a while) or a zombie that its new
+# parent has not reaped yet, and the create fails with "process survived CRIU dump". So
+# the create runs as a subreaper (the tree's orphans become its children), and before
+# vLLM's check it reaps them and waits, within TREE_GONE_S, for each to be gone; vLLM's
+# check then has the last word. A vLLM without verify_dead is run as it is.
+TREE_GONE_S = 120
+DUMP_RACE_PATCH = """
+def _wait_dumped_tree():
+    import ctypes, os, time
+    try:
+        from vllm.snapshot.runtime import LocalSnapshotTools
+    except ImportError:
+        return
+    check = getattr(LocalSnapshotTools, "verify_dead", None)
+    if check is None:
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    def gone(pid):
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+    def verify_dead(self, inventory):
+        deadline = time.monotonic() + TREE_GONE_S
+        for pid in inventory.process_tree:
+            while pid != inventory.root_pid and not gone(pid) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return check(self, inventory)
+    LocalSnapshotTools.verify_dead = verify_dead
+""".replace("TREE_GONE_S", str(TREE_GONE_S))
+SHIM = VERSION_PATCH + DUMP_RACE_PATCH + """
+create = sys.argv[1:3] == ["snapshot", "create"]
 sys.argv[0] = "vllm"
 from vllm.entrypoints.cli.main import main
+if create:
+    _wait_dumped_tree()
 main()
 """
 
@@ -69,7 +111,7 @@ print(json.dumps({"vllm": [[n, md.version(n)] for n in names], "plugin": plugin,
     "snapshot": has("entrypoints", "cli", "snapshot.py") and has("snapshot", "controller.py"),
     "preload": has("entrypoints", "cli", "preload.py")
         and has("model_executor", "model_loader", "weight_cache", "ipc_loader.py"),
-    "torch_cuda": cuda, "flashinfer": u.find_spec("flashinfer") is not None}))
+    "torch_cuda": cuda, "flashinfer": u.find_spec("flashinfer") is not None, "root": v}))
 """
 FEATURES_TIMEOUT_S = 60.0
 # vLLM (vllm/envs.py, 0.25): unset means on; the value is read as int(value) != 0.
@@ -105,6 +147,8 @@ class VllmFeatures:
     # (vLLM's CUDA requirements install it; a vLLM installed without its dependencies lacks
     # it). None: not asked.
     flashinfer: bool | None = None
+    # The directory of the `vllm` package: where the plugin's probes read vLLM's source.
+    root: str | None = None
 
     @property
     def cuda_build(self) -> bool:
@@ -136,7 +180,8 @@ def read_features(python: str, env: Mapping[str, str] | None = None,
     dist, version = (data["vllm"][0] if data["vllm"] else (None, None))
     return VllmFeatures(distribution=dist, version=version, snapshot=bool(data["snapshot"]),
                         preload=bool(data["preload"]), torch_cuda=data["torch_cuda"] or None,
-                        plugin=data.get("plugin"), flashinfer=bool(data["flashinfer"]))
+                        plugin=data.get("plugin"), flashinfer=bool(data["flashinfer"]),
+                        root=data.get("root"))
 
 
 def sampler_off(env: Mapping[str, str]) -> bool:

@@ -19,6 +19,7 @@ from agent.engines.vllm.cli import (
     read_features,
     sampler_off,
 )
+from agent.engines.vllm.plugin import support
 from agent.engines.vllm.preload import PreloadLink, engine_gpu
 from agent.engines.vllm.rungs import host_unfit
 from agent.engines.vllm.snapshot import choose_backend
@@ -123,7 +124,7 @@ def vllm_checks(
     else:
         checks.append(Check(name, True, needed, f"usable; backend {backend} ({why})"))
 
-    refusal = plugin_refusal(f, python)
+    refusal = plugin_refusal(f, python, support.Untested(config.vllm.plugin.untested))
     held = config.holder.enabled
     if refusal is None:
         checks.append(Check("vllm plugin", True, held, f"Pitstop plugin {f.plugin}: the hybrid "

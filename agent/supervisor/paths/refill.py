@@ -22,7 +22,7 @@ from agent.errors import (
     WeightsError,
 )
 from agent.holder.client import HolderClient
-from agent.holder.heldcopy import COPY_DIR, COPYABLE_BACKEND
+from agent.holder.heldcopy import COPY_DIR, COPYABLE_BACKENDS
 from agent.holder.protocol import RegionInfo
 from agent.holder.weightplan import (
     PLAN_NAME,
@@ -248,7 +248,7 @@ class RefillRestore(HybridRestore):
                        backend: str) -> Path | None:
         """A plan that loads a copy of the held set (written once per set: kept while it
         still names these regions and its copies are the files written)."""
-        if backend == COPYABLE_BACKEND:
+        if backend in COPYABLE_BACKENDS:
             names = sorted(r.name for r in held)
             try:
                 current = load_plan(directory)
@@ -263,7 +263,7 @@ class RefillRestore(HybridRestore):
         # From here on no plan names what is on disk: the old one (of the files' layout, or
         # of copies being replaced) goes first.
         (directory / PLAN_NAME).unlink(missing_ok=True)
-        if backend != COPYABLE_BACKEND:
+        if backend not in COPYABLE_BACKENDS:
             log.info("no refill plan: the held regions of %s are not the files' layout, and "
                      "the %s backend's cannot be copied to disk yet", digest, backend)
             return None

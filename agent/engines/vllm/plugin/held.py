@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.errors import MappingError
+from agent.errors import HolderError, MappingError
 from agent.holder.client import HolderClient
 from agent.tenant.mapping import HeldSet, HostSpace, Space
 
@@ -41,6 +42,66 @@ def give_back_storage(params: dict[str, Any]) -> None:
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     if cuda:
         torch.cuda.empty_cache()
+
+
+# A parameter at least this big gives its storage back as it is registered.
+MIN_SWAP_BYTES = 1 << 20
+
+
+@contextlib.contextmanager
+def params_without_storage(device: Any) -> Iterator[None]:
+    """While vLLM builds the model, every parameter of MIN_SWAP_BYTES or more on `device`'s
+    kind gives its own storage back the moment it is registered and becomes a view of one
+    scratch buffer (contiguous and writable: model code that writes an initial value still
+    can), the size of the largest parameter. So the model's weights never exist on the
+    device before the held set does: the holder allocates them once.
+
+    Example::
+
+        with torch.device("cuda:0"), params_without_storage(torch.device("cuda:0")):
+            model = initialize_model(vllm_config=cfg, model_config=mcfg)
+        # every big parameter's .data is a view of the scratch, dtype and shape kept
+    """
+    import torch
+    from torch.nn.modules.module import register_module_parameter_registration_hook
+    from torch.nn.parameter import is_lazy
+
+    views: list[Any] = []  # the parameters made views so far, to move to a bigger scratch
+    scratch: list[Any] = []
+
+    def view(param: Any, buf: Any) -> None:
+        param.data = buf[:param.nbytes].view(param.dtype).view(param.shape)
+
+    def hook(module: Any, name: str, param: Any) -> None:
+        if (param is None or is_lazy(param) or param.device.type != device.type
+                or param.nbytes < MIN_SWAP_BYTES):
+            return
+        if not scratch or scratch[0].numel() < param.nbytes:
+            # Every earlier view moves over, so only one scratch is ever alive.
+            scratch[:] = [torch.empty(param.nbytes, dtype=torch.uint8, device=param.device)]
+            for p in views:
+                view(p, scratch[0])
+        view(param, scratch[0])
+        views.append(param)
+
+    handle = register_module_parameter_registration_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+        views.clear()
+        scratch.clear()
+
+
+def held_bytes(socket: Path, digest: str) -> int:
+    """The bytes of vLLM parameters the holder at `socket` holds committed for `digest`
+    (0 when none, or when it does not answer)."""
+    try:
+        with HolderClient(socket, timeout=5.0) as c:
+            regions = c.committed_set(digest) or []
+    except (HolderError, OSError):
+        return 0
+    return sum(r.size for r in regions if r.name.startswith(f"{digest}/vllm-params-"))
 
 
 @dataclass(frozen=True)

@@ -21,12 +21,18 @@ from vllm.model_executor.model_loader.utils import (
 from vllm.utils.torch_utils import set_default_torch_dtype
 
 from agent.engines.vllm.plugin import state
-from agent.engines.vllm.plugin.held import HeldParams, give_back_storage, specs_of
+from agent.engines.vllm.plugin.held import (
+    HeldParams,
+    give_back_storage,
+    held_bytes,
+    params_without_storage,
+    specs_of,
+)
+from agent.engines.vllm.plugin.optional import already_processed
 from agent.engines.vllm.plugin.support import DIGEST_KEY, SOCKET_KEY
 
 # Under vLLM's logger: its handlers print it with the process name, like its own lines.
 log = logging.getLogger("vllm.pitstop")
-
 
 
 class PitstopModelLoader(BaseModelLoader):
@@ -68,7 +74,13 @@ class PitstopModelLoader(BaseModelLoader):
 
     def get_external_weight_memory(self, vllm_config: VllmConfig) -> int:
         held = state.current()
-        return held.nbytes if held is not None else 0
+        if held is not None:
+            return held.nbytes
+        # Asked before the model is built: a set the holder already holds (the warm start
+        # attaches it) is on the device outside this process's budget, as vLLM's own IPC
+        # loader counts its daemon's weights; without it the KV pool would be sized as if
+        # that memory were free.
+        return held_bytes(self.socket, self.digest)
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig,
                    prefix: str = "") -> nn.Module:
@@ -86,28 +98,11 @@ class PitstopModelLoader(BaseModelLoader):
         device = torch.device(load_device)
         t0 = time.monotonic()
         with set_default_torch_dtype(model_config.dtype):
-            with device:
+            with device, params_without_storage(device):
                 model = initialize_model(vllm_config=vllm_config, model_config=model_config,
                                          prefix=prefix)
             params = dict(model.named_parameters())
-            specs = specs_of(params)
-            # vLLM made the parameters' storage; the held set is their storage from now on.
-            # Given back first, the engine never has the weights twice on the device: the
-            # holder's allocation would otherwise come on top of vLLM's for a moment.
-            give_back_storage(params)
-            held = HeldParams.open(self.socket, self.digest, specs, vllm.__version__,
-                                   _space_factory(device))
-            try:
-                held.bind(params)
-                if held.source == "disk":
-                    self._disk.load_weights(model, model_config)
-                _keep_weights_in_place(model, device)
-                process_weights_after_loading(model, model_config, device)
-                if held.source == "disk":
-                    held.commit()
-            except BaseException:
-                held.close()
-                raise
+            held = self._hold(model, params, model_config, device, vllm.__version__)
         outside = held.outside(params)
         if outside:
             log.warning("%d parameters left held memory after vLLM's post-processing (%s): "
@@ -119,6 +114,36 @@ class PitstopModelLoader(BaseModelLoader):
                  held.nbytes / 1e6, "attached" if held.source == "holder" else "loaded and held",
                  time.monotonic() - t0)
         return model.eval()
+
+
+    def _hold(self, model: nn.Module, params: dict[str, Any], model_config: ModelConfig,
+              device: torch.device, version: str) -> HeldParams:
+        """Make the held set the parameters' storage: attached when the holder has it (a
+        warm start), else made, filled by vLLM's weight loaders and committed."""
+        specs = specs_of(params)
+        # The parameters' own storage (the small ones', and the scratch the big ones were
+        # views of) goes back before the holder allocates the set. vLLM's sleep-mode pool
+        # keeps the freed blocks until the load ends (it trims them then; trimming earlier
+        # would let torch hand out unmapped memory), but they are only the scratch and one
+        # block per parameter size, never the weights.
+        give_back_storage(params)
+        held = HeldParams.open(self.socket, self.digest, specs, version, _space_factory(device))
+        try:
+            held.bind(params)
+            if held.source == "disk":
+                self._disk.load_weights(model, model_config)
+            _keep_weights_in_place(model, device)
+            # Attached, the held bytes went through vLLM's post-processing on the start that
+            # made them: vLLM then only rebuilds its Python-side state (as over its own
+            # weight-cache daemon's tensors), never transforms them a second time.
+            with already_processed(held.source == "holder"):
+                process_weights_after_loading(model, model_config, device)
+            if held.source == "disk":
+                held.commit()
+        except BaseException:
+            held.close()
+            raise
+        return held
 
 
 def _space_factory(device: torch.device) -> Any:

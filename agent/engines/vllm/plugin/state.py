@@ -19,7 +19,26 @@ class Loaded:
     outside: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Probed:
+    """What the plugin found of the vLLM it runs in when it registered."""
+
+    version: str
+    fit: str  # support.Fit: tested, patch, untested, unknown
+    missing: list[str] = field(default_factory=list)
+
+
 _current: Loaded | None = None
+_probed: Probed | None = None
+
+
+def set_probed(version: str, fit: str, missing: list[str]) -> None:
+    global _probed
+    _probed = Probed(version, str(fit), list(missing))
+
+
+def probed() -> Probed | None:
+    return _probed
 
 
 def set_current(held: HeldParams, source: str, seconds: float, outside: list[str]) -> None:

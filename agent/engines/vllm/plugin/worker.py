@@ -57,12 +57,16 @@ class PitstopWorkerExtension:
                 and self._pitstop_on_cuda())
 
     def pitstop_state(self) -> dict[str, Any]:
+        probed = state.probed()
+        # The plugin's probes of the vLLM it runs in: its release, how it stands against
+        # the tested table, what it lacks (nothing, or the plugin would not have loaded).
+        vllm = dataclasses.asdict(probed) if probed is not None else None
         loaded = state.loaded()
         if loaded is None:
-            return {"held": None}
+            return {"held": None, "vllm": vllm}
         held = loaded.held
         return {"source": loaded.source, "load_s": round(loaded.seconds, 3),
-                "outside": loaded.outside,
+                "outside": loaded.outside, "vllm": vllm,
                 "held": {"digest": held.digest, "attached": held.attached,
                          "bytes": held.nbytes, "base": held.held.space.base,
                          "regions": held.identity}}

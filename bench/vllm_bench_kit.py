@@ -1,0 +1,240 @@
+"""Parts of bench/vllm_gpu_bench.py: the time budget, the client's clock, the HF cache, rows."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import http.client
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from gpu_recovery_bench import log, machine
+
+PROMPT = "The license"
+ANSWER_TOKENS = 8
+# One request through the front may wait this long: the front holds it while the agent
+# recovers, and a recovery that falls to a cold start of a 32 GiB model takes minutes.
+ANSWER_LIMIT_S = 900.0
+
+
+@dataclass
+class Budget:
+    """The seconds this run may still take (--budget-s): a phase or a run that would not
+    fit is skipped, and says so, rather than killed halfway by the caller's limit."""
+
+    total_s: float | None
+    started: float = field(default_factory=time.monotonic)
+
+    def left(self) -> float:
+        if self.total_s is None:
+            return float("inf")
+        return self.total_s - (time.monotonic() - self.started)
+
+    def refuse(self, need_s: float, what: str) -> str | None:
+        """Why `what` (about `need_s` seconds) is skipped; None when it fits."""
+        left = self.left()
+        if need_s <= left:
+            return None
+        why = f"{what} needs about {need_s:.0f} s, {max(left, 0):.0f} s of --budget-s left"
+        log(f"skipped: {why}")
+        return why
+
+
+def http_call(addr: str, method: str, path: str, body: dict | None = None,
+              timeout: float = 60.0) -> tuple[int, bytes]:
+    """One HTTP call to host:port (the front, or a restored vLLM's own port)."""
+    host, _, port = addr.rpartition(":")
+    c = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        c.request(method, path, body=json.dumps(body) if body is not None else None,
+                  headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        return r.status, r.read()
+    finally:
+        c.close()
+
+
+class UnixHTTP(http.client.HTTPConnection):
+    """HTTP over the engine's own Unix socket: sleep and wake go to vLLM, not the front."""
+
+    def __init__(self, path: Path, timeout: float = 300.0) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = str(path)
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self._path)
+
+
+def engine_call(sock: Path, method: str, path: str) -> tuple[int, bytes]:
+    c = UnixHTTP(sock)
+    try:
+        c.request(method, path, headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        return r.status, r.read()
+    finally:
+        c.close()
+
+
+def write_config(cfg: dict, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def set_subreaper(on: bool) -> None:
+    """Orphans of this process's descendants come to it (to be reaped) while `on`."""
+    ctypes.CDLL(None, use_errno=True).prctl(36, int(on), 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+
+def kill_tree(pids: list[int], limit_s: float = 60.0) -> None:
+    """SIGKILL every one of `pids` and wait until they are gone (reaped when ours)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        for pid in pids:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+        if not any(Path(f"/proc/{p}").exists() for p in pids):
+            return
+        time.sleep(0.01)
+
+
+def tree_of(root: int) -> list[int]:
+    """`root` and every process below it, from /proc's children lists (all threads)."""
+    pids = [root]
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            with contextlib.suppress(OSError, ValueError):
+                pids += [int(c) for c in (task / "children").read_text().split()]
+    return pids
+
+
+def answer(addr: str, model: str, timeout: float = ANSWER_LIMIT_S) -> str | None:
+    """A fixed greedy completion through `addr`: its text, None when it did not complete."""
+    try:
+        status, body = http_call(addr, "POST", "/v1/completions", {
+            "model": model, "prompt": PROMPT, "max_tokens": ANSWER_TOKENS, "temperature": 0},
+            timeout=timeout)
+    except (OSError, http.client.HTTPException):
+        return None
+    if status != 200:
+        return None
+    try:
+        return json.loads(body)["choices"][0]["text"]
+    except (ValueError, KeyError, IndexError):
+        return None
+
+
+def first_answer(addr: str, model: str, since: float, limit_s: float = ANSWER_LIMIT_S
+                 ) -> tuple[float | None, str | None]:
+    """Ask until a request completes: (seconds from `since` to that answer, its text); a
+    refused or cut request is asked again at once, as a client that retries would."""
+    end = since + limit_s
+    while time.monotonic() < end:
+        text = answer(addr, model, timeout=max(1.0, end - time.monotonic()))
+        if text is not None:
+            return round(time.monotonic() - since, 3), text
+        time.sleep(0.05)
+    return None, None
+
+
+def kill_to_answer(front: str, model: str, pid: int) -> dict:
+    """SIGKILL `pid` (the API server) and time the next request through `front` that
+    completes, as a client sees the recovery; the answer must be the one before the kill."""
+    before = answer(front, model)
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    secs, after = first_answer(front, model, t0)
+    return {"kill_to_answer_s": secs, "same_answer": after is not None and after == before,
+            "answer_before": before, "answer_after": after}
+
+
+def gpu_used_bytes() -> int | None:
+    """What nvidia-smi says GPU 0 has in use now (the baseline of a start's peak)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,"
+                              "nounits", "-i", "0"], capture_output=True, text=True, timeout=30)
+    except OSError:
+        return None
+    return int(out.stdout.strip()) << 20 if out.stdout.strip().isdigit() else None
+
+
+def hf_cache(model: Path, root: Path, repo: str) -> tuple[str, dict[str, str]]:
+    """A Hugging Face cache under `root` that holds `model` (symlinks, nothing copied) as
+    `repo` at a 40-hex revision fixed by the model's files, as `vllm snapshot` wants a
+    remote model at an immutable commit: (revision, the environment that reads it)."""
+    h = hashlib.sha1(usedforsecurity=False)
+    files = sorted(p for p in model.iterdir() if p.is_file())
+    for p in files:
+        h.update(f"{p.name} {p.stat().st_size}\n".encode())
+    h.update((model / "config.json").read_bytes())
+    rev = h.hexdigest()
+    org, name = repo.split("/")
+    base = root / "hub" / f"models--{org}--{name}"
+    snap = base / "snapshots" / rev
+    snap.mkdir(parents=True, exist_ok=True)
+    for p in files:
+        link = snap / p.name
+        if not link.is_symlink():
+            link.symlink_to(p.resolve())
+    (base / "refs").mkdir(exist_ok=True)
+    (base / "refs" / "main").write_text(rev)
+    return rev, {"HF_HOME": str(root), "HF_HUB_OFFLINE": "1"}
+
+
+def summarize(path: str, recs: list[dict], ctx: dict, time_key: str = "duration_s"
+              ) -> dict | None:
+    """One result row for `path` from its runs (those that took this path and succeeded):
+    the agent's own figure (`time_key`) and, beside it, the client's kill_to_answer_s."""
+    ok = [r for r in recs if r.get("result", "success") == "success" and
+          r.get("path", path) == path and r.get(time_key) is not None]
+    if not ok:
+        return None
+    runs = [r[time_key] for r in ok]
+    k2a = [r["kill_to_answer_s"] for r in ok if r.get("kill_to_answer_s") is not None]
+    where, host = machine()
+    stages: dict[str, list[float]] = {}
+    for r in ok:
+        for k, v in (r.get("stages") or {}).items():
+            stages.setdefault(k, []).append(round(v, 3))
+    return {"engine": "vllm", "path": path, "gib": ctx["gib"], "runs_s": runs,
+            "median_s": round(statistics.median(runs), 3), "machine": where, "host": host,
+            "command": ctx["command"], "vllm_version": ctx.get("vllm_version"),
+            "model": ctx.get("model"), "kill_to_answer_s": k2a,
+            "kill_to_answer_median_s": round(statistics.median(k2a), 3) if k2a else None,
+            "same_answer": [r.get("same_answer") for r in ok if "same_answer" in r],
+            "stages_median_s": {k: round(statistics.median(v), 3) for k, v in stages.items()},
+            "gpu_peak_bytes": [r.get("gpu_peak_bytes") for r in ok]}
+
+
+def start_peaks(result: dict, ctx: dict) -> list[dict]:
+    """The first start's peak GPU memory (the agent's NVML samples, every process on the
+    GPU), plain and over the holder, and what the holder's start costs beyond the plain."""
+    out = []
+    plain, held = result.get("first_start_plain"), result.get("first_start_holder")
+    for path, rec in (("first-start-plain", plain), ("first-start-holder", held)):
+        if rec and rec.get("result") == "success":
+            row = summarize(path, [{**rec, "path": path}], ctx)
+            if row is not None:
+                row.update(gpu_baseline_bytes=rec.get("gpu_baseline_bytes"),
+                           gpu_peak_bytes=rec.get("gpu_peak_bytes"), what=rec.get("what"))
+                out.append(row)
+    if len(out) == 2 and all(r["gpu_peak_bytes"] for r in out):
+        extra = out[1]["gpu_peak_bytes"] - out[0]["gpu_peak_bytes"]
+        w = result.get("weights_bytes") or 0
+        out[1].update(peak_over_plain_bytes=extra,
+                      peak_over_plain_of_weights=round(extra / w, 3) if w else None)
+    return out
