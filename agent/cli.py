@@ -174,10 +174,10 @@ def format_status(data: dict) -> str:
         lines.append("reload:   " + format_reload(reload).replace("\n", "\n  "))
     if data.get("front"):
         lines.append("front:    " + _served(data["front"], "/v1", data.get("front_access"),
-                                            "API keys"))
+                                            "API key"))
     if data.get("metrics"):
         lines.append("metrics:  " + _served(data["metrics"], "/metrics",
-                                            data.get("metrics_access"), "basic-auth users"))
+                                            data.get("metrics_access"), "basic-auth user"))
     return "\n".join(lines)
 
 
@@ -194,10 +194,11 @@ def _transfer_lines(data: dict) -> list[str]:
     return out
 
 
-def _served(address: str, path: str, access: dict | None, credentials: str) -> str:
+def _served(address: str, path: str, access: dict | None, credential: str) -> str:
     """A port's URL and how it is protected (AgentStatus's PortAccess as JSON)."""
     access = access or {}
-    guards = [f"{access['credentials']} {credentials}"] if access.get("credentials") else []
+    n = access.get("credentials") or 0
+    guards = [f"{n} {credential}{'s' if n > 1 else ''}"] if n else []
     if access.get("client_certificates"):
         guards.append("client certificates")
     scheme = "https" if access.get("tls") else "http"

@@ -24,6 +24,7 @@ import openai
 import pytest
 import yaml
 
+from agent.cli import format_status
 from tests.agentproc import REPO, RunningAgent, agent_config
 from tests.prereq import require
 from tests.promharness import have_prometheus, running_prometheus, wait_for
@@ -132,6 +133,9 @@ def test_the_openai_client_with_its_api_key_through_tls(node: Node) -> None:
     assert st["front_access"] == {"tls": True, "client_certificates": False, "credentials": 2}
     assert st["metrics_access"] == {"tls": True, "client_certificates": False,
                                     "credentials": 1}
+    lines = format_status(st).splitlines()
+    assert f"front:    https://{st['front']}/v1 (2 API keys)" in lines
+    assert f"metrics:  https://{st['metrics']}/metrics (1 basic-auth user)" in lines
     for key in (KEY_A, ENV_KEY):
         with node.client(key) as c:
             assert "".join(_stream(c, node)) == _reference(node)
