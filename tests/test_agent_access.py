@@ -250,6 +250,35 @@ def test_a_reload_adds_and_revokes_keys_and_renews_certificates_while_a_stream_r
     assert _plain_status(metrics, {"Authorization": old}, new_ca.cert) == 401
 
 
+def test_a_reload_with_an_unsafe_key_file_keeps_the_keys_in_effect(node: Node) -> None:
+    keys = node.files / "api-keys"
+    keys.chmod(0o644)
+    try:
+        r = subprocess.run([sys.executable, "-m", "agent", "reload", "--json", "--config",
+                            str(node.agent.config_path)], capture_output=True, text=True,
+                           cwd=REPO, timeout=120)
+    finally:
+        keys.chmod(0o600)
+    result = json.loads(r.stdout)
+    assert r.returncode == 1 and "mode 0644 lets others read" in result["error"], r.stdout
+    url = node.agent.front_url + "/models"
+    assert _plain_status(url, {"Authorization": f"Bearer {KEY_B}"},
+                         node.files.parent / "ca-2" / "ca.crt") == 200
+
+
+def test_an_unsafe_key_file_stops_the_agent_at_start(tmp_path: Path, tiny_model: Path) -> None:
+    keys = tmp_path / "api-keys"
+    keys.write_text(KEY_A + "\n")
+    keys.chmod(0o640)
+    agent = RunningAgent(tmp_path, agent_config(tmp_path, tiny_model,
+                                                front={"api_key_file": str(keys)}))
+    assert agent.proc.wait(60) == 2
+    assert f"front.api_key_file: {keys}: mode 0640 lets others read or run the keys; " \
+        f"chmod 600 {keys}" in agent.log()
+    assert KEY_A not in agent.log()
+    agent.stop()
+
+
 def test_no_key_or_password_is_in_the_log_the_status_or_the_engine_s_environment(
         node: Node) -> None:
     log = node.agent.log()
