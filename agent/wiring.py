@@ -87,10 +87,7 @@ class Agent:
                               model=config.engine.model_name)
         self.registry = new_registry()
         self.front = None
-        # PITSTOP_API_KEY leaves the environment here: no child of the agent inherits it.
-        self._env_key = take_env_key(os.environ)
-        self.access = read_access(config, self._env_key)
-        self.metrics_endpoint = self._metrics_endpoint(config)
+        self.metrics_endpoint = self._access_at_start(config)
         self.snapshotter, unavailable = self._snapshotter(config)
         # vLLM's own paths (docs/vllm.md): `vllm snapshot` first, `vllm preload` above cold.
         criu_path = self.snapshotter.criu.binary.path if self.snapshotter is not None else None
@@ -173,7 +170,12 @@ class Agent:
                                       "status": self._control_status,
                                       "reload": self._control_reload})
 
-    def _metrics_endpoint(self, config: Config) -> MetricsEndpoint | None:
+    def _access_at_start(self, config: Config) -> MetricsEndpoint | None:
+        """At start: the ports' keys, certificates and web configuration; the metrics
+        endpoint that serves with them, if metrics are on."""
+        # PITSTOP_API_KEY leaves the environment here: no child of the agent inherits it.
+        self._env_key = take_env_key(os.environ)
+        self.access = read_access(config, self._env_key)
         if not config.metrics.enabled:
             return None
         return MetricsEndpoint(self.registry, config.metrics.host, config.metrics.port,
