@@ -173,9 +173,11 @@ def format_status(data: dict) -> str:
     if reload:
         lines.append("reload:   " + format_reload(reload).replace("\n", "\n  "))
     if data.get("front"):
-        lines.append(f"front:    http://{data['front']}/v1")
+        lines.append("front:    " + _served(data["front"], "/v1", data.get("front_access"),
+                                            "API key"))
     if data.get("metrics"):
-        lines.append(f"metrics:  http://{data['metrics']}/metrics")
+        lines.append("metrics:  " + _served(data["metrics"], "/metrics",
+                                            data.get("metrics_access"), "basic-auth user"))
     return "\n".join(lines)
 
 
@@ -190,6 +192,17 @@ def _transfer_lines(data: dict) -> list[str]:
         moved = f", {t['bytes'] / 1e6:.1f} MB in {t['seconds']:.2f}s" if t["bytes"] else ""
         out.append(f"{t['direction']}:     {t['result']}: {what}{t['detail']}{moved}")
     return out
+
+
+def _served(address: str, path: str, access: dict | None, credential: str) -> str:
+    """A port's URL and how it is protected (AgentStatus's PortAccess as JSON)."""
+    access = access or {}
+    n = access.get("credentials") or 0
+    guards = [f"{n} {credential}{'s' if n > 1 else ''}"] if n else []
+    if access.get("client_certificates"):
+        guards.append("client certificates")
+    scheme = "https" if access.get("tls") else "http"
+    return f"{scheme}://{address}{path} ({', '.join(guards) or 'no authentication'})"
 
 
 def _positive_int(text: str) -> int:

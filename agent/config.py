@@ -58,10 +58,22 @@ class EngineConfig(_Strict):
     env: dict[str, str] = Field(default_factory=dict)
     stop_timeout_s: float = Field(10.0, gt=0)
 
-
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model.name
+
+
+class TlsConfig(_Strict):
+    """TLS on a public port: a certificate chain and its key, optionally client certificates."""
+
+    cert_file: ExpandedPath | None = None
+    key_file: ExpandedPath | None = None
+    # Mutual TLS: clients must present a certificate signed by one of these CAs.
+    client_ca_file: ExpandedPath | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert_file is not None
 
 
 class QueueConfig(_Strict):
@@ -90,6 +102,9 @@ class FrontConfig(_Strict):
     # How long a client may take to send its whole request body: a client that stops
     # half-way gets a 408 instead of holding a connection and a handler forever.
     body_timeout_s: float = Field(30.0, gt=0)
+    # API keys, one a line, in a file only the agent's user may read; never in this file.
+    api_key_file: ExpandedPath | None = None
+    tls: TlsConfig = Field(default_factory=TlsConfig)
 
 
 class PathsConfig(_Strict):
@@ -291,6 +306,14 @@ PRELOAD_OWNED_DAEMON_FLAGS = ("--model", "--weight-cache-socket-dir", "--weight-
                               "--weight-cache-health-host", "--load-format")
 
 
+# Why engine.args and engine.env may not hold an API key.
+ENGINE_KEY_REFUSAL = (
+    "an API key on the engine would make it refuse the agent's own health checks, canary "
+    "and resumed streams over its private socket; remove it and put the keys in a file named "
+    "by front.api_key_file (or in the agent's PITSTOP_API_KEY environment variable): the "
+    "front checks them (docs/front.md, API keys)")
+
+
 def _flag_index(args: list[str], flags: tuple[str, ...]) -> tuple[int, str] | None:
     for i, arg in enumerate(args):
         flag = arg.split("=", 1)[0]
@@ -331,6 +354,8 @@ class MetricsConfig(_Strict):
     enabled: bool = True
     host: str = "127.0.0.1"
     port: int = Field(9410, ge=0, le=65535)
+    # TLS and basic auth in the Prometheus exporter toolkit's web configuration format.
+    web_config_file: ExpandedPath | None = None
 
 
 class Config(_Strict):
@@ -351,6 +376,23 @@ class Config(_Strict):
     snapshots: SnapshotsConfig = Field(default_factory=SnapshotsConfig)
     holder: HolderConfig = Field(default_factory=HolderConfig)
     vllm: VllmConfig = Field(default_factory=VllmConfig)
+
+    @model_validator(mode="after")
+    def _access(self) -> Config:
+        # Checked here, not in the sections: an error there would print the section's values.
+        hit = _flag_index(self.engine.args, ("--api-key",))
+        if hit is not None:
+            raise ValueError(f"engine.args[{hit[0]}]: {ENGINE_KEY_REFUSAL}")
+        if "VLLM_API_KEY" in self.engine.env:
+            raise ValueError(f"engine.env.VLLM_API_KEY: {ENGINE_KEY_REFUSAL}")
+        tls = self.front.tls
+        if (tls.cert_file is None) != (tls.key_file is None):
+            raise ValueError("front.tls.cert_file and front.tls.key_file go together: set "
+                             "both to serve TLS, or neither")
+        if tls.client_ca_file is not None and tls.cert_file is None:
+            raise ValueError("front.tls.client_ca_file needs front.tls.cert_file and "
+                             "key_file: client certificates are asked for in a TLS handshake")
+        return self
 
     @model_validator(mode="after")
     def _vllm_paths(self) -> Config:

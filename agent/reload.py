@@ -50,6 +50,17 @@ POLICY: dict[str, tuple[Apply, str]] = {
     "front.resume_wait_s": (Apply.LIVE, "the next resumed answer"),
     "front.max_body_bytes": (Apply.RESTART, "the HTTP server's body limit is set at start"),
     "front.body_timeout_s": (Apply.LIVE, "the next request"),
+    "front.api_key_file": (Apply.LIVE, "read again on every reload, changed or not: the next "
+                                       "request; requests already admitted go on"),
+    "front.tls.cert_file": (Apply.LIVE, "read again on every reload, changed or not: the next "
+                                        "TLS handshake, open connections keep theirs (set or "
+                                        "unset: refused, TLS is on or off from the start)"),
+    "front.tls.key_file": (Apply.LIVE, "read again on every reload, changed or not: the next "
+                                       "TLS handshake, open connections keep theirs (set or "
+                                       "unset: refused, TLS is on or off from the start)"),
+    "front.tls.client_ca_file": (Apply.LIVE, "read again on every reload, changed or not: the "
+                                             "next TLS handshake (set or unset: refused, client "
+                                             "certificates are asked for from the start)"),
     "paths.state_dir": (Apply.RESTART, "the agent holds its lock and ledger there"),
     "paths.snapshot_dir": (Apply.RESTART, "the snapshot store is opened at start"),
     "paths.run_dir": (Apply.RESTART, "the control socket and status file live there"),
@@ -67,6 +78,10 @@ POLICY: dict[str, tuple[Apply, str]] = {
     "metrics.enabled": (Apply.RESTART, "the metrics endpoint is started at start"),
     "metrics.host": (Apply.RESTART, "the metrics endpoint is bound at start"),
     "metrics.port": (Apply.RESTART, "the metrics endpoint is bound at start"),
+    "metrics.web_config_file": (Apply.LIVE, "read again on every reload, changed or not: the "
+                                            "next scrape and TLS handshake (set or unset, or "
+                                            "TLS added or removed in it: refused until a "
+                                            "restart)"),
     "snapshots.enabled": (Apply.RESTART, "the snapshotter and its rungs are built at start"),
     "snapshots.backend": (Apply.RESTART, "the ladder's rungs are chosen at start"),
     "snapshots.regenerate": (Apply.LIVE, "the next start without a usable snapshot"),
@@ -97,6 +112,16 @@ POLICY: dict[str, tuple[Apply, str]] = {
     "vllm.preload.health_port": (Apply.RESTART, "vLLM's rungs are built at start"),
     "vllm.preload.args": (Apply.RESTART, "vLLM's rungs are built at start"),
     "vllm.plugin.untested": (Apply.LIVE, "the next ladder walk"),
+}
+
+# Keys that apply live, except a change that turns them on or off (set <-> unset): a port
+# serves TLS, or asks for client certificates, from its start.
+SET_AT_START: dict[str, str] = {
+    "front.tls.cert_file": "TLS on the front is turned on or off only at start",
+    "front.tls.key_file": "TLS on the front is turned on or off only at start",
+    "front.tls.client_ca_file": "client certificates are asked for or not from the start",
+    "metrics.web_config_file": "the metrics endpoint's web configuration is taken up or "
+                               "dropped only at start",
 }
 
 # A change of this key makes every other change meaningless for the running agent.
@@ -198,6 +223,7 @@ def plan(old: Config, new: Config, source: str) -> tuple[Config, ReloadResult]:
     changed = changed_keys(old, new)
     whole = WHOLE_RELOAD_KEY in changed
     refused, applied = [], []
+    running, merged = old.model_dump(), new.model_dump()
     for key in changed:
         how, why = POLICY[key]
         if whole:
@@ -205,10 +231,10 @@ def plan(old: Config, new: Config, source: str) -> tuple[Config, ReloadResult]:
                                       f"{WHOLE_RELOAD_KEY} changed too"))
         elif how is Apply.RESTART:
             refused.append(RefusedKey(key, why))
+        elif key in SET_AT_START and (_get(running, key) is None) != (_get(merged, key) is None):
+            refused.append(RefusedKey(key, SET_AT_START[key]))
         else:
             applied.append(key)
-    merged = new.model_dump()
-    running = old.model_dump()
     for r in refused:
         _set(merged, r.key, _get(running, r.key))
     try:

@@ -20,9 +20,12 @@ log = logging.getLogger("pitstop")
 class Reloader:
     """Reads the configuration file again and applies it through the reload policy.
 
-    The file is read and validated in a worker thread; `apply` then gets the configuration
-    now in effect (changed keys that apply live, running values for the refused ones) and
-    the report, on the event loop. One reload runs at a time.
+    The file is read and validated in a worker thread, and so are the files it names that are
+    read again at every reload (`prepare`: API keys, certificates), changed or not; `apply`
+    then gets the configuration now in effect (changed keys that apply live, running values
+    for the refused ones) and the report, on the event loop, and what `prepare` returned is
+    called last. A ConfigError from any of them keeps everything as it was. One reload runs
+    at a time.
 
     Example::
 
@@ -33,8 +36,10 @@ class Reloader:
 
     def __init__(self, path: Path | None, *, current: Callable[[], Config],
                  apply: Callable[[Config, ReloadResult], None], notifier: Notifier,
-                 record: Callable[[ReloadResult], None]) -> None:
+                 record: Callable[[ReloadResult], None],
+                 prepare: Callable[[Config], Callable[[], None]] | None = None) -> None:
         self._path = path
+        self._prepare = prepare
         self._current = current
         self._apply = apply
         self._notifier = notifier
@@ -56,7 +61,11 @@ class Reloader:
         try:
             new = await asyncio.to_thread(load_config, self._path)
             effective, result = plan(self._current(), new, source)
+            commit = await asyncio.to_thread(self._prepare, effective) if self._prepare \
+                else None
             self._apply(effective, result)
+            if commit is not None:
+                commit()
         except ConfigError as e:
             result = failed(source, str(e))
             log.error("%s", result.summary())

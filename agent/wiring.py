@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import ssl
+from collections.abc import Callable
 from pathlib import Path
 
-from prometheus_client import start_http_server
-
 from agent import proc
+from agent.access import Access, read_access
 from agent.checkpoint import build_snapshotter, build_store, retention
 from agent.checkpoint.backend import SnapshotInfo
 from agent.checkpoint.snapshotter import Snapshotter
@@ -20,11 +21,13 @@ from agent.drift_watch import DriftWatcher, build_reader
 from agent.engines import build_adapter
 from agent.engines.vllm.rungs import vllm_rungs
 from agent.errors import IdentityError, ModelError, SnapshotError, SourceUnavailable
+from agent.front.auth import take_env_key
 from agent.fsutil import private_dir
 from agent.gpu_health import GpuWatch
 from agent.holder.client import HolderClient
 from agent.identity import Identity, gpu_selector
 from agent.metrics import Metrics, NodeInfo, new_registry
+from agent.metrics_endpoint import MetricsEndpoint
 from agent.reload import ReloadResult
 from agent.signals import Reloader, Signals
 from agent.status_view import StatusBoard
@@ -41,12 +44,17 @@ from agent.supervisor.remote import RemoteSnapshots
 from agent.supervisor.status import AgentStatus, HolderFacts, NewestSnapshot, StatusFile
 from agent.supervisor.supervisor import Supervisor
 from agent.systemd import Notifier
+from agent.tls import LiveTls
 from agent.watchdog import pet_watchdog
 
 log = logging.getLogger("pitstop")
 
 # The restored engine may take this many health timeouts to answer its resume.
 RESTORE_TIMEOUTS = 10
+
+
+def _live(ctx: ssl.SSLContext | None) -> LiveTls | None:
+    return LiveTls(ctx) if ctx is not None else None
 
 
 class Agent:
@@ -79,6 +87,7 @@ class Agent:
                               model=config.engine.model_name)
         self.registry = new_registry()
         self.front = None
+        self.metrics_endpoint = self._access_at_start(config)
         self.snapshotter, unavailable = self._snapshotter(config)
         # vLLM's own paths (docs/vllm.md): `vllm snapshot` first, `vllm preload` above cold.
         criu_path = self.snapshotter.criu.binary.path if self.snapshotter is not None else None
@@ -109,7 +118,8 @@ class Agent:
 
             self.front = Front(config.front, self.gate, self.metrics,
                                engine_metrics_path=self.adapter.metrics_path,
-                               engine_dead_marker=self.adapter.dead_marker)
+                               engine_dead_marker=self.adapter.dead_marker,
+                               keys=self.access.front_keys, tls=_live(self.access.front_tls))
         self.capture = None
         if self.snapshotter is not None:
             self.capture = Capture(self.snapshotter, self.store, self.adapter,
@@ -154,11 +164,22 @@ class Agent:
         self._watching: asyncio.Future[None] | None = None
         self.reloader = Reloader(config_path, current=lambda: self.config,
                                  apply=self.reconfigure, notifier=notifier,
-                                 record=self._record_reload)
+                                 record=self._record_reload, prepare=self._read_access)
         self.control = ControlServer(config.paths.run / "control.sock",
                                      {"snapshot": self._control_snapshot,
                                       "status": self._control_status,
                                       "reload": self._control_reload})
+
+    def _access_at_start(self, config: Config) -> MetricsEndpoint | None:
+        """At start: the ports' keys, certificates and web configuration; the metrics
+        endpoint that serves with them, if metrics are on."""
+        # PITSTOP_API_KEY leaves the environment here: no child of the agent inherits it.
+        self._env_key = take_env_key(os.environ)
+        self.access = read_access(config, self._env_key)
+        if not config.metrics.enabled:
+            return None
+        return MetricsEndpoint(self.registry, config.metrics.host, config.metrics.port,
+                               self.access.metrics_web, _live(self.access.metrics_tls))
 
     @staticmethod
     def _snapshotter(config: Config) -> tuple[Snapshotter | None, str]:
@@ -226,6 +247,27 @@ class Agent:
             if self._watching is not None and self._watching.done():
                 self._watching = asyncio.ensure_future(self.watcher.run())
         self.supervisor.apply_config(config, restart_engine=result.engine_restart)
+
+    def _read_access(self, config: Config) -> Callable[[], None]:
+        """In a worker thread at every reload: the key, certificate and web configuration
+        files read again, checked against the running ports; what puts them in use."""
+        access = read_access(config, self._env_key)
+        access.fits(self.front.tls if self.front is not None else None,
+                    self.metrics_endpoint.tls if self.metrics_endpoint is not None else None)
+        return lambda: self._use_access(access)
+
+    def _use_access(self, access: Access) -> None:
+        self.access = access
+        if self.front is not None:
+            self.front.keys = access.front_keys
+            if self.front.tls is not None and access.front_tls is not None:
+                self.front.tls.use(access.front_tls)
+            self.status.front_access = access.front_view()
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.use(access.metrics_web, access.metrics_tls)
+            self.status.metrics_access = access.metrics_view()
+        log.info("access read again: front %s, metrics %s", self.status.front_access,
+                 self.status.metrics_access)
 
     def _record_reload(self, result: ReloadResult) -> None:
         self.status.last_reload = result
@@ -343,15 +385,18 @@ class Agent:
     async def run(self) -> int:
         proc.become_subreaper()
         Signals(on_stop=self._on_term, reloader=self.reloader).install()
-        if self.config.metrics.enabled:
-            server, _ = start_http_server(self.config.metrics.port, self.config.metrics.host,
-                                          registry=self.registry)
-            self.status.metrics = f"{self.config.metrics.host}:{server.server_port}"
-            log.info("metrics on http://%s/metrics", self.status.metrics)
+        if self.metrics_endpoint is not None:
+            await self.metrics_endpoint.start()
+            self.status.metrics = f"{self.config.metrics.host}:{self.metrics_endpoint.port}"
+            self.status.metrics_access = self.access.metrics_view()
+            log.info("metrics on %s://%s/metrics",
+                     "https" if self.metrics_endpoint.tls else "http", self.status.metrics)
         if self.front is not None:
             await self.front.start()
             self.status.front = f"{self.config.front.host}:{self.front.port}"
-            log.info("front on http://%s/v1", self.status.front)
+            self.status.front_access = self.access.front_view()
+            log.info("front on %s://%s/v1", "https" if self.front.tls else "http",
+                     self.status.front)
         await self.control.start()
         self._changed()
         duties = [asyncio.ensure_future(proc.reap_forever()),
@@ -375,6 +420,8 @@ class Agent:
             if self.front is not None:
                 await self.front.stop(0)
             self.gpu.close()
+            if self.metrics_endpoint is not None:
+                await self.metrics_endpoint.stop()
             await self.control.stop()
             self._write_status()
         return 0

@@ -96,6 +96,10 @@ def stop_all(keep: set[RunningAgent] | None = None) -> None:
             agent.stop()
 
 
+def _scheme(access: dict | None) -> str:
+    return "https" if access and access.get("tls") else "http"
+
+
 class RunningAgent:
     """A `pitstop run` child process with its config, log and status file."""
 
@@ -165,11 +169,13 @@ class RunningAgent:
 
     @property
     def front_url(self) -> str:
-        return f"http://{self.status()['front']}/v1"
+        st = self.status()
+        return f"{_scheme(st.get('front_access'))}://{st['front']}/v1"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{self.status()['metrics']}/metrics"
+        st = self.status()
+        return f"{_scheme(st.get('metrics_access'))}://{st['metrics']}/metrics"
 
     def stop(self, timeout: float = 30) -> int:
         if self.proc.poll() is None:

@@ -16,9 +16,11 @@ from typing import Any
 import aiohttp
 
 from agent.config import FrontConfig
+from agent.front.auth import ApiKeys
 from agent.front.proxy import Front
 from agent.metrics import Metrics, NodeInfo, StatusView, new_registry
 from agent.supervisor.gate import EngineGate
+from agent.tls import LiveTls
 
 MODEL_NAME = "tiny"
 
@@ -150,7 +152,8 @@ class Harness:
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.front.port}/v1"
+        scheme = "https" if self.front.tls else "http"
+        return f"{scheme}://127.0.0.1:{self.front.port}/v1"
 
     async def restart(self, close_gate: bool = True) -> None:
         """Kill the engine, start a new one on the same socket, open the gate again."""
@@ -180,14 +183,15 @@ class Harness:
 
 
 @contextlib.asynccontextmanager
-async def front_on(engine: Engine, **config: Any) -> AsyncIterator[Harness]:
+async def front_on(engine: Engine, keys: ApiKeys | None = None, tls: LiveTls | None = None,
+                   **config: Any) -> AsyncIterator[Harness]:
     gate = EngineGate()
     holder: list[Front] = []
     metrics = Metrics(new_registry(), lambda: StatusView(
         "running", gate.current is not None, None, (), NodeInfo(),
         front_queue_depth=holder[0].queue_depth if holder else 0,
         front_inflight=holder[0].inflight if holder else 0))
-    front = Front(FrontConfig(port=0, **config), gate, metrics)
+    front = Front(FrontConfig(port=0, **config), gate, metrics, keys=keys, tls=tls)
     holder.append(front)
     await front.start()
     gate.open(engine.sock)

@@ -139,11 +139,14 @@ def short_for_rules(src: Path, dst: Path, for_: str = "2s") -> Path:
 
 @contextlib.contextmanager
 def running_prometheus(workdir: Path, targets: list[str] | dict[str, str],
-                       rule_files: list[Path], interval: str = "1s"
+                       rule_files: list[Path], interval: str = "1s",
+                       scrape_configs: list[dict[str, Any]] | None = None
                        ) -> Iterator[PrometheusServer]:
     """Prometheus scraping `targets` as job "pitstop" every `interval`, with `rule_files`.
 
-    `targets` is a list of host:port (each its own `instance`), or {instance: host:port}.
+    `targets` is a list of host:port (each its own `instance`), or {instance: host:port};
+    `scrape_configs`, when given, are the jobs instead (TLS, basic auth: as an operator
+    writes them).
     """
     workdir.mkdir(parents=True, exist_ok=True)
     if isinstance(targets, dict):
@@ -155,7 +158,7 @@ def running_prometheus(workdir: Path, targets: list[str] | dict[str, str],
         "global": {"scrape_interval": interval, "evaluation_interval": interval,
                    "scrape_timeout": interval},
         "rule_files": [str(p) for p in rule_files],
-        "scrape_configs": [{"job_name": "pitstop", "static_configs": static}],
+        "scrape_configs": scrape_configs or [{"job_name": "pitstop", "static_configs": static}],
     }
     cfg = workdir / "prometheus.yml"
     cfg.write_text(yaml.safe_dump(config))

@@ -13,6 +13,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import bcrypt
 import pytest
 import yaml
 
@@ -37,6 +38,7 @@ from tests.ansible_hosts import (
 )
 from tests.prereq import require
 from tests.systemd_container import SystemdContainer, container_prerequisites
+from tests.tlskit import TestCA
 
 pytestmark = pytest.mark.integration
 
@@ -195,6 +197,74 @@ def test_rollout_stops_at_the_first_failing_host(fleet: Fleet) -> None:
     assert recap(out).get("deb13") is None or recap(out)["deb13"]["changed"] == 0, out[-3000:]
 
 
+KEY = "sk-fleet-test-key-0123456789"
+PASSWORD = "fleet-scrape-password"
+# From inside the host: its own front and metrics endpoint, through TLS with the test CA.
+_ASK = """
+import base64, json, os, ssl, sys, urllib.error, urllib.request
+ctx = ssl.create_default_context(cadata=sys.stdin.read())
+def status(url, auth):
+    req = urllib.request.Request(url, headers={"Authorization": auth} if auth else {})
+    try:
+        with urllib.request.urlopen(req, timeout=60, context=ctx) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+basic = "Basic " + base64.b64encode(b"prometheus:" + os.environ["PASSWORD"].encode()).decode()
+print(json.dumps([status("https://127.0.0.1:8000/v1/models", "Bearer " + os.environ["KEY"]),
+                  status("https://127.0.0.1:8000/v1/models", None),
+                  status("https://127.0.0.1:9410/metrics", basic),
+                  status("https://127.0.0.1:9410/metrics", None)]))
+"""
+
+
+def test_the_role_installs_keys_and_certificates_from_the_inventory(fleet: Fleet) -> None:
+    # The pitstop role alone on deb12, with the inventory as the stopped rollout left it
+    # (deb12's driver package is marked to fail) plus the secrets; deb13 stays open.
+    ca = TestCA(fleet.scratch / "ca", "pitstop fleet test CA")
+    front, metrics = ca.issue("front", server=True), ca.issue("metrics", server=True)
+    secrets = {
+        "pitstop_api_keys": [KEY],
+        "pitstop_front_tls_cert": front.cert.read_text(),
+        "pitstop_front_tls_key": front.key.read_text(),
+        "pitstop_metrics_tls_cert": metrics.cert.read_text(),
+        "pitstop_metrics_tls_key": metrics.key.read_text(),
+        "pitstop_metrics_basic_auth_users": {
+            "prometheus": bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(4)).decode()},
+    }
+    fleet.write_inventory(nvidia_driver_version=DRIVER_VERSIONS[2],
+                          pitstop_config=_drifted_config(fleet), **secrets)
+    play = fleet.scratch / "secrets.yml"
+    play.write_text(yaml.safe_dump([{"name": "Give the agent its keys and certificates",
+                                     "hosts": "deb12", "become": True,
+                                     "roles": ["pitstop"]}]))
+    r = run_ansible("ansible-playbook", "-i", str(fleet.inventory), str(play), timeout=900)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-6000:]
+    # no_log: neither the key nor a private key is in what Ansible printed.
+    private = front.key.read_text().splitlines()[1]
+    assert KEY not in out and private not in out, "a secret is in ansible-playbook's output"
+    c = fleet.hosts["deb12"]
+    listing = c.run(["stat", "-c", "%n %a %U", "/etc/pitstop/secrets",
+                     *(f"/etc/pitstop/secrets/{n}" for n in (
+                         "api-keys", "front.crt", "front.key", "metrics.crt", "metrics.key",
+                         "web-config.yml"))]).stdout.split("\n")
+    assert listing[0] == "/etc/pitstop/secrets 700 root", listing
+    assert all(line.endswith(" 600 root") for line in listing[1:] if line), listing
+    config = yaml.safe_load(c.run(["cat", "/etc/pitstop/pitstop.yaml"]).stdout)
+    assert config["front"]["api_key_file"] == "/etc/pitstop/secrets/api-keys"
+    assert config["metrics"]["web_config_file"] == "/etc/pitstop/secrets/web-config.yml"
+    st = agent_status(c)
+    assert st["state"] == "ready", st
+    assert st["front_access"] == {"tls": True, "client_certificates": False, "credentials": 1}
+    assert st["metrics_access"] == {"tls": True, "client_certificates": False,
+                                    "credentials": 1}
+    asked = c.run(["/opt/pitstop/venv/bin/python", "-c", _ASK], input=ca.cert.read_text(),
+                  env={"KEY": KEY, "PASSWORD": PASSWORD})
+    assert json.loads(asked.stdout) == [200, 401, 200, 401]
+    assert KEY not in c.journal("pitstop-agent.service")
+
+
 def test_report_names_the_hosts_off_the_pins(fleet: Fleet) -> None:
     # After the stopped rollout the inventory pins the third version; deb13 still has the second.
     report = fleet.scratch / "report.json"
@@ -213,6 +283,12 @@ def test_report_names_the_hosts_off_the_pins(fleet: Fleet) -> None:
     assert deb13["agent_state"] == "ready" and deb13["agent_version"]
     assert deb13["engine_kind"] == "reference"
     assert deb13["snapshots"] >= 1 and deb13["snapshot_age_s"] is not None
+    # deb12 got keys and certificates from the role; deb13 serves as it was.
+    assert data["unauthenticated"] == ["deb13"], data
+    assert hosts["deb12"]["unauthenticated"] == []
+    assert deb13["unauthenticated"] == [
+        "front on 127.0.0.1:8000: no API key, no client certificates, no TLS",
+        "metrics on 127.0.0.1:9410: no basic auth, no client certificates, no TLS"]
 
 
 VLLM_NODE_VENV = "/opt/pitstop-vllm/venv"

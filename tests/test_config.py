@@ -78,3 +78,26 @@ def test_check_config_exits_2_naming_the_key(tmp_path):
     r = _check_config(bad)
     assert r.returncode == 2
     assert str(bad) in r.stderr and "engine.sokcet" in r.stderr
+
+
+@pytest.mark.parametrize("engine, names", [
+    ("args: [--api-key, sk-secret-value]", "engine.args[0]: an API key on the engine"),
+    ("args: [--port-x, '1', --api-key=sk-secret-value]", "engine.args[2]: an API key"),
+    ("env: {VLLM_API_KEY: sk-secret-value}", "engine.env.VLLM_API_KEY: an API key"),
+])
+def test_an_engine_key_is_refused_with_the_way_to_do_it_and_never_printed(engine, names):
+    with pytest.raises(ConfigError) as e:
+        parse_text(f"engine: {{model: /m, {engine}}}", "f.yaml")
+    assert names in str(e.value)
+    assert "front.api_key_file" in str(e.value) and "PITSTOP_API_KEY" in str(e.value)
+    assert "sk-secret-value" not in str(e.value)
+
+
+@pytest.mark.parametrize("tls, says", [
+    ("{cert_file: /c}", "front.tls.cert_file and front.tls.key_file go together"),
+    ("{key_file: /k}", "front.tls.cert_file and front.tls.key_file go together"),
+    ("{client_ca_file: /ca}", "front.tls.client_ca_file needs front.tls.cert_file"),
+])
+def test_half_a_tls_setting_is_refused(tls, says):
+    with pytest.raises(ConfigError, match=says):
+        parse_text(f"engine: {{model: /m}}\nfront: {{tls: {tls}}}", "f.yaml")

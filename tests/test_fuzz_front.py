@@ -17,6 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from agent.front.auth import ApiKeys, read_keys
+from agent.front.proxy import Front
 from tests.frontkit import MODEL_NAME, Engine, front_on, socket_dir
 
 pytestmark = pytest.mark.integration
@@ -34,6 +36,7 @@ class _FrontThread:
     def __init__(self, engine: Engine) -> None:
         self.loop = asyncio.new_event_loop()
         self.port = 0
+        self.front: Front | None = None
         self._started = threading.Event()
         self._stop: asyncio.Event | None = None
         self.thread = threading.Thread(target=self.loop.run_until_complete,
@@ -46,8 +49,24 @@ class _FrontThread:
         async with front_on(engine, max_body_bytes=MAX_BODY,
                             body_timeout_s=BODY_TIMEOUT_S) as h:
             self.port = h.front.port
+            self.front = h.front
             self._started.set()
             await self._stop.wait()
+
+    @contextlib.contextmanager
+    def keys(self, keys: ApiKeys) -> Iterator[None]:
+        """API keys in effect on the running front for a while (as a reload sets them)."""
+        assert self.front is not None
+        front = self.front
+
+        async def use(k: ApiKeys) -> None:
+            front.keys = k
+
+        asyncio.run_coroutine_threadsafe(use(keys), self.loop).result(10)
+        try:
+            yield
+        finally:
+            asyncio.run_coroutine_threadsafe(use(ApiKeys()), self.loop).result(10)
 
     def stop(self) -> None:
         assert self._stop is not None
@@ -158,6 +177,46 @@ def test_malformed_http_is_answered_or_closed_at_once_and_the_front_serves_on(fr
 
 
 def test_the_front_serves_after_the_fuzzing(front):
+    _serves(front)
+
+
+KEY = "sk-fuzz-0123456789abcdef"
+# Header values as clients, scanners and broken proxies send them: any bytes but the line
+# ends that would end the header, and near misses of the key.
+authorization = st.one_of(
+    st.binary(max_size=300).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b"")),
+    st.tuples(st.sampled_from([b"Bearer", b"bearer", b"BEARER", b"Basic", b"Bearer:", b""]),
+              st.sampled_from([b" ", b"  ", b"\t", b""]),
+              st.sampled_from([KEY.encode(), KEY[:-1].encode(), KEY.encode() + b"x",
+                               KEY.upper().encode(), b"", "sk-é".encode()]),
+              st.binary(max_size=8).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b"")))
+    .map(b"".join),
+)
+
+
+@FUZZ
+@given(value=authorization, path=st.sampled_from(["/v1/completions", "/v1/models", "/metrics",
+                                                  "/v1/nope"]))
+def test_any_authorization_header_is_answered_and_only_the_key_opens(front, value, path):
+    with front.keys(read_keys(None, KEY)):
+        raw = _exchange(front.port, _post(path, json.dumps(GOOD).encode(),
+                                          b"Authorization: " + value + b"\r\n"), 60)
+    status, body = _status_and_body(raw)
+    assert status < 500, raw[:500]
+    scheme, _, token = value.partition(b" ")
+    if status == 401:
+        assert json.loads(body)["error"]["type"] == "AuthenticationError"
+    elif status != 400:  # 400: the HTTP parser refused the header itself
+        assert scheme.lower() == b"bearer" and token.strip(b" \t") == KEY.encode(), raw[:300]
+
+
+def test_the_front_serves_with_a_key_after_the_header_fuzzing(front):
+    with front.keys(read_keys(None, KEY)):
+        raw = _exchange(front.port, _post("/v1/completions", json.dumps(GOOD).encode(),
+                                          f"Authorization: Bearer {KEY}\r\n".encode()), 60)
+        assert _status_and_body(raw)[0] == 200, raw[:500]
+        raw = _exchange(front.port, _post("/v1/completions", json.dumps(GOOD).encode()), 60)
+        assert _status_and_body(raw)[0] == 401, raw[:500]
     _serves(front)
 
 

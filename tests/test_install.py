@@ -25,7 +25,7 @@ from tests.prereq import require as prerequisite
 from tests.vllmproc import CPU_ARGS, VLLM_PYTHON
 
 AGENT_DEPENDENCIES = {"aiohttp", "pydantic", "prometheus-client", "pyyaml", "sdnotify",
-                      "nvidia-ml-py"}
+                      "nvidia-ml-py", "bcrypt"}
 HEAVY = ("torch", "numpy", "safetensors", "tokenizers")
 # The reference engine's own process; nothing the agent process runs may import it.
 # Packages that run inside an engine's own interpreter, where torch is: the reference engine,
@@ -42,7 +42,7 @@ def _names(requirements: list[str]) -> set[str]:
     return {canonicalize_name(Requirement(r).name) for r in requirements}
 
 
-def test_the_agent_depends_on_its_six_packages_only():
+def test_the_agent_depends_on_its_seven_packages_only():
     assert _names(_project()["dependencies"]) == AGENT_DEPENDENCIES
 
 

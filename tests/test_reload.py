@@ -100,6 +100,33 @@ def test_applied_keys_that_contradict_a_refused_one_refuse_everything(tmp_path: 
         plan(old, new, "f")
 
 
+def test_keys_and_certificates_apply_live_but_turning_tls_on_or_off_waits_for_a_restart(
+        tmp_path: Path) -> None:
+    tls = {"cert_file": str(tmp_path / "a.crt"), "key_file": str(tmp_path / "a.key")}
+    plain = _config(tmp_path, tmp_path / "m")
+    secured = _config(tmp_path, tmp_path / "m", front={"tls": tls,
+                                                      "api_key_file": str(tmp_path / "k")},
+                      metrics={"web_config_file": str(tmp_path / "web.yml")})
+    effective, result = plan(plain, secured, "f")
+    assert result.applied == ("front.api_key_file",)
+    assert {r.key: r.why for r in result.refused} == {
+        "front.tls.cert_file": "TLS on the front is turned on or off only at start",
+        "front.tls.key_file": "TLS on the front is turned on or off only at start",
+        "metrics.web_config_file": "the metrics endpoint's web configuration is taken up or "
+                                   "dropped only at start"}
+    assert effective.front.tls == plain.front.tls and effective.front.api_key_file
+    _, result = plan(secured, plain, "f")
+    assert result.applied == ("front.api_key_file",) and len(result.refused) == 3
+    # Other files in the same roles: new handshakes use them.
+    moved = _config(tmp_path, tmp_path / "m", front={"tls": {
+        "cert_file": str(tmp_path / "b.crt"), "key_file": str(tmp_path / "b.key")}},
+        metrics={"web_config_file": str(tmp_path / "web2.yml")})
+    _, result = plan(secured, moved, "f")
+    assert result.applied == ("front.api_key_file", "front.tls.cert_file",
+                              "front.tls.key_file", "metrics.web_config_file")
+    assert result.refused == ()
+
+
 def test_nothing_changed_says_so(tmp_path: Path) -> None:
     cfg = _config(tmp_path, tmp_path / "m")
     effective, result = plan(cfg, cfg, "f")

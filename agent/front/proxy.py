@@ -17,6 +17,7 @@ from aiohttp import web
 
 from agent.config import FrontConfig
 from agent.errors import FrontError, FrontRejected
+from agent.front.auth import ApiKeys, key_check
 from agent.front.engine_stream import EngineStream
 from agent.front.holding import FrontFailure, Holding
 from agent.front.resume import CHAT, COMPLETIONS, Plan, Tracker
@@ -31,10 +32,14 @@ from agent.holder.kvledger import (
 )
 from agent.metrics import Metrics
 from agent.supervisor.gate import EngineGate, Ready
+from agent.tls import LiveTls
 
 log = logging.getLogger("pitstop.front")
 
 _ENDPOINTS = (COMPLETIONS, CHAT, "/v1/models")
+# Answered from the front's own state, never the engine's: open to load balancers when API
+# keys are in effect (every other path, /metrics included, needs a key).
+_OPEN_PATHS = frozenset(("/health", "/ready"))
 # A scrape of a hung engine must not hang the front's handler past Prometheus' own timeout.
 _SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=10)
 _ENGINE = "http://engine"  # the host part is unused: the connector dials the Unix socket
@@ -153,8 +158,12 @@ class Front:
 
     def __init__(self, config: FrontConfig, gate: EngineGate, metrics: Metrics,
                  engine_metrics_path: str | None = None,
-                 engine_dead_marker: bytes | None = None) -> None:
+                 engine_dead_marker: bytes | None = None, keys: ApiKeys | None = None,
+                 tls: LiveTls | None = None) -> None:
         self.config = config
+        # Replaced whole on reload (agent/access.py reads them); TLS contexts likewise.
+        self.keys = keys or ApiKeys()
+        self.tls = tls
         # In an engine's 5xx answer: the engine is dead (EngineAdapter.dead_marker), so the
         # request is lost like one cut by a crash, not the client's error to see.
         self._dead_marker = engine_dead_marker
@@ -178,7 +187,9 @@ class Front:
         self._shutting_down = False
         self._ids = itertools.count(1)
         self._runner: web.AppRunner | None = None
-        self.app = web.Application(client_max_size=config.max_body_bytes)
+        self.app = web.Application(
+            client_max_size=config.max_body_bytes,
+            middlewares=[key_check(lambda: self.keys, _OPEN_PATHS, self._refused)])
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/ready", self._ready)
         if engine_metrics_path:
@@ -204,7 +215,8 @@ class Front:
         runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
                                shutdown_timeout=1.0, lingering_time=1.0)
         await runner.setup()
-        site = web.TCPSite(runner, self.config.host, self.config.port)
+        site = web.TCPSite(runner, self.config.host, self.config.port,
+                           ssl_context=self.tls.listening if self.tls else None)
         try:
             await site.start()
         except OSError as e:
@@ -215,7 +227,9 @@ class Front:
             ) from e
         self._runner = runner
         self.port = int(runner.addresses[0][1])
-        log.info("front listening on %s:%d", self.config.host, self.port)
+        log.info("front listening on %s:%d (%s, %s)", self.config.host, self.port,
+                 "TLS" if self.tls else "no TLS",
+                 f"API keys from {self.keys.source}" if self.keys.required else "no API key")
 
     async def stop(self, drain_timeout: float) -> None:
         """Stop admitting, let requests in flight finish for up to `drain_timeout` s, close.
@@ -263,6 +277,10 @@ class Front:
                 yield
         finally:
             self.inflight -= 1
+
+    def _refused(self, request: web.Request) -> None:
+        """A request without a valid API key: counted, never logged with its header."""
+        self.metrics.front_requests.labels(endpoint=_endpoint(request.path), code="401").inc()
 
     # --- the front's own endpoints ---------------------------------------------------------
     async def _health(self, request: web.Request) -> web.Response:

@@ -18,7 +18,10 @@ _NOT_FORWARDED = frozenset(h.lower() for h in (
     "Transfer-Encoding", "Upgrade", "Host", "Content-Length", "Content-Encoding",
     "Accept-Encoding", "Server", "Date",
     # The front has read the client's body already: an engine must not wait to be asked.
-    "Expect"))
+    "Expect",
+    # The front checks API keys; the engine behind its private socket needs none, and
+    # never sees (or logs) a client's key.
+    "Authorization"))
 
 # Errors that mean the engine went away under a request (killed, restarted, socket gone).
 LOST = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError,

@@ -70,6 +70,17 @@ class HolderFacts:
     bytes_held: int | None = None
 
 
+@dataclass(frozen=True)
+class PortAccess:
+    """How a public port is protected; never a key, a password or a hash."""
+
+    tls: bool = False
+    # Every client must present a certificate the port verifies (mutual TLS).
+    client_certificates: bool = False
+    # API keys (the front) or basic-auth users (the metrics endpoint) in effect.
+    credentials: int = 0
+
+
 @dataclass
 class AgentStatus:
     """Everything `pitstop status` prints, persisted to `status.json` on every change."""
@@ -86,6 +97,9 @@ class AgentStatus:
     engine_ready_since: float | None = None
     front: str = ""
     metrics: str = ""
+    # How each is protected, as read at start and at the last reload; None while off.
+    front_access: PortAccess | None = None
+    metrics_access: PortAccess | None = None
     restarts: int = 0
     last_recovery: Recovery | None = None
     # Why the last snapshot attempt failed; "" when it succeeded or none was tried.
