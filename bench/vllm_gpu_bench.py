@@ -468,6 +468,11 @@ def vllm_snapshot_phase(run: Run) -> None:
         finally:
             agent.stop()
     if run.wants("vllm-snapshot-manual"):
+        # The agent's engine was this snapshot's tree: its PIDs must be free again.
+        pids = manifest(cfg_path, sid).get("process", {}).get("pids", [])
+        end = time.monotonic() + 60
+        while time.monotonic() < end and any(Path(f"/proc/{p}").exists() for p in pids):
+            time.sleep(0.05)
         manual_restores(run, cfg, Path(cfg["paths"]["state_dir"]) / "snapshots" / sid / "vllm",
                         d)
 

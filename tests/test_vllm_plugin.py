@@ -356,13 +356,21 @@ register(); out.append("pitstop" in loaders)            # ... lacking an interna
 missing = state.probed().missing
 probes.NEEDS = needs
 register(); out.append("pitstop" in loaders)            # ... with all of them: served
-print(json.dumps([out, missing, state.probed().fit]))
+# A warm start's post-processing runs as over vLLM's own weight cache: already processed.
+from vllm.model_executor.utils import is_weights_pre_processed
+from agent.engines.vllm.plugin.optional import already_processed
+seen = []
+for warm in (True, False):
+    with already_processed(warm):
+        seen.append(is_weights_pre_processed())
+print(json.dumps([out, missing, state.probed().fit, seen]))
 """
     env = {k: v for k, v in os.environ.items() if k != "PITSTOP_VLLM_PLUGIN"}
     done = subprocess.run([str(VLLM_PYTHON), "-c", probe], capture_output=True, text=True,
                           env={**env, "PYTHONPATH": str(REPO)}, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    out, missing, fit = json.loads(done.stdout.strip().splitlines()[-1])
+    out, missing, fit, seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen == [True, False]
     assert out == [False, False, False, True], done.stderr[-2000:]
     assert missing == ["vllm.config.load.LoadConfig(gone) (a renamed field): it has no gone"]
     assert fit == "untested"
