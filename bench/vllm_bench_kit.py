@@ -195,6 +195,29 @@ def hf_cache(model: Path, root: Path, repo: str) -> tuple[str, dict[str, str]]:
     return rev, {"HF_HOME": str(root), "HF_HUB_OFFLINE": "1"}
 
 
+# The result keys whose records become rows: a record keeps the command of the call that
+# measured it, since calls with other --paths add up in one JSON per size.
+RECORD_KEYS = ("first_start_plain", "first_start_holder", "hybrid_first", "hybrid", "refill",
+               "warm_first", "warm", "full_first", "full", "cold_first", "cold",
+               "vllm_snapshot_first", "vllm_snapshot", "vllm_preload_first", "vllm_preload",
+               "vllm_snapshot_manual", "sleep")
+
+
+def stamp_records(result: dict, command: str) -> None:
+    """Give every record not yet stamped this call's command."""
+    for key in RECORD_KEYS:
+        value = result.get(key)
+        for rec in value if isinstance(value, list) else [value]:
+            if isinstance(rec, dict):
+                rec.setdefault("command", command)
+
+
+def commands_of(recs: list[dict], default: str) -> str | list[str]:
+    """The command that measured these records: one string, or each where calls differ."""
+    seen = list(dict.fromkeys(r.get("command", default) for r in recs))
+    return seen[0] if len(seen) == 1 else seen
+
+
 def summarize(path: str, recs: list[dict], ctx: dict, time_key: str = "duration_s"
               ) -> dict | None:
     """One result row for `path` from its runs (those that took this path and succeeded):
@@ -212,7 +235,7 @@ def summarize(path: str, recs: list[dict], ctx: dict, time_key: str = "duration_
             stages.setdefault(k, []).append(round(v, 3))
     return {"engine": "vllm", "path": path, "gib": ctx["gib"], "runs_s": runs,
             "median_s": round(statistics.median(runs), 3), "machine": where, "host": host,
-            "command": ctx["command"], "vllm_version": ctx.get("vllm_version"),
+            "command": commands_of(ok, ctx["command"]), "vllm_version": ctx.get("vllm_version"),
             "model": ctx.get("model"), "kill_to_answer_s": k2a,
             "kill_to_answer_median_s": round(statistics.median(k2a), 3) if k2a else None,
             "same_answer": [r.get("same_answer") for r in ok if "same_answer" in r],

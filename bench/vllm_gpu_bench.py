@@ -85,6 +85,7 @@ from vllm_bench_kit import (  # noqa: E402
     kill_to_answer,
     kill_tree,
     set_subreaper,
+    stamp_records,
     start_peaks,
     summarize,
     tree_of,
@@ -137,6 +138,7 @@ class Run:
         ctx = {"gib": self.result["gib"], "command": self.command, "model": self.result["model"],
                "vllm_version": self.result.get("vllm_version")}
         r = self.result
+        stamp_records(r, self.command)
         rows = [*start_peaks(r, ctx)]
         for path in ("hybrid", "refill", "warm", "full", "cold", "vllm-snapshot",
                      "vllm-preload"):
