@@ -18,7 +18,7 @@ from agent.metrics import Metrics
 from agent.refusal import Refusal, RefusalCode
 from agent.store.manifest import CanaryMethod
 from agent.supervisor.canary import CanaryBook, CanaryRecord, setup_key
-from agent.supervisor.capture import Capture
+from agent.supervisor.capture import Capture, CaptureResult, ResumeFailed
 from agent.supervisor.engine import EngineProcess
 from agent.supervisor.gate import EngineGate
 from agent.supervisor.gpu import GpuGuard, ruled_out
@@ -576,7 +576,8 @@ class Supervisor:
                         return
 
     async def _snapshot(self, why: str) -> None:
-        """Snapshot the serving engine (READY -> SNAPSHOTTING -> READY)."""
+        """Snapshot the serving engine (READY -> SNAPSHOTTING -> READY, or BACKOFF when the
+        engine cannot serve after it)."""
         engine = self.engine
         waiting, self._snapshot_requests = self._snapshot_requests, []
         regeneration = bool(self._snapshot_wanted)
@@ -591,6 +592,9 @@ class Supervisor:
         try:
             async with self._working("the snapshot", self.capture.limit_s):
                 result = await self.capture.take(engine, self._verified_canary)
+        except ResumeFailed as e:
+            await self._resume_failed(e, waiting, regeneration)
+            return
         except SnapshotError as e:
             log.error("%s", e)
             self.status.snapshot_error = self.capture.failure
@@ -607,12 +611,26 @@ class Supervisor:
         self.status.snapshot_error = ""
         if regeneration:
             self.metrics.regenerations.labels(result="success").inc()
-        summary = {"id": result.info.id, "bytes": result.info.image_bytes,
-                   "duration_s": round(result.duration_s, 3),
-                   "freed_bytes": result.freed_bytes}
         for fut in waiting:
-            fut.set_result(summary)
+            fut.set_result(_summary(result))
         self._fire(Event.SNAPSHOT_DONE, f"snapshot {result.info.id} published")
+
+    async def _resume_failed(self, e: ResumeFailed, waiting: list[asyncio.Future[dict]],
+                             regeneration: bool) -> None:
+        """The engine lost what its prepare dropped (its weights, its KV pool): the snapshot
+        is told for what it was, and the engine is replaced through the ladder, where the
+        snapshot just published (when it is sound) is what it comes back from."""
+        assert self.capture is not None
+        self.status.snapshot_error = self.capture.failure
+        if regeneration:
+            self.metrics.regenerations.labels(
+                result="success" if e.published is not None else "failure").inc()
+        for fut in waiting:
+            if e.published is not None:
+                fut.set_result({**_summary(e.published), "engine_failed": str(e)})
+            else:
+                fut.set_exception(SnapshotError(str(e)))
+        await self._engine_failed(Cause.RESUME_FAILED, str(e))
 
     async def _engine_failed(self, cause: str, reason: str) -> None:
         self.gate.close(reason)
@@ -717,3 +735,10 @@ class Supervisor:
         self.status.engine_pid = None
         self.status.engine_ready_since = None
         self._fire(Event.STOPPED)
+
+
+def _summary(result: CaptureResult) -> dict:
+    """What `pitstop snapshot create` is answered about a published snapshot."""
+    return {"id": result.info.id, "kind": result.info.manifest.kind,
+            "bytes": result.info.image_bytes, "duration_s": round(result.duration_s, 3),
+            "freed_bytes": result.freed_bytes}
