@@ -306,10 +306,13 @@ class Agent:
         digest = self._weights_digest()
         if self.config.holder.enabled and digest:
             # So that a holder that restarts (or a reboot) can load these weights by itself.
-            task = asyncio.get_running_loop().create_task(
-                asyncio.to_thread(self.refill.remember, digest))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._keep(asyncio.get_running_loop().create_task(
+                asyncio.to_thread(self.refill.remember, digest)))
+
+    def _keep(self, task: asyncio.Task[None]) -> None:
+        # The loop keeps only a weak reference to a task: one nobody holds may vanish.
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _remote_published(self, info: SnapshotInfo) -> None:
         if self.remote is not None:
@@ -366,16 +369,13 @@ class Agent:
         self._write_status()
 
     def _write_status(self) -> None:
-        try:
-            self.status_file.write(self.status)
-        except OSError as e:
-            log.warning("cannot write %s: %s", self.status_file.path, e)
+        self.status_file.post(self.status)
 
     # --- running ------------------------------------------------------------------------
     def _on_term(self) -> None:
         log.info("stop requested: draining, then stopping the engine")
         self.notifier.stopping()
-        asyncio.ensure_future(self._drain_then_stop())
+        self._keep(asyncio.get_running_loop().create_task(self._drain_then_stop()))
 
     async def _drain_then_stop(self) -> None:
         if self.front is not None:
@@ -424,4 +424,5 @@ class Agent:
                 await self.metrics_endpoint.stop()
             await self.control.stop()
             self._write_status()
+            await self.status_file.flushed()
         return 0

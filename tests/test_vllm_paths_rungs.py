@@ -305,7 +305,7 @@ def test_a_bad_snapshot_is_set_aside_in_the_stores_quarantine(tmp_path: Path, py
     rung = _snapshot_rung(tmp_path, py, _host(), metrics=Metrics(registry, lambda: None))
     prepared = _prepare(rung)
     assert isinstance(prepared, Prepared)
-    rung.failed(prepared, "canary: answered differently", RefusalCode.CANARY)
+    asyncio.run(rung.failed(prepared, "canary: answered differently", RefusalCode.CANARY))
     store = SnapshotStore(tmp_path / "state/snapshots")
     assert store.ids() == []
     [aside] = store.quarantined()

@@ -317,7 +317,9 @@ class Supervisor:
                 self.status.engine_pid = None
                 if self._stop.is_set():
                     return
-                path.failed(prepared, str(e))
+                async with self._working(f"setting {path.name}'s snapshot aside",
+                                         self._step_limit_s):
+                    await path.failed(prepared, str(e))
                 if isinstance(e, VerifyError):
                     self._fall(path.name, Fall.VERIFY_FAILED,
                                Refusal(RefusalCode.VERIFY_FAILED, str(e)), fallthroughs)
@@ -430,13 +432,13 @@ class Supervisor:
         """Ask the canary the way the expected answer was made and compare; with nothing
         expected yet, record this answer. A record made another way than this engine's
         current one (an older Pitstop's) is checked its own way, then made again."""
-        expected = self._expected_canary(prepared)
+        expected = await self._expected_canary(prepared)
         current = self.adapter.canary_method
         method = current if expected is None else expected.method
         answer = await self._ask_canary(probe, name, method)
         if expected is None:
             # First start of this setup: its answer becomes the record later starts must match.
-            expected = self._record_canary(answer, current)
+            expected = await self._record_canary(answer, current)
             log.info("canary recorded for this setup (%s): %r", current.value, answer.text)
         elif not expected.matches(answer):
             raise VerifyError(f"canary answered {answer.text!r} (tokens "
@@ -446,14 +448,20 @@ class Supervisor:
                               "was recorded")
         elif expected.method is not current:
             answer = await self._ask_canary(probe, name, current)
-            expected = self._record_canary(answer, current)
+            expected = await self._record_canary(answer, current)
             log.info("canary: the record made by %s matched; recorded again by %s: %r",
                      method.value, current.value, answer.text)
         self._verified_canary = expected
 
-    def _expected_canary(self, prepared: Prepared[Any]) -> CanaryRecord | None:
+    async def _expected_canary(self, prepared: Prepared[Any]) -> CanaryRecord | None:
         if prepared.canary is not None:
             return prepared.canary
+        return await asyncio.to_thread(self._recorded_canary)
+
+    def _recorded_canary(self) -> CanaryRecord | None:
+        """The record of this setup, if any. Blocking: it reads a file, lists the model's
+        files and asks the engine's version (for vLLM a subprocess when its packages
+        changed on disk), so it runs in a worker thread."""
         canary = self.config.health.canary
         rec = self.canaries.load()
         if rec is not None and rec.key == self._canary_key() and rec.prompt == canary.prompt \
@@ -468,12 +476,13 @@ class Supervisor:
                                   timeout=self._canary_timeout_s,
                                   fields=self.adapter.canary_fields(method))
 
-    def _record_canary(self, answer: CanaryAnswer, method: CanaryMethod) -> CanaryRecord:
+    async def _record_canary(self, answer: CanaryAnswer, method: CanaryMethod) -> CanaryRecord:
         canary = self.config.health.canary
-        rec = CanaryRecord(key=self._canary_key(), prompt=canary.prompt,
-                           max_tokens=canary.max_tokens, text=answer.text,
-                           token_ids=answer.token_ids, method=method)
-        self.canaries.save(rec)
+        # Off the loop, as _recorded_canary; the record is written with its fsyncs.
+        key = await asyncio.to_thread(self._canary_key)
+        rec = CanaryRecord(key=key, prompt=canary.prompt, max_tokens=canary.max_tokens,
+                           text=answer.text, token_ids=answer.token_ids, method=method)
+        await asyncio.to_thread(self.canaries.save, rec)
         return rec
 
     def _ready(self, path: str, attempt: Attempt, duration: float,
