@@ -146,8 +146,9 @@ class Supervisor:
             log.warning("drift (%s): snapshot stale; regenerate: manual, so the engine keeps "
                         "running until it is restarted", summary)
             return
-        log.warning("drift (%s): the engine will be replaced at the next quiet moment and a "
-                    "fresh snapshot taken", summary)
+        log.warning("drift (%s): the engine will be replaced at the next quiet moment%s",
+                    summary, " and a fresh snapshot taken" if self.capture is not None else
+                    "; take a fresh snapshot with `pitstop vllm-snapshot create`")
         if self.state in (State.READY, State.SNAPSHOTTING):
             self.request_restart("drift")
 
