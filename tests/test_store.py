@@ -196,6 +196,7 @@ def test_unpublished_drafts_are_invisible_and_cleaned_at_start(store: SnapshotSt
 # stop, then lets it go on (SIGCONT) or kills it there.
 _PAUSING_WRITER = """
 import os, signal, sys
+from datetime import timedelta
 from pathlib import Path
 from agent.store import Manifest, ProcessTree, SnapshotStore
 from tests.snapshot_helpers import CANARY, IDENT, T0
@@ -209,7 +210,8 @@ def paused(name, real):
 
 with SnapshotStore(Path(sys.argv[1])).begin("full", in_place=sys.argv[2] == "in_place") as d:
     (d.dir / "pages-1.img").write_bytes(b"x" * 100000)
-    m = Manifest(id=d.id, kind="full", created_at=T0, identity=IDENT,
+    # Newer than the good one the test published: the one to choose once published.
+    m = Manifest(id=d.id, kind="full", created_at=T0 + timedelta(minutes=1), identity=IDENT,
                  process=ProcessTree(root_pid=1, pids=(1,)), files=d.seal(), timings={},
                  canary=CANARY, chunk_bytes=d.chunk_bytes)
     for name in ("fsync", "rename", "replace", "unlink"):
