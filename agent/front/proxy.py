@@ -98,8 +98,8 @@ class _Relay:
     the engine's socket until it has caught up (`drain`).
     """
 
-    # The client transport's write-buffer marks: above HIGH it pauses aiohttp's protocol
-    # (and the relay the engine's socket), below LOW it resumes it.
+    # asyncio's write-buffer marks for the client's transport: above HIGH it pauses
+    # aiohttp's protocol (and the relay the engine's socket), below LOW it resumes it.
     HIGH = 64 * 1024
     LOW = 16 * 1024
 
@@ -110,8 +110,6 @@ class _Relay:
         # Called once, at the first bytes of an answer sent on (time to first token).
         self.first_token = first_token
         self.transport = request.transport
-        if self.transport is not None:
-            self.transport.set_write_buffer_limits(high=self.HIGH, low=self.LOW)
         self.writer = request.writer
         self.chunked = resp.headers.get("Transfer-Encoding", "").lower() == "chunked"
         self.client_gone = ""
