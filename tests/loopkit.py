@@ -1,5 +1,4 @@
-"""Is the event loop free while some work runs? A ticker on the same loop counts, and a
-file system made slow shows what would otherwise block it."""
+"""Is the event loop free while some work runs: a ticker on it, and a file system made slow."""
 
 from __future__ import annotations
 

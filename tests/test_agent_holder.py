@@ -1,4 +1,4 @@
-"""The holder rungs through the real agent: hybrid restore, and the ladder without a holder."""
+"""The holder rungs through the real agent: hybrid restore, no holder, a failed resume."""
 
 from __future__ import annotations
 

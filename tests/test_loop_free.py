@@ -1,5 +1,4 @@
-"""The agent's own writes and probes leave its event loop running: the status file on a slow
-disk, the canary's record and the vLLM version it is keyed by.
+"""The status file, the canary's record and the vLLM version it is keyed by: off the loop.
 
 The loop runs the front, the health probes and the watchdog's heartbeat: a step that blocks
 it for a second stalls all of them. A ticker on the loop shows whether it was free.
