@@ -36,7 +36,8 @@ RECOVERY_PATHS = ("vllm-snapshot", "hybrid", "refill", "full", "warm", "vllm-pre
 RESULTS = ("success", "failure")
 # What makes the supervisor walk the ladder, and the failures it did not ask for.
 RECOVERY_CAUSES = tuple(c.value for c in Cause)
-FAILURE_CAUSES = tuple(c.value for c in (Cause.CRASH, Cause.EXIT, Cause.HANG, Cause.GPU_FAULT))
+FAILURE_CAUSES = tuple(c.value for c in (Cause.CRASH, Cause.EXIT, Cause.HANG, Cause.GPU_FAULT,
+                                         Cause.RESUME_FAILED))
 FALLTHROUGH_REASONS = tuple(f.value for f in Fall)
 # The first streamed request an engine answers after it (re)started, and every later one.
 FIRST_TOKEN_PHASES = ("after_recovery", "steady")
@@ -118,7 +119,7 @@ class Metrics:
         self.engine_failures = Counter(
             "pitstop_engine_failures_total",
             "Engine failures the agent did not ask for, by cause (crash, exit, hang, "
-            "gpu_fault).",
+            "gpu_fault, resume_failed).",
             ["cause"], registry=registry)
         self.gpu_faults = Counter(
             "pitstop_gpu_faults_total",

@@ -14,6 +14,7 @@ from agent.access import Access, read_access
 from agent.checkpoint import build_snapshotter, build_store, retention
 from agent.checkpoint.backend import SnapshotInfo
 from agent.checkpoint.snapshotter import Snapshotter
+from agent.checkpoint.source import SnapshotSource
 from agent.config import Config
 from agent.control import ControlServer
 from agent.drift import Difference, describe
@@ -105,6 +106,9 @@ class Agent:
             # The configuration chose vLLM's snapshots: Pitstop's CRIU backend takes none.
             self.snapshotter = None
             unavailable = "snapshots.backend is vllm: vLLM's own snapshots are used instead"
+        self.snapshots = SnapshotSource.of(enabled=config.snapshots.enabled,
+                                           criu_ready=self.snapshotter is not None,
+                                           vllm=bool(vllm_first))
         criu = self.snapshotter.criu.binary.version if self.snapshotter is not None else None
         self.reader = build_reader(config, self.adapter, criu)
         # The identity of the engine now serving (taken just before it started): what its
@@ -158,7 +162,7 @@ class Agent:
             self.status, node=self._node_info, stale=self._stale_reasons,
             gpu_watched=lambda: self.gpu.watch is not None,
             front_counts=lambda: (getattr(self.front, "queue_depth", 0), self.gate.inflight),
-            read_store=self._newest_snapshot if self.snapshotter is not None else None,
+            read_store=self._newest_snapshot if self.snapshots.in_store else None,
             read_holder=self._holder_facts, on_facts=self._write_status)
         self.watcher: DriftWatcher | None = None
         self._watching: asyncio.Future[None] | None = None
@@ -306,14 +310,25 @@ class Agent:
         digest = self._weights_digest()
         if self.config.holder.enabled and digest:
             # So that a holder that restarts (or a reboot) can load these weights by itself.
-            task = asyncio.get_running_loop().create_task(
-                asyncio.to_thread(self.refill.remember, digest))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._keep(asyncio.get_running_loop().create_task(
+                asyncio.to_thread(self.refill.remember, digest)))
+
+    def _keep(self, task: asyncio.Task[None]) -> None:
+        # The loop keeps only a weak reference to a task: one nobody holds may vanish.
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _remote_published(self, info: SnapshotInfo) -> None:
         if self.remote is not None:
             self.remote.published(info)
+
+    async def _watch_drift(self) -> None:
+        """Compare the host with what the serving engine (and its snapshots) were made on."""
+        self.watcher = DriftWatcher(
+            self.reader, reference=await asyncio.to_thread(self.reader),
+            on_drift=self._on_drift, interval_s=self.config.snapshots.drift_check_interval_s,
+            metrics=self.metrics)
+        self._watching = asyncio.ensure_future(self.watcher.run())
 
     def _on_drift(self, diffs: list[Difference]) -> None:
         self.drifted = tuple(sorted({d.field for d in diffs}))
@@ -328,8 +343,7 @@ class Agent:
 
     def _newest_snapshot(self) -> NewestSnapshot | None:
         """Blocking (it lists the store): the status view calls it in a worker thread."""
-        assert self.snapshotter is not None
-        newest = next((e for e in self.snapshotter.store.entries() if e.manifest), None)
+        newest = next((e for e in self.store.entries() if e.manifest), None)
         if newest is None or newest.manifest is None:
             return None
         return NewestSnapshot(id=newest.id, kind=newest.manifest.kind,
@@ -344,10 +358,9 @@ class Agent:
             return HolderFacts(up=True, bytes_held=c.stats().bytes_held)
 
     def _stale_reasons(self, snapshot_present: bool) -> tuple[str, ...]:
-        if not snapshot_present:
-            return self.full.stale_reasons
-        return tuple(sorted({*self.full.stale_reasons, *self.hybrid.stale_reasons,
-                             *self.drifted}))
+        rungs = [*self._vllm_first, self.full, *([self.hybrid] if snapshot_present else [])]
+        reasons = {r for rung in rungs for r in rung.stale_reasons}
+        return tuple(sorted({*reasons, *self.drifted} if snapshot_present else reasons))
 
     def _node_info(self) -> NodeInfo:
         """The node's versions as the running engine's identity saw them at its start."""
@@ -366,16 +379,13 @@ class Agent:
         self._write_status()
 
     def _write_status(self) -> None:
-        try:
-            self.status_file.write(self.status)
-        except OSError as e:
-            log.warning("cannot write %s: %s", self.status_file.path, e)
+        self.status_file.post(self.status)
 
     # --- running ------------------------------------------------------------------------
     def _on_term(self) -> None:
         log.info("stop requested: draining, then stopping the engine")
         self.notifier.stopping()
-        asyncio.ensure_future(self._drain_then_stop())
+        self._keep(asyncio.get_running_loop().create_task(self._drain_then_stop()))
 
     async def _drain_then_stop(self) -> None:
         if self.front is not None:
@@ -404,12 +414,8 @@ class Agent:
                       self.notifier, lambda: self.supervisor.heartbeat,
                       lambda: self.config.health)),
                   asyncio.ensure_future(self.board.run())]
-        if self.snapshotter is not None:
-            self.watcher = DriftWatcher(
-                self.reader, reference=await asyncio.to_thread(self.reader),
-                on_drift=self._on_drift, interval_s=self.config.snapshots.drift_check_interval_s,
-                metrics=self.metrics)
-            self._watching = asyncio.ensure_future(self.watcher.run())
+        if self.snapshots.in_store:
+            await self._watch_drift()
         try:
             await self.supervisor.run()
             self.ledger.clear()  # the supervisor stopped the engine: nothing left to kill
@@ -424,4 +430,5 @@ class Agent:
                 await self.metrics_endpoint.stop()
             await self.control.stop()
             self._write_status()
+            await self.status_file.flushed()
         return 0

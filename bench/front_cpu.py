@@ -99,7 +99,7 @@ def _pump(sock: str) -> None:
     class Down(asyncio.Protocol):
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             self.t, self.early, self.up = transport, [], None
-            asyncio.ensure_future(self._open())
+            self.opening = asyncio.ensure_future(self._open())
 
         async def _open(self) -> None:
             loop = asyncio.get_running_loop()

@@ -158,7 +158,8 @@ def node_panels() -> list[dict[str, Any]]:
               [target(f"sum by (path, reason) (increase(pitstop_ladder_fallthroughs_total"
                       f"{{{I}}}[$__rate_interval]))", "{{path}} {{reason}}")], custom=BARS),
         panel(TS, "Engine failures by cause", "Failures the agent did not ask for: exit, "
-              "crash, hang, gpu_fault (any of them while the GPU reported a fault).",
+              "crash, hang, gpu_fault (any of them while the GPU reported a fault), "
+              "resume_failed (the engine could not take its weights back after a snapshot).",
               [target(f"sum by (cause) (increase(pitstop_engine_failures_total{{{I}}}"
                       "[$__rate_interval]))", "{{cause}}")], custom=BARS, h=6),
         panel("bargauge", "Peak GPU memory during recoveries", "GPU memory in use (every "

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import yaml
@@ -61,6 +63,52 @@ def snapshot_list(agent: RunningAgent) -> list[dict]:
                         str(agent.config_path)], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
+
+
+class Traffic:
+    """Requests sent one after another from a thread while the block runs: each one's
+    answer (or the exception it raised), when it was sent and when it was answered.
+
+    Example::
+
+        with Traffic(lambda: complete(agent)) as t:
+            ...  # the agent snapshots, fails, recovers
+        assert {a.said for a in t.answers} == {expected}
+    """
+
+    def __init__(self, ask: Callable[[], str]) -> None:
+        self._ask = ask
+        self._stop = threading.Event()
+        self.answers: list[Answer] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            sent = time.monotonic()
+            try:
+                said: str | BaseException = self._ask()
+            except Exception as e:  # noqa: BLE001 - every failure is an answer to report
+                said = e
+            self.answers.append(Answer(sent, time.monotonic(), said))
+
+    def __enter__(self) -> Traffic:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(120)
+
+    def spanning(self, moment: float) -> list[Answer]:
+        """The answers to requests in flight at `moment` (time.monotonic())."""
+        return [a for a in self.answers if a.sent <= moment <= a.answered]
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    sent: float
+    answered: float
+    said: str | BaseException
 
 
 @contextlib.contextmanager
@@ -176,6 +224,21 @@ class RunningAgent:
     def metrics_url(self) -> str:
         st = self.status()
         return f"{_scheme(st.get('metrics_access'))}://{st['metrics']}/metrics"
+
+    def metric(self, series: str) -> float:
+        """One series' value as the agent exports it now, named as the exposition writes
+        it: `name` or `name{label="value",...}` (labels in their declared order)."""
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(series + " "):
+                    return float(line.split()[1])
+        raise AssertionError(f"no {series} in the agent's metrics")
+
+    def pitstop(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        """A `pitstop` command (snapshot create, status...) on this agent's configuration."""
+        return subprocess.run([sys.executable, "-m", "agent", *args, "--config",
+                               str(self.config_path)], capture_output=True, text=True,
+                              cwd=REPO, timeout=timeout)
 
     def stop(self, timeout: float = 30) -> int:
         if self.proc.poll() is None:

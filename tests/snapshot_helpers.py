@@ -21,7 +21,7 @@ from agent.checkpoint.criu_locate import MIN_TEXT, CriuBinary, locate
 from agent.checkpoint.snapshotter import Snapshotter
 from agent.errors import SnapshotError
 from agent.identity import Identity, collect
-from agent.store import Canary, Manifest, ProcessTree, SnapshotStore
+from agent.store import Canary, Manifest, ProcessTree, SnapshotKind, SnapshotStore
 from tests.prereq import require
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,15 +34,16 @@ IDENT = collect(engine_kind="counter", engine_version="1", criu="4.1.1")
 
 
 def publish(
-    store: SnapshotStore, size: int = 1000, *, minutes: int = 0, ident=IDENT, chunk: int = 0
+    store: SnapshotStore, size: int = 1000, *, minutes: int = 0, ident=IDENT, chunk: int = 0,
+    kind: SnapshotKind = "full",
 ) -> Manifest:
     """A snapshot with two image files of real bytes (the store does not care who wrote them)."""
-    with store.begin("full") as d:
+    with store.begin(kind) as d:
         d.chunk_bytes = chunk or d.chunk_bytes
         (d.dir / "pages-1.img").write_bytes(os.urandom(size))
         (d.dir / "core-1.img").write_bytes(b"core")
         m = Manifest(
-            id=d.id, kind="full", created_at=T0 + timedelta(minutes=minutes), identity=ident,
+            id=d.id, kind=kind, created_at=T0 + timedelta(minutes=minutes), identity=ident,
             process=ProcessTree(root_pid=4242, pids=(4242,)), files=d.seal(),
             chunk_bytes=d.chunk_bytes, timings={"criu_dump": 0.1}, canary=CANARY,
         )  # fmt: skip

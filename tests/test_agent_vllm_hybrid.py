@@ -6,12 +6,14 @@ disk into the holder and takes a hybrid snapshot (the weights and the KV pool le
 then a warm start that attaches them. Between the two, SIGKILL of the API server and of the
 engine core each come back through the hybrid restore, answering as the first start did, and
 after the holder is restarted empty, through the refill of the copy of the held set the agent
-had written. A last test starts a vLLM without the plugin (a third boot) for a full image of
-the same model.
+had written; and when the holder is replaced while a snapshot is taken, so that vLLM cannot
+map its weights again after the dump, the engine is replaced from that very snapshot. A last
+test starts a vLLM without the plugin (a third boot) for a full image of the same model.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -27,7 +29,7 @@ import pytest
 
 from agent.engines.vllm.plugin import support
 from agent.holder.weightplan import PLAN_NAME, PlanSource, load_plan
-from tests.agentproc import REPO, RunningAgent, agent_config, fallthroughs
+from tests.agentproc import REPO, RunningAgent, Traffic, agent_config, fallthroughs
 from tests.conftest import cached_model
 from tests.holder_proc import Holder, wait_for
 from tests.test_agent_vllm import (
@@ -211,6 +213,39 @@ def test_a_holder_restarted_empty_is_refilled_from_its_copy_then_the_image_resto
           file=sys.stderr)
     assert node.engine_rpc(support.RPC_STATE)["held"]["attached"]
     assert _greedy(client) == node.first_answer
+
+
+def test_a_resume_that_fails_after_the_snapshot_replaces_vllm_from_that_snapshot(
+        node: HybridNode, client: openai.OpenAI):
+    a = node.agent
+    # What the holder is refilled from once it is replaced (see the test above).
+    wait_for(lambda: (node.holder.sock.parent / PLAN_NAME).exists(), "the refill plan", 120)
+    recoveries = a.status()["restarts"]
+    taken = a.metric('pitstop_snapshots_created_total{kind="hybrid",result="success"}')
+    # Another holder, empty: the weights vLLM maps are gone from under it, so the plugin's
+    # attach after the dump fails, as when the holder restarts while a snapshot is taken.
+    node.holder.stop()
+    node.holder = Holder(node.holder.base, "--no-refill")
+    with Traffic(lambda: _greedy(client)) as traffic:
+        r = a.pitstop("snapshot", "create", "--json", timeout=BOOT_S)
+        failed_at = time.monotonic()
+        st = a.wait_recovered(recoveries + 1, timeout=BOOT_S)
+    assert r.returncode == 0, (r.stderr, a.log_tail(3000))
+    done = json.loads(r.stdout)
+    assert done["kind"] == "hybrid", done
+    assert "vLLM could not map its held weights again" in done["engine_failed"], done
+    rec = st["last_recovery"]
+    assert (rec["cause"], rec["path"], rec["result"]) == ("resume_failed", "refill", "success"), \
+        (rec, a.log_tail(3000))
+    # Back from the snapshot just taken, verified by the canary the cold start recorded.
+    assert f"restored snapshot {done['id']} as PID" in a.log()
+    assert "verify" in rec["stages"] and node.engine_rpc(support.RPC_STATE)["held"]["attached"]
+    said = [x.said for x in traffic.answers]
+    assert said and all(s == node.first_answer for s in said), said
+    assert traffic.spanning(failed_at), "no request was held across the failed resume"
+    assert a.metric('pitstop_snapshots_created_total{kind="hybrid",result="success"}') \
+        == taken + 1
+    assert a.metric('pitstop_engine_failures_total{cause="resume_failed"}') == 1
 
 
 def test_with_no_image_a_warm_start_attaches_the_held_weights_instead_of_reading_disk(

@@ -6,7 +6,7 @@ import asyncio
 import json
 import shutil
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Generator
 from pathlib import Path
 from typing import Any
 
@@ -428,13 +428,15 @@ def test_client_gone_mid_stream_aborts_the_engine_request(engine: Engine) -> Non
 def test_a_slow_reader_gets_its_whole_answer(engine: Engine,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A client that stops reading fills the front's buffers; the front stops reading the
-    engine meanwhile (back-pressure) and goes on, losing nothing, once the client reads."""
-    drains: list[int] = []
+    engine meanwhile (back-pressure) and goes on, losing nothing, once the client reads.
+    While it waits, the client's transport wakes it when there is room again: it is not
+    woken every few milliseconds to look."""
+    drains: list[Suspensions] = []
     real_drain = _Relay.drain
 
     async def counted(self: _Relay) -> None:
-        drains.append(1)
-        await real_drain(self)
+        drains.append(Suspensions(real_drain(self)))
+        await drains[-1]
 
     monkeypatch.setattr(_Relay, "drain", counted)
 
@@ -481,9 +483,36 @@ def test_a_slow_reader_gets_its_whole_answer(engine: Engine,
                 for c in json.loads(ev[6:])["choices"])
             assert events.endswith(b"data: [DONE]\n\n") and text == want
             assert drains, "the front never had to wait for the client"
+            # Three seconds unread: a wait that polled would have been woken hundreds of times.
+            assert max(d.count for d in drains) <= 2, [d.count for d in drains]
             assert not _failures(h)
             await h.settled()
     asyncio.run(main())
+
+
+class Suspensions:
+    """Awaits a coroutine and counts how often it was suspended: each time the event loop
+    had to wake it again."""
+
+    def __init__(self, coro: Coroutine[Any, Any, Any]) -> None:
+        self._coro = coro
+        self.count = 0
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        steps = self._coro.__await__()
+        sent: Any = None
+        thrown: BaseException | None = None
+        while True:
+            try:
+                waiting = steps.throw(thrown) if thrown is not None else steps.send(sent)
+            except StopIteration as done:
+                return done.value
+            self.count += 1
+            sent, thrown = None, None
+            try:
+                sent = yield waiting
+            except BaseException as e:  # noqa: BLE001 - handed on to the coroutine
+                thrown = e
 
 
 # --- a cut inside a UTF-8 character ------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import shutil
 import socket
 import threading
@@ -90,8 +91,10 @@ def front(tiny_model: Path) -> Iterator[_FrontThread]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _exchange(port: int, data: bytes, timeout: float = 10.0, half_close: bool = False) -> bytes:
-    """Send `data` (then half-close: a client gone), read until the front closes."""
+def _exchange(port: int, data: bytes, timeout: float = 10.0, half_close: bool = False,
+              until_head: bool = False) -> bytes:
+    """Send `data` (then half-close: a client gone), read until the front closes (or, with
+    `until_head`, until the head of its answer is in)."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
         with contextlib.suppress(OSError):
             s.sendall(data)
@@ -99,7 +102,7 @@ def _exchange(port: int, data: bytes, timeout: float = 10.0, half_close: bool = 
                 s.shutdown(socket.SHUT_WR)
         out = b""
         with contextlib.suppress(TimeoutError, ConnectionResetError):
-            while chunk := s.recv(65536):
+            while not (until_head and b"\r\n\r\n" in out) and (chunk := s.recv(65536)):
                 out += chunk
         return out
 
@@ -155,13 +158,24 @@ def test_any_json_body_gets_an_openai_shaped_answer(front, path, body):
         _assert_openai_error(raw)
 
 
+# Header lines a client may send, well formed or not, with or without the body they announce.
+HEADER_LINES = [b"Content-Type: application/json", b"Content-Type: text/plain",
+                b"Content-Length: 0", b"Content-Length: 3", b"Content-Length: x",
+                b"Transfer-Encoding: chunked", b"Transfer-Encoding: gzip",
+                b"Expect: 100-continue", b"Connection: close", b"X-Request-Id: \xff\xfe",
+                b"Accept-Encoding: gzip"]
 http_garbage = st.one_of(
     st.binary(min_size=1, max_size=800),
-    st.tuples(st.sampled_from([b"GET", b"POST", b"PUT", b"\x00", b"BREW"]),
-              st.binary(max_size=40), st.sampled_from([b"HTTP/1.1", b"HTTP/9", b""]),
-              st.lists(st.binary(max_size=60), max_size=5))
-    .map(lambda t: t[0] + b" /v1/" + t[1] + b" " + t[2] + b"\r\n" + b"\r\n".join(t[3])
-         + b"\r\n\r\n"),
+    # A Host header first (HTTP/1.1 is refused without one, by the parser, before the front),
+    # and lines the parser takes: most heads reach the front's own handler.
+    st.tuples(st.sampled_from([b"GET", b"POST", b"PUT", b"DELETE", b"\x00", b"BREW"]),
+              st.one_of(st.binary(max_size=40), st.from_regex(rb"[a-z0-9/._~-]{0,20}",
+                                                              fullmatch=True)),
+              st.sampled_from([b"HTTP/1.1", b"HTTP/1.0", b"HTTP/9", b""]),
+              st.lists(st.one_of(st.binary(max_size=60), st.sampled_from(HEADER_LINES)),
+                       max_size=5))
+    .map(lambda t: t[0] + b" /v1/" + t[1] + b" " + t[2] + b"\r\nHost: x\r\n"
+         + b"\r\n".join(t[3]) + b"\r\n\r\n"),
     st.integers(1, 120).map(lambda n: _post("/v1/completions", json.dumps(GOOD).encode())[:n]),
 )
 
@@ -169,11 +183,16 @@ http_garbage = st.one_of(
 @FUZZ
 @given(data=http_garbage)
 def test_malformed_http_is_answered_or_closed_at_once_and_the_front_serves_on(front, data):
+    # A request head that arrived whole (after the empty lines a server skips) is answered,
+    # by the client still connected; one cut short, the client then gone (half-close), is
+    # answered or closed at once.
+    whole = b"\r\n\r\n" in data.lstrip(b"\r\n")
     t0 = time.monotonic()
-    raw = _exchange(front.port, data, half_close=True)
+    raw = _exchange(front.port, data, half_close=not whole, until_head=whole)
     assert time.monotonic() - t0 < BODY_TIMEOUT_S + 3
-    if raw:
-        assert raw.startswith(b"HTTP/1."), raw[:200]
+    if whole or raw:
+        # A status line (aiohttp says HTTP/0.9 to a request line without a version).
+        assert re.match(rb"HTTP/\d\.\d [1-5]\d\d ", raw), raw[:200]
 
 
 def test_the_front_serves_after_the_fuzzing(front):

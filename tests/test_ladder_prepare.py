@@ -1,4 +1,5 @@
-"""Preparing a rung: off the event loop, typed refusals, and nothing kept for `start`.
+"""Preparing a rung: off the event loop, typed refusals, and nothing kept for `start`; a
+snapshot that failed set aside off the event loop too.
 
 The store is the real one on a real file system, the holder socket a real Unix socket; the
 snapshotter around the store stands in for CRIU (these tests are about the ladder above it).
@@ -11,7 +12,6 @@ import json
 import shutil
 import socket
 import time
-from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from agent.engines import build_adapter
 from agent.errors import SnapshotError, StartPathError
 from agent.metrics import Metrics, new_registry
 from agent.refusal import Refusal, RefusalCode
-from agent.store import Manifest, SnapshotStore
+from agent.store import Manifest, Retention, SnapshotStore
 from agent.supervisor.ladder import Attempt, Prepared
 from agent.supervisor.paths.holder import HolderLink, WarmStart
 from agent.supervisor.paths.restore import FullRestore
@@ -31,9 +31,8 @@ from agent.supervisor.states import Fall
 from agent.supervisor.status import AgentStatus, Fallthrough, Recovery
 from tests.agentproc import agent_config
 from tests.frontkit import socket_dir
+from tests.loopkit import slow_disk, ticks_while
 from tests.snapshot_helpers import IDENT, publish
-
-TICK_S = 0.01
 
 
 class SlowStore(SnapshotStore):
@@ -78,36 +77,16 @@ def store(tmp_path: Path) -> SnapshotStore:
     return s
 
 
-async def _ticks_while(work: Awaitable[Any]) -> tuple[Any, int]:
-    """What `work` returned, and how often a 10 ms ticker on the same loop ran meanwhile."""
-    ticks = 0
-
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            await asyncio.sleep(TICK_S)
-            ticks += 1
-
-    t = asyncio.create_task(ticker())
-    await asyncio.sleep(0)  # the ticker is running before the work starts
-    try:
-        result = await work
-    finally:
-        t.cancel()
-    return result, ticks
-
-
 def test_choosing_a_snapshot_leaves_the_event_loop_running(store: SnapshotStore) -> None:
     m = publish(store)
     rung, _ = _full(store)
     t0 = time.monotonic()
-    prepared, ticks = asyncio.run(_ticks_while(rung.prepare(Attempt("crash"))))
+    prepared, ticks = asyncio.run(ticks_while(rung.prepare(Attempt("crash"))))
     took = time.monotonic() - t0
     assert isinstance(prepared, Prepared) and prepared.plan.id == m.id
     assert took >= 1.0
-    # Health probes, the front and the watchdog run on this loop: a blocked loop ticks
-    # zero times in that second, a free one about a hundred (less on a busy machine).
-    assert ticks >= 10, (ticks, took)
+    # A blocked loop ticks zero times in that second, a free one about a hundred.
+    assert ticks.count >= 10, (ticks, took)
 
 
 def test_asking_a_silent_holder_leaves_the_event_loop_running(tmp_path: Path,
@@ -126,14 +105,48 @@ def test_asking_a_silent_holder_leaves_the_event_loop_running(tmp_path: Path,
                           digest=lambda: "sha256-x", adapter=adapter)
         rung = WarmStart(adapter, link)
         t0 = time.monotonic()
-        refusal, ticks = asyncio.run(_ticks_while(rung.prepare(Attempt("crash"))))
+        refusal, ticks = asyncio.run(ticks_while(rung.prepare(Attempt("crash"))))
         took = time.monotonic() - t0
         silent.close()
     finally:
         shutil.rmtree(base)
     assert isinstance(refusal, Refusal) and refusal.code is RefusalCode.HOLDER_DOWN, refusal
     assert took >= 1.0
-    assert ticks >= 10, (ticks, took)
+    assert ticks.count >= 10, (ticks, took)
+
+
+def test_a_failed_restore_sets_its_snapshot_aside_with_the_event_loop_running(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = SnapshotStore(tmp_path / "snaps", retention=Retention(
+        keep=2, budget_bytes=64 << 30, quarantine_keep=1))
+    store.open(clean=True)
+    earlier = publish(store)
+    # Set aside before with a multi-GB image (sparse: its size is what the retention counts).
+    with open(store.path(earlier.id) / "pages-2.img", "wb") as f:
+        f.truncate(8 << 30)
+    store.quarantine(earlier.id, "an earlier failure")
+    m = publish(store, minutes=1)
+    rung, snap = _full(store)
+    prepared = asyncio.run(rung.prepare(Attempt("crash")))
+    assert isinstance(prepared, Prepared) and prepared.plan.id == m.id
+    # The rename, the records written and the prune of the earlier image each wait on a
+    # disk a dump is filling.
+    slow_disk(monkeypatch, 0.15)
+
+    async def fail() -> StartPathError:
+        with pytest.raises(StartPathError) as e:
+            await rung.start(Attempt("crash"), prepared)
+        return e.value
+
+    t0 = time.monotonic()
+    refusal, ticks = asyncio.run(ticks_while(fail()))
+    took = time.monotonic() - t0
+    assert snap.restored == [m.id] and refusal.refusal.code is RefusalCode.RESTORE_FAILED
+    [aside] = store.quarantined()
+    assert (aside.id, aside.code) == (m.id, RefusalCode.RESTORE_FAILED)
+    assert store.ids() == []  # and the earlier one, past quarantine_keep, deleted
+    assert took >= 1.0
+    assert ticks.count >= 10, (ticks, took)
 
 
 def test_start_restores_what_prepare_returned_whatever_was_prepared_since(

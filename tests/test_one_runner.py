@@ -24,16 +24,50 @@ STARTERS = {("subprocess", n) for n in ("run", "Popen", "call", "check_call", "c
                                        "getoutput", "getstatusoutput")}
 STARTERS |= {("os", n) for n in ("system", "popen", "fork", "forkpty", "posix_spawn",
                                 "posix_spawnp", "spawnv", "spawnl", "spawnvp", "spawnlp")}
+STARTERS |= {("asyncio", "create_subprocess_exec"), ("asyncio", "create_subprocess_shell"),
+             ("pty", "fork"), ("pty", "spawn")}
 
 
-def _starts(tree: ast.AST) -> list[tuple[int, str]]:
-    found = []
+def _starts(tree: ast.AST) -> list[tuple[ast.AST, str]]:
+    """Every use of a process starter, however the module names it: `subprocess.Popen`,
+    through an alias (`import subprocess as sp`), imported by name (`from subprocess import
+    Popen`), called or handed on (`run_in_executor(None, subprocess.run, ...)`)."""
+    modules: dict[str, str] = {}  # a name bound by `import`: the module it is
+    imported: dict[str, tuple[str, str]] = {}  # a name bound by `from m import n`: (m, n)
+    found: list[tuple[ast.AST, str]] = []
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and isinstance(node.func.value, ast.Name)
-                and (node.func.value.id, node.func.attr) in STARTERS):
-            found.append((node.lineno, f"{node.func.value.id}.{node.func.attr}"))
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                modules[a.asname or a.name.split(".")[0]] = a.name if a.asname else \
+                    a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for a in node.names:
+                imported[a.asname or a.name] = (node.module, a.name)
+                if (node.module, a.name) in STARTERS:
+                    found.append((node, f"from {node.module} import {a.name}"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and (modules.get(node.value.id), node.attr) in STARTERS:
+            found.append((node, f"{modules[node.value.id]}.{node.attr}"))
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) \
+                and imported.get(node.id) in STARTERS:
+            module, name = imported[node.id]
+            found.append((node, f"{module}.{name}"))
     return found
+
+
+def _under_the_spawn_lock(tree: ast.AST) -> set[int]:
+    """The nodes inside a `with proc.spawn_lock():` (or `with spawn_lock():`) block."""
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.With | ast.AsyncWith) and any(
+                isinstance(i.context_expr, ast.Call) and (
+                    getattr(i.context_expr.func, "attr", None) == "spawn_lock"
+                    or getattr(i.context_expr.func, "id", None) == "spawn_lock")
+                for i in node.items):
+            for stmt in node.body:
+                inside.update(id(n) for n in ast.walk(stmt))
+    return inside
 
 
 def test_no_module_starts_a_process_outside_the_runner_and_the_named_spawners():
@@ -42,17 +76,37 @@ def test_no_module_starts_a_process_outside_the_runner_and_the_named_spawners():
         rel = path.relative_to(AGENT).as_posix()
         if rel in SPAWNERS:
             continue
-        for line, call in _starts(ast.parse(path.read_text(), str(path))):
-            offenders.append(f"agent/{rel}:{line}: {call}")
+        for node, call in _starts(ast.parse(path.read_text(), str(path))):
+            offenders.append(f"agent/{rel}:{getattr(node, 'lineno', '?')}: {call}")
     assert offenders == [], ("start these through agent.commands.run (or add a spawner "
                              "here with the reason): " + ", ".join(offenders))
 
 
 def test_the_spawners_inside_the_agent_fork_under_the_spawn_lock():
     for rel in IN_AGENT:
-        text = (AGENT / rel).read_text()
-        assert _starts(ast.parse(text)), f"agent/{rel} no longer starts anything: drop it"
-        assert "spawn_lock()" in text, f"agent/{rel} forks without proc.spawn_lock()"
+        tree = ast.parse((AGENT / rel).read_text())
+        # Each use, not the import that names it.
+        starts = [(n, call) for n, call in _starts(tree) if not isinstance(n, ast.ImportFrom)]
+        assert starts, f"agent/{rel} no longer starts anything: drop it"
+        locked = _under_the_spawn_lock(tree)
+        outside = [f"agent/{rel}:{node.lineno}: {call}" for node, call in starts  # type: ignore[attr-defined]
+                   if id(node) not in locked]
+        assert outside == [], f"forks without holding proc.spawn_lock(): {outside}"
+
+
+def test_the_checks_see_every_way_of_naming_a_starter():
+    tree = ast.parse("import subprocess as sp, os.path\nfrom subprocess import Popen as P\n"
+                     "from asyncio import create_subprocess_exec\n"
+                     "sp.run(['a'])\nos.fork()\nP(['b'])\nrun_in_executor(None, sp.check_call)\n"
+                     "# subprocess.Popen in a comment, and spawn_lock()\n"
+                     "with proc.spawn_lock():\n    sp.Popen(['c'])\n")
+    starts = _starts(tree)
+    assert sorted((getattr(n, "lineno", 0), c) for n, c in starts) == [
+        (2, "from subprocess import Popen"), (3, "from asyncio import create_subprocess_exec"),
+        (4, "subprocess.run"), (5, "os.fork"), (6, "subprocess.Popen"),
+        (7, "subprocess.check_call"), (10, "subprocess.Popen")]
+    locked = _under_the_spawn_lock(tree)
+    assert [getattr(n, "lineno", 0) for n, _ in starts if id(n) in locked] == [10]
 
 
 def test_every_named_spawner_exists():

@@ -6,7 +6,7 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -191,27 +191,113 @@ def test_unpublished_drafts_are_invisible_and_cleaned_at_start(store: SnapshotSt
     assert not stale.exists()
 
 
-def test_killing_the_writer_mid_publish_keeps_the_previous_good_one(store: SnapshotStore):
-    good = publish(store)
-    writer = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(f"""
-            import sys, time
-            from pathlib import Path
-            from agent.store import SnapshotStore
-            with SnapshotStore(Path({str(store.root)!r})).begin("full") as d:
-                (d.dir / "pages-1.img").write_bytes(b"x" * 100000)
-                print("writing", flush=True)
-                time.sleep(60)
-        """)],
-        cwd=REPO, stdout=subprocess.PIPE,
-    )  # fmt: skip
-    assert writer.stdout is not None and writer.stdout.readline() == b"writing\n"
-    writer.send_signal(signal.SIGKILL)
-    writer.wait()
-    writer.stdout.close()
-    assert any(n.startswith(".tmp-") for n in os.listdir(store.root))
+# A writer that stops itself (SIGSTOP) before each step of its publish that the file system
+# sees (an fsync, a rename, an unlink), after printing it: the test looks at the store at each
+# stop, then lets it go on (SIGCONT) or kills it there.
+_PAUSING_WRITER = """
+import os, signal, sys
+from datetime import timedelta
+from pathlib import Path
+from agent.store import Manifest, ProcessTree, SnapshotStore
+from tests.snapshot_helpers import CANARY, IDENT, T0
+
+def paused(name, real):
+    def step(*args, **kwargs):
+        print(name, *args, flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return real(*args, **kwargs)
+    return step
+
+with SnapshotStore(Path(sys.argv[1])).begin("full", in_place=sys.argv[2] == "in_place") as d:
+    (d.dir / "pages-1.img").write_bytes(b"x" * 100000)
+    # Newer than the good one the test published: the one to choose once published.
+    m = Manifest(id=d.id, kind="full", created_at=T0 + timedelta(minutes=1), identity=IDENT,
+                 process=ProcessTree(root_pid=1, pids=(1,)), files=d.seal(), timings={},
+                 canary=CANARY, chunk_bytes=d.chunk_bytes)
+    for name in ("fsync", "rename", "replace", "unlink"):
+        setattr(os, name, paused(name, getattr(os, name)))
+    d.publish(m)
+print("published", m.id, flush=True)
+"""
+
+
+class PausingWriter:
+    """The writer above, publishing one snapshot into `store`."""
+
+    def __init__(self, store: SnapshotStore, in_place: bool) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _PAUSING_WRITER, str(store.root),
+             "in_place" if in_place else "renamed"], cwd=REPO, stdout=subprocess.PIPE,
+            text=True)
+
+    def next_step(self) -> str:
+        """The step it stopped before ("rename <from> <to>"...), or "published <id>"."""
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().strip()
+        if not line.startswith("published"):
+            # Stopped once its state says so: what the test sees next is from before the step.
+            stat = Path(f"/proc/{self.proc.pid}/stat")
+            while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
+                time.sleep(0.005)
+        return line
+
+    def go_on(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+
+
+def _old_or_whole_new(store: SnapshotStore, good: Manifest) -> str:
+    """What a reader sees now: the good snapshot or a whole newer one, nothing broken."""
+    assert [e.problem for e in store.entries()] == [None] * len(store.ids())
     sel = store.select(IDENT)
-    assert sel.chosen is not None and sel.chosen.id == good.id and sel.skipped == ()
+    assert sel.chosen is not None, sel
+    assert [s.refusal.code for s in sel.skipped] in ([], [RefusalCode.SUPERSEDED]), sel
+    return sel.chosen.id
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["renamed", "in_place"])
+def test_at_every_step_of_a_publish_a_reader_sees_the_old_snapshot_or_the_whole_new_one(
+        store: SnapshotStore, in_place: bool):
+    good = publish(store)
+    writer = PausingWriter(store, in_place)
+    seen, steps = set(), 0
+    try:
+        while not (step := writer.next_step()).startswith("published"):
+            steps += 1
+            seen.add(_old_or_whole_new(store, good))
+            writer.go_on()
+    finally:
+        writer.kill()
+    new = step.split()[1]
+    assert steps >= 4 and good.id in seen and seen <= {good.id, new}, (steps, seen)
+    assert _old_or_whole_new(store, good) == new
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["renamed", "in_place"])
+def test_a_writer_killed_between_seal_and_publish_leaves_the_previous_good_one(
+        store: SnapshotStore, in_place: bool):
+    good = publish(store)
+    writer = PausingWriter(store, in_place)
+    # The step that publishes: the draft's rename to its id, or the removal of its mark.
+    publishing = "unlink" if in_place else "rename"
+    try:
+        while not (step := writer.next_step()).startswith(publishing):
+            assert not step.startswith("published"), step
+            writer.go_on()
+    finally:
+        writer.kill()
+    # Killed with its manifest written, the instant before it would have become visible.
+    [draft] = [n for n in os.listdir(store.root) if n != good.id]
+    assert (store.root / draft / "manifest.json").is_file()
+    assert store.ids() == [good.id]
+    assert _old_or_whole_new(store, good) == good.id
+    store.open(clean=True)  # the next agent's start removes what the killed writer left
+    assert os.listdir(store.root) == [good.id]
 
 
 def test_publish_refuses_files_missing_from_the_manifest(store: SnapshotStore):

@@ -64,7 +64,7 @@ class HeldImageRung:
     async def after_verified(self, engine, prepared: Prepared[None]) -> None:
         return None
 
-    def failed(self, prepared: Prepared[None], reason: str) -> None:
+    async def failed(self, prepared: Prepared[None], reason: str) -> None:
         return None
 
 

@@ -86,7 +86,7 @@ class SlowRung:
     async def after_verified(self, engine: EngineProcess, prepared: Prepared[None]) -> None:
         return None
 
-    def failed(self, prepared: Prepared[None], reason: str) -> None:
+    async def failed(self, prepared: Prepared[None], reason: str) -> None:
         return None
 
 

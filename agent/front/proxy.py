@@ -98,7 +98,9 @@ class _Relay:
     the engine's socket until it has caught up (`drain`).
     """
 
-    HIGH = 64 * 1024  # aiohttp's own write limit before it drains
+    # asyncio's write-buffer marks for the client's transport: above HIGH it pauses
+    # aiohttp's protocol (and the relay the engine's socket), below LOW it resumes it.
+    HIGH = 64 * 1024
     LOW = 16 * 1024
 
     def __init__(self, resp: web.StreamResponse, request: web.Request, tracker: Tracker,
@@ -108,6 +110,7 @@ class _Relay:
         # Called once, at the first bytes of an answer sent on (time to first token).
         self.first_token = first_token
         self.transport = request.transport
+        self.writer = request.writer
         self.chunked = resp.headers.get("Transfer-Encoding", "").lower() == "chunked"
         self.client_gone = ""
 
@@ -134,9 +137,10 @@ class _Relay:
         return self.tracker.cut or self.tracker.engine_dead
 
     async def drain(self) -> None:
-        t = self.transport
-        while t is not None and not t.is_closing() and t.get_write_buffer_size() > self.LOW:
-            await asyncio.sleep(0.005)
+        # Woken by the transport once its buffer is below LOW (or the client is gone: the
+        # next feed finds it closing).
+        with contextlib.suppress(ConnectionError):
+            await self.writer.drain()
         self.up.resume_reading()
 
 

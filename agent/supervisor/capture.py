@@ -15,7 +15,7 @@ from agent.engines.base import EngineAdapter
 from agent.errors import EngineError, OpenConnectionsError, SnapshotError
 from agent.identity import Identity
 from agent.metrics import Metrics
-from agent.store import SnapshotStore
+from agent.store import SnapshotKind, SnapshotStore
 from agent.supervisor.canary import CanaryRecord
 from agent.supervisor.engine import EngineProcess
 from agent.supervisor.gate import EngineGate
@@ -26,6 +26,26 @@ log = logging.getLogger("pitstop.capture")
 
 class _DumpFailed(SnapshotError):
     """The checkpoint itself failed (not the quiet wait, not the engine's prepare)."""
+
+
+class ResumeFailed(EngineError):
+    """After a snapshot the engine could not take back what its prepare dropped (its held
+    weights, its KV pool): it cannot serve, and must be replaced.
+
+    `published` is the snapshot the dump made, None when the dump failed too; then
+    `dump_error` says why, and the message names both failures.
+    """
+
+    def __init__(self, pid: int, resume_error: EngineError, kind: SnapshotKind,
+                 published: CaptureResult | None, dump_error: SnapshotError | None) -> None:
+        self.resume_error = resume_error
+        self.kind = kind
+        self.published = published
+        self.dump_error = dump_error
+        said = f"engine {pid} did not resume after the snapshot: {resume_error}"
+        if dump_error is not None:
+            said = f"{said}; and the snapshot itself failed: {dump_error}"
+        super().__init__(said)
 
 
 def _first_line(e: BaseException) -> str:
@@ -73,7 +93,9 @@ class Capture:
     idle connections to the engine are closed (the gate's quiesce); the engine drops its KV
     pool (prepare), CRIU dumps it and leaves it running, the engine rebuilds the pool
     (resume), and admission resumes. A failed dump publishes nothing and
-    leaves the engine serving.
+    leaves the engine serving. A failed resume leaves an engine that cannot serve: the gate
+    is closed before admission resumes, so that no request reaches it, and `take` raises
+    ResumeFailed for the supervisor to replace it.
 
     Example::
 
@@ -99,6 +121,9 @@ class Capture:
         # Told each snapshot once it is published (the remote store's push).
         self._on_published = on_published
         self.last: SnapshotInfo | None = None
+        # The kind the engine's last prepare made this capture take: a snapshot refused
+        # before its prepare (requests still in flight) is counted under it.
+        self.kind: SnapshotKind = "full"
         # Why the last attempt failed, one line; "" once one succeeds. The restore rungs give
         # it as their reason to skip, and `pitstop status` shows it (snapshot_error).
         self.failure = ""
@@ -111,9 +136,11 @@ class Capture:
                 + self._backend.create_limit_s)
 
     async def take(self, engine: EngineProcess, canary: CanaryRecord) -> CaptureResult:
-        """A `hybrid` snapshot when the engine's weights live in the holder, else `full`."""
+        """A `hybrid` snapshot when the engine's weights live in the holder, else `full`.
+
+        Raises SnapshotError when no snapshot was published and the engine serves on, and
+        ResumeFailed when the engine cannot serve any more (whether or not one was)."""
         t0 = time.monotonic()
-        kind = "full"
         self._gate.pause_admission()
         try:
             # Quiet also closes the front's idle connections to the engine (CRIU cannot
@@ -126,20 +153,31 @@ class Capture:
                     f"{self._gate.inflight} requests still in flight after "
                     f"{self.quiet_timeout_s:.0f}s (snapshots.quiet_timeout_s); try again later")
             result = await self._dump(engine, canary, t0)
-            kind = result.info.manifest.kind
+        except ResumeFailed as e:
+            # Before admission resumes: the requests it held wait for the next engine.
+            self._gate.close(str(e))
+            if e.published is not None:
+                self._published(e.published)
+            else:
+                self._metrics.snapshots_created.labels(kind=e.kind, result="failure").inc()
+            raise
         except (SnapshotError, EngineError) as e:
-            self._metrics.snapshots_created.labels(kind=kind, result="failure").inc()
+            self._metrics.snapshots_created.labels(kind=self.kind, result="failure").inc()
             if not isinstance(e, _DumpFailed):
                 self.failure = f"the last snapshot attempt failed: {_first_line(e)}"
             raise SnapshotError(f"snapshot of engine {engine.pid} failed: {e}") from e
         finally:
             self._gate.resume_admission()
+        self._published(result)
+        return result
+
+    def _published(self, result: CaptureResult) -> None:
+        kind = result.info.manifest.kind
         self.failure = ""
         self._metrics.snapshots_created.labels(kind=kind, result="success").inc()
         self._metrics.snapshot_create_duration.labels(kind=kind).observe(result.duration_s)
         self.last = result.info
         self._on_published(result.info)
-        return result
 
     async def _dump(self, engine: EngineProcess, canary: CanaryRecord,
                     t0: float) -> CaptureResult:
@@ -154,7 +192,31 @@ class Capture:
             # Weights the engine maps from the holder were detached by prepare: the image
             # leaves them out, and records what a restore must find held.
             held = prepared.held
-        kind = "hybrid" if held else "full"
+        kind: SnapshotKind = "hybrid" if held else "full"
+        self.kind = kind
+        dumped: CaptureResult | None = None
+        failed: _DumpFailed | None = None
+        try:
+            dumped = await self._publish(engine, canary, kind, held, freed, t0)
+        except _DumpFailed as e:
+            failed = e
+        finally:
+            # Whatever the dump did, the engine must take back what prepare dropped.
+            if prepared is not None and engine.alive:
+                try:
+                    async with EngineProbe(self._socket,
+                                           timeout=self._control_timeout) as probe:
+                        await self._adapter.resume(probe)
+                except EngineError as e:
+                    raise ResumeFailed(engine.pid, e, kind, dumped, failed) from e
+        if failed is not None:
+            raise failed
+        assert dumped is not None
+        return dumped
+
+    async def _publish(self, engine: EngineProcess, canary: CanaryRecord, kind: SnapshotKind,
+                       held: dict | None, freed: int, t0: float) -> CaptureResult:
+        """Dump the prepared engine and publish its image; _DumpFailed when that fails."""
         try:
             info = await asyncio.get_running_loop().run_in_executor(
                 None, self._capture, engine.pid, canary, kind, held)
@@ -164,10 +226,6 @@ class Capture:
         except SnapshotError as e:
             self.failure = dump_failure(self._adapter.kind, e)
             raise _DumpFailed(str(e)) from e
-        finally:
-            if prepared is not None and engine.alive:
-                async with EngineProbe(self._socket, timeout=self._control_timeout) as probe:
-                    await self._adapter.resume(probe)
         duration = time.monotonic() - t0
         log.info("snapshot %s published: %.1f MB in %.2fs (%s); the engine freed %.1f MB "
                  "before the dump", info.id, info.image_bytes / 1e6, duration,
@@ -175,7 +233,7 @@ class Capture:
                  freed / 1e6)
         return CaptureResult(info=info, duration_s=duration, freed_bytes=freed)
 
-    def _capture(self, pid: int, canary: CanaryRecord, kind: str,
+    def _capture(self, pid: int, canary: CanaryRecord, kind: SnapshotKind,
                  held: dict | None) -> SnapshotInfo:
         request = CreateRequest(kind=kind, pid=pid, leave_running=True,  # type: ignore[arg-type]
                                 held=held, canary=canary.to_manifest())

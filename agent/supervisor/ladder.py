@@ -89,6 +89,7 @@ class StartPath(Protocol[T]):
         """Work once the engine is verified (a restore path may re-attach memory here)."""
         ...
 
-    def failed(self, prepared: Prepared[T], reason: str) -> None:
-        """The engine started from `prepared` failed verification (quarantine the snapshot)."""
+    async def failed(self, prepared: Prepared[T], reason: str) -> None:
+        """The engine started from `prepared` failed verification (quarantine the snapshot,
+        in a worker thread: that renames, fsyncs and may delete images of many GB)."""
         ...

@@ -43,6 +43,9 @@ class Cause(StrEnum):
     # The engine failed while its GPU reported a fault (Xid, uncorrectable ECC): memory held
     # across the failure is not reused.
     GPU_FAULT = "gpu_fault"
+    # After a snapshot the engine could not take back its held weights or KV pool: it is
+    # alive but cannot serve, so it is replaced.
+    RESUME_FAILED = "resume_failed"
     RELOAD = "reload"
     DRIFT = "drift"
     RESET = "reset"

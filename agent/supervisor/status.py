@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -14,6 +16,8 @@ from agent.refusal import Refusal
 from agent.reload import ReloadResult
 from agent.store.remote import Transfer
 from agent.supervisor.states import Fall, State
+
+log = logging.getLogger("pitstop.status")
 
 
 @dataclass(frozen=True)
@@ -124,13 +128,49 @@ class AgentStatus:
 
 
 class StatusFile:
-    """`status.json` in the agent's run directory."""
+    """`status.json` in the agent's run directory, written whole (a reader sees the old
+    file or the new one) and, from the agent, off the event loop.
+
+    Example::
+
+        status_file.post(status)      # on the loop: a worker thread writes it
+        await status_file.flushed()   # everything posted is on disk
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        # The newest status posted and not yet written, and the task writing them.
+        self._pending: bytes | None = None
+        self._writing: asyncio.Task[None] | None = None
 
     def write(self, status: AgentStatus) -> None:
-        write_private(self.path, json.dumps(status.to_json(), indent=1).encode())
+        """Write `status` now; blocking."""
+        self._write(_render(status))
+
+    def post(self, status: AgentStatus) -> None:
+        """Have `status` written soon by a worker thread; on the event loop it is only
+        serialized. Of several posted meanwhile, the newest is the one written."""
+        self._pending = _render(status)
+        if self._writing is None or self._writing.done():
+            self._writing = asyncio.get_running_loop().create_task(self._write_pending())
+
+    async def flushed(self) -> None:
+        """Return once everything posted so far is written (or failed to be)."""
+        while self._writing is not None and not self._writing.done():
+            await asyncio.shield(self._writing)
+
+    async def _write_pending(self) -> None:
+        while (data := self._pending) is not None:
+            self._pending = None
+            try:
+                await asyncio.to_thread(self._write, data)
+            except OSError as e:
+                log.warning("cannot write %s: %s", self.path, e)
+
+    def _write(self, data: bytes) -> None:
+        # No fsync: the file means nothing after a reboot (`read` checks that its agent
+        # runs), and each one would wait on a disk a snapshot may be filling.
+        write_private(self.path, data, durable=False)
 
     def read(self) -> dict:
         try:
@@ -146,3 +186,7 @@ class StatusFile:
             data["state"] = "not running"
             data["engine_pid"] = None
         return data
+
+
+def _render(status: AgentStatus) -> bytes:
+    return json.dumps(status.to_json(), indent=1).encode()

@@ -18,7 +18,7 @@ from agent.metrics import Metrics
 from agent.refusal import Refusal, RefusalCode
 from agent.store.manifest import CanaryMethod
 from agent.supervisor.canary import CanaryBook, CanaryRecord, setup_key
-from agent.supervisor.capture import Capture
+from agent.supervisor.capture import Capture, CaptureResult, ResumeFailed
 from agent.supervisor.engine import EngineProcess
 from agent.supervisor.gate import EngineGate
 from agent.supervisor.gpu import GpuGuard, ruled_out
@@ -146,8 +146,9 @@ class Supervisor:
             log.warning("drift (%s): snapshot stale; regenerate: manual, so the engine keeps "
                         "running until it is restarted", summary)
             return
-        log.warning("drift (%s): the engine will be replaced at the next quiet moment and a "
-                    "fresh snapshot taken", summary)
+        log.warning("drift (%s): the engine will be replaced at the next quiet moment%s",
+                    summary, " and a fresh snapshot taken" if self.capture is not None else
+                    "; take a fresh snapshot with `pitstop vllm-snapshot create`")
         if self.state in (State.READY, State.SNAPSHOTTING):
             self.request_restart("drift")
 
@@ -317,7 +318,9 @@ class Supervisor:
                 self.status.engine_pid = None
                 if self._stop.is_set():
                     return
-                path.failed(prepared, str(e))
+                async with self._working(f"setting {path.name}'s snapshot aside",
+                                         self._step_limit_s):
+                    await path.failed(prepared, str(e))
                 if isinstance(e, VerifyError):
                     self._fall(path.name, Fall.VERIFY_FAILED,
                                Refusal(RefusalCode.VERIFY_FAILED, str(e)), fallthroughs)
@@ -430,13 +433,13 @@ class Supervisor:
         """Ask the canary the way the expected answer was made and compare; with nothing
         expected yet, record this answer. A record made another way than this engine's
         current one (an older Pitstop's) is checked its own way, then made again."""
-        expected = self._expected_canary(prepared)
+        expected = await self._expected_canary(prepared)
         current = self.adapter.canary_method
         method = current if expected is None else expected.method
         answer = await self._ask_canary(probe, name, method)
         if expected is None:
             # First start of this setup: its answer becomes the record later starts must match.
-            expected = self._record_canary(answer, current)
+            expected = await self._record_canary(answer, current)
             log.info("canary recorded for this setup (%s): %r", current.value, answer.text)
         elif not expected.matches(answer):
             raise VerifyError(f"canary answered {answer.text!r} (tokens "
@@ -446,14 +449,20 @@ class Supervisor:
                               "was recorded")
         elif expected.method is not current:
             answer = await self._ask_canary(probe, name, current)
-            expected = self._record_canary(answer, current)
+            expected = await self._record_canary(answer, current)
             log.info("canary: the record made by %s matched; recorded again by %s: %r",
                      method.value, current.value, answer.text)
         self._verified_canary = expected
 
-    def _expected_canary(self, prepared: Prepared[Any]) -> CanaryRecord | None:
+    async def _expected_canary(self, prepared: Prepared[Any]) -> CanaryRecord | None:
         if prepared.canary is not None:
             return prepared.canary
+        return await asyncio.to_thread(self._recorded_canary)
+
+    def _recorded_canary(self) -> CanaryRecord | None:
+        """The record of this setup, if any. Blocking: it reads a file, lists the model's
+        files and asks the engine's version (for vLLM a subprocess when its packages
+        changed on disk), so it runs in a worker thread."""
         canary = self.config.health.canary
         rec = self.canaries.load()
         if rec is not None and rec.key == self._canary_key() and rec.prompt == canary.prompt \
@@ -468,12 +477,13 @@ class Supervisor:
                                   timeout=self._canary_timeout_s,
                                   fields=self.adapter.canary_fields(method))
 
-    def _record_canary(self, answer: CanaryAnswer, method: CanaryMethod) -> CanaryRecord:
+    async def _record_canary(self, answer: CanaryAnswer, method: CanaryMethod) -> CanaryRecord:
         canary = self.config.health.canary
-        rec = CanaryRecord(key=self._canary_key(), prompt=canary.prompt,
-                           max_tokens=canary.max_tokens, text=answer.text,
-                           token_ids=answer.token_ids, method=method)
-        self.canaries.save(rec)
+        # Off the loop, as _recorded_canary; the record is written with its fsyncs.
+        key = await asyncio.to_thread(self._canary_key)
+        rec = CanaryRecord(key=key, prompt=canary.prompt, max_tokens=canary.max_tokens,
+                           text=answer.text, token_ids=answer.token_ids, method=method)
+        await asyncio.to_thread(self.canaries.save, rec)
         return rec
 
     def _ready(self, path: str, attempt: Attempt, duration: float,
@@ -576,7 +586,8 @@ class Supervisor:
                         return
 
     async def _snapshot(self, why: str) -> None:
-        """Snapshot the serving engine (READY -> SNAPSHOTTING -> READY)."""
+        """Snapshot the serving engine (READY -> SNAPSHOTTING -> READY, or BACKOFF when the
+        engine cannot serve after it)."""
         engine = self.engine
         waiting, self._snapshot_requests = self._snapshot_requests, []
         regeneration = bool(self._snapshot_wanted)
@@ -591,6 +602,9 @@ class Supervisor:
         try:
             async with self._working("the snapshot", self.capture.limit_s):
                 result = await self.capture.take(engine, self._verified_canary)
+        except ResumeFailed as e:
+            await self._resume_failed(e, waiting, regeneration)
+            return
         except SnapshotError as e:
             log.error("%s", e)
             self.status.snapshot_error = self.capture.failure
@@ -607,12 +621,26 @@ class Supervisor:
         self.status.snapshot_error = ""
         if regeneration:
             self.metrics.regenerations.labels(result="success").inc()
-        summary = {"id": result.info.id, "bytes": result.info.image_bytes,
-                   "duration_s": round(result.duration_s, 3),
-                   "freed_bytes": result.freed_bytes}
         for fut in waiting:
-            fut.set_result(summary)
+            fut.set_result(_summary(result))
         self._fire(Event.SNAPSHOT_DONE, f"snapshot {result.info.id} published")
+
+    async def _resume_failed(self, e: ResumeFailed, waiting: list[asyncio.Future[dict]],
+                             regeneration: bool) -> None:
+        """The engine lost what its prepare dropped (its weights, its KV pool): the snapshot
+        is told for what it was, and the engine is replaced through the ladder, where the
+        snapshot just published (when it is sound) is what it comes back from."""
+        assert self.capture is not None
+        self.status.snapshot_error = self.capture.failure
+        if regeneration:
+            self.metrics.regenerations.labels(
+                result="success" if e.published is not None else "failure").inc()
+        for fut in waiting:
+            if e.published is not None:
+                fut.set_result({**_summary(e.published), "engine_failed": str(e)})
+            else:
+                fut.set_exception(SnapshotError(str(e)))
+        await self._engine_failed(Cause.RESUME_FAILED, str(e))
 
     async def _engine_failed(self, cause: str, reason: str) -> None:
         self.gate.close(reason)
@@ -717,3 +745,10 @@ class Supervisor:
         self.status.engine_pid = None
         self.status.engine_ready_since = None
         self._fire(Event.STOPPED)
+
+
+def _summary(result: CaptureResult) -> dict:
+    """What `pitstop snapshot create` is answered about a published snapshot."""
+    return {"id": result.info.id, "kind": result.info.manifest.kind,
+            "bytes": result.info.image_bytes, "duration_s": round(result.duration_s, 3),
+            "freed_bytes": result.freed_bytes}

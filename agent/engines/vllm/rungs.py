@@ -76,6 +76,8 @@ class VllmSnapshotRestore(SnapshotRestore):
         self._features = features
         self._has_gpu = has_gpu
         self._relay: UnixTcpRelay | None = None
+        # Closes the relay once the engine it serves exits; kept, or the loop could drop it.
+        self._closing: asyncio.Task[None] | None = None
 
     def _none_yet(self) -> str:
         assert self._store is not None
@@ -113,7 +115,7 @@ class VllmSnapshotRestore(SnapshotRestore):
                                                        self._store.path(m.id))
         except VllmSnapshotError as e:
             if e.code in _BAD_SNAPSHOT:
-                self.failed(prepared, str(e), e.code)
+                await self.failed(prepared, str(e), e.code)
             raise StartPathError(Refusal(
                 e.code, f"vllm snapshot restore of {m.id} failed: {e}")) from e
         pid = restored.pid
@@ -133,7 +135,7 @@ class VllmSnapshotRestore(SnapshotRestore):
                 RefusalCode.RELAY_FAILED,
                 f"cannot relay {self._socket} to the restored engine: {e}")) from e
         self._relay = relay
-        asyncio.ensure_future(self._close_relay_after(engine))
+        self._closing = asyncio.ensure_future(self._close_relay_after(engine))
         log.info("restored vLLM snapshot %s as PID %d (relay %s -> 127.0.0.1:%d)", m.id, pid,
                  self._socket, self._vllm.port)
         return engine

@@ -53,5 +53,5 @@ class ColdStart:
                              prepared: Prepared[ExtraArgs]) -> None:
         return None
 
-    def failed(self, prepared: Prepared[ExtraArgs], reason: str) -> None:
+    async def failed(self, prepared: Prepared[ExtraArgs], reason: str) -> None:
         return None

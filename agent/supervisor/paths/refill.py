@@ -183,8 +183,9 @@ class RefillRestore(HybridRestore):
                              prepared: Prepared[RefillWork]) -> None:
         return None
 
-    def failed(self, prepared: Prepared[RefillWork], reason: str) -> None:  # type: ignore[override]
-        super().failed(prepared.plan.image, reason)
+    async def failed(self, prepared: Prepared[RefillWork],  # type: ignore[override]
+                     reason: str) -> None:
+        await super().failed(prepared.plan.image, reason)
 
     def _refill(self, digest: str, timeout: float):  # noqa: ANN202 - protocol.Refilled
         with HolderClient(self._link.path, timeout=timeout) as c:

@@ -95,12 +95,13 @@ class SnapshotRestore:
         failure = self._capture_failure()
         return f"no snapshot: {failure}" if failure else "no snapshot yet"
 
-    def failed(self, prepared: Prepared[Manifest], reason: str,
-               code: RefusalCode = RefusalCode.RESTORE_FAILED) -> None:
+    async def failed(self, prepared: Prepared[Manifest], reason: str,
+                     code: RefusalCode = RefusalCode.RESTORE_FAILED) -> None:
         if self._store is None:
             return
-        # Quarantine is a rename and an fsync: quick, and this runs once per failed restore.
-        self._quarantine(prepared.plan.id, reason, code)
+        # Off the loop: a rename and fsyncs on a disk a dump may be filling, then the
+        # quarantine pruned to its retention, which can delete images of many GB.
+        await asyncio.to_thread(self._quarantine, prepared.plan.id, reason, code)
         self._metrics.snapshots_rejected.labels(reason=code.value).inc()
 
     def _quarantine(self, snapshot_id: str, reason: str, code: RefusalCode) -> None:
@@ -162,7 +163,7 @@ class FullRestore(SnapshotRestore):
                 RefusalCode.PID_TAKEN,
                 f"restore of snapshot {manifest.id} could not run: {e}")) from e
         except SnapshotError as e:
-            self.failed(prepared, str(e))
+            await self.failed(prepared, str(e))
             raise StartPathError(Refusal(
                 RefusalCode.RESTORE_FAILED,
                 f"restore of snapshot {manifest.id} failed: {e}")) from e
@@ -184,7 +185,7 @@ class FullRestore(SnapshotRestore):
             except EngineError as e:
                 await engine.kill()
                 await engine.close()
-                self.failed(prepared, f"resume after restore failed: {e}")
+                await self.failed(prepared, f"resume after restore failed: {e}")
                 raise StartPathError(Refusal(
                     RefusalCode.RESUME_FAILED, f"restored engine did not resume: {e}")) from e
         return engine
