@@ -64,7 +64,9 @@ class Engine:
 
 
 def load_engine(path: Path, name: str | None = None) -> Engine:
-    return Engine(check_name(name or path.stem), path, load_config(path))
+    """The engine in `path`, named `name` (checked), or by the file's own name (a file
+    checked by itself may be any temporary file: its name names nothing)."""
+    return Engine(check_name(name) if name is not None else path.stem, path, load_config(path))
 
 
 def load_engines(engines_dir: Path = ENGINES_DIR) -> list[Engine]:

@@ -293,3 +293,11 @@ def test_every_metric_an_engines_agent_serves_carries_the_engine() -> None:
 def test_the_one_agent_of_a_node_serves_its_metrics_unlabelled() -> None:
     registry = new_registry()
     assert EngineLabel.over(registry, "") is registry
+
+
+def test_one_file_checked_by_itself_may_have_any_name(tmp_path: Path) -> None:
+    """Ansible's validate: the new file is a temporary one, `.source` say."""
+    f = _engine(tmp_path, "x", front=8001)
+    tmp = f.rename(tmp_path / ".source")
+    r = _pitstop("check-config", str(tmp))
+    assert r.returncode == 0, r.stderr

@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --holder, keep the KV pool and its ledger in the holder, so a "
                         "request resumed after a crash continues without prefilling again "
                         "(default on with --holder)")
+    p.add_argument("--kv-owner", default="", metavar="NAME",
+                   help="with a kept KV pool, whose it is: engines of other owners on the "
+                        "same holder keep pools of their own (the agent gives its engine's "
+                        "socket); default: the pool of any engine of these weights and layout")
     p.add_argument("--kv-lease-s", type=float, default=None, metavar="S",
                    help="seconds the holder keeps a KV pool no engine claims (default 600)")
     p.add_argument("--weights-digest", metavar="DIGEST",
@@ -215,7 +219,7 @@ def _held_kv(args: argparse.Namespace, cfg: Any, max_len: int, device: Any, dtyp
         return None
     shape, nbytes = KVPool.layout(cfg, args.kv_slots, max_len, dtype)
     ledger = LedgerShape(entries=args.kv_slots, max_tokens=max_len, max_blocks=1)
-    return HeldKV(args.holder, layout_digest(digest, shape, dtype, ledger), nbytes,
+    return HeldKV(args.holder, layout_digest(digest, shape, dtype, ledger, args.kv_owner), nbytes,
                   ledger, device, args.kv_lease_s or DEFAULT_LEASE_S)
 
 
