@@ -256,8 +256,8 @@ def node_panels() -> list[dict[str, Any]]:
 def fleet_panels() -> list[dict[str, Any]]:
     return [
         row("Fleet"),
-        panel("stat", "Engines serving", "Engines verified and serving, of those scraped "
-              "(one per host, or several on a node of several engines).",
+        panel("stat", "Hosts serving", "Engines verified and serving, of those scraped "
+              "(one per host, or each engine of a node of several).",
               [target(f"sum(pitstop_engine_up{{{I}}})", "serving"),
                target(f"count(pitstop_engine_up{{{I}}})", "engines", "B")], w=6, h=6),
         panel("stat", "Version sets", "Distinct (driver, kernel, engine) combinations: 1 "
