@@ -427,15 +427,19 @@ def test_report_lists_every_engine_of_the_host(fleet: Fleet) -> None:
     report = fleet.scratch / "report-engines.json"
     _two_engines_inventory(fleet, engine={"args": ["--kv-slots", "2"]})
     try:
-        r = run_ansible("ansible-playbook", "-i", str(fleet.inventory), "--limit", "deb13",
-                        "-e", f"pitstop_report_file={report}",
+        r = run_ansible("ansible-playbook", "-i", str(fleet.inventory), "-e",
+                        f"pitstop_report_file={report}",
                         str(ROOT / "playbooks" / "report.yml"), timeout=600)
     finally:
         fleet.write_inventory()
     assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
-    [deb13] = json.loads(report.read_text())["hosts"]
+    hosts = {h["host"]: h for h in json.loads(report.read_text())["hosts"]}
+    deb13 = hosts["deb13"]
     assert [(e["name"], e["unit"], e["state"]) for e in deb13["engines"]] == [
         ("a", "pitstop-agent@a.service", "ready"), ("b", "pitstop-agent@b.service", "ready")]
+    # A host of one engine lists its one agent, unnamed.
+    assert [(e["name"], e["unit"]) for e in hosts["deb12"]["engines"]] == \
+        [(None, "pitstop-agent.service")]
     assert [e["front"] for e in deb13["engines"]] == ["127.0.0.1:8001", "127.0.0.1:8002"]
     assert all(e["snapshot"] for e in deb13["engines"])
     assert deb13["agent_state"] == "ready" and deb13["snapshots"] >= 2
