@@ -57,6 +57,7 @@ from gpu_recovery_bench import (  # noqa: E402
 )
 
 ENGINES = ("a", "b")
+IO_URING = Path("/proc/sys/kernel/io_uring_disabled")
 PROMPT = "The quick brown fox"
 BOOT_S = 900.0
 RECOVER_S = 600.0
@@ -210,10 +211,10 @@ def row(path: str, rounds: list[dict], gib: float, engine: str, command: str) ->
     peaks = [e["gpu_peak_bytes"] for r in rounds for e in r["engines"].values()
              if e.get("gpu_peak_bytes") is not None]
     return {"engine": engine, "path": path, "gib": gib, "runs_s": runs,
-            "median_s": statistics.median(runs), "machine": where, "host": host,
+            "median_s": round(statistics.median(runs), 4), "machine": where, "host": host,
             "command": command, "recovery_paths": paths, "each_s": each,
             "wall_s": [r["wall_s"] for r in rounds],
-            "wall_median_s": statistics.median(r["wall_s"] for r in rounds),
+            "wall_median_s": round(statistics.median(r["wall_s"] for r in rounds), 4),
             "gpu_peak_bytes": peaks, "answers_verified": True}
 
 
@@ -275,8 +276,11 @@ def start_engines(engines_dir: Path, result: dict, agents: list[EngineAgent]) ->
         log(f"engine {name} first start: {st['last_recovery']['path']} "
             f"{st['last_recovery']['duration_s']:.2f}s")
     for ag in agents:
-        ag.wait(lambda s: "published" in s.get("reason", "") and s.get("state") == "ready",
-                BOOT_S, f"engine {ag.name}'s snapshot")
+        st = ag.wait(lambda s: s.get("state") == "ready"
+                     and ("published" in s.get("reason", "") or s.get("snapshot_error")),
+                     BOOT_S, f"engine {ag.name}'s snapshot")
+        if st.get("snapshot_error"):
+            raise SystemExit(f"engine {ag.name}'s snapshot failed: {st['snapshot_error']}")
         snaps = json.loads(pitstop("snapshot", "list", "--json", "--engine", ag.name,
                                    "--engines-dir", str(engines_dir)).stdout)
         result[f"snapshot_{ag.name}"] = snaps[0]
@@ -304,6 +308,9 @@ def main() -> None:
                result)
     holder = start_holder(gpu, holder_dir, a.work)
     agents: list[EngineAgent] = []
+    uring = IO_URING.read_text().strip()
+    if a.engine == "vllm":
+        IO_URING.write_text("2")  # CRIU refuses io_uring, which vLLM's API server sets up
     try:
         start_engines(engines_dir, result, agents)
         expected = {ag.name: answer(ag) for ag in agents}
@@ -317,6 +324,7 @@ def main() -> None:
         for ag in agents:
             ag.stop()
         stop_holder(holder)
+        IO_URING.write_text(uring)
         result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         save(result, out, a, command)
         for name in (*(f"agent-{n}" for n in ENGINES), "holder"):
