@@ -3,6 +3,7 @@ each, and the engine's name on every metric its agent serves."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -11,11 +12,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from prometheus_client import start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.errors import ConfigError
 from agent.metrics import EngineLabel, Metrics, NodeInfo, StatusView, new_registry
+from agent.metrics_endpoint import MetricsEndpoint
 from agent.node import check_name, conflicts, gpu_claim, load_engine, load_engines
 from agent.supervisor.status import AgentStatus, StatusFile
 
@@ -270,21 +271,28 @@ def test_every_metric_an_engines_agent_serves_carries_the_engine() -> None:
     registry = new_registry()
     m = Metrics(registry, _view)
     m.recoveries.labels(path="full", result="success", cause="crash").inc()
-    server, thread = start_http_server(0, "127.0.0.1", registry=EngineLabel.over(registry, "a"))
-    try:
-        families = _scrape(server.server_port)
-        samples = [s for ss in families.values() for s in ss]
-        assert samples and all(s.labels.get("engine") == "a" for s in samples)
-        [info] = families["pitstop_node_info"]
-        assert info.labels["model"] == "tiny"
-        [up] = families["pitstop_engine_up"]
-        assert up.labels == {"engine": "a"} and up.value == 1
-        # A scrape that names the metrics it wants gets them labelled too.
-        some = _scrape(server.server_port, "?name[]=pitstop_engine_failures_total")
-        assert {s.labels["engine"] for s in some["pitstop_engine_failures"]} == {"a"}
-    finally:
-        server.shutdown()
-        thread.join(5)
+
+    async def scrape_both() -> tuple[dict, dict]:
+        # The agent's own endpoint, as agent/wiring.py builds it for engine "a".
+        ep = MetricsEndpoint(EngineLabel.over(registry, "a"), "127.0.0.1", 0)
+        await ep.start()
+        try:
+            every = await asyncio.to_thread(_scrape, ep.port)
+            # A scrape that names the metrics it wants gets them labelled too.
+            some = await asyncio.to_thread(_scrape, ep.port,
+                                           "?name[]=pitstop_engine_failures_total")
+            return every, some
+        finally:
+            await ep.stop()
+
+    families, some = asyncio.run(scrape_both())
+    samples = [s for ss in families.values() for s in ss]
+    assert samples and all(s.labels.get("engine") == "a" for s in samples)
+    [info] = families["pitstop_node_info"]
+    assert info.labels["model"] == "tiny"
+    [up] = families["pitstop_engine_up"]
+    assert up.labels == {"engine": "a"} and up.value == 1
+    assert {s.labels["engine"] for s in some["pitstop_engine_failures"]} == {"a"}
     # The registry itself, which the agent's code and tests read, carries no engine label.
     assert registry.get_sample_value("pitstop_recoveries_total",
                                      {"path": "full", "result": "success", "cause": "crash"}) == 1
