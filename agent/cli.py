@@ -27,14 +27,23 @@ def _positive_float(text: str) -> float:
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
-    from agent.config import load_config
+    from agent.node import conflicts, engines_to_check
 
     try:
-        cfg = load_config(args.file)
+        asked, node = engines_to_check(args.files, args.engine, args.engines_dir)
     except ConfigError as e:
         print(f"pitstop: {e}", file=sys.stderr)
         return EXIT_USAGE
-    print(f"{args.file}: ok (engine {cfg.engine.kind}, model {cfg.engine.model})")
+    for e in asked:
+        print(f"{e.path}: ok (engine {e.config.engine.kind}, model {e.config.engine.model})")
+    found = conflicts(node)
+    for c in found:
+        print(f"pitstop: {c}", file=sys.stderr)
+    if found:
+        return EXIT_USAGE
+    if len(node) > 1:
+        print(f"{len(node)} engines ({', '.join(e.name for e in node)}): no port, directory "
+              "or GPU memory claimed twice")
     return EXIT_OK
 
 
@@ -62,22 +71,46 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from agent.run import run_agent
 
-    return run_agent(args.config, verbose=args.verbose)
+    return run_agent(args.config, verbose=args.verbose, engine=args.engine or "")
+
+
+def _read_status(config: Path | None) -> dict:
+    from agent.config import load_config
+    from agent.supervisor.status import StatusFile
+
+    return StatusFile(load_config(config).paths.run / "status.json").read()
+
+
+def _engine_statuses(engines_dir: Path) -> dict[str, dict]:
+    """Each engine's status by name; one that cannot be read says why in its state."""
+    from agent.errors import StatusError
+    from agent.node import engine_names, engine_path
+
+    out = {}
+    for name in engine_names(engines_dir):
+        try:
+            out[name] = _read_status(engine_path(name, engines_dir))
+        except (ConfigError, StatusError) as e:
+            out[name] = {"state": "unknown", "reason": str(e)}
+    return out
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
     import json
 
-    from agent.config import load_config
-    from agent.supervisor.status import StatusFile
-
-    cfg = load_config(args.config)
-    data = StatusFile(cfg.paths.run / "status.json").read()
+    # No --config and no --engine: every engine of the node, or without any the one agent
+    # of the embedded default configuration.
+    every = _engine_statuses(args.engines_dir) if args.config is None else {}
+    if not every:
+        data = _read_status(args.config)
+        print(json.dumps(data, indent=1) if args.json else format_status(data))
+        return EXIT_OK if data["state"] == "ready" else EXIT_FAIL
     if args.json:
-        print(json.dumps(data, indent=1))
+        print(json.dumps({"engines": every}, indent=1))
     else:
-        print(format_status(data))
-    return EXIT_OK if data["state"] == "ready" else EXIT_FAIL
+        print("\n\n".join(f"engine {name}\n  " + format_status(data).replace("\n", "\n  ")
+                           for name, data in every.items()))
+    return EXIT_OK if all(d["state"] == "ready" for d in every.values()) else EXIT_FAIL
 
 
 def _cmd_reload(args: argparse.Namespace) -> int:
@@ -111,14 +144,22 @@ def format_reload(result: dict) -> str:
 
 def _cmd_install_units(args: argparse.Namespace) -> int:
     from agent import units
+    from agent.node import conflicts, load_engines
 
     if (args.holder or args.vllm_preload) and not args.enable:
         print("pitstop: --holder and --vllm-preload only make sense with --enable",
               file=sys.stderr)
         return EXIT_USAGE
+    engines = tuple(load_engines(args.engines_dir))
+    clashes = conflicts(engines)
+    for c in clashes:
+        print(f"pitstop: {c}", file=sys.stderr)
+    if clashes:
+        return EXIT_USAGE
     pitstop = args.pitstop_bin or units.default_pitstop_bin()
-    paths = units.paths_for(pitstop.absolute(), args.config.absolute(), args.holder_backend)
-    if not args.config.exists():
+    paths = units.paths_for(pitstop.absolute(), args.config.absolute(), args.holder_backend,
+                            args.engines_dir.absolute(), engines)
+    if not args.config.exists() and not engines:
         print(f"pitstop: note: {args.config} does not exist yet; the tmpfiles snippet uses the "
               "default directories", file=sys.stderr)
     for f in units.install(args.prefix, paths):
@@ -126,7 +167,8 @@ def _cmd_install_units(args: argparse.Namespace) -> int:
     if args.no_reload:
         return EXIT_OK
     done, warnings = units.activate(args.prefix, args.enable, args.holder,
-                                    preloads=args.vllm_preload)
+                                    preloads=args.vllm_preload,
+                                    engines=[e.name for e in engines])
     for c in done:
         print(f"ran: {c}")
     for w in warnings:
@@ -500,6 +542,36 @@ def _cmd_digest(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# agent/node.py's ENGINES_DIR, spelt here so that building the parser imports nothing heavy.
+ENGINES_DIR_TEXT = "/etc/pitstop/engines"
+
+
+def _config_options(p: argparse.ArgumentParser) -> None:
+    """--config FILE, or --engine NAME for <engines dir>/NAME.yaml: which agent a command is
+    about."""
+    p.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default, "
+                   "or the engine's file with --engine)")
+    p.add_argument("--engine", metavar="NAME", help="the engine NAME of this node: its file is "
+                   "<engines dir>/NAME.yaml unless --config says otherwise")
+    p.add_argument("--engines-dir", type=Path, metavar="DIR",
+                   help=f"where the node's engines are (default {ENGINES_DIR_TEXT})")
+
+
+def _resolve_engine(args: argparse.Namespace) -> None:
+    """--engines-dir defaults to the node's; --engine NAME without --config means NAME's own
+    file."""
+    if not hasattr(args, "engines_dir"):
+        return
+    from agent.node import ENGINES_DIR, check_name, engine_path
+
+    if args.engines_dir is None:
+        args.engines_dir = ENGINES_DIR
+    if getattr(args, "engine", None) is not None:
+        check_name(args.engine)
+        if hasattr(args, "config") and args.config is None:
+            args.config = engine_path(args.engine, args.engines_dir)
+
+
 def _snapshot_parser(sub: argparse._SubParsersAction) -> None:
     """`pitstop snapshot ACTION`: its actions and their arguments."""
     sn = sub.add_parser("snapshot", help="create, list, inspect, verify or delete snapshots")
@@ -516,7 +588,7 @@ def _snapshot_parser(sub: argparse._SubParsersAction) -> None:
                  "before it is published"),
     ):
         a = snsub.add_parser(name, help=text)
-        a.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
+        _config_options(a)
         a.add_argument("--json", action="store_true")
         if name == "inspect":
             a.add_argument("id")
@@ -543,8 +615,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pitstop", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    c = sub.add_parser("check-config", help="validate a configuration file (exit 2 when invalid)")
-    c.add_argument("file", type=Path)
+    c = sub.add_parser("check-config", help="validate configuration files, and a node's "
+                       "engines against each other (exit 2 when invalid)")
+    c.add_argument("files", nargs="*", type=Path, metavar="FILE",
+                   help="files to check; several are checked as the engines of one node "
+                   "(default: every engine in --engines-dir)")
+    c.add_argument("--engine", metavar="NAME", help="check FILE (default: NAME's own file) as "
+                   "the new version of engine NAME, against the node's other engines")
+    c.add_argument("--engines-dir", type=Path, metavar="DIR",
+                   help=f"where the node's engines are (default {ENGINES_DIR_TEXT})")
     c.set_defaults(func=_cmd_check_config)
 
     m = sub.add_parser("make-model", help="write a random-weight Llama model directory")
@@ -560,23 +639,23 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=_cmd_make_model)
 
     r = sub.add_parser("run", help="run the agent in the foreground (what the systemd unit runs)")
-    r.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
+    _config_options(r)
     r.add_argument("-v", "--verbose", action="store_true")
     r.set_defaults(func=_cmd_run)
 
     s = sub.add_parser("status", help="the agent's state, engine PID, uptime, last recovery")
-    s.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
+    _config_options(s)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=_cmd_status)
 
     rl = sub.add_parser("reload", help="re-read the configuration in the running agent; say "
                         "which changed keys apply and which need a restart (exit 1 then)")
-    rl.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
+    _config_options(rl)
     rl.add_argument("--json", action="store_true")
     rl.set_defaults(func=_cmd_reload)
 
     d = sub.add_parser("doctor", help="can this host snapshot and restore? (exit 1 when not)")
-    d.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
+    _config_options(d)
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=_cmd_doctor)
 
@@ -584,13 +663,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     dr = sub.add_parser("drift", help="compare a snapshot's identity with this host's "
                         "(exit 1 when a field differs)")
-    dr.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
+    _config_options(dr)
     dr.add_argument("--json", action="store_true")
     dr.add_argument("--snapshot", metavar="ID", help="default: the newest snapshot")
     dr.set_defaults(func=_cmd_drift)
 
     dg = sub.add_parser("digest", help="the weights digest of engine.model (cached by stat)")
-    dg.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
+    _config_options(dg)
     dg.add_argument("--json", action="store_true")
     dg.add_argument("--rehash", action="store_true", help="read every file again, ignoring "
                     "the cache (and refresh it)")
@@ -619,7 +698,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     vp = sub.add_parser("vllm-preload", help="run vLLM's weight-cache daemon for one GPU in the "
                         "foreground (what pitstop-vllm-preload@GPU.service runs)")
-    vp.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
+    _config_options(vp)
     vp.add_argument("--gpu", required=True,
                     help="the GPU: an index or a UUID (becomes CUDA_VISIBLE_DEVICES)")
     vp.set_defaults(func=_cmd_vllm_preload)
@@ -634,7 +713,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("list", "every vLLM snapshot, newest first"),
     ):
         a = vssub.add_parser(name, help=text)
-        a.add_argument("--config", type=Path, help="pitstop.yaml (default: the embedded default)")
+        _config_options(a)
         a.add_argument("--json", action="store_true")
         if name == "inspect":
             a.add_argument("id", help="a snapshot id, or a directory path")
@@ -648,8 +727,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the pitstop command the units run (default: the one beside this Python)")
     u.add_argument("--config", type=Path, default=Path("/etc/pitstop/pitstop.yaml"),
                    help="the configuration the agent reads (default /etc/pitstop/pitstop.yaml)")
+    u.add_argument("--engines-dir", type=Path, metavar="DIR",
+                   help=f"the node's engines, one <name>.yaml each, one agent each "
+                   f"(pitstop-agent@<name>; default {ENGINES_DIR_TEXT})")
     u.add_argument("--enable", action="store_true",
-                   help="enable pitstop-agent.service and the holders (not start them)")
+                   help="enable the agents (pitstop-agent@<name> for each engine in "
+                   "--engines-dir, else pitstop-agent.service) and the holders (not start "
+                   "them)")
     u.add_argument("--holder", action="append", default=[], metavar="GPU_UUID",
                    help="a GPU to enable a holder for, with --enable (repeatable)")
     u.add_argument("--vllm-preload", action="append", default=[], metavar="GPU",
@@ -666,6 +750,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _resolve_engine(args)
         return int(args.func(args))
     except (ConfigError, AgentRunningError) as e:
         # Starting again cannot fix either (the unit's RestartPreventExitStatus=2).

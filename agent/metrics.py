@@ -14,7 +14,7 @@ from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client.registry import Collector, RestrictedRegistry
 
 import agent
 from agent.gpu_health import FaultKind
@@ -52,6 +52,8 @@ KV_RESUME_OUTCOMES = tuple(o.value for o in KeptKVOutcome)
 class NodeInfo:
     """What `pitstop_node_info` carries, to join a fleet's hosts with DCGM's labels."""
 
+    # The engine's name on a node of several (every metric carries it: EngineLabel).
+    engine: str = ""
     driver_version: str = ""
     cuda_driver_version: str = ""
     kernel: str = ""
@@ -321,6 +323,40 @@ class StatusCollector(Collector):
             "pitstop_front_inflight_requests", "Requests the front is forwarding right now.")
         inf.add_metric([], float(s.front_inflight))
         yield inf
+
+
+class EngineLabel:
+    """A registry as one engine's agent serves it: every sample carries `engine="NAME"`.
+
+    On a node of several engines each agent is its own scrape target; the label says which
+    engine a series is without any scrape configuration (docs/metrics.md). Only the
+    exposition changes: the registry itself, and what tests read from it, stay unlabelled.
+
+    Example::
+
+        start_http_server(9411, registry=EngineLabel.over(registry, "a"))
+    """
+
+    def __init__(self, source: CollectorRegistry | RestrictedRegistry, engine: str) -> None:
+        self._source = source
+        self._engine = engine
+
+    @classmethod
+    def over(cls, registry: CollectorRegistry, engine: str) -> CollectorRegistry | EngineLabel:
+        """`registry` labelled with `engine`; unchanged for the node's one unnamed agent."""
+        return cls(registry, engine) if engine else registry
+
+    def collect(self) -> Iterable[Metric]:
+        for m in self._source.collect():
+            out = Metric(m.name, m.documentation, m.type, m.unit)
+            out.samples = [s._replace(labels={"engine": self._engine, **s.labels})
+                           for s in m.samples]
+            yield out
+
+    def restricted_registry(self, names: Iterable[str]) -> EngineLabel:
+        """What prometheus_client's server asks for when a scrape names metrics (`name[]`)."""
+        assert isinstance(self._source, CollectorRegistry)
+        return EngineLabel(self._source.restricted_registry(names), self._engine)
 
 
 def new_registry() -> CollectorRegistry:

@@ -29,7 +29,9 @@ def setup_logging(verbose: bool = False) -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
-def run_agent(config_path: Path | None, verbose: bool = False) -> int:
+def run_agent(config_path: Path | None, verbose: bool = False, engine: str = "") -> int:
+    """Run the agent of `config_path`; `engine` names it among the node's engines (the
+    template unit's instance): every metric it exports carries that name."""
     setup_logging(verbose)
     # The watchdog's SIGABRT then prints where a stuck agent was stuck, to the journal.
     faulthandler.enable()
@@ -48,7 +50,7 @@ def run_agent(config_path: Path | None, verbose: bool = False) -> int:
             log.warning("cannot start the tether (%s): should this agent die, what its engine "
                         "leaves is killed only when the next agent starts", e)
             tether = None
-        agent = Agent(config, config_path, Notifier(), tether=tether)
+        agent = Agent(config, config_path, Notifier(), tether=tether, engine=engine)
         with contextlib.suppress(KeyboardInterrupt):
             return asyncio.run(agent.run())
     return 0

@@ -13,11 +13,15 @@ from pathlib import Path
 
 from agent.config import PathsConfig, load_config
 from agent.errors import UnitsError
+from agent.node import ENGINES_DIR, Engine
 
 AGENT_UNIT = "pitstop-agent.service"
+# One agent per engine of a node of several: rendered from AGENT_UNIT's text.
+AGENT_TEMPLATE = "pitstop-agent@.service"
 HOLDER_TEMPLATE = "pitstop-holder@.service"
 HOLDERS_TARGET = "pitstop-holders.target"
 PRELOAD_TEMPLATE = "pitstop-vllm-preload@.service"
+# The files shipped in agent/units (= units/), each installed under its own name.
 UNIT_FILES = (AGENT_UNIT, HOLDER_TEMPLATE, HOLDERS_TARGET, PRELOAD_TEMPLATE)
 SYSCTL_FILE = "99-pitstop.conf"
 HOLDER_BACKENDS = ("cuda", "cpu")
@@ -46,6 +50,9 @@ class UnitPaths:
     holder_backend: str = "cuda"
     # The venv that installs the units is the one they run (or a wrapper execs).
     python: Path = field(default_factory=lambda: Path(sys.executable))
+    engines_dir: Path = ENGINES_DIR
+    # The node's engines, whose directories the tmpfiles snippet makes too.
+    engines: tuple[Engine, ...] = ()
 
     def values(self) -> dict[str, str]:
         if self.holder_backend not in HOLDER_BACKENDS:
@@ -54,12 +61,34 @@ class UnitPaths:
         return {
             "PITSTOP": systemd_quote(self.pitstop),
             "CONFIG": systemd_quote(self.config),
+            "AGENT_OF": "node agent",
+            "RUN_ARGS": f"--config {systemd_quote(self.config)}",
+            "SYSLOG_IDENTIFIER": "pitstop",
             "HOLDER_BACKEND": self.holder_backend,
             "STATE_DIR": tmpfiles_path(self.state_dir),
             "SNAPSHOT_DIR": tmpfiles_path(self.snapshot_dir),
             "RUN_DIR": tmpfiles_path(self.run_dir),
+            "ENGINE_DIRS": self._engine_dirs(),
             "PRIVATE_TMP": "no" if self.under_tmp() else "yes",
         }
+
+    def template_values(self) -> dict[str, str]:
+        """AGENT_UNIT's text as the template: the instance names the engine and its file."""
+        return {**self.values(), "AGENT_OF": "agent of engine %i",
+                "RUN_ARGS": f"--engine %i --engines-dir {systemd_quote(self.engines_dir)}",
+                "SYSLOG_IDENTIFIER": "pitstop@%i"}
+
+    def _engine_dirs(self) -> str:
+        seen = {self.state_dir, self.snapshot_dir, self.run_dir}
+        lines = []
+        for e in self.engines:
+            p = e.config.paths
+            for kind, path in (("d", p.state_dir), ("d", p.snapshots), ("D", p.run)):
+                # tmpfiles.d warns of a path listed twice; the check refuses two engines on one.
+                if path not in seen:
+                    seen.add(path)
+                    lines.append(f"{kind} {tmpfiles_path(path)} 0700 root root -")
+        return "\n".join(lines) or "# (none)"
 
     def under_tmp(self) -> bool:
         """Whether the holder needs the host's /tmp: PrivateTmp would hide an install there."""
@@ -117,24 +146,26 @@ def default_pitstop_bin() -> Path:
     return candidate.absolute()
 
 
-def paths_for(pitstop: Path, config_path: Path, holder_backend: str = "cuda") -> UnitPaths:
+def paths_for(pitstop: Path, config_path: Path, holder_backend: str = "cuda",
+              engines_dir: Path = ENGINES_DIR, engines: tuple[Engine, ...] = ()) -> UnitPaths:
     """Directories come from the configuration when it exists, else from its defaults."""
     paths = load_config(config_path).paths if config_path.exists() else PathsConfig()
     return UnitPaths(pitstop=pitstop, config=config_path, state_dir=paths.state_dir,
                      snapshot_dir=paths.snapshots, run_dir=paths.run,
-                     holder_backend=holder_backend)
+                     holder_backend=holder_backend, engines_dir=engines_dir, engines=engines)
 
 
 def install(prefix: Path, paths: UnitPaths) -> tuple[Path, ...]:
     """Write the rendered files under `prefix` (0644, atomically); return what was written."""
     values = paths.values()
-    targets = [(name, UNIT_DIR / name) for name in UNIT_FILES]
-    targets += [(SYSCTL_FILE, SYSCTL_DIR / SYSCTL_FILE),
-                (TMPFILES_FILE, TMPFILES_DIR / TMPFILES_FILE)]
+    targets = [(name, UNIT_DIR / name, values) for name in UNIT_FILES]
+    targets.insert(1, (AGENT_UNIT, UNIT_DIR / AGENT_TEMPLATE, paths.template_values()))
+    targets += [(SYSCTL_FILE, SYSCTL_DIR / SYSCTL_FILE, values),
+                (TMPFILES_FILE, TMPFILES_DIR / TMPFILES_FILE, values)]
     written = []
-    for name, rel in targets:
+    for name, rel, vals in targets:
         dest = prefix / rel
-        _write(dest, render(shipped(name), values, name))
+        _write(dest, render(shipped(name), vals, name))
         written.append(dest)
     return tuple(written)
 
@@ -169,12 +200,14 @@ def _check(r: subprocess.CompletedProcess[str], what: str) -> None:
 
 
 def activate(prefix: Path, enable: bool, holders: Sequence[str],
-             run: Runner = _run, preloads: Sequence[str] = ()) -> tuple[tuple[str, ...],
-                                                                        tuple[str, ...]]:
+             run: Runner = _run, preloads: Sequence[str] = (),
+             engines: Sequence[str] = ()) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Make the installed files take effect; return (commands run, warnings).
 
     `preloads`: GPUs (index or UUID) whose `vllm preload` daemon is enabled; each becomes a
     want of the agent (the template's WantedBy=pitstop-agent.service).
+    `engines`: the node's engines; when there are any, their agents (pitstop-agent@NAME) are
+    enabled instead of the one-engine pitstop-agent.service.
 
     On the live system (prefix /): daemon-reload, create the tmpfiles directories, apply the
     sysctl. Under another prefix only `systemctl --root` enabling is possible, which is offline.
@@ -208,7 +241,13 @@ def activate(prefix: Path, enable: bool, holders: Sequence[str],
            fatal=False)
     if enable:
         root = [] if live else [f"--root={prefix}"]
-        units = [AGENT_UNIT, HOLDERS_TARGET] + [f"pitstop-holder@{h}.service" for h in holders]
+        agents = [f"pitstop-agent@{e}.service" for e in engines] or [AGENT_UNIT]
+        units = [*agents, HOLDERS_TARGET] + [f"pitstop-holder@{h}.service" for h in holders]
         units += [f"pitstop-vllm-preload@{g}.service" for g in preloads]
         go(["systemctl", *root, "enable", *units], "enable the units")
+    if engines and run(["systemctl", *([] if live else [f"--root={prefix}"]), "is-enabled",
+                        AGENT_UNIT]).stdout.strip() == "enabled":
+        warnings.append(f"{AGENT_UNIT} (the agent of a node's one engine) is enabled beside "
+                        f"the engines' agents; if it serves one of them, `systemctl disable "
+                        f"--now {AGENT_UNIT}` (docs/fleet.md, several engines on a node)")
     return tuple(done), tuple(warnings)

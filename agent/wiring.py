@@ -27,7 +27,7 @@ from agent.fsutil import private_dir
 from agent.gpu_health import GpuWatch
 from agent.holder.client import HolderClient
 from agent.identity import Identity, gpu_selector
-from agent.metrics import Metrics, NodeInfo, new_registry
+from agent.metrics import EngineLabel, Metrics, NodeInfo, new_registry
 from agent.metrics_endpoint import MetricsEndpoint
 from agent.reload import ReloadResult
 from agent.signals import Reloader, Signals
@@ -68,8 +68,10 @@ class Agent:
     """
 
     def __init__(self, config: Config, config_path: Path | None, notifier: Notifier,
-                 tether: Tether | None = None) -> None:
+                 tether: Tether | None = None, engine: str = "") -> None:
         self.config = config
+        # Its name among the node's engines ("" for the node's one agent).
+        self.engine = engine
         self.notifier = notifier
         if config.engine.kind == "reference" and not (config.engine.model / "config.json").exists():
             raise ModelError(
@@ -78,12 +80,13 @@ class Agent:
                 "at a model directory")
         self.adapter = build_adapter(config)
         self.gate = EngineGate()
-        self.status = AgentStatus(engine_kind=config.engine.kind)
+        self.status = AgentStatus(engine=engine, engine_kind=config.engine.kind)
         private_dir(config.paths.state_dir)
         private_dir(config.paths.run)
         self.ledger = EngineLedger(config.paths.state_dir, tether=tether)
         self.status_file = StatusFile(config.paths.run / "status.json")
-        self._node = NodeInfo(kernel=os.uname().release, engine_kind=config.engine.kind,
+        self._node = NodeInfo(engine=engine, kernel=os.uname().release,
+                              engine_kind=config.engine.kind,
                               engine_version=self.adapter.version(),
                               model=config.engine.model_name)
         self.registry = new_registry()
@@ -182,7 +185,8 @@ class Agent:
         self.access = read_access(config, self._env_key)
         if not config.metrics.enabled:
             return None
-        return MetricsEndpoint(self.registry, config.metrics.host, config.metrics.port,
+        return MetricsEndpoint(EngineLabel.over(self.registry, self.engine),
+                               config.metrics.host, config.metrics.port,
                                self.access.metrics_web, _live(self.access.metrics_tls))
 
     @staticmethod
@@ -367,7 +371,7 @@ class Agent:
         ident = self.engine_identity
         if ident is None:
             return self._node
-        return NodeInfo(driver_version=ident.driver_version or "",
+        return NodeInfo(engine=self.engine, driver_version=ident.driver_version or "",
                         cuda_driver_version=ident.cuda_driver_version or "",
                         kernel=ident.kernel, engine_kind=ident.engine_kind,
                         engine_version=ident.engine_version,

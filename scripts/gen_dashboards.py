@@ -15,9 +15,13 @@ from typing import Any
 # Grafana 12's dashboard schema; older Grafana (>= 10) migrates what it does not know.
 SCHEMA_VERSION = 41
 DS = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
-# Every selector carries this: the `instance` variable lists only the hosts that serve the
-# chosen `model` (the metrics themselves carry no model label; pitstop_node_info does).
-I = 'instance=~"$instance"'  # noqa: E741
+# Every selector carries this: the `instance` variable lists only the agents that serve the
+# chosen `model` and `engine` (the metrics themselves carry no model label; pitstop_node_info
+# does). Each engine of a node is its own agent, so its own instance (host:metrics port); every
+# metric of a named engine's agent carries `engine` (docs/metrics.md), a node's one agent none.
+I = 'instance=~"$instance", engine=~"$engine"'  # noqa: E741
+# A series' legend: the agent, and the engine on a node of several.
+WHO = "{{instance}} {{engine}}"
 ROOT = Path(__file__).resolve().parent.parent / "dashboards"
 
 
@@ -60,18 +64,23 @@ def row(title: str) -> dict[str, Any]:
 
 
 def variables(instance_label: str) -> list[dict[str, Any]]:
-    def query_var(name: str, label: str, query: str) -> dict[str, Any]:
+    def query_var(name: str, label: str, query: str, **extra: Any) -> dict[str, Any]:
         return {"name": name, "label": label, "type": "query", "datasource": DS,
                 "definition": query, "query": {"query": query, "refId": f"{name}-values"},
                 "refresh": 2, "includeAll": True, "multi": True, "sort": 1,
-                "current": {"selected": True, "text": ["All"], "value": ["$__all"]}}
+                "current": {"selected": True, "text": ["All"], "value": ["$__all"]}, **extra}
 
     return [
         {"name": "DS_PROMETHEUS", "label": "Prometheus", "type": "datasource",
          "query": "prometheus", "refresh": 1, "current": {}, "hide": 0},
         query_var("model", "Model", "label_values(pitstop_node_info, model)"),
+        # "All" is `.*`, not the list of names: it must also match the agents of nodes with one
+        # engine, whose series have no engine label.
+        query_var("engine", "Engine", 'label_values(pitstop_node_info{model=~"$model"}, engine)',
+                  allValue=".*"),
         query_var("instance", instance_label,
-                  'label_values(pitstop_node_info{model=~"$model"}, instance)'),
+                  'label_values(pitstop_node_info{model=~"$model", engine=~"$engine"}, '
+                  "instance)"),
     ]
 
 
@@ -115,7 +124,7 @@ BARS = {"drawStyle": "bars", "fillOpacity": 60, "stacking": {"mode": "normal"}}
 POINTS = {"drawStyle": "line", "showPoints": "always", "pointSize": 6, "spanNulls": False}
 UP_MAP = [{"type": "value", "options": {"0": {"text": "down", "color": "red"},
                                         "1": {"text": "up", "color": "green"}}}]
-VERSION_COLUMNS = ["instance", "model", "driver_version", "cuda_driver_version", "kernel",
+VERSION_COLUMNS = ["instance", "engine", "model", "driver_version", "cuda_driver_version", "kernel",
                    "gpu_name", "engine_kind", "engine_version", "weights_digest"]
 
 
@@ -129,14 +138,14 @@ def node_panels() -> list[dict[str, Any]]:
     return [
         row("Engine"),
         panel("stat", "Engine up", "1 when the engine is verified and serving "
-              "(pitstop_engine_up).", [target(f"pitstop_engine_up{{{I}}}", "{{instance}}")],
+              "(pitstop_engine_up).", [target(f"pitstop_engine_up{{{I}}}", WHO)],
               w=4, h=6, mappings=UP_MAP, options={"colorMode": "background"}),
         panel("stat", "Serving for", "Time since the current engine became ready.",
-              [target(f"time() - pitstop_engine_start_time_seconds{{{I}}}", "{{instance}}")],
+              [target(f"time() - pitstop_engine_start_time_seconds{{{I}}}", WHO)],
               "s", w=4, h=6),
         panel("state-timeline", "Engine state", "The supervisor's state over time: a bar "
               "where the engine was in that state (pitstop_engine_state).",
-              [target(f"pitstop_engine_state{{{I}}} == 1", "{{instance}} {{state}}")],
+              [target(f"pitstop_engine_state{{{I}}} == 1", f"{WHO} {{{{state}}}}")],
               w=16, h=6, options={"showValue": "never", "mergeValues": True},
               mappings=[{"type": "value", "options": {"1": {"text": "in state"}}}]),
         row("Recoveries"),
@@ -166,19 +175,19 @@ def node_panels() -> list[dict[str, Any]]:
               "process, the holder's included) at its peak during the last recovery by each "
               "path: what a restore next to a live holder must fit in. Empty without a GPU.",
               [target(f"pitstop_recovery_gpu_memory_peak_bytes{{{I}}}",
-                      "{{instance}} {{path}}", instant=True)], "bytes", h=6,
+                      f"{WHO} {{{{path}}}}", instant=True)], "bytes", h=6,
               options={"orientation": "horizontal", "displayMode": "gradient"}),
         row("Snapshots"),
         panel(TS, "Time since the last good snapshot", "Age of the newest usable snapshot; "
               "no line means none exists (see 'Snapshot present').",
-              [target(f"pitstop_snapshot_age_seconds{{{I}}}", "{{instance}}")], "s", w=8),
+              [target(f"pitstop_snapshot_age_seconds{{{I}}}", WHO)], "s", w=8),
         panel(TS, "Snapshot present and stale reasons", "1 when a usable snapshot exists, by "
               "kind; one line per reason the newest snapshot cannot be restored.",
-              [target(f"max by (instance, kind) (pitstop_snapshot_present{{{I}}})",
+              [target(f"max by (instance, engine, kind) (pitstop_snapshot_present{{{I}}})",
                       "present {{kind}}"),
                target(f"pitstop_snapshot_stale{{{I}}}", "stale: {{reason}}", "B")], w=8),
         panel(TS, "Snapshot size", "Size on disk of the newest usable snapshot.",
-              [target(f"pitstop_snapshot_size_bytes{{{I}}}", "{{instance}}")], "bytes", w=8),
+              [target(f"pitstop_snapshot_size_bytes{{{I}}}", WHO)], "bytes", w=8),
         panel(TS, "Drift, snapshots, regenerations", "Identity fields seen to drift, "
               "snapshots taken and regenerations, by outcome.",
               [target(f"sum by (field) (increase(pitstop_drift_events_total{{{I}}}"
@@ -195,9 +204,9 @@ def node_panels() -> list[dict[str, Any]]:
         row("Holder"),
         panel(TS, "Held GPU memory", "Bytes of model memory the holder keeps outside the "
               "engine, so that a hybrid restore does not copy them.",
-              [target(f"pitstop_holder_bytes{{{I}}}", "{{instance}}")], "bytes"),
+              [target(f"pitstop_holder_bytes{{{I}}}", WHO)], "bytes"),
         panel("state-timeline", "Holder up", "Whether the GPU memory holder answers.",
-              [target(f"pitstop_holder_up{{{I}}}", "{{instance}}")], mappings=UP_MAP,
+              [target(f"pitstop_holder_up{{{I}}}", WHO)], mappings=UP_MAP,
               options={"showValue": "auto"}),
         row("GPU"),
         panel(TS, "GPU faults", "Faults of the engine's GPU seen through NVML (Xid, "
@@ -207,15 +216,15 @@ def node_panels() -> list[dict[str, Any]]:
                       "[$__rate_interval]))", "{{kind}}")], custom=BARS),
         panel("state-timeline", "GPU usable", "0 once NVML says the GPU is lost or needs a "
               "reset: the agent stopped in state failed.",
-              [target(f"pitstop_gpu_usable{{{I}}}", "{{instance}}")],
+              [target(f"pitstop_gpu_usable{{{I}}}", WHO)],
               mappings=[{"type": "value", "options": {
                   "0": {"text": "lost or needs a reset", "color": "red"},
                   "1": {"text": "usable", "color": "green"}}}], options={"showValue": "auto"}),
         row("Front"),
         panel(TS, "Queue depth and in-flight", "Requests waiting in the front for a ready "
               "engine, and requests being forwarded.",
-              [target(f"pitstop_front_queue_depth{{{I}}}", "waiting {{instance}}"),
-               target(f"pitstop_front_inflight_requests{{{I}}}", "in flight {{instance}}",
+              [target(f"pitstop_front_queue_depth{{{I}}}", f"waiting {WHO}"),
+               target(f"pitstop_front_inflight_requests{{{I}}}", f"in flight {WHO}",
                       "B")], w=8),
         panel(TS, "Front stalls (p50, p99)", "The pause a client saw while its answer was "
               "resumed across a recovery; and the queue wait before forwarding.",
@@ -247,16 +256,16 @@ def node_panels() -> list[dict[str, Any]]:
 def fleet_panels() -> list[dict[str, Any]]:
     return [
         row("Fleet"),
-        panel("stat", "Hosts serving", "Hosts whose engine is verified and serving, of "
-              "those scraped.",
+        panel("stat", "Hosts serving", "Engines verified and serving, of those scraped "
+              "(one per host, or each engine of a node of several).",
               [target(f"sum(pitstop_engine_up{{{I}}})", "serving"),
-               target(f"count(pitstop_engine_up{{{I}}})", "hosts", "B")], w=6, h=6),
+               target(f"count(pitstop_engine_up{{{I}}})", "engines", "B")], w=6, h=6),
         panel("stat", "Version sets", "Distinct (driver, kernel, engine) combinations: 1 "
               "when the pinning holds.",
               [target("count(count by (driver_version, kernel, engine_version) "
                       f"(pitstop_node_info{{{I}}}))", "version sets")], w=6, h=6),
-        panel("state-timeline", "Engine up per host", "Each host's engine: up (serving) "
-              "or down.", [target(f"pitstop_engine_up{{{I}}}", "{{instance}}")],
+        panel("state-timeline", "Engine up per host", "Each host's engines: up (serving) "
+              "or down.", [target(f"pitstop_engine_up{{{I}}}", WHO)],
               w=12, h=6, mappings=UP_MAP, options={"showValue": "never"}),
         row("Recoveries"),
         panel(TS, "Recovery time by path (p50, p99)", "Successful recoveries across the "
@@ -271,11 +280,11 @@ def fleet_panels() -> list[dict[str, Any]]:
         row("Snapshots and drift"),
         panel("bargauge", "Time since the last good snapshot", "Age of each host's newest "
               "usable snapshot; a host without one is missing here and listed at the right.",
-              [target(f"pitstop_snapshot_age_seconds{{{I}}}", "{{instance}}", instant=True)],
+              [target(f"pitstop_snapshot_age_seconds{{{I}}}", WHO, instant=True)],
               "s", w=8, options={"orientation": "horizontal", "displayMode": "gradient"}),
         panel("table", "Hosts without a usable snapshot", "Hosts whose newest snapshot is "
               "missing or stale, with the reason.",
-              [target(f"max by (instance) (pitstop_snapshot_present{{{I}}}) == 0", "",
+              [target(f"max by (instance, engine) (pitstop_snapshot_present{{{I}}}) == 0", "",
                       instant=True, table=True),
                target(f"pitstop_snapshot_stale{{{I}}} == 1", "", "B", instant=True,
                       table=True)], w=8,
@@ -297,7 +306,7 @@ def fleet_panels() -> list[dict[str, Any]]:
                   "indexByName": {c: n for n, c in enumerate(VERSION_COLUMNS)}}}]),
         row("Holder and front"),
         panel(TS, "Held GPU memory", "Bytes each host's holder keeps outside the engine.",
-              [target(f"pitstop_holder_bytes{{{I}}}", "{{instance}}")], "bytes", w=8),
+              [target(f"pitstop_holder_bytes{{{I}}}", WHO)], "bytes", w=8),
         panel(TS, "Front stalls (p99) and resumed requests", "The pause clients saw while "
               "their answers were resumed across recoveries.",
               [target("histogram_quantile(0.99, sum by (le) (rate("
@@ -306,8 +315,8 @@ def fleet_panels() -> list[dict[str, Any]]:
                target(f"sum(increase(pitstop_front_resumed_requests_total{{{I}}}"
                       "[$__rate_interval]))", "resumed", "B")], "s", w=8, custom=POINTS),
         panel(TS, "Front queue depth", "Requests waiting for a ready engine, per host.",
-              [target(f"sum by (instance) (pitstop_front_queue_depth{{{I}}})",
-                      "{{instance}}")], w=8),
+              [target(f"sum by (instance, engine) (pitstop_front_queue_depth{{{I}}})",
+                      WHO)], w=8),
     ]
 
 

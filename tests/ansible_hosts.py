@@ -80,8 +80,10 @@ class Fleet:
     inventory: Path
     scratch: Path
 
-    def write_inventory(self, **overrides: object) -> None:
-        """The inventory with the driver pin and any group variable overridden."""
+    def write_inventory(self, host_overrides: dict[str, dict] | None = None,
+                        **overrides: object) -> None:
+        """The inventory with the driver pin and any group variable overridden, and any
+        host's variables (`host_overrides`: {host: {name: value}})."""
         group_vars = base_vars(self.scratch)
         group_vars.update(overrides)
         doc = {"pitstop_nodes": {
@@ -90,7 +92,8 @@ class Fleet:
                              "ansible_python_interpreter": "/usr/bin/python3",
                              # nsenter is root already, and the hosts have no sudo.
                              "ansible_become": False,
-                             **host_vars(name, self.scratch)}
+                             **host_vars(name, self.scratch),
+                             **(host_overrides or {}).get(name, {})}
                       for name, c in self.hosts.items()},
             "vars": group_vars}}
         self.inventory.write_text(yaml.safe_dump(doc, sort_keys=False))

@@ -199,7 +199,8 @@ def have_prometheus() -> bool:
 # --- the expressions ---------------------------------------------------------------------
 # Grafana's variables, replaced by values that keep each expression valid PromQL.
 GRAFANA_VARS = {"$__rate_interval": "1m", "$__range": "1h", "$__interval": "15s",
-                "$instance": ".*", "$model": ".*", "${DS_PROMETHEUS}": "prometheus"}
+                "$instance": ".*", "$model": ".*", "$engine": ".*",
+                "${DS_PROMETHEUS}": "prometheus"}
 
 
 def substitute(expr: str, values: dict[str, str] | None = None) -> str:

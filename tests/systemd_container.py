@@ -56,6 +56,8 @@ class SystemdContainer:
     log_path: Path
     boot_timeout_s: float = 120.0
     name: str = field(default_factory=lambda: f"pitstop-test-{uuid.uuid4().hex[:8]}")
+    # Set for every unit (systemd's DefaultEnvironment) and every command run in it.
+    env: dict[str, str] = field(default_factory=dict)
     _nspawn: subprocess.Popen[bytes] | None = None
     _log: object | None = None
     _cgroups: list[Path] = field(default_factory=list)
@@ -87,6 +89,7 @@ class SystemdContainer:
             # PID 1 reads the host's /proc/cmdline, whose "quiet" would lower its log level to
             # notice; at info the journal names every process systemd kills.
             "systemd.log_level=info",
+            *(f"systemd.setenv={k}={v}" for k, v in self.env.items()),
         ]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the container
@@ -195,7 +198,8 @@ class SystemdContainer:
         """Run argv in every namespace of the container, as root, with a clean environment."""
         if self.leader_pid is None:
             raise ContainerError("the container is not started")
-        envs = [f"{k}={v}" for k, v in {"PATH": CONTAINER_PATH, **(env or {})}.items()]
+        envs = [f"{k}={v}" for k, v in
+                {"PATH": CONTAINER_PATH, **self.env, **(env or {})}.items()]
         full = ["nsenter", "-t", str(self.leader_pid), "-a", "-r", "-w",
                 "env", "-i", *envs, *argv]
         r = subprocess.run(
@@ -362,21 +366,33 @@ def container_prerequisites(rootfs: Path = ROOTFS) -> list[str]:
 
 def cache_link_binds(rootfs: Path, cache: Path = REPO / ".cache") -> list[Bind]:
     """The targets of `.cache` entries that link out of the repo (a git worktree shares the
-    main checkout's CRIU and models this way), read-only at their own paths: through the
-    repo's bind alone the container would see dangling links. Not the one holding `rootfs`,
-    the container's own root."""
+    main checkout's CRIU and models this way, entry by entry or as a whole `.cache` link),
+    read-only at their own paths: through the repo's bind alone the container would see
+    dangling links. Not the one holding `rootfs`, the container's own root."""
     binds = []
     root = rootfs.resolve()
+    linked = cache.is_symlink() and REPO not in cache.resolve().parents
     for entry in sorted(cache.iterdir()) if cache.is_dir() else []:
         real = entry.resolve()
-        if entry.is_symlink() and REPO not in real.parents and real.is_dir() \
+        if (linked or entry.is_symlink()) and REPO not in real.parents and real.is_dir() \
                 and real != root and real not in root.parents:
             binds.append(Bind(real))
     return binds
 
 
+def venv_link_binds(repo: Path = REPO) -> tuple[list[Bind], dict[str, str]]:
+    """A git worktree's venvs (`.venv*`) link to the main checkout's, whose editable install
+    imports the main checkout's `agent`: their targets, read-only at their own paths, and
+    PYTHONPATH so that what runs in the container is this checkout's code. Nothing for a
+    checkout with venvs of its own."""
+    binds = [Bind(v.resolve()) for v in sorted(repo.glob(".venv*"))
+             if v.is_symlink() and repo not in v.resolve().parents and v.resolve().is_dir()]
+    return binds, ({"PYTHONPATH": str(repo)} if binds else {})
+
+
 def make_container(scratch: Path, log_path: Path, rootfs: Path = ROOTFS) -> SystemdContainer:
     """A container with the repo and its venv read-only and `scratch` writable at SCRATCH."""
-    binds = [Bind(REPO), *cache_link_binds(rootfs), *python_binds(),
+    venvs, env = venv_link_binds()
+    binds = [Bind(REPO), *cache_link_binds(rootfs), *venvs, *python_binds(),
              Bind(scratch, writable=True, target=SCRATCH)]
-    return SystemdContainer(rootfs=rootfs, binds=binds, log_path=log_path)
+    return SystemdContainer(rootfs=rootfs, binds=binds, log_path=log_path, env=env)

@@ -1,7 +1,8 @@
 """The playbooks against real hosts: Debian 12 and 13 booted under systemd-nspawn, reached
 through Ansible's community.docker.nsenter connection, in the order an operator works:
 site.yml, site.yml again (no change), the pins in effect, a rollout of a new pin one host at a
-time, and a rollout that stops at a failing host."""
+time, a rollout that stops at a failing host; then a host of two engines (one agent each),
+rolled out engine by engine, and reported engine by engine."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -64,8 +66,11 @@ def fleet() -> Iterator[Fleet]:
         make_apt_repo(scratch / "apt", os.uname().release)
         make_criu_bundle(scratch / "criu-bundle")
         for name, rootfs in ROOTFS.items():
+            # A name of its own: the container's cgroup is named after it, and two runs of
+            # this module on one machine must not share one.
             c = SystemdContainer(rootfs=rootfs, binds=container_binds(scratch, name),
-                                 log_path=scratch / f"{name}.boot.log", name=f"ansible-{name}")
+                                 log_path=scratch / f"{name}.boot.log",
+                                 name=f"ansible-{name}-{uuid.uuid4().hex[:6]}")
             hosts[name] = c
             c.start()
             use_local_repo(c)
@@ -304,7 +309,7 @@ def _pip_list(c: SystemdContainer, venv: str) -> set[str]:
 def test_a_vllm_node_gets_the_agent_without_torch(fleet: Fleet) -> None:
     # The role's install steps as a vLLM node runs them (engine.kind vllm: pitstop_extras
     # defaults to none), into a virtualenv of their own beside the running reference agent;
-    # last in the module, so that nothing after it depends on that host's state.
+    # the last test of deb12, so that nothing after it depends on that host's state.
     c = fleet.hosts["deb12"]
     play = fleet.scratch / "vllm-node.yml"
     play.write_text(yaml.safe_dump([{
@@ -330,3 +335,111 @@ def test_a_vllm_node_gets_the_agent_without_torch(fleet: Fleet) -> None:
     assert "pitstop" in vllm_node and not HEAVY & vllm_node, vllm_node
     # The reference hosts got the reference extra: their engine and make-model need it.
     assert _pip_list(c, "/opt/pitstop/venv") >= HEAVY
+
+
+# --- a host of two engines: deb13 (deb12 is marked to fail and runs a second venv) ---------
+ENGINE_PORTS = {"a": (8001, 9411), "b": (8002, 9412)}
+
+
+def _engines(**config: object) -> list[dict]:
+    return [{"name": n, "gpus": [], "front_port": f, "metrics_port": m, "config": config}
+            for n, (f, m) in ENGINE_PORTS.items()]
+
+
+def _engine_status(c: SystemdContainer, name: str) -> dict:
+    r = c.run(["/opt/pitstop/venv/bin/pitstop", "status", "--json", "--engine", name],
+              check=False)
+    try:
+        return json.loads(r.stdout)
+    except ValueError:
+        return {"state": f"no status ({r.stderr.strip()[-200:]})"}
+
+
+def _times(c: SystemdContainer, name: str) -> dict[str, int]:
+    """When the engine's agent last left inactive (a start began), last went inactive (a stop
+    ended) and last became active (READY: its canary answered), on the host's monotonic clock."""
+    props = ("InactiveExitTimestampMonotonic", "InactiveEnterTimestampMonotonic",
+             "ActiveEnterTimestampMonotonic")
+    return {k: int(v) for k, v in c.show(f"pitstop-agent@{name}.service", *props).items()}
+
+
+def _engine_snapshots(c: SystemdContainer, name: str) -> set[str]:
+    r = c.run(["sh", "-c", f"ls /var/lib/pitstop/engines/{name}/snapshots/*/manifest.json"],
+              check=False)
+    return set(r.stdout.split())
+
+
+def _two_engines_inventory(fleet: Fleet, **engine_config: object) -> None:
+    # deb13 keeps the driver it has; deb12 is left out of these runs (--limit deb13).
+    fleet.write_inventory(nvidia_driver_version=DRIVER_VERSIONS[1],
+                          pitstop_config=_drifted_config(fleet),
+                          host_overrides={"deb13": {"pitstop_engines": _engines(**engine_config)}})
+
+
+def test_a_rollout_turns_a_host_into_two_engines_started_one_after_the_other(
+        fleet: Fleet) -> None:
+    c = fleet.hosts["deb13"]
+    _two_engines_inventory(fleet)
+    try:
+        rc, out = _playbook(fleet, "rollout.yml", "--limit", "deb13")
+    finally:
+        fleet.write_inventory()
+    assert rc == 0, out[-6000:]
+    for name in ENGINE_PORTS:
+        assert c.systemctl("is-active", f"pitstop-agent@{name}.service", check=False).strip() \
+            == "active", c.journal(f"pitstop-agent@{name}.service")[-3000:]
+        assert c.systemctl("is-enabled", f"pitstop-agent@{name}.service").strip() == "enabled"
+        assert _engine_status(c, name)["state"] == "ready"
+        assert _engine_snapshots(c, name), name
+    # The host's one agent gave way to its engines' agents.
+    assert c.systemctl("is-enabled", "pitstop-agent.service", check=False).strip() == "disabled"
+    assert c.systemctl("is-active", "pitstop-agent.service", check=False).strip() == "inactive"
+    # b was started once a was ready.
+    assert _times(c, "a")["ActiveEnterTimestampMonotonic"] \
+        <= _times(c, "b")["InactiveExitTimestampMonotonic"]
+    assert "Verify each engine's canary through its front" in out
+    r = c.run(["/opt/pitstop/venv/bin/pitstop", "check-config"])
+    assert "2 engines (a, b): no port, directory or GPU memory claimed twice" in r.stdout
+
+
+def test_a_rollout_restarts_the_engines_one_at_a_time(fleet: Fleet) -> None:
+    c = fleet.hosts["deb13"]
+    before = {n: _engine_snapshots(c, n) for n in ENGINE_PORTS}
+    started = {n: _times(c, n) for n in ENGINE_PORTS}
+    # A drift for both engines: new snapshots must be taken after their restarts.
+    _two_engines_inventory(fleet, engine={"args": ["--kv-slots", "2"]})
+    try:
+        rc, out = _playbook(fleet, "rollout.yml", "--limit", "deb13")
+    finally:
+        fleet.write_inventory()
+    assert rc == 0, out[-6000:]
+    a, b = _times(c, "a"), _times(c, "b")
+    for name, t in (("a", a), ("b", b)):
+        assert t["InactiveEnterTimestampMonotonic"] \
+            > started[name]["ActiveEnterTimestampMonotonic"], f"engine {name} was not restarted"
+        assert _engine_status(c, name)["state"] == "ready"
+        assert _engine_snapshots(c, name) - before[name], f"engine {name}: no new snapshot"
+    # b stopped only once a was serving again: the host never lost both engines.
+    assert a["ActiveEnterTimestampMonotonic"] < b["InactiveEnterTimestampMonotonic"], (a, b)
+
+
+def test_report_lists_every_engine_of_the_host(fleet: Fleet) -> None:
+    report = fleet.scratch / "report-engines.json"
+    _two_engines_inventory(fleet, engine={"args": ["--kv-slots", "2"]})
+    try:
+        r = run_ansible("ansible-playbook", "-i", str(fleet.inventory), "-e",
+                        f"pitstop_report_file={report}",
+                        str(ROOT / "playbooks" / "report.yml"), timeout=600)
+    finally:
+        fleet.write_inventory()
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    hosts = {h["host"]: h for h in json.loads(report.read_text())["hosts"]}
+    deb13 = hosts["deb13"]
+    assert [(e["name"], e["unit"], e["state"]) for e in deb13["engines"]] == [
+        ("a", "pitstop-agent@a.service", "ready"), ("b", "pitstop-agent@b.service", "ready")]
+    # A host of one engine lists its one agent, unnamed.
+    assert [(e["name"], e["unit"]) for e in hosts["deb12"]["engines"]] == \
+        [(None, "pitstop-agent.service")]
+    assert [e["front"] for e in deb13["engines"]] == ["127.0.0.1:8001", "127.0.0.1:8002"]
+    assert all(e["snapshot"] for e in deb13["engines"])
+    assert deb13["agent_state"] == "ready" and deb13["snapshots"] >= 2

@@ -192,6 +192,25 @@ def test_a_second_engine_on_the_same_holder_keeps_its_kv_privately(holder: Holde
             assert complete(second) == complete(first)
 
 
+def test_engines_of_two_owners_on_the_same_holder_each_keep_their_kv_there(holder: Holder,
+                                                                              model):
+    """Two agents' engines on one holder (a node of several engines): each its own pool."""
+    args = ("--holder", str(holder.sock), "--weights-digest", "sha256-owners")
+
+    def pools() -> set[str]:
+        with holder.client() as c:
+            return {r.name for r in c.list() if r.name.endswith("/pool")}
+
+    before = pools()
+    with run_engine(model, *args, "--kv-owner", "/run/pitstop/engines/a/engine.sock") as a, \
+            run_engine(model, *args, "--kv-owner", "/run/pitstop/engines/b/engine.sock",
+                       name="second") as b:
+        assert state(a)["kv_held"] and state(b)["kv_held"]
+        assert "kept KV off" not in b.log_text()
+        assert complete(a) == complete(b)
+        assert len(pools() - before) == 2
+
+
 def test_without_keep_kv_a_resume_is_prefilled_and_says_why(holder: Holder, model):
     with run_engine(model, "--holder", str(holder.sock), "--weights-digest", "sha256-nokv",
                     "--no-keep-kv") as e:

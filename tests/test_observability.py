@@ -161,7 +161,10 @@ def test_dashboard_shape(path: Path) -> None:
     assert d["uid"] == path.stem and d["schemaVersion"] >= 39
     variables = {v["name"]: v for v in d["templating"]["list"]}
     assert variables["DS_PROMETHEUS"]["type"] == "datasource"
-    assert {"instance", "model"} <= variables.keys()
+    assert {"instance", "model", "engine"} <= variables.keys()
+    # "All" engines must match the series of a node's one agent too, which have no engine.
+    assert variables["engine"]["allValue"] == ".*"
+    assert 'engine=~"$engine"' in variables["instance"]["query"]["query"]
     ds = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
     ids = [p["id"] for p in d["panels"]]
     assert len(ids) == len(set(ids))
@@ -172,7 +175,8 @@ def test_dashboard_shape(path: Path) -> None:
         for t in p["targets"]:
             assert t["datasource"] == ds, p["title"]
             expr = t["expr"]
-            assert 'instance=~"$instance"' in expr, f"{p['title']}: not filtered by $instance"
+            assert 'instance=~"$instance", engine=~"$engine"' in expr, \
+                f"{p['title']}: not filtered by $instance and $engine"
             # Range vectors span $__rate_interval (or the whole range): a fixed [5m] breaks
             # at scrape intervals other than the one it was written for.
             for window in re.findall(r"\[([^\]]+)\]", expr):

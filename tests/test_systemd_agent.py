@@ -9,6 +9,7 @@ after its cold start it takes a snapshot, and later starts come back through a f
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -270,3 +271,144 @@ def test_repeated_sigkills_of_the_agent_are_each_restarted_by_systemd_through_a_
     # No snapshot was lost to the kills (a restore keeps the one it came from).
     after = c.run(["ls", str(STATE / "snapshots")]).stdout.split()
     assert set(snapshots) <= set(after), (snapshots, after)
+
+
+# --- several engines on the node: pitstop-agent@NAME, one agent each -----------------------
+# Last in the module: the one-engine agent above is stopped to leave the CPUs to these two.
+ENGINES_DIR = Path("/etc/pitstop/engines")
+ENGINES = ("a", "b")
+FRONT = {"a": 8101, "b": 8102}
+METRICS = {"a": 9511, "b": 9512}
+
+
+def _unit(name: str) -> str:
+    return f"pitstop-agent@{name}.service"
+
+
+def _engine_state(name: str) -> Path:
+    return Path(f"/var/lib/pitstop-test/engines/{name}")
+
+
+def _engine_config(model: Path, name: str) -> dict:
+    return {**_config(model),
+            "paths": {"state_dir": str(_engine_state(name))},
+            "front": {"host": "127.0.0.1", "port": FRONT[name]},
+            "metrics": {"host": "127.0.0.1", "port": METRICS[name]}}
+
+
+def _estatus(c: SystemdContainer, name: str) -> dict:
+    r = c.run(["cat", str(_engine_state(name) / "run" / "status.json")], check=False)
+    try:
+        return json.loads(r.stdout)
+    except ValueError:
+        return {}
+
+
+def _http(c: SystemdContainer, url: str, body: dict | None = None) -> str:
+    """GET or POST (JSON) from inside the container, with the venv's Python."""
+    script = ("import json, sys, urllib.request as u\n"
+              "d = json.loads(sys.argv[2]) if len(sys.argv) > 2 else None\n"
+              "req = u.Request(sys.argv[1], data=None if d is None else json.dumps(d).encode(),"
+              " headers={'Content-Type': 'application/json'})\n"
+              "print(u.urlopen(req, timeout=60).read().decode())\n")
+    argv = [str(REPO / ".venv" / "bin" / "python"), "-c", script, url]
+    return c.run(argv + ([json.dumps(body)] if body is not None else []), timeout=90).stdout
+
+
+def _serves(c: SystemdContainer, name: str) -> str:
+    """One completion through the engine's front; its text."""
+    model = cached_model("tiny").name
+    out = _http(c, f"http://127.0.0.1:{FRONT[name]}/v1/completions",
+                {"model": model, "prompt": "Two engines", "max_tokens": 4, "temperature": 0})
+    return json.loads(out)["choices"][0]["text"]
+
+
+def _snapshot_ids(c: SystemdContainer, name: str) -> set[str]:
+    r = c.run([PITSTOP, "snapshot", "list", "--json", "--engine", name])
+    return {s["id"] for s in json.loads(r.stdout)}
+
+
+def _restored_ids(c: SystemdContainer, name: str) -> list[str]:
+    """The snapshots the engine's agent restored, as its journal says, oldest first."""
+    return re.findall(r"restored snapshot (\S+) as PID", c.journal(_unit(name)))
+
+
+@pytest.fixture(scope="module")
+def engines(agent: SystemdContainer) -> Iterator[SystemdContainer]:
+    """Engines a and b, each with its own file, ports and state, both ready with a snapshot."""
+    c = agent
+    c.systemctl("stop", AGENT, timeout=300)
+    model = cached_model("tiny")
+    for name in ENGINES:
+        c.write_file(str(ENGINES_DIR / f"{name}.yaml"),
+                     yaml.safe_dump(_engine_config(model, name)))
+    try:
+        r = c.run([PITSTOP, "check-config"])
+        assert "2 engines (a, b): no port, directory or GPU memory claimed twice" in r.stdout
+        out = c.run([PITSTOP, "install-units", "--config", str(CONFIG), "--holder-backend",
+                     "cpu", "--enable"]).stdout
+        assert f"enable {_unit('a')} {_unit('b')}" in out, out
+        # systemctl returns once both sent READY=1: each one's canary answered.
+        c.systemctl("start", _unit("a"), _unit("b"), timeout=400)
+        for name in ENGINES:
+            c.wait_for(f"engine {name}'s first snapshot",
+                       lambda n=name: "published" in _estatus(c, n).get("reason", ""), 300,
+                       interval_s=0.5)
+        yield c
+    finally:
+        for name in ENGINES:
+            print(f"\n--- journal of {_unit(name)} (tail) ---\n" + c.journal(_unit(name))[-2000:])
+        c.systemctl("stop", _unit("a"), _unit("b"), check=False, timeout=300)
+
+
+def test_each_engine_has_its_own_unit_directories_ports_and_label(
+        engines: SystemdContainer) -> None:
+    c = engines
+    for name in ENGINES:
+        assert c.show(_unit(name), "ActiveState")["ActiveState"] == "active"
+        st = _estatus(c, name)
+        assert st["engine"] == name and st["front"] == f"127.0.0.1:{FRONT[name]}"
+        # Every metric the agent serves says which engine it is.
+        text = _http(c, f"http://127.0.0.1:{METRICS[name]}/metrics")
+        samples = [line for line in text.splitlines() if line and not line.startswith("#")]
+        assert samples and all(f'engine="{name}"' in line for line in samples), samples[:5]
+    assert _snapshot_ids(c, "a").isdisjoint(_snapshot_ids(c, "b"))
+    listing = c.run([PITSTOP, "status"], check=False).stdout
+    assert "engine a\n  state:    ready" in listing and "engine b\n  state:    ready" in listing
+
+
+@pytest.mark.parametrize(("killed", "other"), [("a", "b"), ("b", "a")])
+def test_each_engine_sigkilled_comes_back_from_its_own_snapshot_while_the_other_serves(
+        engines: SystemdContainer, killed: str, other: str) -> None:
+    c = engines
+    other_before = (_estatus(c, other)["engine_pid"], c.show(_unit(other), "MainPID"))
+    restarts = _estatus(c, killed)["restarts"]
+    c.run(["kill", "-KILL", str(_estatus(c, killed)["engine_pid"])])
+    # While `killed` recovers, `other` answers, through the same engine process as before.
+    assert _serves(c, other)
+    c.wait_for(f"engine {killed} recovered",
+               lambda: _estatus(c, killed).get("state") == "ready"
+               and _estatus(c, killed).get("restarts") == restarts + 1, 240, interval_s=0.2)
+    rec = _estatus(c, killed)["last_recovery"]
+    print(f"\nengine {killed} SIGKILLed: back via {rec['path']} in {rec['duration_s']:.2f} s; "
+          f"engine {other} served meanwhile")
+    assert (rec["path"], rec["cause"]) == ("full", "crash"), rec
+    assert _restored_ids(c, killed)[-1] in _snapshot_ids(c, killed)
+    assert (_estatus(c, other)["engine_pid"], c.show(_unit(other), "MainPID")) == other_before
+    assert _estatus(c, other)["state"] in ("ready", "snapshotting")
+    assert _serves(c, killed) and _serves(c, other)
+
+
+def test_systemctl_restart_of_one_engine_leaves_the_other_serving(
+        engines: SystemdContainer) -> None:
+    c = engines
+    b_before = (_estatus(c, "b")["engine_pid"], c.show(_unit("b"), "MainPID"))
+    a_agent = c.show(_unit("a"), "MainPID")
+    # Returns once the new agent of a sent READY=1.
+    c.systemctl("restart", _unit("a"), timeout=300)
+    assert c.show(_unit("a"), "MainPID") != a_agent
+    rec = _estatus(c, "a")["last_recovery"]
+    assert rec["path"] == "full", rec
+    assert _restored_ids(c, "a")[-1] in _snapshot_ids(c, "a")
+    assert (_estatus(c, "b")["engine_pid"], c.show(_unit("b"), "MainPID")) == b_before
+    assert _serves(c, "b") and _serves(c, "a")

@@ -94,6 +94,7 @@ def test_every_unit_passes_systemd_analyze_verify(container: SystemdContainer) -
     try:
         # A template is verified through an instance of it.
         r = c.run(["systemd-analyze", "verify", f"/etc/systemd/system/{AGENT}",
+                   "/etc/systemd/system/pitstop-agent@a.service",
                    "/etc/systemd/system/pitstop-holders.target",
                    f"/etc/systemd/system/{HOLDER}"], check=False)
         assert r.returncode == 0, r.stdout + r.stderr

@@ -35,13 +35,22 @@ def test_install_renders_every_placeholder_with_this_installation(tmp_path: Path
     cfg.write_text("engine: {model: /m}\npaths: {state_dir: /srv/ps, run_dir: /run/ps}\n")
     paths = units.paths_for(Path("/opt/pitstop venv/bin/pitstop"), cfg)
     written = units.install(tmp_path / "root", paths)
-    assert len(written) == 6
+    assert len(written) == 7
     for f in written:
         text = f.read_text()
         assert not re.search(r"@[A-Z_]+@", text), f
         assert f.stat().st_mode & 0o777 == 0o644
     agent = (tmp_path / "root/etc/systemd/system/pitstop-agent.service").read_text()
     assert f'ExecStart="/opt/pitstop venv/bin/pitstop" run --config {cfg}' in agent
+    template = (tmp_path / "root/etc/systemd/system/pitstop-agent@.service").read_text()
+    assert 'ExecStart="/opt/pitstop venv/bin/pitstop" run --engine %i --engines-dir ' \
+        '/etc/pitstop/engines' in template
+    assert "Description=Pitstop agent of engine %i " in template
+    assert "SyslogIdentifier=pitstop@%i" in template
+    # One text, two units: everything but the lines naming the engine is the same.
+    differ = {a for a, b in zip(agent.splitlines(), template.splitlines(), strict=True)
+              if a != b}
+    assert {d.split("=")[0] for d in differ} == {"Description", "ExecStart", "SyslogIdentifier"}
     tmpfiles = (tmp_path / "root/etc/tmpfiles.d/pitstop.conf").read_text()
     assert "d /srv/ps 0700" in tmpfiles and "d /srv/ps/snapshots 0700" in tmpfiles
     assert "D /run/ps 0700" in tmpfiles
@@ -96,3 +105,55 @@ def test_the_cli_names_an_invalid_config(tmp_path: Path) -> None:
     r = _cli("--prefix", str(tmp_path), "--config", str(bad))
     assert r.returncode == 2
     assert "bogus" in r.stderr and str(bad) in r.stderr
+
+
+def _engine(d: Path, name: str, port: int, state: str, args: str = "[]",
+            env: str = "{}") -> Path:
+    d.mkdir(exist_ok=True)
+    f = d / f"{name}.yaml"
+    f.write_text(f"engine: {{model: /m, args: {args}, env: {env}}}\n"
+                 f"front: {{port: {port}}}\nmetrics: {{port: {port + 1000}}}\n"
+                 f"paths: {{state_dir: {state}, run_dir: /run/pitstop/engines/{name}}}\n")
+    return f
+
+
+def test_the_tmpfiles_snippet_makes_every_engines_directories(tmp_path: Path) -> None:
+    engines = tmp_path / "engines"
+    _engine(engines, "a", 8001, "/var/lib/pitstop/engines/a")
+    _engine(engines, "b", 8002, "/var/lib/pitstop/engines/b")
+    from agent.node import load_engines
+
+    paths = units.paths_for(Path("/usr/bin/pitstop"), tmp_path / "absent.yaml",
+                            engines_dir=engines, engines=tuple(load_engines(engines)))
+    units.install(tmp_path / "root", paths)
+    tmpfiles = (tmp_path / "root/etc/tmpfiles.d/pitstop.conf").read_text()
+    for name in ("a", "b"):
+        assert f"d /var/lib/pitstop/engines/{name} 0700 root root -" in tmpfiles
+        assert f"d /var/lib/pitstop/engines/{name}/snapshots 0700" in tmpfiles
+        assert f"D /run/pitstop/engines/{name} 0700" in tmpfiles
+    template = (tmp_path / "root/etc/systemd/system/pitstop-agent@.service").read_text()
+    assert f"--engines-dir {engines}" in template
+
+
+def test_the_cli_enables_one_agent_per_engine_offline(tmp_path: Path) -> None:
+    require(shutil.which("systemctl"), "systemctl is needed for `systemctl --root` enabling")
+    engines = tmp_path / "engines"
+    _engine(engines, "a", 8001, "/var/lib/pitstop/engines/a")
+    _engine(engines, "b", 8002, "/var/lib/pitstop/engines/b")
+    r = _cli("--prefix", str(tmp_path / "root"), "--engines-dir", str(engines), "--enable")
+    assert r.returncode == 0, r.stderr
+    wants = tmp_path / "root/etc/systemd/system/multi-user.target.wants"
+    assert sorted(p.name for p in wants.iterdir() if p.name.startswith("pitstop-agent")) == \
+        ["pitstop-agent@a.service", "pitstop-agent@b.service"]
+    assert os.readlink(wants / "pitstop-agent@a.service") == \
+        "/etc/systemd/system/pitstop-agent@.service"
+
+
+def test_the_cli_refuses_engines_that_claim_one_port_naming_both_files(tmp_path: Path) -> None:
+    engines = tmp_path / "engines"
+    a = _engine(engines, "a", 8001, "/var/lib/pitstop/engines/a")
+    b = _engine(engines, "b", 8001, "/var/lib/pitstop/engines/b")
+    r = _cli("--prefix", str(tmp_path / "root"), "--engines-dir", str(engines))
+    assert r.returncode == 2
+    assert f"{a} and {b} both listen on port 8001" in r.stderr, r.stderr
+    assert not (tmp_path / "root").exists()

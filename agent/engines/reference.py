@@ -82,7 +82,11 @@ class ReferenceAdapter:
         return None
 
     def holder_args(self, socket: Path, digest: str) -> list[str]:
-        return ["--holder", str(socket), "--weights-digest", digest]
+        # Its own socket names the kept KV pool: the same for every engine this agent starts,
+        # another for each agent of a node that shares the holder (check-config refuses two
+        # engines on one socket).
+        return ["--holder", str(socket), "--weights-digest", digest,
+                "--kv-owner", str(self._config.engine_socket)]
 
     async def prepare(self, probe: EngineProbe) -> Prepared:
         answer = await probe.control(PREPARE_PATH, timeout=CONTROL_LIMIT_S)

@@ -90,6 +90,8 @@ class AgentStatus:
     """Everything `pitstop status` prints, persisted to `status.json` on every change."""
 
     agent_pid: int = field(default_factory=os.getpid)
+    # The engine's name on a node of several (pitstop-agent@NAME); "" for the node's one agent.
+    engine: str = ""
     state: str = State.STOPPED.value
     state_since: float = field(default_factory=time.time)
     reason: str = ""

@@ -44,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on a GPU, set the per-thread stack to BYTES at a snapshot's "
                         "prepare (CUDA's default: 1024), so local memory the driver keeps "
                         "for a larger one stays out of the image (grown again on use)")
+    p.add_argument("--gpu-memory-utilization", type=float, metavar="SHARE",
+                   help="on a GPU, the share of its memory (0 to 1) torch may allocate in "
+                        "this engine: the KV pool, activations and graphs (weights held by "
+                        "the holder are the holder's); for engines sharing a GPU, as vLLM's "
+                        "flag of the same name (default: no cap)")
     p.add_argument("--holder", type=Path, metavar="SOCK",
                    help="keep the weights in the holder at SOCK: attach them when held "
                         "(a warm start), else load them from disk into it and commit")
@@ -51,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --holder, keep the KV pool and its ledger in the holder, so a "
                         "request resumed after a crash continues without prefilling again "
                         "(default on with --holder)")
+    p.add_argument("--kv-owner", default="", metavar="NAME",
+                   help="with a kept KV pool, whose it is: engines of other owners on the "
+                        "same holder keep pools of their own (the agent gives its engine's "
+                        "socket); default: the pool of any engine of these weights and layout")
     p.add_argument("--kv-lease-s", type=float, default=None, metavar="S",
                    help="seconds the holder keeps a KV pool no engine claims (default 600)")
     p.add_argument("--weights-digest", metavar="DIGEST",
@@ -77,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.prepare_stack is not None and not 0 < args.prepare_stack <= 1 << 20:
         print("refengine: --prepare-stack takes bytes, above 0 and at most 1048576",
               file=sys.stderr)
+        return 2
+    share = args.gpu_memory_utilization
+    if share is not None and not 0 < share <= 1:
+        print(f"refengine: --gpu-memory-utilization {share:g} is out of range; give a share of "
+              "the GPU's memory above 0 and at most 1", file=sys.stderr)
         return 2
     if min(args.kv_slots, args.prefill_chunk, args.threads) < 1:
         print("refengine: --kv-slots, --prefill-chunk and --threads must be at least 1",
@@ -120,10 +134,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
     # Fixed for the life of the process: results must not depend on how busy the host is.
     torch.set_num_threads(args.threads)
-    device_name = args.device
-    if device_name == "auto":
-        device_name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device_name)
+    device = _device(args)
     held = _held_weights(args, device) if args.holder is not None else None
     model = Llama.load(args.model, device, None if args.dtype == "auto" else args.dtype,
                        held=held.tensors if held is not None else None,
@@ -177,6 +188,21 @@ async def _serve(args: argparse.Namespace) -> int:
     return 1 if failure else 0
 
 
+def _device(args: argparse.Namespace) -> Any:
+    """The torch device to serve on, with its share of GPU memory capped when one is given."""
+    import torch
+
+    name = args.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and args.gpu_memory_utilization is not None:
+        # A cap on torch's caching allocator: beyond it an allocation fails as out of memory
+        # instead of taking what an engine beside this one on the GPU counts on.
+        torch.cuda.set_per_process_memory_fraction(args.gpu_memory_utilization, device)
+    return device
+
+
 def _held_kv(args: argparse.Namespace, cfg: Any, max_len: int, device: Any, dtype: Any,
              held: HeldWeights | None) -> HeldKV | None:
     """The KV pool's place in the holder, or None (a private pool)."""
@@ -193,7 +219,7 @@ def _held_kv(args: argparse.Namespace, cfg: Any, max_len: int, device: Any, dtyp
         return None
     shape, nbytes = KVPool.layout(cfg, args.kv_slots, max_len, dtype)
     ledger = LedgerShape(entries=args.kv_slots, max_tokens=max_len, max_blocks=1)
-    return HeldKV(args.holder, layout_digest(digest, shape, dtype, ledger), nbytes,
+    return HeldKV(args.holder, layout_digest(digest, shape, dtype, ledger, args.kv_owner), nbytes,
                   ledger, device, args.kv_lease_s or DEFAULT_LEASE_S)
 
 

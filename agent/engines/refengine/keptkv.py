@@ -56,10 +56,13 @@ def kv_fingerprints(pool: torch.Tensor, slot: int, start: int, end: int, block: 
 
 
 def layout_digest(weights_digest: str, shape: tuple[int, ...], dtype: torch.dtype,
-                  ledger: LedgerShape) -> str:
+                  ledger: LedgerShape, owner: str = "") -> str:
     """Names what the pool's bytes mean: KV of other weights or another layout is never
-    read as this engine's."""
+    read as this engine's. `owner` keeps the pools of two agents' engines on one holder (a
+    node of several engines) apart; "": any engine of these weights and this layout."""
     what = f"{weights_digest}|{shape}|{dtype}|{ledger}".encode()
+    if owner:
+        what += f"|{owner}".encode()
     return hashlib.blake2b(what, digest_size=16).hexdigest()
 
 
