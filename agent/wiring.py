@@ -26,6 +26,7 @@ from agent.front.auth import take_env_key
 from agent.fsutil import private_dir
 from agent.gpu_health import GpuWatch
 from agent.holder.client import HolderClient
+from agent.holder.plans import RefillPlans
 from agent.identity import Identity, gpu_selector
 from agent.metrics import Metrics, NodeInfo, new_registry
 from agent.metrics_endpoint import MetricsEndpoint
@@ -137,9 +138,12 @@ class Agent:
                        capture_failure=lambda: self.capture.failure if self.capture else "")
         self.full = FullRestore(**restore)
         self.hybrid = HybridRestore(self.holder, **restore)
+        # The refill restores with a hybrid rung of its own (its refusals are its own).
+        self.refill_hybrid = HybridRestore(self.holder, **restore)
         self.refill = RefillRestore(
-            self.holder, enabled=config.holder.refill, model=config.engine.model,
-            digester=lambda: self.reader.digester, on_refilled=self.metrics.refilled, **restore)
+            self.refill_hybrid, self.holder,
+            RefillPlans(config.engine.model, digester=lambda: self.reader.digester),
+            on_refilled=self.metrics.refilled)
         # The fleet's store (snapshots.remote): restored by Pitstop's CRIU backend only.
         self.remote = None if self.snapshotter is None else RemoteSnapshots(
             settings=lambda: self.config.snapshots, store=self.store, identity=self.identity,
@@ -239,9 +243,8 @@ class Agent:
         self.store.trust_sealed = snaps.verify == "changed"
         if self.snapshotter is not None:
             self.snapshotter.cuda.lock_timeout_ms = snaps.cuda_lock_timeout_ms
-        for rung in (self.full, self.hybrid, self.refill):
+        for rung in (self.full, self.hybrid, self.refill_hybrid):
             rung.timeout_s = config.health.timeout_s * RESTORE_TIMEOUTS
-        self.refill.enabled = config.holder.refill
         for vllm_rung in self._vllm_first:
             vllm_rung.reconfigure(config)
         if self.front is not None:

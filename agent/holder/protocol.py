@@ -205,6 +205,11 @@ class Reply(_Msg):
     refilled: Refilled | None = None
 
 
+def error_reply(code: ErrorCode, message: str) -> Reply:
+    """The answer to a request refused with `code`."""
+    return Reply(ok=False, error=ErrorInfo(code=code, message=message))
+
+
 class ProtocolError(ValueError):
     """A message that does not parse; carries the code the answer should have."""
 

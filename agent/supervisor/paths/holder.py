@@ -142,19 +142,26 @@ class HybridRestore(FullRestore):
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self._link = link
 
+    def newest_image(self) -> Prepared[Manifest] | Refusal:
+        """The newest hybrid image of this host that records held regions, whatever the
+        holder holds now (the refill loads them first); blocking (it verifies files)."""
+        chosen = super()._choose()
+        if isinstance(chosen, Refusal):
+            return chosen
+        if not chosen.plan.held:
+            return Refusal(RefusalCode.NO_HELD_REGIONS,
+                           "the newest hybrid snapshot records no held regions")
+        return chosen
+
     def _choose(self) -> Prepared[Manifest] | Refusal:
         refusal = self._link.unavailable()
         if refusal is not None:
             return refusal
-        chosen = super()._choose()
+        chosen = self.newest_image()
         if isinstance(chosen, Refusal):
             return chosen
-        held = chosen.plan.held
-        if not held:
-            return Refusal(RefusalCode.NO_HELD_REGIONS,
-                           "the newest hybrid snapshot records no held regions")
         try:
-            stale = self._link.stale_reason(held)
+            stale = self._link.stale_reason(chosen.plan.held or {})
         except HolderError as e:
             # It answered a moment ago (unavailable() above) and no longer does, or answers
             # what this agent cannot read: a reason to take the next rung, not to exit.
