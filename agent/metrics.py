@@ -39,8 +39,6 @@ RECOVERY_CAUSES = tuple(c.value for c in Cause)
 FAILURE_CAUSES = tuple(c.value for c in (Cause.CRASH, Cause.EXIT, Cause.HANG, Cause.GPU_FAULT,
                                          Cause.RESUME_FAILED))
 FALLTHROUGH_REASONS = tuple(f.value for f in Fall)
-# The first streamed request an engine answers after it (re)started, and every later one.
-FIRST_TOKEN_PHASES = ("after_recovery", "steady")
 SNAPSHOT_KINDS = get_args(SnapshotKind)
 # A snapshot sent to the remote store (snapshots.publish) or taken from it before a start.
 TRANSFER_DIRECTIONS = ("push", "pull")

@@ -166,9 +166,9 @@ def test_sixteen_whole_requests_are_sent_again(engine: Engine) -> None:
         async with front_on(engine) as h:
             c = client(h)
             tasks = [asyncio.create_task(through_front(c, p, b, False)) for p, b in specs]
-            await until(lambda: h.front.inflight == 16, what="16 requests at the engine")
+            await until(lambda: h.gate.inflight == 16, what="16 requests at the engine")
             await asyncio.sleep(0.1)
-            at_kill = h.front.inflight
+            at_kill = h.gate.inflight
             await h.restart()
             assert await asyncio.gather(*tasks) == want
             resumed = sum(h.sample("pitstop_front_resumed_requests_total", endpoint=p)

@@ -591,7 +591,7 @@ def test_a_corrupt_vllm_image_and_a_corrupt_criu_image_end_up_in_the_one_quarant
         tmp_path: Path, py: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from agent.cli import main
     from agent.supervisor.paths.restore import FullRestore
-    from tests.snapshot_helpers import CANARY, Counter, identity, snapshotter
+    from tests.snapshot_helpers import CANARY, Counter, capture, identity, snapshotter
 
     registry = new_registry()
     metrics = Metrics(registry, lambda: None)
@@ -601,7 +601,7 @@ def test_a_corrupt_vllm_image_and_a_corrupt_criu_image_end_up_in_the_one_quarant
     ident = identity(snap.criu.version)
     counter = Counter(tmp_path / "c.sock")
     try:
-        criu_info = snap.capture(counter.pid, canary=CANARY, identity=ident)
+        criu_info = capture(snap, counter.pid, canary=CANARY, identity=ident)
     finally:
         counter.stop()
     vllm_m = _take(tmp_path, py)

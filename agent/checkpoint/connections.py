@@ -126,7 +126,7 @@ class TcpSurvey:
 
     Example::
 
-        t = tcp_survey(tree_pids(engine_pid))
+        t = survey(tree_pids(engine_pid)).tcp
         if t.outside: refuse(...)
         flags = ("--tcp-established",) if t.internal_present else ()
     """
@@ -382,14 +382,6 @@ def _stable_read(tree: tuple[int, ...], proc: Path,
     return holders, read()  # the tree keeps opening sockets: the last reading, as it is
 
 
-def tcp_survey(pids: Iterable[int], proc: Path = Path("/proc")) -> TcpSurvey:
-    """The TCP connections of the processes `pids` (a whole tree): internal ones, and those
-    whose other end is outside it, listeners left out. Reads /proc only."""
-    tree = tuple(pids)
-    holders, tables = _stable_read(tree, proc, lambda: _netns_tables(tree, proc))
-    return _name_peers(_tcp(tables, holders), proc)
-
-
 # --- Unix: which connections leave the tree ------------------------------------------------------
 def _unix(holders: dict[int, Holder], table: dict[int, UnixSocket]) -> list[OutsideConnection]:
     mine = {ino: table[ino] for ino in holders if ino in table}
@@ -431,10 +423,6 @@ def _unix(holders: dict[int, Holder], table: dict[int, UnixSocket]) -> list[Outs
         found.append(OutsideConnection(reason, ino, local, peer_name or "an unnamed socket", h,
                                        peer_inode=s.peer))
     return found
-
-
-def _name_peers(t: TcpSurvey, proc: Path) -> TcpSurvey:
-    return TcpSurvey(t.internal, _with_peer_holders(t.outside, proc))
 
 
 def _with_peer_holders(conns: Iterable[OutsideConnection],

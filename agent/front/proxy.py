@@ -180,7 +180,6 @@ class Front:
         self.upstream = Upstream()
         # Before a snapshot the pooled connections go: CRIU cannot dump half of a connection.
         gate.on_quiesce(self.upstream.close_idle)
-        self.inflight = 0  # requests with an engine request open right now
         # The latest recovery whose engine was sent its first streamed request: that request's
         # first token is the one after a recovery, every later one's is steady state.
         self._first_stream_of = 0
@@ -271,16 +270,6 @@ class Front:
             self._active.discard(task)
             if not self._active:
                 self._idle.set()
-
-    @contextlib.contextmanager
-    def _forwarding(self) -> Iterator[None]:
-        """One engine request: counted for the gauge and on the gate (snapshot quiet)."""
-        self.inflight += 1
-        try:
-            with self.gate.request():
-                yield
-        finally:
-            self.inflight -= 1
 
     def _refused(self, request: web.Request) -> None:
         """A request without a valid API key: counted, never logged with its header."""
@@ -408,7 +397,7 @@ class Front:
         attempts = 0
         while True:
             try:
-                with self._forwarding():
+                with self.gate.request():
                     async with self.upstream.session(ready) as s, s.request(
                             request.method, _ENGINE + request.path_qs, data=raw,
                             headers=headers) as up:
@@ -499,7 +488,7 @@ class Front:
                 # Only a new request's first answer: a resumed one's pause is a stall.
                 timer = self._first_token_timer(ready) if attempts == 0 else None
                 try:
-                    with self._forwarding():
+                    with self.gate.request():
                         up = await EngineStream.open(ready.socket, "POST", path, headers.items(),
                                                      json.dumps(fwd).encode())
                         try:

@@ -465,7 +465,7 @@ class SnapshotStore:
             elif kind is not None and e.manifest.kind != kind:
                 skip(e.id, RefusalCode.WRONG_KIND, f"kind {e.manifest.kind}, wanted {kind}")
             elif diffs := compare(e.manifest.identity, identity, remapped):
-                skip(e.id, RefusalCode.STALE, describe(diffs))
+                skip(e.id, RefusalCode.STALE, describe(diffs, brief=True))
             elif accept is not None and (refused := accept(e.manifest)) is not None:
                 skipped.append(refused)
             else:

@@ -25,11 +25,11 @@ log = logging.getLogger("pitstop.capture")
 
 
 class _DumpFailed(SnapshotError):
-    """The checkpoint itself failed (not the quiet wait, not the engine's prepare)."""
+    """The checkpoint itself failed (not the quiet wait, not the engine's detach)."""
 
 
 class ResumeFailed(EngineError):
-    """After a snapshot the engine could not take back what its prepare dropped (its held
+    """After a snapshot the engine could not take back what it detached (its held
     weights, its KV pool): it cannot serve, and must be replaced.
 
     `published` is the snapshot the dump made, None when the dump failed too; then
@@ -91,7 +91,7 @@ class Capture:
 
     New requests are held by the front (admission paused), the ones in flight finish and
     idle connections to the engine are closed (the gate's quiesce); the engine drops its KV
-    pool (prepare), CRIU dumps it and leaves it running, the engine rebuilds the pool
+    pool (detach), CRIU dumps it and leaves it running, the engine rebuilds the pool
     (resume), and admission resumes. A failed dump publishes nothing and
     leaves the engine serving. A failed resume leaves an engine that cannot serve: the gate
     is closed before admission resumes, so that no request reaches it, and `take` raises
@@ -120,9 +120,8 @@ class Capture:
         self._control_timeout = control_timeout_s
         # Told each snapshot once it is published (the remote store's push).
         self._on_published = on_published
-        self.last: SnapshotInfo | None = None
-        # The kind the engine's last prepare made this capture take: a snapshot refused
-        # before its prepare (requests still in flight) is counted under it.
+        # The kind the engine's last detach made this capture take: a snapshot refused
+        # before its detach (requests still in flight) is counted under it.
         self.kind: SnapshotKind = "full"
         # Why the last attempt failed, one line; "" once one succeeds. The restore rungs give
         # it as their reason to skip, and `pitstop status` shows it (snapshot_error).
@@ -131,7 +130,7 @@ class Capture:
     @property
     def limit_s(self) -> float:
         """The longest `take` may last before it is stuck: the wait for requests in flight,
-        the engine's prepare and resume, the backend's create (and the seal with it)."""
+        the engine's detach and resume, the backend's create (and the seal with it)."""
         return (self.quiet_timeout_s + 2 * self._adapter.control_limit_s
                 + self._backend.create_limit_s)
 
@@ -176,7 +175,6 @@ class Capture:
         self.failure = ""
         self._metrics.snapshots_created.labels(kind=kind, result="success").inc()
         self._metrics.snapshot_create_duration.labels(kind=kind).observe(result.duration_s)
-        self.last = result.info
         self._on_published(result.info)
 
     async def _dump(self, engine: EngineProcess, canary: CanaryRecord,
@@ -186,12 +184,12 @@ class Capture:
         # The control calls have a session each, closed before the dump: a connection of
         # ours to the engine must not be open while CRIU takes its tree.
         async with EngineProbe(self._socket, timeout=self._control_timeout) as probe:
-            prepared = await self._adapter.prepare(probe)
-        if prepared is not None:
-            freed = prepared.freed_bytes
-            # Weights the engine maps from the holder were detached by prepare: the image
-            # leaves them out, and records what a restore must find held.
-            held = prepared.held
+            detached = await self._adapter.detach(probe)
+        if detached is not None:
+            freed = detached.freed_bytes
+            # Weights the engine maps from the holder were detached: the image leaves them
+            # out, and records what a restore must find held.
+            held = detached.held
         kind: SnapshotKind = "hybrid" if held else "full"
         self.kind = kind
         dumped: CaptureResult | None = None
@@ -201,8 +199,8 @@ class Capture:
         except _DumpFailed as e:
             failed = e
         finally:
-            # Whatever the dump did, the engine must take back what prepare dropped.
-            if prepared is not None and engine.alive:
+            # Whatever the dump did, the engine must take back what it detached.
+            if detached is not None and engine.alive:
                 try:
                     async with EngineProbe(self._socket,
                                            timeout=self._control_timeout) as probe:
@@ -216,7 +214,7 @@ class Capture:
 
     async def _publish(self, engine: EngineProcess, canary: CanaryRecord, kind: SnapshotKind,
                        held: dict | None, freed: int, t0: float) -> CaptureResult:
-        """Dump the prepared engine and publish its image; _DumpFailed when that fails."""
+        """Dump the detached engine and publish its image; _DumpFailed when that fails."""
         try:
             info = await asyncio.get_running_loop().run_in_executor(
                 None, self._capture, engine.pid, canary, kind, held)
@@ -237,8 +235,4 @@ class Capture:
                  held: dict | None) -> SnapshotInfo:
         request = CreateRequest(kind=kind, pid=pid, leave_running=True,  # type: ignore[arg-type]
                                 held=held, canary=canary.to_manifest())
-        try:
-            return take(self._store, self._backend, request, self._identity())
-        except OSError as e:
-            raise SnapshotError(f"the snapshot of PID {pid} could not be written: {e}; is "
-                                f"the file system of {self._store.root} full?") from e
+        return take(self._store, self._backend, request, self._identity())

@@ -11,6 +11,7 @@ from typing import Generic, Protocol, TypeVar
 from agent.refusal import Refusal
 from agent.supervisor.canary import CanaryRecord
 from agent.supervisor.engine import EngineProcess
+from agent.supervisor.states import Cause
 
 # What one rung's `prepare` found and its `start` uses: the snapshot chosen, or nothing.
 T = TypeVar("T")
@@ -20,7 +21,7 @@ T = TypeVar("T")
 class Attempt:
     """One walk of the ladder: why it started, and the stage timings a path records."""
 
-    cause: str
+    cause: Cause
     stages: dict[str, float] = field(default_factory=dict)
     # The GPU fault this walk works around ("" for none): see agent/supervisor/gpu.py.
     gpu_fault: str = ""

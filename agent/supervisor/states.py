@@ -75,8 +75,8 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     (S.STARTING, E.VERIFIED): S.READY,
     # Every path failed, or the engine died while starting: wait, then try again.
     (S.STARTING, E.START_FAILED): S.BACKOFF,
-    # Too many failures inside the crash-loop window: stop trying until told to.
-    (S.STARTING, E.CRASH_LOOP): S.FAILED,
+    # Too many failures inside the crash-loop window (counted before each backoff): stop
+    # trying until told to.
     (S.BACKOFF, E.CRASH_LOOP): S.FAILED,
     # A crash, an unrequested exit or a hang while serving.
     (S.READY, E.ENGINE_FAILED): S.BACKOFF,

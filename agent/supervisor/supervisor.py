@@ -19,7 +19,7 @@ from agent.refusal import Refusal, RefusalCode
 from agent.store.manifest import CanaryMethod
 from agent.supervisor.canary import CanaryBook, CanaryRecord, setup_key
 from agent.supervisor.capture import Capture, CaptureResult, ResumeFailed
-from agent.supervisor.engine import EngineProcess
+from agent.supervisor.engine import EngineProcess, Exit
 from agent.supervisor.gate import EngineGate
 from agent.supervisor.gpu import GpuGuard, ruled_out
 from agent.supervisor.ladder import Attempt, Prepared, StartPath
@@ -102,7 +102,7 @@ class Supervisor:
         self._wake = asyncio.Event()
         self._failures: collections.deque[float] = collections.deque()
         self._announced_ready = False
-        self._cause = "startup"
+        self._cause = Cause.STARTUP
         # Set when the engine came up without a usable snapshot: take one per policy.
         self._snapshot_wanted = ""
         self._snapshot_requests: list[asyncio.Future[dict]] = []
@@ -113,7 +113,7 @@ class Supervisor:
     def request_stop(self) -> None:
         self._stop.set()
 
-    def request_restart(self, cause: str) -> None:
+    def request_restart(self, cause: Cause) -> None:
         """Replace a serving engine through the ladder (a reload changed the engine)."""
         self._cause = cause
         self._restart.set()
@@ -127,7 +127,7 @@ class Supervisor:
         self._reconfigured = True
         self._wake.set()
         if restart_engine and self.state in (State.READY, State.BACKOFF):
-            self.request_restart("reload")
+            self.request_restart(Cause.RELOAD)
 
     def request_snapshot(self) -> asyncio.Future[dict]:
         """Take a snapshot at the next quiet moment; the future gets its summary."""
@@ -150,7 +150,7 @@ class Supervisor:
                     summary, " and a fresh snapshot taken" if self.capture is not None else
                     "; take a fresh snapshot with `pitstop vllm-snapshot create`")
         if self.state in (State.READY, State.SNAPSHOTTING):
-            self.request_restart("drift")
+            self.request_restart(Cause.DRIFT)
 
     def request_reset(self) -> None:
         """Clear a crash loop (on reload): the next walk of the ladder starts at once."""
@@ -311,11 +311,7 @@ class Supervisor:
                 await self._verify(engine, prepared, attempt)
                 await path.after_verified(engine, prepared)
             except EngineError as e:
-                if not engine.stopping:
-                    await engine.kill()
-                await engine.close()
-                self.engine = None
-                self.status.engine_pid = None
+                await self._let_go(engine, stop=False)
                 if self._stop.is_set():
                     return
                 async with self._working(f"setting {path.name}'s snapshot aside",
@@ -569,7 +565,8 @@ class Supervisor:
                     return  # run() serves again, with the reloaded health settings
                 if engine.exited.done():
                     exit = engine.exited.result()
-                    cause = "crash" if self.adapter.exit_is_failure(exit.code or 0) else "exit"
+                    failed = self.adapter.exit_is_failure(exit.code or 0)
+                    cause = Cause.CRASH if failed else Cause.EXIT
                     await self._engine_failed(cause, f"engine {engine.pid} {exit}")
                     return
                 try:
@@ -581,7 +578,7 @@ class Supervisor:
                                 hc.failures_before_restart, e)
                     if misses >= hc.failures_before_restart:
                         await self._engine_failed(
-                            "hang", f"engine {engine.pid} failed {misses} health checks in a "
+                            Cause.HANG, f"engine {engine.pid} failed {misses} health checks in a "
                             f"row ({e})")
                         return
 
@@ -613,7 +610,7 @@ class Supervisor:
             for fut in waiting:
                 fut.set_exception(e)
             if not engine.alive:
-                await self._engine_failed("crash", f"engine {engine.pid} died during a "
+                await self._engine_failed(Cause.CRASH, f"engine {engine.pid} died during a "
                                           f"snapshot: {engine.exited.result()}")
                 return
             self._fire(Event.SNAPSHOT_DONE, f"snapshot failed: {e}"[:300])
@@ -642,7 +639,7 @@ class Supervisor:
                 fut.set_exception(SnapshotError(str(e)))
         await self._engine_failed(Cause.RESUME_FAILED, str(e))
 
-    async def _engine_failed(self, cause: str, reason: str) -> None:
+    async def _engine_failed(self, cause: Cause, reason: str) -> None:
         self.gate.close(reason)
         check = await self._gpu_check()
         if check.verdict is not Verdict.HEALTHY:
@@ -650,13 +647,7 @@ class Supervisor:
             cause = Cause.GPU_FAULT
             reason = f"{reason}, with a GPU fault: {check.describe()}"
             self.gate.close(reason)
-        engine = self.engine
-        if engine is not None:
-            await engine.kill()
-            await engine.close()
-        self.engine = None
-        self.status.engine_pid = None
-        self.status.engine_ready_since = None
+        await self._let_go(self.engine, stop=False)
         self.status.restarts += 1
         self.metrics.engine_failures.labels(cause=cause).inc()
         self.record_failure()
@@ -668,7 +659,7 @@ class Supervisor:
         self._fire(Event.ENGINE_FAILED, reason)
 
     async def _replace(self, engine: EngineProcess) -> None:
-        if self._cause == "drift":
+        if self._cause is Cause.DRIFT:
             # Not urgent: let the requests in flight finish; new ones wait in the front.
             self.gate.pause_admission()
             async with self._working("waiting for requests in flight",
@@ -676,13 +667,8 @@ class Supervisor:
                 await self.gate.wait_quiet(self.config.snapshots.quiet_timeout_s)
         self.gate.close(f"restarting: {self._cause}")
         self.gate.resume_admission()
-        async with self._working("stopping the engine", self._stop_limit_s):
-            exit = await engine.stop(self.config.engine.stop_timeout_s)
-        await engine.close()
+        exit = await self._let_go(engine, stop=True)
         log.info("engine %d stopped for a restart (%s): %s", engine.pid, self._cause, exit)
-        self.engine = None
-        self.status.engine_pid = None
-        self.status.engine_ready_since = None
         self._fire(Event.RESTART, self._cause)
 
     # --- backing off ------------------------------------------------------------------
@@ -724,7 +710,7 @@ class Supervisor:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._reset.wait(), 1.0)
         if self._reset.is_set() and not self._stop.is_set():
-            self._cause = "reset"
+            self._cause = Cause.RESET
             # The operator says the cause was fixed: faults seen so far are history. The next
             # walk reads the GPU's health afresh and fails again if it still is unusable.
             self.gpu.acknowledge()
@@ -736,15 +722,27 @@ class Supervisor:
         self.notifier.stopping()
         self.gate.close("stopping")
         engine = self.engine
+        exit = await self._let_go(engine, stop=True)
         if engine is not None:
-            async with self._working("stopping the engine", self._stop_limit_s):
-                exit = await engine.stop(self.config.engine.stop_timeout_s)
-            await engine.close()
             log.info("engine %d stopped: %s", engine.pid, exit)
+        self._fire(Event.STOPPED)
+
+    async def _let_go(self, engine: EngineProcess | None, *, stop: bool) -> Exit | None:
+        """Take `engine` down and forget it, the one way every path does: stopped (SIGTERM,
+        then SIGKILL after engine.stop_timeout_s) or, with `stop` false, killed at once
+        unless the agent is stopping it already; its whole tree is gone on return."""
+        exit = None
+        if engine is not None:
+            if stop:
+                async with self._working("stopping the engine", self._stop_limit_s):
+                    exit = await engine.stop(self.config.engine.stop_timeout_s)
+            elif not engine.stopping:
+                exit = await engine.kill()
+            await engine.close()
         self.engine = None
         self.status.engine_pid = None
         self.status.engine_ready_since = None
-        self._fire(Event.STOPPED)
+        return exit
 
 
 def _summary(result: CaptureResult) -> dict:

@@ -216,8 +216,7 @@ class Refiller:
             self._ready_sink = None
 
     def _complete(self, digest: str) -> bool:
-        regions = [r for r in self._table.committed.values() if r.digest == digest]
-        return bool(regions) and all(r.parts == len(regions) for r in regions)
+        return p.whole_set([r for r in self._table.committed.values() if r.digest == digest])
 
     def _wake(self) -> None:
         # From the job's thread: the table is the loop's, so the loop finishes the job.
