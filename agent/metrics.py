@@ -19,8 +19,8 @@ from prometheus_client.registry import Collector
 import agent
 from agent.gpu_health import FaultKind
 from agent.holder.kvledger import KeptKVOutcome
+from agent.recovery import Cause, Fall
 from agent.store.manifest import SnapshotKind
-from agent.supervisor.states import Cause, Fall
 
 # Recovery times span a 1 s hybrid restore to a multi-minute cold start of a big model.
 RECOVERY_BUCKETS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0,

@@ -20,7 +20,6 @@ from agent.control import ControlServer
 from agent.drift import Difference, describe
 from agent.drift_watch import DriftWatcher, build_reader
 from agent.engines import build_adapter
-from agent.engines.vllm.rungs import vllm_rungs
 from agent.errors import IdentityError, ModelError, SnapshotError, SourceUnavailable
 from agent.front.auth import take_env_key
 from agent.fsutil import private_dir
@@ -42,6 +41,7 @@ from agent.supervisor.paths.cold import ColdStart
 from agent.supervisor.paths.holder import HolderLink, HybridRestore, WarmStart
 from agent.supervisor.paths.refill import RefillRestore
 from agent.supervisor.paths.restore import FullRestore
+from agent.supervisor.paths.vllm import vllm_rungs
 from agent.supervisor.remote import RemoteSnapshots
 from agent.supervisor.status import AgentStatus, HolderFacts, NewestSnapshot, StatusFile
 from agent.supervisor.supervisor import Supervisor

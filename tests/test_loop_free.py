@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from agent.config import parse_config
+from agent.engines.probe import EngineProbe
 from agent.engines.vllm.adapter import VllmAdapter
 from agent.metrics import Metrics, new_registry
 from agent.supervisor.canary import CanaryBook
 from agent.supervisor.gate import EngineGate
 from agent.supervisor.ladder import Prepared
-from agent.supervisor.probe import EngineProbe
 from agent.supervisor.status import AgentStatus
 from agent.supervisor.supervisor import Supervisor
 from agent.systemd import Notifier

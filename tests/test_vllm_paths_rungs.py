@@ -22,10 +22,10 @@ from agent import commands
 from agent.checkpoint.backend import CreateRequest, take
 from agent.commands import CommandResult
 from agent.config import parse_config
+from agent.engines.probe import EngineProbe
 from agent.engines.vllm.adapter import VllmAdapter
 from agent.engines.vllm.cli import VllmFeatures, gpu_present, read_features
 from agent.engines.vllm.preload import PreloadLink
-from agent.engines.vllm.rungs import VllmPreloadStart, VllmSnapshotRestore, vllm_rungs
 from agent.engines.vllm.snapshot import SCRATCH, VllmSnapshotBackend
 from agent.errors import EngineError, StartPathError
 from agent.identity import Identity
@@ -33,7 +33,7 @@ from agent.metrics import Metrics, new_registry
 from agent.refusal import Refusal, RefusalCode
 from agent.store import Manifest, SnapshotStore
 from agent.supervisor.ladder import Attempt, Prepared
-from agent.supervisor.probe import EngineProbe
+from agent.supervisor.paths.vllm import VllmPreloadStart, VllmSnapshotRestore, vllm_rungs
 from agent.supervisor.relay import UnixTcpRelay
 from tests.snapshot_helpers import criu, publish
 from tests.vllm_paths_kit import REVISION, vllm_config, vllm_python

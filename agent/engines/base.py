@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from agent.config import Config
+    from agent.engines.probe import EngineProbe
     from agent.refusal import Refusal
     from agent.store.manifest import CanaryMethod
-    from agent.supervisor.probe import EngineProbe
 
 
 @dataclass(frozen=True)

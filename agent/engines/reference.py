@@ -15,7 +15,7 @@ from agent.refusal import Refusal
 from agent.store.manifest import CanaryMethod
 
 if TYPE_CHECKING:
-    from agent.supervisor.probe import EngineProbe
+    from agent.engines.probe import EngineProbe
 
 # The reference engine's control endpoints (agent/engines/refengine/server.py).
 PREPARE_PATH = "/pitstop/prepare"

@@ -9,9 +9,9 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from agent.engines.probe import CanaryAnswer
 from agent.fsutil import write_private
 from agent.store.manifest import Canary, CanaryMethod
-from agent.supervisor.probe import CanaryAnswer
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from agent.checkpoint.backend import CheckpointBackend, CreateRequest, SnapshotInfo, take
 from agent.engines.base import EngineAdapter
+from agent.engines.probe import EngineProbe
 from agent.errors import EngineError, OpenConnectionsError, SnapshotError
 from agent.identity import Identity
 from agent.metrics import Metrics
@@ -19,7 +20,6 @@ from agent.store import SnapshotKind, SnapshotStore
 from agent.supervisor.canary import CanaryRecord
 from agent.supervisor.engine import EngineProcess
 from agent.supervisor.gate import EngineGate
-from agent.supervisor.probe import EngineProbe
 
 log = logging.getLogger("pitstop.capture")
 

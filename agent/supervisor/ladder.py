@@ -8,10 +8,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
+from agent.recovery import Cause
 from agent.refusal import Refusal
 from agent.supervisor.canary import CanaryRecord
 from agent.supervisor.engine import EngineProcess
-from agent.supervisor.states import Cause
 
 # What one rung's `prepare` found and its `start` uses: the snapshot chosen, or nothing.
 T = TypeVar("T")

@@ -12,9 +12,11 @@ from typing import Any, Protocol
 
 from agent.config import Config
 from agent.engines.base import EngineAdapter
+from agent.engines.probe import CanaryAnswer, EngineProbe
 from agent.errors import EngineError, IdentityError, SnapshotError, StartPathError, VerifyError
 from agent.gpu_health import GpuCheck, GpuFault, PeakSampler, Verdict
 from agent.metrics import Metrics
+from agent.recovery import Cause, Fall
 from agent.refusal import Refusal, RefusalCode
 from agent.store.manifest import CanaryMethod
 from agent.supervisor.canary import CanaryBook, CanaryRecord, setup_key
@@ -23,8 +25,7 @@ from agent.supervisor.engine import EngineProcess, Exit
 from agent.supervisor.gate import EngineGate
 from agent.supervisor.gpu import GpuGuard, ruled_out
 from agent.supervisor.ladder import Attempt, Prepared, StartPath
-from agent.supervisor.probe import CanaryAnswer, EngineProbe
-from agent.supervisor.states import Cause, Event, Fall, State, next_state
+from agent.supervisor.states import Event, State, next_state
 from agent.supervisor.status import AgentStatus, Fallthrough, Recovery
 from agent.systemd import Notifier
 

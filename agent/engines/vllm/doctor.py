@@ -16,12 +16,12 @@ from agent.engines.vllm.cli import (
     FLASHINFER_SAMPLER,
     VllmFeatures,
     gpu_present,
+    host_unfit,
     read_features,
     sampler_off,
 )
 from agent.engines.vllm.plugin import support
 from agent.engines.vllm.preload import PreloadLink, engine_gpu
-from agent.engines.vllm.rungs import host_unfit
 from agent.engines.vllm.snapshot import choose_backend
 from agent.errors import EngineError, SnapshotError
 from agent.refusal import RefusalCode

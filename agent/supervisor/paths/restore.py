@@ -14,6 +14,7 @@ from agent import proc
 from agent.checkpoint.backend import CheckpointBackend
 from agent.checkpoint.snapshotter import Snapshotter
 from agent.engines.base import EngineAdapter
+from agent.engines.probe import EngineProbe
 from agent.errors import EngineError, RestoreBlockedError, SnapshotError, StartPathError
 from agent.identity import Identity
 from agent.metrics import Metrics
@@ -22,7 +23,6 @@ from agent.store import Manifest, SnapshotKind, SnapshotStore
 from agent.supervisor.canary import CanaryRecord
 from agent.supervisor.engine import EngineProcess
 from agent.supervisor.ladder import Attempt, Prepared
-from agent.supervisor.probe import EngineProbe
 
 log = logging.getLogger("pitstop.restore")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from agent import proc
 from agent.config import Config
 from agent.engines.base import EngineAdapter
-from agent.engines.vllm.cli import VllmFeatures
+from agent.engines.vllm.cli import VllmFeatures, host_unfit
 from agent.engines.vllm.preload import PreloadLink
 from agent.engines.vllm.snapshot import VllmSnapshotBackend
 from agent.errors import EngineError, StartPathError, VllmSnapshotError
@@ -32,24 +32,6 @@ log = logging.getLogger("pitstop.vllm")
 
 # Failures that say the snapshot itself is bad: it is set aside, never tried again.
 _BAD_SNAPSHOT = frozenset({RefusalCode.CANARY, RefusalCode.CORRUPT, RefusalCode.STALE})
-
-
-def host_unfit(features: VllmFeatures, has_gpu: bool, what: str) -> Refusal | None:
-    """Why this host cannot run vLLM's `what` subcommand (snapshot, preload); None if it can."""
-    if features.distribution is None:
-        return Refusal(RefusalCode.NO_VLLM, "engine.python has no vLLM installed")
-    present = features.snapshot if what == "snapshot" else features.preload
-    if not present:
-        return Refusal(RefusalCode.UNSUPPORTED,
-                       f"the installed vLLM ({features.describe()}) has no `vllm {what}`")
-    missing = []
-    if not features.cuda_build:
-        missing.append(f"the installed vLLM ({features.describe()}) is not a CUDA build")
-    if not has_gpu:
-        missing.append("this host has no NVIDIA GPU")
-    if missing:
-        return Refusal(RefusalCode.NO_CUDA, f"{' and '.join(missing)}; `vllm {what}` needs CUDA")
-    return None
 
 
 class VllmSnapshotRestore(SnapshotRestore):
