@@ -198,6 +198,14 @@ class Metrics:
         self._initialise_known_labels()
         registry.register(StatusCollector(status))
 
+    def recovered(self, path: str, result: str, cause: str, seconds: float,
+                  stages: dict[str, float]) -> None:
+        """A walk of the ladder ended by `path` with `result`, in `seconds` (its stages')."""
+        self.recoveries.labels(path=path, result=result, cause=cause).inc()
+        self.recovery_duration.labels(path=path, result=result).observe(seconds)
+        for stage, secs in stages.items():
+            self.recovery_stage_duration.labels(path=path, stage=stage).observe(secs)
+
     def refilled(self, nbytes: int, seconds: float) -> None:
         """The holder loaded `nbytes` of weights in `seconds` for the refill rung."""
         self.refill_bytes.inc(nbytes)
@@ -241,6 +249,12 @@ class StatusCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         s = self._status()
+        yield from self._engine(s)
+        yield from self._snapshot(s)
+        yield from self._holder_and_gpu(s)
+        yield from self._front(s)
+
+    def _engine(self, s: StatusView) -> Iterable[Metric]:
         info = InfoMetricFamily("pitstop_build", "Pitstop's version.")
         info.add_metric([], {"version": agent.__version__})
         yield info
@@ -267,6 +281,8 @@ class StatusCollector(Collector):
         if s.engine_start_time is not None:
             st.add_metric([], s.engine_start_time)
         yield st
+
+    def _snapshot(self, s: StatusView) -> Iterable[Metric]:
         present = GaugeMetricFamily(
             "pitstop_snapshot_present", "1 when a usable snapshot exists for this host.",
             labels=["kind"])
@@ -288,6 +304,9 @@ class StatusCollector(Collector):
         for reason in s.stale_reasons:
             stale.add_metric([reason], 1.0)
         yield stale
+
+    @staticmethod
+    def _holder_and_gpu(s: StatusView) -> Iterable[Metric]:
         hu = GaugeMetricFamily("pitstop_holder_up", "1 when the GPU memory holder answers.")
         if s.holder_up is not None:
             hu.add_metric([], 1.0 if s.holder_up else 0.0)
@@ -311,6 +330,9 @@ class StatusCollector(Collector):
         if s.gpu_usable is not None:
             gu.add_metric([], 1.0 if s.gpu_usable else 0.0)
         yield gu
+
+    @staticmethod
+    def _front(s: StatusView) -> Iterable[Metric]:
         qd = GaugeMetricFamily(
             "pitstop_front_queue_depth", "Requests waiting in the front for a ready engine.")
         qd.add_metric([], float(s.front_queue_depth))

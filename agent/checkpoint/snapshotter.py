@@ -303,30 +303,35 @@ class Snapshotter:
         outputs = {int(n): files[w] for n, w in manifest.process.inherited_pipes.items()}
         restored = RestoredProcess(done.pid, manifest.id, outputs, log, timings)
         try:
-            if done.pid != manifest.process.root_pid:
-                raise SnapshotError(
-                    f"snapshot {manifest.id}: restored root PID {done.pid}, "
-                    f"dumped as {manifest.process.root_pid}"
-                )
-            if regrant:
-                t0 = self._clock()
-                pids = process_tree(done.pid, self._proc)
-                restored.amx = regrant_tree(pids, self._proc)
-                continue_tree(pids)
-                timings["amx_regrant"] = self._clock() - t0
-            # Continued first: the CUDA restore was only ever run, and measured, on a
-            # running tree.
-            pairs = gpu_pairs(manifest.identity.gpu_uuid, gpu_uuid)
-            if pairs:
-                logger.info("snapshot %s: restoring its CUDA state onto another GPU: %s",
-                            manifest.id, ", ".join(map(str, pairs)))
-            self._resume(manifest.process.cuda_pids, timings, pairs=pairs)
+            self._bring_up(restored, manifest, regrant=regrant, gpu_uuid=gpu_uuid)
         except BaseException:
             kill_tree(done.pid, proc=self._proc)
             for f in files.values():
                 f.close()
             raise
         return restored
+
+    def _bring_up(self, restored: RestoredProcess, manifest: Manifest, *, regrant: bool,
+                  gpu_uuid: str | None) -> None:
+        """After CRIU: the root PID checked, the AMX permission granted again and the tree
+        continued (`regrant`), then the CUDA state restored (onto `gpu_uuid`)."""
+        timings = restored.timings
+        if restored.pid != manifest.process.root_pid:
+            raise SnapshotError(f"snapshot {manifest.id}: restored root PID {restored.pid}, "
+                                f"dumped as {manifest.process.root_pid}")
+        if regrant:
+            t0 = self._clock()
+            pids = process_tree(restored.pid, self._proc)
+            restored.amx = regrant_tree(pids, self._proc)
+            continue_tree(pids)
+            timings["amx_regrant"] = self._clock() - t0
+        # Continued first: the CUDA restore was only ever run, and measured, on a running
+        # tree.
+        pairs = gpu_pairs(manifest.identity.gpu_uuid, gpu_uuid)
+        if pairs:
+            logger.info("snapshot %s: restoring its CUDA state onto another GPU: %s",
+                        manifest.id, ", ".join(map(str, pairs)))
+        self._resume(manifest.process.cuda_pids, timings, pairs=pairs)
 
 
     def _wait_pids_free(self, manifest: Manifest) -> float:

@@ -28,10 +28,12 @@ from agent.store.files import (
     check_private_dir,
     check_root,
     chunk_digests,
+    chunks_differ,
     chunks_key,
     fsync_dir,
     fsync_file,
     make_private_dir,
+    private_file,
     read_private,
     stat_key,
     tree_bytes,
@@ -391,46 +393,21 @@ class SnapshotStore:
         except SnapshotError as e:
             return Verdict(snapshot_id, (str(e),))
         d = self.path(snapshot_id)
-        reasons = []
-        listed = {f.name for f in m.files}
-        known = listed | {MANIFEST_NAME, SEALED_NAME} | RESTORE_LEFTOVERS | set(m.scratch)
-        on_disk, odd = walk_files(d)
-        for extra in sorted(set(on_disk) - known):
-            reasons.append(f"{d / extra}: not listed in the manifest")
-        for name in odd:
-            if name not in listed:
-                reasons.append(f"{d / name}: not a regular file or directory")
+        reasons = _unlisted(d, m)
         sealed = {} if full else self._sealed(d)
         to_hash = []
         for f in m.files:
-            p = d / f.name
-            try:
-                st = os.lstat(p)
-            except FileNotFoundError:
-                reasons.append(f"{p}: missing")
-                continue
-            if not stat.S_ISREG(st.st_mode):
-                reasons.append(f"{p}: not a regular file")
-            elif st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
-                reasons.append(f"{p}: not private (uid {st.st_uid}, mode {st.st_mode & 0o777:o})")
-            elif st.st_size != f.size:
-                reasons.append(f"{p}: size {st.st_size}, manifest says {f.size}")
+            st, why = private_file(d / f.name, f.size)
+            if st is None:
+                reasons.append(why)
             elif sealed.get(f.name) != [*stat_key(st), chunks_key(f.sha256_chunks)]:
                 to_hash.append(f)
         with ThreadPoolExecutor(HASH_WORKERS) as pool:
             digests = chunk_digests(d, [f.name for f in to_hash], pool, m.chunk_bytes)
         for f in to_hash:
-            got = digests[f.name][1]
-            if len(got) != len(f.sha256_chunks):
-                reasons.append(f"{d / f.name}: the manifest's chunk list does not fit its size")
-                continue
-            bad = [i for i, (a, b) in enumerate(zip(got, f.sha256_chunks, strict=True)) if a != b]
-            if bad:
-                at = bad[0] * m.chunk_bytes
-                reasons.append(
-                    f"{d / f.name}: sha256 differs from the manifest in {len(bad)} chunk(s), "
-                    f"the first at byte {at}"
-                )
+            why = chunks_differ(d / f.name, f.sha256_chunks, digests[f.name][1], m.chunk_bytes)
+            if why:
+                reasons.append(why)
         return Verdict(snapshot_id, tuple(reasons), m, sum(f.size for f in to_hash))
 
     def _sealed(self, d: Path) -> dict[str, list[int]]:
@@ -597,3 +574,15 @@ def _known_code(value: object) -> RefusalCode | None:
         return RefusalCode(value)
     except ValueError:
         return None
+
+
+def _unlisted(d: Path, m: Manifest) -> list[str]:
+    """Why the files in `d` that `m` does not list (nor the store's own) are wrong there."""
+    listed = {f.name for f in m.files}
+    known = listed | {MANIFEST_NAME, SEALED_NAME} | RESTORE_LEFTOVERS | set(m.scratch)
+    on_disk, odd = walk_files(d)
+    reasons = [f"{d / extra}: not listed in the manifest" for extra in sorted(set(on_disk) - known)]
+    reasons += [f"{d / name}: not a regular file or directory" for name in odd
+                if name not in listed]
+    return reasons
+

@@ -85,6 +85,12 @@ class CaptureResult:
     duration_s: float
     freed_bytes: int
 
+    def summary(self) -> dict:
+        """What `pitstop snapshot create` is answered about the published snapshot."""
+        return {"id": self.info.id, "kind": self.info.manifest.kind,
+                "bytes": self.info.image_bytes, "duration_s": round(self.duration_s, 3),
+                "freed_bytes": self.freed_bytes}
+
 
 class Capture:
     """Snapshots a ready engine without losing a request.
