@@ -214,7 +214,11 @@ class EngineStream(asyncio.Protocol):
                 pos += len(piece)
                 self._left -= len(piece)
                 if self._left == 0:
-                    self._left = -2  # its CRLF next
+                    if buf.startswith(b"\r\n", pos):  # its CRLF, already here
+                        pos += 2
+                        self._left = -1
+                    else:
+                        self._left = -2  # its CRLF next
                 if self._give(piece):
                     return
                 continue
