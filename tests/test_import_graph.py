@@ -162,8 +162,9 @@ def cycles(root: Path) -> list[str]:
 
 def read_layers(doc: Path) -> list[tuple[str, list[str]]]:
     """The layers of the table under "## Layers" in `doc`, lowest first: each its name and
-    the dotted prefixes of its modules (`agent/holder/` -> agent.holder, `agent/proc.py` ->
-    agent.proc, `agent/__init__.py` -> agent)."""
+    its modules, dotted: a package's whole tree ends in '.' (`agent/holder/` ->
+    'agent.holder.'), a module is itself (`agent/proc.py` -> 'agent.proc',
+    `agent/__init__.py` -> 'agent')."""
     section = doc.read_text().split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]
     layers = []
     for row in re.findall(r"^\| *(\d+)\. *([^|]+?) *\|([^|]+)\|", section, re.M):
@@ -173,17 +174,20 @@ def read_layers(doc: Path) -> list[tuple[str, list[str]]]:
 
 
 def _dotted(path: str) -> str:
-    parts = path.removesuffix("/").removesuffix(".py").split("/")
+    if path.endswith("/"):
+        return path.removesuffix("/").replace("/", ".") + "."
+    parts = path.removesuffix(".py").split("/")
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _layer_of(module: str, layers: list[tuple[str, list[str]]]) -> int | None:
-    """The index of the layer whose longest prefix holds `module`."""
+    """The index of the layer that names `module`, or the longest package holding it."""
     best, found = -1, None
-    for i, (_, prefixes) in enumerate(layers):
-        for p in prefixes:
-            if (module == p or module.startswith(p + ".")) and len(p) > best:
-                best, found = len(p), i
+    for i, (_, names) in enumerate(layers):
+        for n in names:
+            held = module + "." == n or module.startswith(n) if n.endswith(".") else module == n
+            if held and len(n) > best:
+                best, found = len(n), i
     return found
 
 
@@ -222,11 +226,11 @@ def test_an_import_of_a_higher_layer_is_named_with_its_line(tmp_path):
         "pkg/high.py": "from pkg.low import a\n",
         "pkg/stray.py": "",
     })
-    layers = [("low", ["pkg.low", "pkg"]), ("high", ["pkg.high"])]
+    layers = [("low", ["pkg.low.", "pkg", "pkg.stray"]), ("high", ["pkg.high"])]
     assert layer_violations(root, layers) == [
         "pkg.low.a -> pkg.high (a.py:2): low imports high, a layer above it"]
-    assert layer_violations(root, [("high", ["pkg.high"])]) == [
-        "pkg is in no layer of docs/architecture.md",
+    # A module only its package's name would cover is in no layer: new modules are placed.
+    assert layer_violations(root, [("low", ["pkg"]), ("high", ["pkg.high"])]) == [
         "pkg.low is in no layer of docs/architecture.md",
         "pkg.low.a is in no layer of docs/architecture.md",
         "pkg.stray is in no layer of docs/architecture.md"]
@@ -238,7 +242,7 @@ def test_the_layer_table_is_read_lowest_first_with_each_path_as_a_module_prefix(
                    "| 1. base | `agent/errors.py`, `agent/__init__.py` |\n"
                    "| 2. holder | `agent/holder/` |\n\n## Next\n| 3. no | `agent/x.py` |\n")
     assert read_layers(doc) == [("base", ["agent.errors", "agent"]),
-                                ("holder", ["agent.holder"])]
+                                ("holder", ["agent.holder."])]
 
 
 def test_agent_has_no_import_cycles():
