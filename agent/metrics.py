@@ -94,7 +94,8 @@ class Metrics:
         m.recoveries.labels(path="cold", result="success", cause="crash").inc()
     """
 
-    def __init__(self, registry: CollectorRegistry, status: Callable[[], StatusView]) -> None:
+    def __init__(self, registry: CollectorRegistry,
+                 status: Callable[[], StatusView] | None = None) -> None:
         self.registry = registry
         # --- supervisor: restarts and recoveries -------------------------------------
         self.recoveries = Counter(
@@ -196,7 +197,13 @@ class Metrics:
             "bytes counter over rate of this histogram's sum).",
             buckets=STAGE_BUCKETS, registry=registry)
         self._initialise_known_labels()
-        registry.register(StatusCollector(status))
+        if status is not None:
+            self.read_status(status)
+
+    def read_status(self, status: Callable[[], StatusView]) -> None:
+        """Export the state metrics read at scrape time from `status` (the status board's
+        view, made after the parts that count into these metrics)."""
+        self.registry.register(StatusCollector(status))
 
     def recovered(self, path: str, result: str, cause: str, seconds: float,
                   stages: dict[str, float]) -> None:

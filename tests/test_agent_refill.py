@@ -225,7 +225,7 @@ def test_weights_held_in_another_layout_than_the_files_get_a_plan_of_their_copy(
     link = HolderLink(HolderConfig(enabled=True, dir=holder.base, gpu="cpu"), holder.base,
                       gpu=lambda: "cpu", digest=lambda: digest,
                       adapter=SimpleNamespace(holder_refusal=lambda: None))
-    plans = RefillPlans(model, digester=lambda: WeightsDigester(None))
+    plans = RefillPlans(model, digester=WeightsDigester(None))
     hybrid = HybridRestore(link, snapshotter=None, unavailable="no snapshots here", adapter=None,
                            socket=holder.base / "engine.sock", identity=lambda: None,
                            metrics=None, timeout_s=1.0)

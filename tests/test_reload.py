@@ -141,7 +141,7 @@ def test_every_part_of_the_agent_takes_the_live_values(tmp_path: Path, tiny_mode
     from agent.wiring import Agent
 
     old = _config(tmp_path, tiny_model, holder={"enabled": False})
-    agent = Agent(old, None, Notifier({}))
+    agent = Agent.start(old, None, Notifier({}))
     assert agent.snapshotter is not None and agent.capture is not None
     new = _config(
         tmp_path, tiny_model, holder={"enabled": True},

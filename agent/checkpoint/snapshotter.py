@@ -29,6 +29,7 @@ from agent.checkpoint.criu import (
 from agent.checkpoint.cuda import CudaCheckpoint, GpuPair, gpu_pairs, uses_cuda
 from agent.checkpoint.xcomp import Regrant, continue_tree, process_tree, regrant_tree
 from agent.checkpoint.zeropages import ImageDamagedError, ImageFormatError, drop_zero_pages
+from agent.config import Config
 from agent.errors import RestoreBlockedError, SnapshotError
 from agent.identity import REMAPPED_FIELDS
 from agent.proc import descendants, ids_in_use, kill_tree, stat
@@ -123,6 +124,11 @@ class Snapshotter:
         self.regrant = regrant
         self.pid_wait_s = pid_wait_s
         self._sleep = sleep
+
+    def reconfigure(self, config: Config) -> None:
+        """snapshots.cuda_lock_timeout_ms, as a reload left it: the next checkpoint's lock."""
+        if self.cuda is not None:
+            self.cuda.lock_timeout_ms = config.snapshots.cuda_lock_timeout_ms
 
     @property
     def create_limit_s(self) -> float:

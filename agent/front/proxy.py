@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import json
 import logging
+import ssl
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -153,6 +154,13 @@ class Front:
         from the start (the reload policy refuses changes to them)."""
         self.config = config
         self.holding.reconfigure(config.queue)
+
+    def use_access(self, keys: ApiKeys, ctx: ssl.SSLContext | None) -> None:
+        """Keys and a certificate read again (a reload): new requests and handshakes use
+        them. TLS itself stays on or off as the front started."""
+        self.keys = keys
+        if self.tls is not None and ctx is not None:
+            self.tls.use(ctx)
 
     @property
     def queue_depth(self) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import shutil
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -53,12 +52,12 @@ class RefillPlans:
 
     Example::
 
-        plans = RefillPlans(config.engine.model, digester=lambda: reader.digester)
+        plans = RefillPlans(config.engine.model, digester=reader.digester)
         plans.remember(holder_socket, digest)    # blocking: call it from a thread
         plans.usable(holder_socket.parent, digest)   # the plan to refill from, or a Refusal
     """
 
-    def __init__(self, model: Path, digester: Callable[[], WeightsDigester],
+    def __init__(self, model: Path, digester: WeightsDigester,
                  run: commands.Runner = commands.run) -> None:
         self._model = model
         self._digester = digester
@@ -98,7 +97,7 @@ class RefillPlans:
         """Write into `directory` the plan that loads `digest` from the model's files as
         they are now; None when it cannot be made (logged). Blocking (it may hash files)."""
         try:
-            plan = plan_for(self._model, self._digester(), digest)
+            plan = plan_for(self._model, self._digester, digest)
             write_plan(directory, plan)
         except (ModelError, WeightsError, OSError) as e:
             log.warning("the refill plan could not be made again: %s", e)
@@ -118,7 +117,7 @@ class RefillPlans:
             if held is None:
                 return None
             names = sorted(r.name for r in held)
-            plan = plan_for(self._model, self._digester(), digest)
+            plan = plan_for(self._model, self._digester, digest)
             if names != sorted(r.name for r in plan.regions):
                 # Held in another layout than the files' (vLLM's parameters): a refill of
                 # the files would not give this engine's regions; a copy of them will.

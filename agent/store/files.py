@@ -204,3 +204,13 @@ def chunks_differ(p: Path, expected: Sequence[str], got: Sequence[str],
         return (f"{p}: sha256 differs from the manifest in {len(bad)} chunk(s), the first at "
                 f"byte {bad[0] * chunk_bytes}")
     return ""
+
+
+def unlisted_files(d: Path, listed: set[str], known: set[str]) -> list[str]:
+    """Why the files in `d` that are not `known` (the manifest's and the store's own) are
+    wrong there, and the odd entries (not a regular file or directory) it does not list."""
+    on_disk, odd = walk_files(d)
+    reasons = [f"{d / extra}: not listed in the manifest" for extra in sorted(set(on_disk) - known)]
+    reasons += [f"{d / name}: not a regular file or directory" for name in odd
+                if name not in listed]
+    return reasons

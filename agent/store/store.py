@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from agent.config import Config, SnapshotsConfig
 from agent.drift import compare, describe
 from agent.errors import SnapshotError, SnapshotUnusableError
 from agent.identity import Identity
@@ -37,6 +38,7 @@ from agent.store.files import (
     read_private,
     stat_key,
     tree_bytes,
+    unlisted_files,
     walk_files,
     write_private,
 )
@@ -142,6 +144,12 @@ class Retention:
     keep: int | None
     budget_bytes: int
     quarantine_keep: int | None = None
+
+    @classmethod
+    def of(cls, snaps: SnapshotsConfig) -> Retention:
+        """From snapshots.keep, disk_budget_gib and quarantine_keep."""
+        return cls(keep=snaps.keep, budget_bytes=int(snaps.disk_budget_gib * 2**30),
+                   quarantine_keep=snaps.quarantine_keep)
 
 
 @dataclass
@@ -255,6 +263,12 @@ class SnapshotStore:
         self.trust_sealed = trust_sealed
         # None: nothing is pruned unless asked (prune, prune_quarantine). A reload replaces it.
         self.retention = retention
+
+    def reconfigure(self, config: Config) -> None:
+        """snapshots.keep, disk_budget_gib, quarantine_keep and verify, as a reload left
+        them: whichever backend publishes into the store next is pruned by them."""
+        self.retention = Retention.of(config.snapshots)
+        self.trust_sealed = config.snapshots.verify == "changed"
 
     # --- layout -------------------------------------------------------------------
 
@@ -393,7 +407,9 @@ class SnapshotStore:
         except SnapshotError as e:
             return Verdict(snapshot_id, (str(e),))
         d = self.path(snapshot_id)
-        reasons = _unlisted(d, m)
+        listed = {f.name for f in m.files}
+        reasons = unlisted_files(d, listed, listed | {MANIFEST_NAME, SEALED_NAME}
+                                 | RESTORE_LEFTOVERS | set(m.scratch))
         sealed = {} if full else self._sealed(d)
         to_hash = []
         for f in m.files:
@@ -575,14 +591,4 @@ def _known_code(value: object) -> RefusalCode | None:
     except ValueError:
         return None
 
-
-def _unlisted(d: Path, m: Manifest) -> list[str]:
-    """Why the files in `d` that `m` does not list (nor the store's own) are wrong there."""
-    listed = {f.name for f in m.files}
-    known = listed | {MANIFEST_NAME, SEALED_NAME} | RESTORE_LEFTOVERS | set(m.scratch)
-    on_disk, odd = walk_files(d)
-    reasons = [f"{d / extra}: not listed in the manifest" for extra in sorted(set(on_disk) - known)]
-    reasons += [f"{d / name}: not a regular file or directory" for name in odd
-                if name not in listed]
-    return reasons
 

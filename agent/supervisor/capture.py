@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.checkpoint.backend import CheckpointBackend, CreateRequest, SnapshotInfo, take
+from agent.config import Config
 from agent.engines.base import EngineAdapter
 from agent.engines.probe import EngineProbe
 from agent.errors import EngineError, OpenConnectionsError, SnapshotError
@@ -121,7 +122,7 @@ class Capture:
         self._gate = gate
         self._metrics = metrics
         self._identity = identity
-        # Public: a reload sets it (snapshots.quiet_timeout_s), the next capture uses it.
+        # snapshots.quiet_timeout_s: a reload sets it (`reconfigure`), the next capture uses it.
         self.quiet_timeout_s = quiet_timeout_s
         self._control_timeout = control_timeout_s
         # Told each snapshot once it is published (the remote store's push).
@@ -132,6 +133,14 @@ class Capture:
         # Why the last attempt failed, one line; "" once one succeeds. The restore rungs give
         # it as their reason to skip, and `pitstop status` shows it (snapshot_error).
         self.failure = ""
+
+    def last_failure(self) -> str:
+        """Why the last attempt to take a snapshot failed; "" when the last one worked."""
+        return self.failure
+
+    def reconfigure(self, config: Config) -> None:
+        """snapshots.quiet_timeout_s, as a reload left it: the next capture waits that long."""
+        self.quiet_timeout_s = config.snapshots.quiet_timeout_s
 
     @property
     def limit_s(self) -> float:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.config import Config
 from agent.errors import HolderError, StartPathError
 from agent.holder.client import HolderClient
 from agent.holder.plans import RefillPlans, load_timeout
@@ -127,20 +128,9 @@ class RefillRestore:
     async def failed(self, prepared: Prepared[RefillWork], reason: str) -> None:
         await self._hybrid.failed(prepared.plan.image, reason)
 
-    @property
-    def enabled(self) -> bool:
-        """Whether the refill is on (holder.refill, as the last reload left it)."""
-        return self._link.config.refill
-
-    def holder_answers(self) -> bool:
-        """Whether a holder for this engine is configured and answers (blocking: a thread)."""
-        return self._link.unavailable() is None
-
-    def plan_from_files(self, digest: str) -> RefillPlan | None:
-        """Leave the plan that loads `digest` from the model's files beside the holder, for a
-        hybrid image this host did not make (one pulled from the fleet's store): its engine
-        never committed the weights here, so no plan was left the usual way. Blocking."""
-        return self._plans.from_files(self._link.path.parent, digest)
+    def reconfigure(self, config: Config) -> None:
+        """The restore's resume limit, as a reload left it (holder.refill is the link's)."""
+        self._hybrid.reconfigure(config)
 
     def remember(self, digest: str) -> Path | None:
         """Leave a refill plan for `digest` in the holder's directory when refill is on and
