@@ -267,15 +267,13 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
         import asyncio
 
         from agent.control import call
+        from agent.status_text import format_created
 
         done = asyncio.run(call(cfg.paths.run / "control.sock", "snapshot"))
-        print(json.dumps(done, indent=1) if args.json else
-              f"snapshot {done['id']} published: {done['bytes'] / 1e6:.1f} MB in "
-              f"{done['duration_s']:.2f}s")
-        if "engine_failed" in done and not args.json:
-            # Published, but the engine it was taken of cannot serve: the agent replaces it.
-            print(f"but {done['engine_failed']}; the agent replaces the engine "
-                  "(`pitstop status` shows the recovery)", file=sys.stderr)
+        out, err = (json.dumps(done, indent=1), "") if args.json else format_created(done)
+        print(out)
+        if err:
+            print(err, file=sys.stderr)
         return EXIT_OK
     store = SnapshotStore(cfg.paths.snapshots)
     if args.action in ("push", "pull"):

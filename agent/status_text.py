@@ -20,6 +20,17 @@ def format_reload(result: dict) -> str:
     return "\n".join(lines)
 
 
+def format_created(done: dict) -> tuple[str, str]:
+    """`pitstop snapshot create`'s answer for people: what was published, and, for standard
+    error, that the engine it was taken of cannot serve (the agent replaces it)."""
+    out = (f"snapshot {done['id']} published: {done['bytes'] / 1e6:.1f} MB in "
+           f"{done['duration_s']:.2f}s")
+    if "engine_failed" not in done:
+        return out, ""
+    return out, (f"but {done['engine_failed']}; the agent replaces the engine "
+                 "(`pitstop status` shows the recovery)")
+
+
 def format_status(data: dict) -> str:
     """`pitstop status` for people: the status file's JSON (agent/supervisor/status.py), a
     line a part.
