@@ -504,7 +504,7 @@ def test_vllm_snapshots_are_listed_exported_and_watched_for_drift_like_pitstops_
         tmp_path: Path, py: Path, tiny_model: Path) -> None:
     from prometheus_client import generate_latest
 
-    from agent.cli import format_status
+    from agent.status_text import format_status
     from agent.systemd import Notifier
     from agent.wiring import Agent
 
@@ -516,7 +516,7 @@ def test_vllm_snapshots_are_listed_exported_and_watched_for_drift_like_pitstops_
            "snapshots": {"backend": "vllm"}, "vllm": {"snapshot": SNAP}}
     config_file = tmp_path / "pitstop.yaml"
     config_file.write_text(json.dumps(raw))
-    agent = Agent(parse_config(raw, "test"), config_file, Notifier({}))
+    agent = Agent.start(parse_config(raw, "test"), config_file, Notifier({}))
     # As `pitstop vllm-snapshot create` publishes one (what vLLM put in it does not count
     # here), on this host as the agent reads it.
     m = publish(agent.store, kind="vllm", ident=agent.reader())
