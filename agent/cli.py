@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -98,6 +99,8 @@ def _engine_statuses(engines_dir: Path) -> dict[str, dict]:
 def _cmd_status(args: argparse.Namespace) -> int:
     import json
 
+    from agent.status_text import format_status
+
     # No --config and no --engine: every engine of the node, or without any the one agent
     # of the embedded default configuration.
     every = _engine_statuses(args.engines_dir) if args.config is None else {}
@@ -122,24 +125,11 @@ def _cmd_reload(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config)
     result = asyncio.run(call(cfg.paths.run / "control.sock", "reload", timeout=60))
+    from agent.status_text import format_reload
+
     print(json.dumps(result, indent=1) if args.json else format_reload(result))
     # Refused keys leave the agent running on their old values: worth a non-zero exit.
     return EXIT_FAIL if result["error"] or result["refused"] else EXIT_OK
-
-
-def format_reload(result: dict) -> str:
-    """A reload report (agent/reload.py's ReloadResult as JSON) for people."""
-    if result["error"]:
-        return f"reload refused, the running configuration is kept: {result['error']}"
-    if not result["applied"] and not result["refused"]:
-        return f"reloaded {result['source']}: nothing changed"
-    lines = [f"reloaded {result['source']}"]
-    if result["applied"]:
-        lines.append("applied: " + ", ".join(result["applied"])
-                     + (" (the engine is being replaced)" if result["engine_restart"] else ""))
-    for r in result["refused"]:
-        lines.append(f"refused, needs a restart of the agent: {r['key']} ({r['why']})")
-    return "\n".join(lines)
 
 
 def _cmd_install_units(args: argparse.Namespace) -> int:
@@ -174,77 +164,6 @@ def _cmd_install_units(args: argparse.Namespace) -> int:
     for w in warnings:
         print(f"pitstop: warning: {w}", file=sys.stderr)
     return EXIT_OK
-
-
-def format_status(data: dict) -> str:
-    import time
-
-    lines = [f"state:    {data['state']}" + (f" ({data['reason']})" if data.get("reason") else "")]
-    version = " ".join(v for v in (data.get("engine_distribution"), data.get("engine_version"))
-                       if v)
-    lines.append(f"engine:   {data.get('engine_kind', '?')}" + (f" ({version})" if version else "")
-                 + f", pid {data.get('engine_pid') or '-'}")
-    since = data.get("engine_ready_since")
-    if since and data.get("engine_pid"):
-        lines.append(f"uptime:   {time.time() - since:.0f}s")
-    rec = data.get("last_recovery")
-    if rec:
-        lines.append(f"last recovery: {rec['path']} ({rec['cause']}) {rec['result']} in "
-                     f"{rec['duration_s']:.2f}s")
-        for f in rec.get("fallthroughs", []):
-            r = f["refusal"]
-            lines.append(f"  fell through: {f['path']} {f['kind'].replace('_', ' ')}: "
-                         f"{r['detail']} ({r['code']})")
-        if rec.get("gpu_peak_bytes") is not None:
-            lines.append(f"  peak GPU memory in use: {rec['gpu_peak_bytes'] / 2**30:.2f} GiB")
-    if data.get("gpu"):
-        lines.append(f"gpu:      {data['gpu']}")
-    lines.append(f"restarts: {data.get('restarts', 0)}")
-    if data.get("snapshot_error"):
-        lines.append(f"snapshot: {data['snapshot_error']}")
-    newest = data.get("newest_snapshot")
-    if newest:
-        lines.append(f"snapshot: {newest['id']} ({newest['kind']}, "
-                     f"{newest['bytes_on_disk'] / 1e6:.1f} MB)")
-    holder = data.get("holder")
-    if holder:
-        lines.append("holder:   " + (f"up, {holder['bytes_held'] / 2**30:.2f} GiB held"
-                                     if holder["up"] else "not answering"))
-    lines += _transfer_lines(data)
-    reload = data.get("last_reload")
-    if reload:
-        lines.append("reload:   " + format_reload(reload).replace("\n", "\n  "))
-    if data.get("front"):
-        lines.append("front:    " + _served(data["front"], "/v1", data.get("front_access"),
-                                            "API key"))
-    if data.get("metrics"):
-        lines.append("metrics:  " + _served(data["metrics"], "/metrics",
-                                            data.get("metrics_access"), "basic-auth user"))
-    return "\n".join(lines)
-
-
-def _transfer_lines(data: dict) -> list[str]:
-    """The last pull from and push to the remote store, one line each."""
-    out = []
-    for key in ("last_pull", "last_push"):
-        t = data.get(key)
-        if not t:
-            continue
-        what = f"{t['snapshot']} ({t['kind']}): " if t["snapshot"] else ""
-        moved = f", {t['bytes'] / 1e6:.1f} MB in {t['seconds']:.2f}s" if t["bytes"] else ""
-        out.append(f"{t['direction']}:     {t['result']}: {what}{t['detail']}{moved}")
-    return out
-
-
-def _served(address: str, path: str, access: dict | None, credential: str) -> str:
-    """A port's URL and how it is protected (AgentStatus's PortAccess as JSON)."""
-    access = access or {}
-    n = access.get("credentials") or 0
-    guards = [f"{n} {credential}{'s' if n > 1 else ''}"] if n else []
-    if access.get("client_certificates"):
-        guards.append("client certificates")
-    scheme = "https" if access.get("tls") else "http"
-    return f"{scheme}://{address}{path} ({', '.join(guards) or 'no authentication'})"
 
 
 def _positive_int(text: str) -> int:
@@ -390,15 +309,13 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
         import asyncio
 
         from agent.control import call
+        from agent.status_text import format_created
 
         done = asyncio.run(call(cfg.paths.run / "control.sock", "snapshot"))
-        print(json.dumps(done, indent=1) if args.json else
-              f"snapshot {done['id']} published: {done['bytes'] / 1e6:.1f} MB in "
-              f"{done['duration_s']:.2f}s")
-        if "engine_failed" in done and not args.json:
-            # Published, but the engine it was taken of cannot serve: the agent replaces it.
-            print(f"but {done['engine_failed']}; the agent replaces the engine "
-                  "(`pitstop status` shows the recovery)", file=sys.stderr)
+        out, err = (json.dumps(done, indent=1), "") if args.json else format_created(done)
+        print(out)
+        if err:
+            print(err, file=sys.stderr)
         return EXIT_OK
     store = SnapshotStore(cfg.paths.snapshots)
     if args.action in ("push", "pull"):
@@ -572,6 +489,16 @@ def _resolve_engine(args: argparse.Namespace) -> None:
             args.config = engine_path(args.engine, args.engines_dir)
 
 
+def _configured(sub: argparse._SubParsersAction, name: str, text: str,
+                func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+    """A command that reads pitstop.yaml (--config) and can answer in JSON (--json)."""
+    a = sub.add_parser(name, help=text)
+    _config_options(a)
+    a.add_argument("--json", action="store_true")
+    a.set_defaults(func=func)
+    return a
+
+
 def _snapshot_parser(sub: argparse._SubParsersAction) -> None:
     """`pitstop snapshot ACTION`: its actions and their arguments."""
     sn = sub.add_parser("snapshot", help="create, list, inspect, verify or delete snapshots")
@@ -587,9 +514,7 @@ def _snapshot_parser(sub: argparse._SubParsersAction) -> None:
         ("pull", "download the newest snapshot of the S3 store that fits this host, verified "
                  "before it is published"),
     ):
-        a = snsub.add_parser(name, help=text)
-        _config_options(a)
-        a.add_argument("--json", action="store_true")
+        a = _configured(snsub, name, text, _cmd_snapshot)
         if name == "inspect":
             a.add_argument("id")
         elif name == "verify":
@@ -608,24 +533,9 @@ def _snapshot_parser(sub: argparse._SubParsersAction) -> None:
         elif name == "pull":
             a.add_argument("--kind", choices=["hybrid", "full"],
                            help="only this kind (default: hybrid, else full)")
-    sn.set_defaults(func=_cmd_snapshot)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pitstop", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    c = sub.add_parser("check-config", help="validate configuration files, and a node's "
-                       "engines against each other (exit 2 when invalid)")
-    c.add_argument("files", nargs="*", type=Path, metavar="FILE",
-                   help="files to check; several are checked as the engines of one node "
-                   "(default: every engine in --engines-dir)")
-    c.add_argument("--engine", metavar="NAME", help="check FILE (default: NAME's own file) as "
-                   "the new version of engine NAME, against the node's other engines")
-    c.add_argument("--engines-dir", type=Path, metavar="DIR",
-                   help=f"where the node's engines are (default {ENGINES_DIR_TEXT})")
-    c.set_defaults(func=_cmd_check_config)
-
+def _make_model_parser(sub: argparse._SubParsersAction) -> None:
     m = sub.add_parser("make-model", help="write a random-weight Llama model directory")
     m.add_argument("dir", type=Path)
     m.add_argument("--size", default="tiny", choices=["tiny", "small", "medium"])
@@ -638,44 +548,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--force", action="store_true", help="replace whatever DIR holds")
     m.set_defaults(func=_cmd_make_model)
 
-    r = sub.add_parser("run", help="run the agent in the foreground (what the systemd unit runs)")
-    _config_options(r)
-    r.add_argument("-v", "--verbose", action="store_true")
-    r.set_defaults(func=_cmd_run)
 
-    s = sub.add_parser("status", help="the agent's state, engine PID, uptime, last recovery")
-    _config_options(s)
-    s.add_argument("--json", action="store_true")
-    s.set_defaults(func=_cmd_status)
-
-    rl = sub.add_parser("reload", help="re-read the configuration in the running agent; say "
-                        "which changed keys apply and which need a restart (exit 1 then)")
-    _config_options(rl)
-    rl.add_argument("--json", action="store_true")
-    rl.set_defaults(func=_cmd_reload)
-
-    d = sub.add_parser("doctor", help="can this host snapshot and restore? (exit 1 when not)")
-    _config_options(d)
-    d.add_argument("--json", action="store_true")
-    d.set_defaults(func=_cmd_doctor)
-
-    _snapshot_parser(sub)
-
-    dr = sub.add_parser("drift", help="compare a snapshot's identity with this host's "
-                        "(exit 1 when a field differs)")
-    _config_options(dr)
-    dr.add_argument("--json", action="store_true")
-    dr.add_argument("--snapshot", metavar="ID", help="default: the newest snapshot")
-    dr.set_defaults(func=_cmd_drift)
-
-    dg = sub.add_parser("digest", help="the weights digest of engine.model (cached by stat)")
-    _config_options(dg)
-    dg.add_argument("--json", action="store_true")
-    dg.add_argument("--rehash", action="store_true", help="read every file again, ignoring "
-                    "the cache (and refresh it)")
-    dg.add_argument("--model", type=Path, help="another model directory than engine.model")
-    dg.set_defaults(func=_cmd_digest)
-
+def _holder_parser(sub: argparse._SubParsersAction) -> None:
     h = sub.add_parser("holder", help="the per-GPU memory holder: serve (default), status, "
                        "release")
     h.add_argument("action", nargs="?", choices=["serve", "status", "release"], default="serve")
@@ -696,6 +570,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("-v", "--verbose", action="store_true")
     h.set_defaults(func=_cmd_holder)
 
+
+def _vllm_parsers(sub: argparse._SubParsersAction) -> None:
     vp = sub.add_parser("vllm-preload", help="run vLLM's weight-cache daemon for one GPU in the "
                         "foreground (what pitstop-vllm-preload@GPU.service runs)")
     _config_options(vp)
@@ -712,13 +588,12 @@ def build_parser() -> argparse.ArgumentParser:
         ("inspect", "one snapshot's manifest, as `vllm snapshot inspect` reads it"),
         ("list", "every vLLM snapshot, newest first"),
     ):
-        a = vssub.add_parser(name, help=text)
-        _config_options(a)
-        a.add_argument("--json", action="store_true")
+        a = _configured(vssub, name, text, _cmd_vllm_snapshot)
         if name == "inspect":
             a.add_argument("id", help="a snapshot id, or a directory path")
-    vs.set_defaults(func=_cmd_vllm_snapshot)
 
+
+def _units_parser(sub: argparse._SubParsersAction) -> None:
     u = sub.add_parser("install-units",
                        help="install the systemd units, sysctl and tmpfiles snippets")
     u.add_argument("--prefix", type=Path, default=Path("/"),
@@ -744,6 +619,53 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--no-reload", action="store_true",
                    help="only write the files: no daemon-reload, tmpfiles, sysctl or enabling")
     u.set_defaults(func=_cmd_install_units)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pitstop", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    c = sub.add_parser("check-config", help="validate configuration files, and a node's "
+                       "engines against each other (exit 2 when invalid)")
+    c.add_argument("files", nargs="*", type=Path, metavar="FILE",
+                   help="files to check; several are checked as the engines of one node "
+                   "(default: every engine in --engines-dir)")
+    c.add_argument("--engine", metavar="NAME", help="check FILE (default: NAME's own file) as "
+                   "the new version of engine NAME, against the node's other engines")
+    c.add_argument("--engines-dir", type=Path, metavar="DIR",
+                   help=f"where the node's engines are (default {ENGINES_DIR_TEXT})")
+    c.set_defaults(func=_cmd_check_config)
+
+    _make_model_parser(sub)
+
+    r = sub.add_parser("run", help="run the agent in the foreground (what the systemd unit runs)")
+    _config_options(r)
+    r.add_argument("-v", "--verbose", action="store_true")
+    r.set_defaults(func=_cmd_run)
+
+    _configured(sub, "status", "the agent's state, engine PID, uptime, last recovery",
+                _cmd_status)
+    _configured(sub, "reload", "re-read the configuration in the running agent; say which "
+                "changed keys apply and which need a restart (exit 1 then)", _cmd_reload)
+    _configured(sub, "doctor", "can this host snapshot and restore? (exit 1 when not)",
+                _cmd_doctor)
+
+    _snapshot_parser(sub)
+
+    dr = _configured(sub, "drift", "compare a snapshot's identity with this host's (exit 1 "
+                     "when a field differs)", _cmd_drift)
+    dr.add_argument("--snapshot", metavar="ID", help="default: the newest snapshot")
+    dg = _configured(sub, "digest", "the weights digest of engine.model (cached by stat)",
+                     _cmd_digest)
+    dg.add_argument("--rehash", action="store_true", help="read every file again, ignoring "
+                    "the cache (and refresh it)")
+    dg.add_argument("--model", type=Path, help="another model directory than engine.model")
+
+    _holder_parser(sub)
+
+    _vllm_parsers(sub)
+
+    _units_parser(sub)
     return p
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from difflib import SequenceMatcher
 from typing import Any
 
 from agent.identity import REMAPPED_FIELDS, Identity
@@ -25,6 +26,27 @@ class Difference:
 
     def __str__(self) -> str:
         return f"{self.field}: {self.old!r} -> {self.new!r}"
+
+    def brief(self) -> str:
+        """As str(), but of two sequences (the engine's argument lists) only the elements
+        that differ, each at its index in the old one: one changed interpreter path in a
+        long argv reads as that path, not as both whole lists."""
+        if not (isinstance(self.old, list | tuple) and isinstance(self.new, list | tuple)):
+            return str(self)
+        return f"{self.field}: {_elements(self.old, self.new)}"
+
+
+def _elements(old: Sequence[Any], new: Sequence[Any]) -> str:
+    changes = []
+    for op, i1, i2, j1, j2 in SequenceMatcher(a=old, b=new, autojunk=False).get_opcodes():
+        was, now = " ".join(map(repr, old[i1:i2])), " ".join(map(repr, new[j1:j2]))
+        if op == "replace":
+            changes.append(f"[{i1}] {was} -> {now}")
+        elif op == "delete":
+            changes.append(f"[{i1}] {was} removed")
+        elif op == "insert":
+            changes.append(f"[{i1}] {now} added")
+    return ", ".join(changes)
 
 
 def _values(ident: Identity, remapped: Collection[str]) -> dict[str, Any]:
@@ -64,6 +86,7 @@ def compare(old: Identity, new: Identity,
     return [d for d in classify(old, new, remapped) if not d.remapped]
 
 
-def describe(differences: list[Difference]) -> str:
-    """One line naming every difference, for logs and error messages."""
-    return "; ".join(str(d) for d in differences)
+def describe(differences: list[Difference], *, brief: bool = False) -> str:
+    """One line naming every difference, for logs and error messages; `brief`: of an
+    argument list only the elements that differ (Difference.brief)."""
+    return "; ".join(d.brief() if brief else str(d) for d in differences)

@@ -54,6 +54,10 @@ class DriftWatcher:
         self._last_error: str | None = None
         self.checks = 0
 
+    def reconfigure(self, config: Config) -> None:
+        """snapshots.drift_check_interval_s, as a reload left it (0: `run` returns)."""
+        self.interval_s = config.snapshots.drift_check_interval_s
+
     @property
     def reference(self) -> Identity:
         return self._reference

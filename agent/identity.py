@@ -447,6 +447,10 @@ class HostIdentity:
         self._kwargs = kwargs
         self.last_weights: WeightsDigest | None = None
 
+    def reconfigure(self, config: Config) -> None:
+        """Read the reloaded configuration's engine arguments and environment from now on."""
+        self.config = config
+
     def __call__(self) -> Identity:
         from agent.weights import describe_change
 

@@ -19,8 +19,8 @@ from prometheus_client.registry import Collector, RestrictedRegistry
 import agent
 from agent.gpu_health import FaultKind
 from agent.holder.kvledger import KeptKVOutcome
+from agent.recovery import Cause, Fall
 from agent.store.manifest import SnapshotKind
-from agent.supervisor.states import Cause, Fall
 
 # Recovery times span a 1 s hybrid restore to a multi-minute cold start of a big model.
 RECOVERY_BUCKETS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0,
@@ -39,8 +39,6 @@ RECOVERY_CAUSES = tuple(c.value for c in Cause)
 FAILURE_CAUSES = tuple(c.value for c in (Cause.CRASH, Cause.EXIT, Cause.HANG, Cause.GPU_FAULT,
                                          Cause.RESUME_FAILED))
 FALLTHROUGH_REASONS = tuple(f.value for f in Fall)
-# The first streamed request an engine answers after it (re)started, and every later one.
-FIRST_TOKEN_PHASES = ("after_recovery", "steady")
 SNAPSHOT_KINDS = get_args(SnapshotKind)
 # A snapshot sent to the remote store (snapshots.publish) or taken from it before a start.
 TRANSFER_DIRECTIONS = ("push", "pull")
@@ -98,7 +96,8 @@ class Metrics:
         m.recoveries.labels(path="cold", result="success", cause="crash").inc()
     """
 
-    def __init__(self, registry: CollectorRegistry, status: Callable[[], StatusView]) -> None:
+    def __init__(self, registry: CollectorRegistry,
+                 status: Callable[[], StatusView] | None = None) -> None:
         self.registry = registry
         # --- supervisor: restarts and recoveries -------------------------------------
         self.recoveries = Counter(
@@ -200,7 +199,21 @@ class Metrics:
             "bytes counter over rate of this histogram's sum).",
             buckets=STAGE_BUCKETS, registry=registry)
         self._initialise_known_labels()
-        registry.register(StatusCollector(status))
+        if status is not None:
+            self.read_status(status)
+
+    def read_status(self, status: Callable[[], StatusView]) -> None:
+        """Export the state metrics read at scrape time from `status` (the status board's
+        view, made after the parts that count into these metrics)."""
+        self.registry.register(StatusCollector(status))
+
+    def recovered(self, path: str, result: str, cause: str, seconds: float,
+                  stages: dict[str, float]) -> None:
+        """A walk of the ladder ended by `path` with `result`, in `seconds` (its stages')."""
+        self.recoveries.labels(path=path, result=result, cause=cause).inc()
+        self.recovery_duration.labels(path=path, result=result).observe(seconds)
+        for stage, secs in stages.items():
+            self.recovery_stage_duration.labels(path=path, stage=stage).observe(secs)
 
     def refilled(self, nbytes: int, seconds: float) -> None:
         """The holder loaded `nbytes` of weights in `seconds` for the refill rung."""
@@ -245,6 +258,12 @@ class StatusCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         s = self._status()
+        yield from self._engine(s)
+        yield from self._snapshot(s)
+        yield from self._holder_and_gpu(s)
+        yield from self._front(s)
+
+    def _engine(self, s: StatusView) -> Iterable[Metric]:
         info = InfoMetricFamily("pitstop_build", "Pitstop's version.")
         info.add_metric([], {"version": agent.__version__})
         yield info
@@ -271,6 +290,8 @@ class StatusCollector(Collector):
         if s.engine_start_time is not None:
             st.add_metric([], s.engine_start_time)
         yield st
+
+    def _snapshot(self, s: StatusView) -> Iterable[Metric]:
         present = GaugeMetricFamily(
             "pitstop_snapshot_present", "1 when a usable snapshot exists for this host.",
             labels=["kind"])
@@ -292,6 +313,9 @@ class StatusCollector(Collector):
         for reason in s.stale_reasons:
             stale.add_metric([reason], 1.0)
         yield stale
+
+    @staticmethod
+    def _holder_and_gpu(s: StatusView) -> Iterable[Metric]:
         hu = GaugeMetricFamily("pitstop_holder_up", "1 when the GPU memory holder answers.")
         if s.holder_up is not None:
             hu.add_metric([], 1.0 if s.holder_up else 0.0)
@@ -315,6 +339,9 @@ class StatusCollector(Collector):
         if s.gpu_usable is not None:
             gu.add_metric([], 1.0 if s.gpu_usable else 0.0)
         yield gu
+
+    @staticmethod
+    def _front(s: StatusView) -> Iterable[Metric]:
         qd = GaugeMetricFamily(
             "pitstop_front_queue_depth", "Requests waiting in the front for a ready engine.")
         qd.add_metric([], float(s.front_queue_depth))

@@ -50,7 +50,7 @@ def run_agent(config_path: Path | None, verbose: bool = False, engine: str = "")
             log.warning("cannot start the tether (%s): should this agent die, what its engine "
                         "leaves is killed only when the next agent starts", e)
             tether = None
-        agent = Agent(config, config_path, Notifier(), tether=tether, engine=engine)
+        agent = Agent.start(config, config_path, Notifier(), tether=tether, engine=engine)
         with contextlib.suppress(KeyboardInterrupt):
             return asyncio.run(agent.run())
     return 0

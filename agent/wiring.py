@@ -1,37 +1,40 @@
-"""The composition root: build the agent's parts from the configuration and run them."""
+"""The composition root: read what the parts need from the host, build them, run them."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from agent import proc
 from agent.access import Access, read_access
-from agent.checkpoint import build_snapshotter, build_store, retention
-from agent.checkpoint.backend import SnapshotInfo
+from agent.checkpoint import build_snapshotter, build_store
 from agent.checkpoint.snapshotter import Snapshotter
 from agent.checkpoint.source import SnapshotSource
-from agent.config import Config
+from agent.config import Config, HealthConfig
 from agent.control import ControlServer
 from agent.drift import Difference, describe
 from agent.drift_watch import DriftWatcher, build_reader
-from agent.engines import build_adapter
-from agent.engines.vllm.rungs import vllm_rungs
-from agent.errors import IdentityError, ModelError, SnapshotError, SourceUnavailable
+from agent.engines import EngineAdapter, build_adapter
+from agent.errors import IdentityError, ModelError, PitstopError, SnapshotError, SourceUnavailable
 from agent.front.auth import take_env_key
 from agent.fsutil import private_dir
 from agent.gpu_health import GpuWatch
 from agent.holder.client import HolderClient
+from agent.holder.plans import RefillPlans
 from agent.identity import Identity, gpu_selector
 from agent.metrics import EngineLabel, Metrics, NodeInfo, new_registry
 from agent.metrics_endpoint import MetricsEndpoint
 from agent.reload import ReloadResult
 from agent.signals import Reloader, Signals
 from agent.status_view import StatusBoard
+from agent.store import SnapshotStore
 from agent.supervisor.canary import CanaryBook
 from agent.supervisor.capture import Capture
 from agent.supervisor.gate import EngineGate
@@ -40,7 +43,8 @@ from agent.supervisor.ownership import EngineLedger, Tether
 from agent.supervisor.paths.cold import ColdStart
 from agent.supervisor.paths.holder import HolderLink, HybridRestore, WarmStart
 from agent.supervisor.paths.refill import RefillRestore
-from agent.supervisor.paths.restore import FullRestore
+from agent.supervisor.paths.restore import FullRestore, resume_timeout_s
+from agent.supervisor.paths.vllm import VllmHost, vllm_rungs
 from agent.supervisor.remote import RemoteSnapshots
 from agent.supervisor.status import AgentStatus, HolderFacts, NewestSnapshot, StatusFile
 from agent.supervisor.supervisor import Supervisor
@@ -48,14 +52,128 @@ from agent.systemd import Notifier
 from agent.tls import LiveTls
 from agent.watchdog import pet_watchdog
 
+if TYPE_CHECKING:
+    from agent.front.proxy import Front
+
 log = logging.getLogger("pitstop")
 
-# The restored engine may take this many health timeouts to answer its resume.
-RESTORE_TIMEOUTS = 10
+
+@dataclass(frozen=True)
+class Host:
+    """What the agent read from the host before it builds its parts (`Agent.start`): every
+    input of the build that takes I/O, so that building does none.
+
+    Example::
+
+        agent = Agent(config, path, Notifier(), Host.read(config))   # what Agent.start does
+    """
+
+    adapter: EngineAdapter
+    access: Access
+    # PITSTOP_API_KEY, taken out of the environment (no child of the agent inherits it).
+    env_key: str | None
+    node: NodeInfo
+    snapshots: SnapshotSource
+    # Why Pitstop's restore rungs have no snapshot to restore ("" with its own backend).
+    no_snapshots: str
+    # With SnapshotSource.PITSTOP only; CRIU's binary also runs vLLM's (`criu_path`).
+    snapshotter: Snapshotter | None
+    criu_path: Path | None
+    # The one store every backend publishes into, verifies, quarantines and prunes.
+    store: SnapshotStore
+    vllm: VllmHost | None
+    gpu_watch: GpuWatch | None
+
+    @classmethod
+    def read(cls, config: Config, engine: str = "") -> Host:
+        """In order: the state directories, the model, the engine's adapter and version, the
+        ports' keys and certificates, the snapshot backend, the GPU's watch. An error names
+        the part it came from; a missing CRIU or NVML is not one (the agent runs without)."""
+        with _part("the state directories"):
+            private_dir(config.paths.state_dir)
+            private_dir(config.paths.run)
+        with _part("the model"):
+            _check_model(config)
+        with _part("the engine"):
+            adapter = build_adapter(config)
+            node = NodeInfo(engine=engine, kernel=os.uname().release,
+                            engine_kind=config.engine.kind,
+                            engine_version=adapter.version(), model=config.engine.model_name)
+        with _part("the ports' keys and certificates"):
+            env_key = take_env_key(os.environ)
+            access = read_access(config, env_key)
+        with _part("snapshots"):
+            snapshotter, no_snapshots = _open_snapshotter(config)
+            vllm = VllmHost.read(config)
+        store = snapshotter.store if snapshotter is not None else build_store(config)
+        criu_path = snapshotter.criu.binary.path if snapshotter is not None else None
+        vllm_chosen = vllm is not None and vllm.backend == "vllm"
+        snapshots = SnapshotSource.of(enabled=config.snapshots.enabled,
+                                      criu_ready=snapshotter is not None, vllm=vllm_chosen)
+        if vllm_chosen:
+            # The configuration chose vLLM's snapshots: Pitstop's CRIU backend takes none.
+            snapshotter = None
+            no_snapshots = "snapshots.backend is vllm: vLLM's own snapshots are used instead"
+        return cls(adapter=adapter, access=access, env_key=env_key, node=node,
+                   snapshots=snapshots, no_snapshots=no_snapshots, snapshotter=snapshotter,
+                   criu_path=criu_path, store=store, vllm=vllm, gpu_watch=_watch_gpu(config))
 
 
-def _live(ctx: ssl.SSLContext | None) -> LiveTls | None:
-    return LiveTls(ctx) if ctx is not None else None
+@contextlib.contextmanager
+def _part(name: str) -> Iterator[None]:
+    """Name the part an error of this step came from; its class stays (a configuration
+    error still exits 2)."""
+    try:
+        yield
+    except PitstopError as e:
+        if e.args and isinstance(e.args[0], str):
+            e.args = (f"{name}: {e.args[0]}", *e.args[1:])
+        raise
+
+
+def _check_model(config: Config) -> None:
+    if config.engine.kind == "reference" and not (config.engine.model / "config.json").exists():
+        raise ModelError(
+            f"engine.model: {config.engine.model} holds no model (no config.json); make the "
+            f"tiny one with `pitstop make-model {config.engine.model}` or point engine.model "
+            "at a model directory")
+
+
+def _open_snapshotter(config: Config) -> tuple[Snapshotter | None, str]:
+    """The snapshotter over its opened store, or None and why (CRIU missing, disabled)."""
+    if not config.snapshots.enabled:
+        return None, "snapshots are disabled (snapshots.enabled: false)"
+    try:
+        snap = build_snapshotter(config)
+        snap.store.open(clean=True)
+    except (SnapshotError, OSError) as e:
+        log.warning("snapshots unavailable, every start will be cold: %s", e)
+        return None, f"snapshots unavailable: {e}"
+    return snap, ""
+
+
+def _watch_gpu(config: Config) -> GpuWatch | None:
+    """A started NVML watch of the engine's GPU; None on a host or engine without one."""
+    if config.engine.device == "cpu":
+        return None
+    selector = gpu_selector({**os.environ, **config.engine.env})
+    if selector is None:
+        return None
+    watch = GpuWatch(selector)
+    try:
+        watch.start()
+    except SourceUnavailable as e:
+        log.info("GPU faults are not watched: %s", e)
+        return None
+    except IdentityError as e:
+        log.warning("GPU faults are not watched: %s", e)
+        return None
+    log.info("watching GPU %s for faults through NVML", selector)
+    return watch
+
+
+class Reconfigurable(Protocol):
+    def reconfigure(self, config: Config) -> None: ...
 
 
 class Agent:
@@ -63,55 +181,31 @@ class Agent:
 
     Example::
 
-        agent = Agent(load_config(path), path, Notifier())
+        agent = Agent.start(load_config(path), path, Notifier())
         asyncio.run(agent.run())  # returns once SIGTERM stopped the engine
     """
 
     def __init__(self, config: Config, config_path: Path | None, notifier: Notifier,
-                 tether: Tether | None = None, engine: str = "") -> None:
+                 host: Host, tether: Tether | None = None, engine: str = "") -> None:
         self.config = config
         # Its name among the node's engines ("" for the node's one agent).
         self.engine = engine
         self.notifier = notifier
-        if config.engine.kind == "reference" and not (config.engine.model / "config.json").exists():
-            raise ModelError(
-                f"engine.model: {config.engine.model} holds no model (no config.json); make the "
-                f"tiny one with `pitstop make-model {config.engine.model}` or point engine.model "
-                "at a model directory")
-        self.adapter = build_adapter(config)
+        self.host = host
+        self.adapter = host.adapter
+        self.snapshotter = host.snapshotter
+        self.store = host.store
+        self.access = host.access
         self.gate = EngineGate()
         self.status = AgentStatus(engine=engine, engine_kind=config.engine.kind)
-        private_dir(config.paths.state_dir)
-        private_dir(config.paths.run)
         self.ledger = EngineLedger(config.paths.state_dir, tether=tether)
         self.status_file = StatusFile(config.paths.run / "status.json")
-        self._node = NodeInfo(engine=engine, kernel=os.uname().release,
-                              engine_kind=config.engine.kind,
-                              engine_version=self.adapter.version(),
-                              model=config.engine.model_name)
         self.registry = new_registry()
-        self.front = None
-        self.metrics_endpoint = self._access_at_start(config)
-        self.snapshotter, unavailable = self._snapshotter(config)
-        # vLLM's own paths (docs/vllm.md): `vllm snapshot` first, `vllm preload` above cold.
-        criu_path = self.snapshotter.criu.binary.path if self.snapshotter is not None else None
-        # One store for every backend: vLLM's snapshots are published, verified, quarantined
-        # and pruned in it like Pitstop's own.
-        self.store = self.snapshotter.store if self.snapshotter is not None \
-            else build_store(config)
-        # The board is made last, from the parts it reads; a scrape before it exists cannot
-        # happen (the endpoint starts in run()).
-        self.metrics = Metrics(self.registry, lambda: self.board.view())
-        vllm_first, vllm_warm = vllm_rungs(config, self.adapter, self.identity, criu_path,
-                                           self.store, self.metrics)
-        self._vllm_first = vllm_first
-        if vllm_first:
-            # The configuration chose vLLM's snapshots: Pitstop's CRIU backend takes none.
-            self.snapshotter = None
-            unavailable = "snapshots.backend is vllm: vLLM's own snapshots are used instead"
-        self.snapshots = SnapshotSource.of(enabled=config.snapshots.enabled,
-                                           criu_ready=self.snapshotter is not None,
-                                           vllm=bool(vllm_first))
+        self.metrics = Metrics(self.registry)
+        self.metrics_endpoint = None if not config.metrics.enabled else MetricsEndpoint(
+            EngineLabel.over(self.registry, engine), config.metrics.host, config.metrics.port,
+            host.access.metrics_web,
+            _live(host.access.metrics_tls))
         criu = self.snapshotter.criu.binary.version if self.snapshotter is not None else None
         self.reader = build_reader(config, self.adapter, criu)
         # The identity of the engine now serving (taken just before it started): what its
@@ -120,42 +214,14 @@ class Agent:
         self.drifted: tuple[str, ...] = ()
         self.holder = HolderLink(config.holder, config.paths.run, gpu=self._gpu_uuid,
                                  digest=self._weights_digest, adapter=self.adapter)
-        if config.front.enabled:
-            from agent.front.proxy import Front
-
-            self.front = Front(config.front, self.gate, self.metrics,
-                               engine_metrics_path=self.adapter.metrics_path,
-                               engine_dead_marker=self.adapter.dead_marker,
-                               keys=self.access.front_keys, tls=_live(self.access.front_tls))
-        self.capture = None
-        if self.snapshotter is not None:
-            self.capture = Capture(self.snapshotter, self.store, self.adapter,
-                                   config.engine_socket, self.gate, self.metrics,
-                                   self.identity, config.snapshots.quiet_timeout_s,
-                                   on_published=lambda info: self._remote_published(info))
-        restore = dict(snapshotter=self.snapshotter, unavailable=unavailable,
-                       adapter=self.adapter, socket=config.engine_socket,
-                       identity=self.identity, metrics=self.metrics,
-                       timeout_s=config.health.timeout_s * RESTORE_TIMEOUTS,
-                       capture_failure=lambda: self.capture.failure if self.capture else "")
-        self.full = FullRestore(**restore)
-        self.hybrid = HybridRestore(self.holder, **restore)
-        self.refill = RefillRestore(
-            self.holder, enabled=config.holder.refill, model=config.engine.model,
-            digester=lambda: self.reader.digester, on_refilled=self.metrics.refilled, **restore)
-        # The fleet's store (snapshots.remote): restored by Pitstop's CRIU backend only.
-        self.remote = None if self.snapshotter is None else RemoteSnapshots(
-            settings=lambda: self.config.snapshots, store=self.store, identity=self.identity,
-            remaps=self.snapshotter.remaps, refill=self.refill, metrics=self.metrics,
-            status=self.status, on_change=self._changed)
+        self.front = self._front(config)
+        self._build_snapshots(config)
         self._tasks: set[asyncio.Task] = set()
-        self.gpu = GpuGuard(self._watch_gpu(config), drop_held=self.holder.drop,
-                            metrics=self.metrics)
-        ladder = [*vllm_first, self.hybrid, self.refill, self.full,
-                  WarmStart(self.adapter, self.holder),
-                  *vllm_warm, ColdStart(self.adapter, extra_args=self._cold_args)]
+        self.gpu = GpuGuard(host.gpu_watch, drop_held=self.holder.drop, metrics=self.metrics)
+        if host.gpu_watch is not None:
+            self.metrics.gpu_watched()
         self.supervisor = Supervisor(
-            config=config, adapter=self.adapter, paths=ladder,
+            config=config, adapter=self.adapter, paths=self._ladder(config),
             gate=self.gate, metrics=self.metrics, notifier=notifier, status=self.status,
             canaries=CanaryBook(config.paths.state_dir / "canary.json"),
             capture=self.capture, on_change=self._changed,
@@ -163,13 +229,14 @@ class Agent:
             on_engine=self.ledger.record, pull=self.remote)
         self.board = StatusBoard(
             self.status, node=self._node_info, stale=self._stale_reasons,
-            gpu_watched=lambda: self.gpu.watch is not None,
-            front_counts=lambda: (getattr(self.front, "queue_depth", 0), self.gate.inflight),
-            read_store=self._newest_snapshot if self.snapshots.in_store else None,
+            gpu_watched=self._gpu_watched, front_counts=self._front_counts,
+            read_store=self._newest_snapshot if host.snapshots.in_store else None,
             read_holder=self._holder_facts, on_facts=self._write_status)
+        self.metrics.read_status(self.board.view)
+        # Built at run(): it compares against the identity read then.
         self.watcher: DriftWatcher | None = None
         self._watching: asyncio.Future[None] | None = None
-        self.reloader = Reloader(config_path, current=lambda: self.config,
+        self.reloader = Reloader(config_path, current=self._current_config,
                                  apply=self.reconfigure, notifier=notifier,
                                  record=self._record_reload, prepare=self._read_access)
         self.control = ControlServer(config.paths.run / "control.sock",
@@ -177,54 +244,72 @@ class Agent:
                                       "status": self._control_status,
                                       "reload": self._control_reload})
 
-    def _access_at_start(self, config: Config) -> MetricsEndpoint | None:
-        """At start: the ports' keys, certificates and web configuration; the metrics
-        endpoint that serves with them, if metrics are on."""
-        # PITSTOP_API_KEY leaves the environment here: no child of the agent inherits it.
-        self._env_key = take_env_key(os.environ)
-        self.access = read_access(config, self._env_key)
-        if not config.metrics.enabled:
-            return None
-        return MetricsEndpoint(EngineLabel.over(self.registry, self.engine),
-                               config.metrics.host, config.metrics.port,
-                               self.access.metrics_web, _live(self.access.metrics_tls))
+    @classmethod
+    def start(cls, config: Config, config_path: Path | None, notifier: Notifier,
+              tether: Tether | None = None, engine: str = "") -> Agent:
+        """Read what the parts need from the host, in order (Host.read: an error names the
+        part), then build them; nothing runs yet (`run`). `engine` is this agent's name among
+        the node's engines ("" for a node's one agent)."""
+        return cls(config, config_path, notifier, Host.read(config, engine), tether, engine)
 
-    @staticmethod
-    def _snapshotter(config: Config) -> tuple[Snapshotter | None, str]:
-        """The snapshotter, or None and the reason (CRIU missing, snapshots disabled)."""
-        if not config.snapshots.enabled:
-            return None, "snapshots are disabled (snapshots.enabled: false)"
-        try:
-            snap = build_snapshotter(config)
-            snap.store.open(clean=True)
-        except (SnapshotError, OSError) as e:
-            log.warning("snapshots unavailable, every start will be cold: %s", e)
-            return None, f"snapshots unavailable: {e}"
-        return snap, ""
+    # --- building -----------------------------------------------------------------------
+    def _front(self, config: Config) -> Front | None:
+        if not config.front.enabled:
+            return None
+        from agent.front.proxy import Front
 
-    def _watch_gpu(self, config: Config) -> GpuWatch | None:
-        """A started NVML watch of the engine's GPU; None on a host or engine without one."""
-        if config.engine.device == "cpu":
-            return None
-        selector = gpu_selector({**os.environ, **config.engine.env})
-        if selector is None:
-            return None
-        watch = GpuWatch(selector)
-        try:
-            watch.start()
-        except SourceUnavailable as e:
-            log.info("GPU faults are not watched: %s", e)
-            return None
-        except IdentityError as e:
-            log.warning("GPU faults are not watched: %s", e)
-            return None
-        self.metrics.gpu_watched()
-        log.info("watching GPU %s for faults through NVML", selector)
-        return watch
+        return Front(config.front, self.gate, self.metrics,
+                     engine_metrics_path=self.adapter.metrics_path,
+                     engine_dead_marker=self.adapter.dead_marker,
+                     keys=self.host.access.front_keys, tls=_live(self.host.access.front_tls))
+
+    def _build_snapshots(self, config: Config) -> None:
+        """The refill's plans, the fleet's store, the capture and the restore rungs: each
+        built from the ones before it."""
+        host = self.host
+        self.plans = RefillPlans(config.engine.model, digester=self.reader.digester)
+        self.remote: RemoteSnapshots | None = None
+        self.capture: Capture | None = None
+        capture_failure = _no_failure
+        if host.snapshotter is not None:
+            # The fleet's store (snapshots.remote): Pitstop's CRIU backend's snapshots only.
+            self.remote = RemoteSnapshots(
+                settings=config.snapshots, store=self.store, identity=self.identity,
+                remaps=host.snapshotter.remaps, holder=self.holder, plans=self.plans,
+                metrics=self.metrics, status=self.status, on_change=self._changed)
+            self.capture = Capture(
+                host.snapshotter, self.store, self.adapter, config.engine_socket, self.gate,
+                self.metrics, self.identity, config.snapshots.quiet_timeout_s,
+                on_published=self.remote.published)
+            capture_failure = self.capture.last_failure
+        self.full = FullRestore(
+            snapshotter=host.snapshotter, unavailable=host.no_snapshots, adapter=self.adapter,
+            socket=config.engine_socket, identity=self.identity, metrics=self.metrics,
+            timeout_s=resume_timeout_s(config), capture_failure=capture_failure)
+        self.hybrid = self._hybrid(config, capture_failure)
+        # The refill restores with a hybrid rung of its own (its refusals are its own).
+        self.refill = RefillRestore(self._hybrid(config, capture_failure), self.holder,
+                                    self.plans, on_refilled=self.metrics.refilled)
+        self.vllm_first, self.vllm_warm = vllm_rungs(
+            config, self.adapter, host.vllm, self.identity, host.criu_path, self.store,
+            self.metrics)
+
+    def _hybrid(self, config: Config, capture_failure: Callable[[], str]) -> HybridRestore:
+        return HybridRestore(
+            self.holder, snapshotter=self.host.snapshotter, unavailable=self.host.no_snapshots,
+            adapter=self.adapter, socket=config.engine_socket, identity=self.identity,
+            metrics=self.metrics, timeout_s=resume_timeout_s(config),
+            capture_failure=capture_failure)
+
+    def _ladder(self, config: Config) -> list:
+        return [*self.vllm_first, self.hybrid, self.refill, self.full,
+                WarmStart(self.adapter, self.holder),
+                *self.vllm_warm, ColdStart(self.adapter, extra_args=self._cold_args)]
 
     # --- reload -------------------------------------------------------------------------
     def reconfigure(self, config: Config, result: ReloadResult) -> None:
-        """Give every part that holds a reloadable value the configuration now in effect.
+        """Give every part that holds a reloadable value the configuration now in effect;
+        each takes its own keys.
 
         agent/reload.py's POLICY says which keys reach here changed: the ones it refuses
         keep their running values in `config`, so setting them again changes nothing.
@@ -233,33 +318,26 @@ class Agent:
         # anything else took the new configuration.
         self.adapter.reconfigure(config)
         self.config = config
-        self.reader.config = config
-        self.holder.config = config.holder
-        snaps = config.snapshots
-        if self.capture is not None:
-            self.capture.quiet_timeout_s = snaps.quiet_timeout_s
-        # keep, disk_budget_gib, quarantine_keep: whichever backend publishes into the store.
-        self.store.retention = retention(config)
-        self.store.trust_sealed = snaps.verify == "changed"
-        if self.snapshotter is not None:
-            self.snapshotter.cuda.lock_timeout_ms = snaps.cuda_lock_timeout_ms
-        for rung in (self.full, self.hybrid, self.refill):
-            rung.timeout_s = config.health.timeout_s * RESTORE_TIMEOUTS
-        self.refill.enabled = config.holder.refill
-        for vllm_rung in self._vllm_first:
-            vllm_rung.reconfigure(config)
+        parts: list[Reconfigurable | None] = [
+            self.reader, self.holder, self.store, self.snapshotter, self.capture, self.remote,
+            self.full, self.hybrid, self.refill, *self.vllm_first, self.watcher]
+        for part in parts:
+            if part is not None:
+                part.reconfigure(config)
         if self.front is not None:
             self.front.reconfigure(config.front)
-        if self.watcher is not None:
-            self.watcher.interval_s = snaps.drift_check_interval_s
-            if self._watching is not None and self._watching.done():
-                self._watching = asyncio.ensure_future(self.watcher.run())
+        if self.watcher is not None and self._watching is not None and self._watching.done():
+            # A drift check turned off, then on again: its loop had returned.
+            self._watching = asyncio.ensure_future(self.watcher.run())
         self.supervisor.apply_config(config, restart_engine=result.engine_restart)
+
+    def _current_config(self) -> Config:
+        return self.config
 
     def _read_access(self, config: Config) -> Callable[[], None]:
         """In a worker thread at every reload: the key, certificate and web configuration
         files read again, checked against the running ports; what puts them in use."""
-        access = read_access(config, self._env_key)
+        access = read_access(config, self.host.env_key)
         access.fits(self.front.tls if self.front is not None else None,
                     self.metrics_endpoint.tls if self.metrics_endpoint is not None else None)
         return lambda: self._use_access(access)
@@ -267,9 +345,7 @@ class Agent:
     def _use_access(self, access: Access) -> None:
         self.access = access
         if self.front is not None:
-            self.front.keys = access.front_keys
-            if self.front.tls is not None and access.front_tls is not None:
-                self.front.tls.use(access.front_tls)
+            self.front.use_access(access.front_keys, access.front_tls)
             self.status.front_access = access.front_view()
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.use(access.metrics_web, access.metrics_tls)
@@ -301,6 +377,13 @@ class Agent:
         ident = self.engine_identity
         return ident.weights_digest if ident is not None else None
 
+    def _gpu_watched(self) -> bool:
+        return self.gpu.watch is not None
+
+    def _front_counts(self) -> tuple[int, int]:
+        """Requests waiting in the front, and in flight to the engine (the gate's count)."""
+        return (self.front.queue_depth if self.front is not None else 0), self.gate.inflight
+
     async def _before_start(self) -> None:
         # Hashing changed weight files can take seconds: never on the event loop.
         self.engine_identity = await asyncio.to_thread(self.reader)
@@ -321,18 +404,6 @@ class Agent:
         # The loop keeps only a weak reference to a task: one nobody holds may vanish.
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    def _remote_published(self, info: SnapshotInfo) -> None:
-        if self.remote is not None:
-            self.remote.published(info)
-
-    async def _watch_drift(self) -> None:
-        """Compare the host with what the serving engine (and its snapshots) were made on."""
-        self.watcher = DriftWatcher(
-            self.reader, reference=await asyncio.to_thread(self.reader),
-            on_drift=self._on_drift, interval_s=self.config.snapshots.drift_check_interval_s,
-            metrics=self.metrics)
-        self._watching = asyncio.ensure_future(self.watcher.run())
 
     def _on_drift(self, diffs: list[Difference]) -> None:
         self.drifted = tuple(sorted({d.field for d in diffs}))
@@ -362,7 +433,7 @@ class Agent:
             return HolderFacts(up=True, bytes_held=c.stats().bytes_held)
 
     def _stale_reasons(self, snapshot_present: bool) -> tuple[str, ...]:
-        rungs = [*self._vllm_first, self.full, *([self.hybrid] if snapshot_present else [])]
+        rungs = [*self.vllm_first, self.full, *([self.hybrid] if snapshot_present else [])]
         reasons = {r for rung in rungs for r in rung.stale_reasons}
         return tuple(sorted({*reasons, *self.drifted} if snapshot_present else reasons))
 
@@ -370,7 +441,7 @@ class Agent:
         """The node's versions as the running engine's identity saw them at its start."""
         ident = self.engine_identity
         if ident is None:
-            return self._node
+            return self.host.node
         return NodeInfo(engine=self.engine, driver_version=ident.driver_version or "",
                         cuda_driver_version=ident.cuda_driver_version or "",
                         kernel=ident.kernel, engine_kind=ident.engine_kind,
@@ -396,30 +467,46 @@ class Agent:
             await self.front.stop(self.config.engine.stop_timeout_s)
         self.supervisor.request_stop()
 
-    async def run(self) -> int:
-        proc.become_subreaper()
-        Signals(on_stop=self._on_term, reloader=self.reloader).install()
+    async def _open_ports(self) -> None:
+        """The metrics endpoint, the front and the control socket, in that order."""
         if self.metrics_endpoint is not None:
-            await self.metrics_endpoint.start()
+            with _part("the metrics endpoint"):
+                await self.metrics_endpoint.start()
             self.status.metrics = f"{self.config.metrics.host}:{self.metrics_endpoint.port}"
             self.status.metrics_access = self.access.metrics_view()
             log.info("metrics on %s://%s/metrics",
                      "https" if self.metrics_endpoint.tls else "http", self.status.metrics)
         if self.front is not None:
-            await self.front.start()
+            with _part("the front"):
+                await self.front.start()
             self.status.front = f"{self.config.front.host}:{self.front.port}"
             self.status.front_access = self.access.front_view()
             log.info("front on %s://%s/v1", "https" if self.front.tls else "http",
                      self.status.front)
-        await self.control.start()
+        with _part("the control socket"):
+            await self.control.start()
+
+    async def _watch_drift(self) -> None:
+        """Compare the host with what the serving engine (and its snapshots) were made on,
+        while the agent's snapshots land in its store."""
+        if not self.host.snapshots.in_store:
+            return
+        self.watcher = DriftWatcher(
+            self.reader, reference=await asyncio.to_thread(self.reader),
+            on_drift=self._on_drift, interval_s=self.config.snapshots.drift_check_interval_s,
+            metrics=self.metrics)
+        self._watching = asyncio.ensure_future(self.watcher.run())
+
+    async def run(self) -> int:
+        proc.become_subreaper()
+        Signals(on_stop=self._on_term, reloader=self.reloader).install()
+        await self._open_ports()
         self._changed()
         duties = [asyncio.ensure_future(proc.reap_forever()),
                   asyncio.ensure_future(pet_watchdog(
-                      self.notifier, lambda: self.supervisor.heartbeat,
-                      lambda: self.config.health)),
+                      self.notifier, self._heartbeat, self._health_config)),
                   asyncio.ensure_future(self.board.run())]
-        if self.snapshots.in_store:
-            await self._watch_drift()
+        await self._watch_drift()
         try:
             await self.supervisor.run()
             self.ledger.clear()  # the supervisor stopped the engine: nothing left to kill
@@ -436,3 +523,17 @@ class Agent:
             self._write_status()
             await self.status_file.flushed()
         return 0
+
+    def _heartbeat(self) -> float:
+        return self.supervisor.heartbeat
+
+    def _health_config(self) -> HealthConfig:
+        return self.config.health
+
+
+def _live(ctx: ssl.SSLContext | None) -> LiveTls | None:
+    return LiveTls(ctx) if ctx is not None else None
+
+
+def _no_failure() -> str:
+    return ""

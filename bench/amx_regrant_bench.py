@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from agent import proc  # noqa: E402
+from agent.checkpoint.backend import CreateRequest, take  # noqa: E402
 from agent.checkpoint.criu import CriuBackend  # noqa: E402
 from agent.checkpoint.criu_locate import locate  # noqa: E402
 from agent.checkpoint.snapshotter import Snapshotter  # noqa: E402
@@ -89,8 +90,8 @@ def main() -> int:
     assert t.stdout is not None and t.stdout.readline().startswith(b"ready")
     child = int(ask(sock, "pids").split()[2])
     canary = Canary(prompt="pids", max_tokens=1, text="", token_ids=())
-    info = snap.capture(t.pid, canary=canary, identity=collect(engine_kind="tiles",
-                        engine_version="1", criu=criu.version))  # fmt: skip
+    info = take(snap.store, snap, CreateRequest("full", pid=t.pid, canary=canary),
+                collect(engine_kind="tiles", engine_version="1", criu=criu.version))
     t.wait()
     proc.disown(t.pid)
     reap(child, t.pid)

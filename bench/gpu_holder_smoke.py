@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from agent import proc  # noqa: E402
+from agent.checkpoint.backend import CreateRequest, take  # noqa: E402
 from agent.checkpoint.criu import CriuBackend  # noqa: E402
 from agent.checkpoint.criu_locate import locate  # noqa: E402
 from agent.checkpoint.cuda import CudaCheckpoint  # noqa: E402
@@ -176,10 +177,9 @@ def main() -> int:
         result["prepare_s"] = time.monotonic() - t0
         ident = collect(engine_kind="reference", engine_version="smoke",
                         criu=snap.criu.version)
-        info = snap.capture(p.pid, canary=Canary(prompt=PROMPT, max_tokens=8,
-                                                 text=result["warm_start"]["answer"],
-                                                 token_ids=()),
-                            identity=ident, kind="hybrid")
+        record = Canary(prompt=PROMPT, max_tokens=8, text=result["warm_start"]["answer"],
+                        token_ids=())
+        info = take(snap.store, snap, CreateRequest("hybrid", pid=p.pid, canary=record), ident)
         p.wait()
         proc.disown(p.pid)
         result["capture"] = {"timings": info.manifest.timings, "image_bytes": info.image_bytes}

@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from agent import proc  # noqa: E402
+from agent.checkpoint.backend import CreateRequest, take  # noqa: E402
 from agent.checkpoint.criu import CriuBackend  # noqa: E402
 from agent.checkpoint.criu_locate import locate  # noqa: E402
 from agent.checkpoint.cuda import CudaCheckpoint  # noqa: E402
@@ -74,7 +75,7 @@ def main() -> int:
     first = ask(sock)
     result: dict = {"gpu_mib": mib, "cold_start_s": time.monotonic() - t0, "first": first}
     canary = Canary(prompt="inc", max_tokens=1, text=first[0], token_ids=(int(first[0]),))
-    info = snap.capture(p.pid, canary=canary, identity=ident)
+    info = take(snap.store, snap, CreateRequest("full", pid=p.pid, canary=canary), ident)
     p.wait()
     result["capture"] = {"timings": info.manifest.timings, "image_bytes": info.image_bytes}
     print("captured", result["capture"], flush=True)

@@ -2,7 +2,7 @@
 rate measured in the same run.
 
 Each combination of `--threads`, `--piece-mib`, `--buffers` and `--host`
-(agent/holder/refill.py `Tuning`) loads the model's safetensors files from the page cache
+(agent/holder/refill/__init__.py `Tuning`) loads the model's safetensors files from the page cache
 the way the holder does (the sink made first, the regions created meanwhile, then the
 job), in this process, `--runs` times; the first run's bytes are compared with the files
 (1 MiB at the start, middle and end of each region); every run's regions are freed. Then
@@ -43,7 +43,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from agent.holder.client import HolderClient  # noqa: E402
-from agent.holder.refill import DEFAULT_TUNING, Host, RefillJob, Tuning, make_sink  # noqa: E402
+from agent.holder.refill import DEFAULT_TUNING, Host, Tuning  # noqa: E402
+from agent.holder.refill.job import RefillJob, make_sink  # noqa: E402
 from agent.holder.weightplan import RefillPlan, build_plan, write_plan  # noqa: E402
 from agent.weights import FileDigest, is_model_file, manifest_digest  # noqa: E402
 
@@ -367,8 +368,8 @@ def main() -> None:
     ap.add_argument("--buffers", default=str(d.buffers), help="host buffers per thread "
                     "(registrations in flight when direct), comma list")
     ap.add_argument("--host", default=d.host.value, help="where pieces wait for their copy, "
-                    f"comma list of {', '.join(h.value for h in Host)} (agent/holder/refill.py "
-                    "Host)")
+                    f"comma list of {', '.join(h.value for h in Host)} "
+                    "(agent/holder/refill/__init__.py Host)")
     ap.add_argument("--runs", type=int, default=2, help="runs of each combination")
     ap.add_argument("--holder-runs", type=int, default=1,
                     help="loads through a real `pitstop holder` with its defaults")

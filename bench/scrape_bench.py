@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import platform
@@ -65,11 +66,13 @@ def main() -> int:
         try:
             cfg = parse_config(agent_config(tmp, cached_model(), holder={
                 "enabled": True, "dir": str(holder.base), "gpu": "cpu"}), "bench")
-            agent = Agent(cfg, None, Notifier({}))
+            agent = Agent.start(cfg, None, Notifier({}))
             assert agent.snapshotter is not None, "no CRIU: run `make criu` first"
             for i in range(args.snapshots):
                 publish(agent.snapshotter.store, size=1 << 20, minutes=i)
-            agent.snapshotter.keep = args.snapshots
+            assert agent.store.retention is not None
+            agent.store.retention = dataclasses.replace(agent.store.retention,
+                                                        keep=args.snapshots)
 
             def refresh() -> None:
                 asyncio.run(agent.board.refresh())

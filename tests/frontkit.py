@@ -173,13 +173,12 @@ class Harness:
         deadline = loop.time() + timeout
         while loop.time() < deadline:
             f = self.front
-            if f.queue_depth == 0 and f.inflight == 0 and not f._active and \
-                    self.gate.inflight == 0:
+            if f.queue_depth == 0 and not f._active and self.gate.inflight == 0:
                 return
             await asyncio.sleep(0.02)
         f = self.front
-        raise AssertionError(f"front not settled: queue {f.queue_depth}, inflight {f.inflight}"
-                             f", handlers {len(f._active)}, gate {self.gate.inflight}")
+        raise AssertionError(f"front not settled: queue {f.queue_depth}, handlers "
+                             f"{len(f._active)}, gate {self.gate.inflight}")
 
 
 @contextlib.asynccontextmanager
@@ -190,7 +189,7 @@ async def front_on(engine: Engine, keys: ApiKeys | None = None, tls: LiveTls | N
     metrics = Metrics(new_registry(), lambda: StatusView(
         "running", gate.current is not None, None, (), NodeInfo(),
         front_queue_depth=holder[0].queue_depth if holder else 0,
-        front_inflight=holder[0].inflight if holder else 0))
+        front_inflight=gate.inflight))
     front = Front(FrontConfig(port=0, **config), gate, metrics, keys=keys, tls=tls)
     holder.append(front)
     await front.start()

@@ -12,11 +12,13 @@ import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from agent import proc
-from agent.checkpoint.criu import CriuBackend
+from agent.checkpoint.backend import CreateRequest, SnapshotInfo, take
+from agent.checkpoint.criu import CriuBackend, DumpOptions
 from agent.checkpoint.criu_locate import MIN_TEXT, CriuBinary, locate
 from agent.checkpoint.snapshotter import Snapshotter
 from agent.errors import SnapshotError
@@ -66,6 +68,17 @@ def identity(criu_version: str = "4.1.1") -> Identity:
 
 def snapshotter(root: Path, logs: Path) -> Snapshotter:
     return Snapshotter(SnapshotStore(root), CriuBackend(criu()), None, log_dir=logs)
+
+
+def capture(snap: Snapshotter, pid: int, *, canary: Canary, identity: Identity,
+            kind: SnapshotKind = "full", options: DumpOptions | None = None,
+            held: dict[str, dict[str, Any]] | None = None) -> SnapshotInfo:
+    """Dump the tree rooted at `pid` through `snap` into its store and publish it, as the
+    agent's capture does (take); without `options.leave_running` CRIU kills the tree."""
+    request = CreateRequest(kind=kind, pid=pid, canary=canary, held=held,
+                            leave_running=(options or DumpOptions()).leave_running,
+                            dump_options=options)
+    return take(snap.store, snap, request, identity)
 
 
 class Workload:

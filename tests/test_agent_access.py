@@ -24,7 +24,7 @@ import openai
 import pytest
 import yaml
 
-from agent.cli import format_status
+from agent.status_text import format_status
 from tests.agentproc import REPO, RunningAgent, agent_config
 from tests.prereq import require
 from tests.promharness import have_prometheus, running_prometheus, wait_for

@@ -214,8 +214,9 @@ def test_weights_held_in_another_layout_than_the_files_get_a_plan_of_their_copy(
     import torch
 
     from agent.config import HolderConfig
+    from agent.holder.plans import RefillPlans
     from agent.holder.weightplan import PLAN_NAME, PlanSource, load_plan, plan_for, write_plan
-    from agent.supervisor.paths.holder import HolderLink
+    from agent.supervisor.paths.holder import HolderLink, HybridRestore
     from agent.supervisor.paths.refill import RefillRestore
     from agent.tenant.mapping import HeldSet, HostSpace
     from agent.weights import WeightsDigester
@@ -224,10 +225,11 @@ def test_weights_held_in_another_layout_than_the_files_get_a_plan_of_their_copy(
     link = HolderLink(HolderConfig(enabled=True, dir=holder.base, gpu="cpu"), holder.base,
                       gpu=lambda: "cpu", digest=lambda: digest,
                       adapter=SimpleNamespace(holder_refusal=lambda: None))
-    rung = RefillRestore(link, enabled=True, model=model, digester=lambda: WeightsDigester(None),
-                         snapshotter=None, unavailable="no snapshots here", adapter=None,
-                         socket=holder.base / "engine.sock", identity=lambda: None,
-                         metrics=None, timeout_s=1.0)
+    plans = RefillPlans(model, digester=WeightsDigester(None))
+    hybrid = HybridRestore(link, snapshotter=None, unavailable="no snapshots here", adapter=None,
+                           socket=holder.base / "engine.sock", identity=lambda: None,
+                           metrics=None, timeout_s=1.0)
+    rung = RefillRestore(hybrid, link, plans)
     plan_file = holder.sock.parent / PLAN_NAME
     assert rung.remember(digest) is None and not plan_file.exists()  # nothing held yet
     write_plan(holder.sock.parent, plan_for(model, WeightsDigester(None), digest))
@@ -241,7 +243,7 @@ def test_weights_held_in_another_layout_than_the_files_get_a_plan_of_their_copy(
     # A backend whose regions cannot be read back (none of cpu and cuda): no copy, no plan.
     with holder.client() as c:
         regions = c.committed_set(digest)
-    assert rung._remember_copy(digest, regions, holder.sock.parent, "rocm") is None
+    assert plans._remember_copy(holder.sock, digest, regions, "rocm") is None
     assert not plan_file.exists()
     assert rung.remember(digest) == plan_file
     plan = load_plan(holder.sock.parent)

@@ -29,7 +29,7 @@ import openai
 import pytest
 
 from agent import proc
-from agent.checkpoint.connections import tcp_survey
+from agent.checkpoint.connections import survey
 from agent.config import parse_config
 from agent.engines import build_adapter
 from agent.identity import host_identity, read_vllm_package
@@ -276,7 +276,7 @@ def test_the_cold_started_vllm_is_snapshotted_with_its_tcp_connections(agent: Vl
     # among them, if any, are dumped with no network lock, as both ends are in the tree.
     listeners = _tcp_listeners(m.process.pids)
     assert listeners, "vLLM's tree holds no TCP listener: what does this test stand on?"
-    tcp = tcp_survey(m.process.pids)
+    tcp = survey(m.process.pids).tcp
     print(f"\nvLLM's TCP: listeners {listeners}, connections {tcp.internal}", file=sys.stderr)
     assert tcp.outside == ()
     internal = tcp.internal

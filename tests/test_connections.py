@@ -18,7 +18,6 @@ from agent.checkpoint.connections import (
     parse_tcp_table,
     refuse_outside_connections,
     survey,
-    tcp_survey,
     unix_sockets,
 )
 from agent.checkpoint.criu import DumpOptions
@@ -163,7 +162,7 @@ def test_a_datagram_socket_is_outside_only_when_its_peer_has_no_name(sockdir):
 
 def test_a_loopback_tcp_pair_inside_the_tree_is_internal():
     with held("tcp-self") as h:
-        t = tcp_survey([h.pid])
+        t = survey([h.pid]).tcp
         assert t.internal_present and t.outside == ()
         assert len(t.internal) == 2  # both ends, each seen from its own socket
         assert {c.state for c in t.internal} == {"ESTABLISHED"}
@@ -181,7 +180,7 @@ def test_a_tcp_connection_to_a_server_outside_is_named_with_both_addresses(host)
     with lst, held("tcp-connect", host, str(port)) as h:
         conn, _ = lst.accept()
         with conn:
-            t = tcp_survey([h.pid])
+            t = survey([h.pid]).tcp
             assert not t.internal_present
             [c] = t.outside
             assert c.reason is Outside.TCP_PEER and c.state == "ESTABLISHED"
@@ -194,10 +193,10 @@ def test_a_tcp_connection_to_a_server_outside_is_named_with_both_addresses(host)
 
 def test_a_tcp_client_queued_on_the_trees_listener_is_outside():
     with held("tcp-listen", "127.0.0.1") as h:
-        t = tcp_survey([h.pid])
+        t = survey([h.pid]).tcp
         assert t.outside == () and not t.internal_present  # a listener alone is fine
         with socket.create_connection(("127.0.0.1", int(h.info))) as client:
-            [c] = tcp_survey([h.pid]).outside
+            [c] = survey([h.pid]).tcp.outside
             assert c.reason is Outside.TCP_PENDING
             assert c.peer == f"127.0.0.1:{client.getsockname()[1]}"
             assert c.holder.pid == h.pid
@@ -242,7 +241,7 @@ def test_a_refusal_names_every_connection_and_a_closing_one_is_given_time(sockdi
 
 def test_the_snapshotter_refuses_a_tree_with_a_connection_from_outside_before_criu_runs(
         tmp_path: Path, sockdir: Path):
-    from tests.snapshot_helpers import CANARY, Counter, identity, snapshotter
+    from tests.snapshot_helpers import CANARY, Counter, capture, identity, snapshotter
 
     snap = snapshotter(tmp_path / "snaps", tmp_path / "logs")
     c = Counter(sockdir / "c.sock")
@@ -250,13 +249,13 @@ def test_the_snapshotter_refuses_a_tree_with_a_connection_from_outside_before_cr
         lingering = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         lingering.connect(str(c.sock))  # accepted, never sends: the counter waits on it
         with lingering, pytest.raises(OpenConnectionsError) as e:
-            snap.capture(c.pid, canary=CANARY, identity=identity())
+            capture(snap, c.pid, canary=CANARY, identity=identity())
         assert e.value.reasons == (Outside.UNIX_PEER,)
         assert f"PID {c.pid}" in str(e.value) and f"PID {os.getpid()}" in str(e.value)
         assert snap.store.entries() == []
         assert not (tmp_path / "logs").exists() or not any((tmp_path / "logs").iterdir())
         assert c.inc() == 1  # it serves on
-        info = snap.capture(c.pid, canary=CANARY, identity=identity(),
+        info = capture(snap, c.pid, canary=CANARY, identity=identity(),
                             options=DumpOptions(leave_running=True))
         assert info.manifest.process.root_pid == c.pid
         assert c.inc() == 2

@@ -18,12 +18,14 @@ import pytest
 from agent import proc
 from agent.checkpoint.criu import DumpOptions
 from agent.errors import SnapshotError
+from agent.store import Retention
 from tests.prereq import require
 from tests.snapshot_helpers import (
     CANARY,
     REPO,
     Counter,
     Workload,
+    capture,
     identity,
     inc,
     kill_and_reap,
@@ -41,7 +43,7 @@ def test_restore_one_image_three_times_state_continues_same_pid_pipe_rewired(tmp
     c = Counter(tmp_path / "c.sock", 4)
     assert c.inc() == 1
     assert c.read_line() == b"count 1\n"
-    info = snap.capture(c.pid, canary=CANARY, identity=identity(snap.criu.version))
+    info = capture(snap, c.pid, canary=CANARY, identity=identity(snap.criu.version))
     c.stop()  # CRIU killed it after the dump; reap it so its PID is free again
     m = info.manifest
     assert m.process.root_pid == c.pid and m.process.pids == (c.pid,)
@@ -70,8 +72,8 @@ def test_leave_running_keeps_serving_and_the_image_restores_the_dump_time_state(
     c = Counter(tmp_path / "c.sock")
     try:
         assert c.inc() == 1
-        info = snap.capture(
-            c.pid, canary=CANARY, identity=identity(snap.criu.version),
+        info = capture(
+            snap, c.pid, canary=CANARY, identity=identity(snap.criu.version),
             options=DumpOptions(leave_running=True),
         )  # fmt: skip
         assert c.inc() == 2 and c.inc() == 3
@@ -81,9 +83,9 @@ def test_leave_running_keeps_serving_and_the_image_restores_the_dump_time_state(
     try:
         assert inc(c.sock) == 2
         # Retention: a second capture with keep=1 replaces the first, and only after publishing.
-        snap.keep, snap.budget_bytes = 1, 1 << 40
-        second = snap.capture(
-            r.pid, canary=CANARY, identity=identity(snap.criu.version),
+        snap.store.retention = Retention(keep=1, budget_bytes=1 << 40)
+        second = capture(
+            snap, r.pid, canary=CANARY, identity=identity(snap.criu.version),
             options=DumpOptions(leave_running=True),
         )  # fmt: skip
         assert snap.store.ids() == [second.id]
@@ -103,7 +105,7 @@ def test_a_failed_dump_names_the_criu_error_publishes_nothing_and_the_process_se
     assert libc.ptrace(PTRACE_SEIZE, c.pid, 0, 0) == 0, os.strerror(ctypes.get_errno())
     try:
         with pytest.raises(SnapshotError) as e:
-            snap.capture(c.pid, canary=CANARY, identity=identity(snap.criu.version))
+            capture(snap, c.pid, canary=CANARY, identity=identity(snap.criu.version))
         msg = str(e.value)
         assert f"criu dump of PID {c.pid} failed: " in msg
         first = msg.split("failed: ", 1)[1].splitlines()[0]
@@ -121,16 +123,16 @@ def test_an_agent_killed_during_the_dump_leaves_the_previous_good_snapshot(tmp_p
     snap = snapshotter(root, logs)
     ident = identity(snap.criu.version)
     first = Counter(tmp_path / "a.sock")
-    good = snap.capture(first.pid, canary=CANARY, identity=ident)
+    good = capture(snap, first.pid, canary=CANARY, identity=ident)
     first.stop()
 
     big = Counter(tmp_path / "b.sock", 256)
     agent = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             from pathlib import Path
-            from tests.snapshot_helpers import CANARY, identity, snapshotter
+            from tests.snapshot_helpers import CANARY, capture, identity, snapshotter
             snap = snapshotter(Path({str(root)!r}), Path({str(logs)!r}))
-            snap.capture({big.pid}, canary=CANARY, identity=identity(snap.criu.version))
+            capture(snap, {big.pid}, canary=CANARY, identity=identity(snap.criu.version))
         """)],
         cwd=REPO,
     )
@@ -185,12 +187,12 @@ def test_a_full_disk_publishes_nothing_partial(tmp_path: Path):
         snap = snapshotter(small / "snaps", tmp_path / "logs")
         ident = identity(snap.criu.version)
         c = Counter(tmp_path / "a.sock")
-        good = snap.capture(c.pid, canary=CANARY, identity=ident)
+        good = capture(snap, c.pid, canary=CANARY, identity=ident)
         c.stop()
         big = Counter(tmp_path / "b.sock", 64)
         try:
             with pytest.raises(SnapshotError, match="criu dump of PID") as e:
-                snap.capture(big.pid, canary=CANARY, identity=ident)
+                capture(snap, big.pid, canary=CANARY, identity=ident)
             print(e.value)
             assert big.inc() == 1  # the failed dump left it running
         finally:
@@ -222,7 +224,7 @@ def test_a_hybrid_image_leaves_zero_pages_out_and_restores_the_same_memory(
     before = ask()
     assert before.split()[1:] == ["0", "171"]  # the zeroed file page, the file's 0xab
     with caplog.at_level(logging.INFO, logger="pitstop.snapshot"):
-        info = snap.capture(w.pid, canary=CANARY, identity=identity(snap.criu.version),
+        info = capture(snap, w.pid, canary=CANARY, identity=identity(snap.criu.version),
                             kind="hybrid")
     w.stop()
     left = [int(m.split()[1]) for m in caplog.messages if m.startswith("left ")]

@@ -21,6 +21,7 @@ from tests.snapshot_helpers import (
     CANARY,
     REPO,
     Workload,
+    capture,
     identity,
     kill_and_reap,
     snapshotter,
@@ -61,7 +62,7 @@ def test_a_running_tree_with_internal_tcp_and_shared_memory_restores_twice_as_du
     snap = snapshotter(tmp_path / "snaps", tmp_path / "logs")
     t = Talker(tmp_path / "t.sock")
     assert ping(t.sock) == (1, 1, 1)
-    info = snap.capture(t.pid, canary=CANARY, identity=identity(snap.criu.version),
+    info = capture(snap, t.pid, canary=CANARY, identity=identity(snap.criu.version),
                         options=DumpOptions(leave_running=True))
     m = info.manifest
     # Both ends of the connection are in the tree: dumped, with no network lock.
@@ -103,7 +104,7 @@ def test_a_tcp_connection_to_outside_the_tree_refuses_the_snapshot_and_names_it(
     accepted, _ = outside.accept()
     try:
         with pytest.raises(OpenConnectionsError) as refused:
-            snap.capture(t.pid, canary=CANARY, identity=identity(snap.criu.version),
+            capture(snap, t.pid, canary=CANARY, identity=identity(snap.criu.version),
                          options=DumpOptions(leave_running=True))
         said = str(refused.value)
         assert f"PID {t.pid} (python" in said and f"peer 127.0.0.1:{port}" in said, said
@@ -126,13 +127,13 @@ def test_a_link_remap_left_by_a_killed_criu_is_removed_before_the_next_dump(
     snap = snapshotter(tmp_path / "snaps", tmp_path / "logs")
     t = Talker(tmp_path / "t.sock")
     try:
-        first = snap.capture(t.pid, canary=CANARY, identity=identity(snap.criu.version),
+        first = capture(snap, t.pid, canary=CANARY, identity=identity(snap.criu.version),
                              options=DumpOptions(leave_running=True))
         remap = min(n for n in first.manifest.process.shm_files if n.startswith("link_remap."))
         # What a CRIU killed mid-dump leaves: its link to the file, under the same name the
         # next dump of this tree wants.
         os.link(f"/dev/shm/pitstop-test-{t.pid}-sem", f"/dev/shm/{remap}")
-        second = snap.capture(t.pid, canary=CANARY, identity=identity(snap.criu.version),
+        second = capture(snap, t.pid, canary=CANARY, identity=identity(snap.criu.version),
                               options=DumpOptions(leave_running=True))
         assert remap in second.manifest.process.shm_files
         assert not os.path.exists(f"/dev/shm/{remap}")

@@ -51,3 +51,19 @@ def test_the_gpu_uuid_is_remapped_and_everything_else_must_match():
     other = new.model_copy(update={"kernel": "6.1.0", "gpu_memory_bytes": 80 << 30})
     assert [(x.field, x.remapped) for x in classify(old, other)] == [
         ("gpu_uuid", True), ("gpu_memory_bytes", False), ("kernel", False)]
+
+
+def test_a_stale_reason_names_only_the_arguments_that_differ():
+    a = collect(engine_kind="reference", engine_version="1", criu="4.1.1",
+                engine_args=("/usr/bin/python3", "-m", "srv", "--kv-slots", "8", "--x"))
+    b = a.model_copy(update={"engine_args": ("/opt/venv/bin/python3", "-m", "srv",
+                                             "--kv-slots", "8", "--y", "--z")})
+    c = a.model_copy(update={"engine_args": a.engine_args[:-1]})
+    assert describe(compare(a, b), brief=True) == (
+        "engine_args: [0] '/usr/bin/python3' -> '/opt/venv/bin/python3', "
+        "[5] '--x' -> '--y' '--z'")
+    assert describe(compare(a, c), brief=True) == "engine_args: [5] '--x' removed"
+    assert describe(compare(c, a), brief=True) == "engine_args: [5] '--x' added"
+    # Other fields read as in full.
+    assert describe(compare(a, a.model_copy(update={"criu": "4.2"})), brief=True) == \
+        "criu: '4.1.1' -> '4.2'"

@@ -16,7 +16,7 @@ from agent.config import load_config
 from agent.drift_watch import build_reader
 from agent.engines import build_adapter
 from agent.store import SnapshotStore
-from tests.snapshot_helpers import CANARY, REPO, Counter, publish, snapshotter
+from tests.snapshot_helpers import CANARY, REPO, Counter, capture, publish, snapshotter
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +50,7 @@ def test_engine_args_changed_since_a_criu_snapshot_exit_1_old_to_new(site: Path)
     taken_with = build_reader(old, build_adapter(old), snap.criu.version)()
     c = Counter(site / "c.sock")
     try:
-        info = snap.capture(c.pid, canary=CANARY, identity=taken_with)
+        info = capture(snap, c.pid, canary=CANARY, identity=taken_with)
     finally:
         c.stop()
     assert any(f.name == "pstree.img" for f in info.manifest.files)  # a real CRIU image

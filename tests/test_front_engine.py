@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from agent.front.proxy import _Relay
+from agent.front.relay import Relay
 from agent.front.resume import Plan, Tracker
 from agent.front.sse import SSEParser
 from tests.frontkit import MODEL_NAME, CutRelay, Engine, Harness, front_on, socket_dir
@@ -166,9 +166,9 @@ def test_sixteen_whole_requests_are_sent_again(engine: Engine) -> None:
         async with front_on(engine) as h:
             c = client(h)
             tasks = [asyncio.create_task(through_front(c, p, b, False)) for p, b in specs]
-            await until(lambda: h.front.inflight == 16, what="16 requests at the engine")
+            await until(lambda: h.gate.inflight == 16, what="16 requests at the engine")
             await asyncio.sleep(0.1)
-            at_kill = h.front.inflight
+            at_kill = h.gate.inflight
             await h.restart()
             assert await asyncio.gather(*tasks) == want
             resumed = sum(h.sample("pitstop_front_resumed_requests_total", endpoint=p)
@@ -432,13 +432,13 @@ def test_a_slow_reader_gets_its_whole_answer(engine: Engine,
     While it waits, the client's transport wakes it when there is room again: it is not
     woken every few milliseconds to look."""
     drains: list[Suspensions] = []
-    real_drain = _Relay.drain
+    real_drain = Relay.drain
 
-    async def counted(self: _Relay) -> None:
+    async def counted(self: Relay) -> None:
         drains.append(Suspensions(real_drain(self)))
         await drains[-1]
 
-    monkeypatch.setattr(_Relay, "drain", counted)
+    monkeypatch.setattr(Relay, "drain", counted)
 
     async def main() -> None:
         await engine.wait_ready()
@@ -594,7 +594,7 @@ def test_every_cut_inside_a_character_continues_with_the_same_text(
                 if t.complete:
                     sent += t.finished_frames()
                 else:
-                    cont_path, cont = t.resume_request()
+                    cont_path, cont = t.continuation()
                     t.begin_attempt()
                     for ev in await engine_events(engine, cont_path, cont):
                         sent += t.feed(ev)

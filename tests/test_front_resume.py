@@ -88,7 +88,7 @@ def run_cut(endpoint: str, body: dict[str, Any], cut: int,
         sent += t.finished_frames()
         return (*client_view(sent, chat), t)
     assert t.resume_refusal() is None
-    path, cont = t.resume_request()
+    path, cont = t.continuation()
     if not t.started:
         assert (path, cont) == (endpoint, Plan.of(endpoint, body).first_body())
         return run_cut(endpoint, body, len(events) + 1, every)
@@ -233,7 +233,7 @@ def test_resume_keeps_sampling_and_shrinks_limits() -> None:
     t = Tracker(Plan.of(CHAT, body))
     for ev in engine_stream(True, PIECES[:9], PROMPT)[:4]:
         t.feed(ev)
-    path, cont = t.resume_request()
+    path, cont = t.continuation()
     assert path == COMPLETIONS
     assert cont["max_tokens"] == 6 and cont["min_tokens"] == 1
     assert {k: cont[k] for k in ("temperature", "seed", "top_k", "stop_token_ids")} == {
@@ -245,7 +245,7 @@ def test_no_limit_continues_to_the_context_end() -> None:
     t = Tracker(Plan.of(CHAT, {"model": "m", "messages": [], "stream": True}))
     for ev in engine_stream(True, PIECES[:9], PROMPT)[:3]:
         t.feed(ev)
-    assert t.resume_request()[1]["max_tokens"] is None
+    assert t.continuation()[1]["max_tokens"] is None
 
 
 @pytest.mark.parametrize("body, why", [
@@ -291,7 +291,7 @@ def test_an_engine_that_says_it_died_mid_answer_is_resumed_not_shown(endpoint: s
     assert t.feed(dead + b"data: [DONE]\n\n") == b""
     assert t.engine_dead and not t.done and not t.engine_error
     assert t.resume_refusal() is None
-    path, cont = t.resume_request()
+    path, cont = t.continuation()
     n = len(t.out_ids)
     assert path == COMPLETIONS and cont["prompt"] == PROMPT + [tid for tid, _ in PIECES[:n]]
     t.begin_attempt()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from agent.front.resume import strip_ids
+from agent.front.events import strip_ids
 from agent.front.sse import DONE_FRAME, SSEParser, error_frame
 
 STREAM = (b'data: {"id":"a","choices":[{"text":"he"}]}\n\n'

@@ -8,7 +8,6 @@ import time
 
 import pytest
 
-from agent.engines.vllm.rungs import VllmPreloadStart, VllmSnapshotRestore
 from agent.gpu_health import FaultKind, GpuWatch, PeakSampler, Verdict
 from agent.metrics import Metrics, new_registry
 from agent.refusal import Refusal, RefusalCode
@@ -16,6 +15,7 @@ from agent.supervisor.gpu import GpuGuard, ruled_out
 from agent.supervisor.paths.cold import ColdStart
 from agent.supervisor.paths.holder import HybridRestore, WarmStart
 from agent.supervisor.paths.restore import FullRestore
+from agent.supervisor.paths.vllm import VllmPreloadStart, VllmSnapshotRestore
 from tests.fake_nvml import FakeGpu, FakeNvml
 
 

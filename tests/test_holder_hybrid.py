@@ -21,6 +21,7 @@ from agent.identity import collect
 from agent.store import Canary, SnapshotStore
 from tests.holder_proc import Holder
 from tests.refengine_proc import REPO, Engine
+from tests.snapshot_helpers import capture as take_snapshot
 from tests.snapshot_helpers import criu, kill_and_reap, subreaper  # noqa: F401 - autouse
 from tests.test_holder_engine import PROMPT, complete, held_maps, post, state
 
@@ -78,8 +79,8 @@ class SupervisedEngine(Engine):
 
 def capture(snap: Snapshotter, e: SupervisedEngine, answer: str, kind: str,
             leave_running: bool = False):
-    info = snap.capture(
-        e.proc.pid, canary=Canary(prompt=PROMPT, max_tokens=8, text=answer, token_ids=()),
+    info = take_snapshot(
+        snap, e.proc.pid, canary=Canary(prompt=PROMPT, max_tokens=8, text=answer, token_ids=()),
         identity=collect(engine_kind="reference", engine_version="1", criu=snap.criu.version),
         kind=kind, options=DumpOptions(leave_running=leave_running))  # type: ignore[arg-type]
     if not leave_running:

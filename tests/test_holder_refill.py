@@ -341,7 +341,9 @@ def test_the_cuda_loader_puts_every_byte_in_place_through_its_buffers(tmp_path, 
     every piece's pages, never one page twice."""
     from agent.holder.backends import Allocation
     from agent.holder.backends.cuda import plan_chunks
-    from agent.holder.refill import WRITECOMBINED, CudaSink, Host, RefillJob, Tuning
+    from agent.holder.refill import Host, Tuning
+    from agent.holder.refill.cuda import WRITECOMBINED, CudaSink
+    from agent.holder.refill.job import RefillJob
     from tests.fake_cuda import FakeCuda
 
     d = WeightsDigester(None).digest(model)
@@ -379,7 +381,9 @@ def test_a_cuda_loader_that_cannot_pin_its_buffers_fails_the_load_and_frees_all(
     """Pinned memory running out while the sink prepares (on its own thread) is the job's
     error, not a hang or a half load, and what was made before is given back."""
     from agent.holder.backends import Allocation
-    from agent.holder.refill import CudaSink, RefillJob, Tuning
+    from agent.holder.refill import Tuning
+    from agent.holder.refill.cuda import CudaSink
+    from agent.holder.refill.job import RefillJob
     from tests.fake_cuda import FakeCuda
 
     d = WeightsDigester(None).digest(model)
@@ -402,7 +406,8 @@ def test_a_cuda_loader_that_cannot_pin_its_buffers_fails_the_load_and_frees_all(
 def test_a_cuda_sink_closed_before_it_was_opened_frees_what_it_prepared():
     """The server makes the sink first; when creating the regions then fails, the sink is
     closed unopened and the context and pinned buffers it made go back."""
-    from agent.holder.refill import CudaSink, Tuning
+    from agent.holder.refill import Tuning
+    from agent.holder.refill.cuda import CudaSink
     from tests.fake_cuda import FakeCuda
 
     cu = FakeCuda()
@@ -416,7 +421,8 @@ def test_a_cuda_sink_closed_on_another_thread_gives_that_thread_its_context_back
     """The server's loop discards a sink made ahead: the loop thread's own current context
     (the backend's, for drivers that want one for cuMemCreate) is what it has after, not the
     sink's, released."""
-    from agent.holder.refill import CudaSink, Tuning
+    from agent.holder.refill import Tuning
+    from agent.holder.refill.cuda import CudaSink
     from tests.fake_cuda import FakeCuda
 
     cu = FakeCuda()

@@ -1,15 +1,18 @@
-"""No import cycles in agent/: every `import` and `from ... import` counts, at module level,
-inside functions and under `if TYPE_CHECKING:` alike, since each is a dependency one way."""
+"""Imports in agent/ point down the layers docs/architecture.md lists, and form no cycle:
+every `import` and `from ... import` counts, at module level, inside functions and under
+`if TYPE_CHECKING:` alike, since each is a dependency one way."""
 
 from __future__ import annotations
 
 import ast
+import re
 import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 AGENT = Path(__file__).resolve().parent.parent / "agent"
+ARCHITECTURE = AGENT.parent / "docs" / "architecture.md"
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,91 @@ def cycles(root: Path) -> list[str]:
             line += f"; also in cycles with these: {', '.join(sorted(rest))}"
         found.append(line)
     return sorted(found)
+
+
+def read_layers(doc: Path) -> list[tuple[str, list[str]]]:
+    """The layers of the table under "## Layers" in `doc`, lowest first: each its name and
+    its modules, dotted: a package's whole tree ends in '.' (`agent/holder/` ->
+    'agent.holder.'), a module is itself (`agent/proc.py` -> 'agent.proc',
+    `agent/__init__.py` -> 'agent')."""
+    section = doc.read_text().split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]
+    layers = []
+    for row in re.findall(r"^\| *(\d+)\. *([^|]+?) *\|([^|]+)\|", section, re.M):
+        paths = re.findall(r"`(agent/[^`]*)`", row[2])
+        layers.append((row[1], [_dotted(p) for p in paths]))
+    return layers
+
+
+def _dotted(path: str) -> str:
+    if path.endswith("/"):
+        return path.removesuffix("/").replace("/", ".") + "."
+    parts = path.removesuffix(".py").split("/")
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _layer_of(module: str, layers: list[tuple[str, list[str]]]) -> int | None:
+    """The index of the layer that names `module`, or the longest package holding it."""
+    best, found = -1, None
+    for i, (_, names) in enumerate(layers):
+        for n in names:
+            held = module + "." == n or module.startswith(n) if n.endswith(".") else module == n
+            if held and len(n) > best:
+                best, found = len(n), i
+    return found
+
+
+def layer_violations(root: Path, layers: list[tuple[str, list[str]]]) -> list[str]:
+    """Every import in the package at `root` of a module in a higher layer than the
+    importer's, and every module that is in no layer. A package whose __init__ imports
+    nothing of the package is no dependency of its own (only its modules are)."""
+    graph = import_graph(root)
+    paths = modules(root)
+    empty = {m for m, edges in graph.items() if not edges and paths[m].name == "__init__.py"}
+    found = [f"{m} is in no layer of docs/architecture.md" for m in graph
+             if _layer_of(m, layers) is None]
+    for source, edges in graph.items():
+        here = _layer_of(source, layers)
+        for e in edges:
+            there = _layer_of(e.target, layers)
+            if here is None or there is None or there <= here or e.target in empty:
+                continue
+            found.append(f"{e}: {layers[here][0]} imports {layers[there][0]}, a layer above it")
+    return found
+
+
+def test_imports_point_down_the_layers_of_the_architecture_page():
+    layers = read_layers(ARCHITECTURE)
+    assert len(layers) >= 5, f"no layer table under '## Layers' in {ARCHITECTURE}"
+    found = layer_violations(AGENT, layers)
+    assert found == [], ("imports against the layers of docs/architecture.md (move the "
+                         "module, or what both need, to the lower layer):\n" + "\n".join(found))
+
+
+def test_an_import_of_a_higher_layer_is_named_with_its_line(tmp_path):
+    root = _package(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/low/__init__.py": "",
+        "pkg/low/a.py": "def f():\n    from pkg.high import b\n",
+        "pkg/high.py": "from pkg.low import a\n",
+        "pkg/stray.py": "",
+    })
+    layers = [("low", ["pkg.low.", "pkg", "pkg.stray"]), ("high", ["pkg.high"])]
+    assert layer_violations(root, layers) == [
+        "pkg.low.a -> pkg.high (a.py:2): low imports high, a layer above it"]
+    # A module only its package's name would cover is in no layer: new modules are placed.
+    assert layer_violations(root, [("low", ["pkg"]), ("high", ["pkg.high"])]) == [
+        "pkg.low is in no layer of docs/architecture.md",
+        "pkg.low.a is in no layer of docs/architecture.md",
+        "pkg.stray is in no layer of docs/architecture.md"]
+
+
+def test_the_layer_table_is_read_lowest_first_with_each_path_as_a_module_prefix(tmp_path):
+    doc = tmp_path / "a.md"
+    doc.write_text("# A\n\n## Layers\n\n| layer | modules |\n| --- | --- |\n"
+                   "| 1. base | `agent/errors.py`, `agent/__init__.py` |\n"
+                   "| 2. holder | `agent/holder/` |\n\n## Next\n| 3. no | `agent/x.py` |\n")
+    assert read_layers(doc) == [("base", ["agent.errors", "agent"]),
+                                ("holder", ["agent.holder."])]
 
 
 def test_agent_has_no_import_cycles():

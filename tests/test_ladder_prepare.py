@@ -17,17 +17,17 @@ from typing import Any
 
 import pytest
 
-from agent.cli import format_status
 from agent.config import parse_config
 from agent.engines import build_adapter
 from agent.errors import SnapshotError, StartPathError
 from agent.metrics import Metrics, new_registry
+from agent.recovery import Fall
 from agent.refusal import Refusal, RefusalCode
+from agent.status_text import format_status
 from agent.store import Manifest, Retention, SnapshotStore
 from agent.supervisor.ladder import Attempt, Prepared
 from agent.supervisor.paths.holder import HolderLink, WarmStart
 from agent.supervisor.paths.restore import FullRestore
-from agent.supervisor.states import Fall
 from agent.supervisor.status import AgentStatus, Fallthrough, Recovery
 from tests.agentproc import agent_config
 from tests.frontkit import socket_dir

@@ -15,14 +15,10 @@ from pathlib import Path
 import pytest
 
 from agent.config import parse_config
+from agent.engines.probe import EngineProbe
 from agent.engines.vllm.adapter import VllmAdapter
-from agent.metrics import Metrics, new_registry
-from agent.supervisor.canary import CanaryBook
-from agent.supervisor.gate import EngineGate
+from agent.supervisor.canary import CanaryBook, CanaryCheck
 from agent.supervisor.ladder import Prepared
-from agent.supervisor.probe import EngineProbe
-from agent.supervisor.status import AgentStatus
-from agent.supervisor.supervisor import Supervisor
 from agent.systemd import Notifier
 from agent.wiring import Agent
 from tests.agentproc import agent_config
@@ -51,7 +47,7 @@ def test_a_state_change_on_a_slow_disk_leaves_the_event_loop_running(
                        "test")
 
     async def change_and_see_it_written() -> None:
-        agent = Agent(cfg, None, Notifier({}))
+        agent = Agent.start(cfg, None, Notifier({}))
         slow_disk(monkeypatch, 1.0)
         agent.status.reason = "on a slow disk"
         agent._changed()  # what every state change of the supervisor calls
@@ -82,20 +78,18 @@ def test_recording_and_checking_the_canary_leave_the_event_loop_running(
                    "env": {"PYTHONPATH": str(site)}},
         "paths": {"state_dir": str(tmp_path / "state")}}, "test")
     book = CanaryBook(tmp_path / "canary.json")
-    sup = Supervisor(config=cfg, adapter=VllmAdapter(cfg), paths=[], gate=EngineGate(),
-                     metrics=Metrics(new_registry(), lambda: None),  # type: ignore[arg-type]
-                     notifier=Notifier({}), status=AgentStatus(), canaries=book)
+    check = CanaryCheck(book, VllmAdapter(cfg))
     # The record is written with its fsyncs, on a disk a dump is filling.
     slow_disk(monkeypatch, DISK_S)
 
     async def verify_twice() -> None:
         async with EngineProbe(refengine.socket, timeout=60) as probe:
             # First: nothing recorded yet, so the answer is recorded.
-            await sup._verify_canary(probe, refengine.name, Prepared("cold", None))
+            await check.verify(cfg, probe, Prepared("cold", None).canary)
             assert book.load() is not None
             (site / "new_package.py").write_text("")
             # Then checked against the record, whose key is read again.
-            await sup._verify_canary(probe, refengine.name, Prepared("cold", None))
+            await check.verify(cfg, probe, Prepared("cold", None).canary)
 
     t0 = time.monotonic()
     _, ticks = asyncio.run(ticks_while(verify_twice()))

@@ -78,7 +78,7 @@ def test_the_recovery_path_labels_are_the_names_of_the_rungs() -> None:
     modules = [f"agent.supervisor.paths.{p.stem}"
                for p in (ph.REPO / "agent" / "supervisor" / "paths").glob("[!_]*.py")]
     names = set()
-    for module in [*modules, "agent.engines.vllm.rungs"]:
+    for module in modules:
         for _, cls in inspect.getmembers(importlib.import_module(module), inspect.isclass):
             if isinstance(getattr(cls, "name", None), str) and hasattr(cls, "prepare"):
                 names.add(cls.name)

@@ -141,7 +141,7 @@ def test_every_part_of_the_agent_takes_the_live_values(tmp_path: Path, tiny_mode
     from agent.wiring import Agent
 
     old = _config(tmp_path, tiny_model, holder={"enabled": False})
-    agent = Agent(old, None, Notifier({}))
+    agent = Agent.start(old, None, Notifier({}))
     assert agent.snapshotter is not None and agent.capture is not None
     new = _config(
         tmp_path, tiny_model, holder={"enabled": True},
@@ -156,7 +156,7 @@ def test_every_part_of_the_agent_takes_the_live_values(tmp_path: Path, tiny_mode
     agent.reconfigure(effective, result)
     assert agent.config == agent.supervisor.config == agent.reader.config == effective
     assert agent.capture.quiet_timeout_s == 4
-    assert agent.snapshotter.keep == 7 and agent.snapshotter.budget_bytes == 3 * 2**30
+    assert agent.store.retention.keep == 7 and agent.store.retention.budget_bytes == 3 * 2**30
     assert agent.snapshotter.store.trust_sealed is False
     # The store's retention, which every backend publishing into it is pruned by.
     assert agent.store is agent.snapshotter.store

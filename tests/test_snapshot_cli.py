@@ -130,5 +130,5 @@ def test_build_snapshotter_follows_the_config(setup):
     criu()
     snap = build_snapshotter(load_config(cfg))
     assert snap.store.root == store.root
-    assert snap.keep == 2 and snap.budget_bytes == 64 << 30
+    assert snap.store.retention.keep == 2 and snap.store.retention.budget_bytes == 64 << 30
     assert snap.criu.version.startswith("4.")

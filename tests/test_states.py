@@ -25,6 +25,8 @@ def test_every_state_can_be_stopped():
 
 def test_a_crash_loop_is_left_only_by_a_reset_or_a_stop():
     assert next_state(State.BACKOFF, Event.CRASH_LOOP) is State.FAILED
+    # Failures are counted before each backoff: that is the one place a loop is found.
+    assert {st for (st, ev) in TRANSITIONS if ev is Event.CRASH_LOOP} == {State.BACKOFF}
     leaving = {ev for (st, ev) in TRANSITIONS if st is State.FAILED}
     assert leaving == {Event.RESET, Event.STOP}
 

@@ -63,7 +63,7 @@ def agent(tmp_path: Path, tiny_model: Path, holder: Holder):
 
     cfg = parse_config(agent_config(tmp_path, tiny_model, holder={
         "enabled": True, "dir": str(holder.base), "gpu": "cpu"}), "test")
-    a = Agent(cfg, None, Notifier({}))
+    a = Agent.start(cfg, None, Notifier({}))
     assert a.snapshotter is not None
     publish(a.snapshotter.store)
     asyncio.run(a.board.refresh())

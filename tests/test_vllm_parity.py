@@ -257,7 +257,7 @@ def test_the_fronts_continuation_on_vllm_gives_the_uninterrupted_text(
             if t.complete:
                 got += t.finished_frames()
             else:
-                path, cont = t.resume_request()
+                path, cont = t.continuation()
                 t.begin_attempt()
                 got += b"".join(t.feed(ev) for ev in vllm_events(vllm, cont, path))
             assert t.done and _text_and_ids(got) == want, (prompt, cut)

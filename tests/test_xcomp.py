@@ -41,6 +41,7 @@ from tests.snapshot_helpers import (
     CANARY,
     REPO,
     Workload,
+    capture,
     identity,
     kill_and_reap,
     snapshotter,
@@ -142,7 +143,7 @@ def restored_tiles(
         if before:
             assert ask(t.sock, before) is not None
         pids = ask(t.sock, "pids")
-        info = snap.capture(t.pid, canary=CANARY, identity=identity(snap.criu.version))
+        info = capture(snap, t.pid, canary=CANARY, identity=identity(snap.criu.version))
     finally:
         t.stop()
     assert pids is not None
@@ -297,7 +298,7 @@ def test_a_refused_regrant_fails_the_restore_kills_the_tree_and_the_rung_quarant
     t = Tiles(tiles_bin, tmp_path / "t.sock", "--deny-arch-prctl")
     ident = identity(snap.criu.version)
     try:
-        info = snap.capture(t.pid, canary=CANARY, identity=ident)
+        info = capture(snap, t.pid, canary=CANARY, identity=ident)
     finally:
         t.stop()
     rung = FullRestore(

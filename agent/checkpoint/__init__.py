@@ -8,16 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from agent.checkpoint.snapshotter import Snapshotter
     from agent.config import Config
-    from agent.store import Retention, SnapshotStore
-
-
-def retention(config: Config) -> Retention:
-    """What the store keeps, from snapshots.keep, disk_budget_gib and quarantine_keep."""
-    from agent.store import Retention
-
-    snaps = config.snapshots
-    return Retention(keep=snaps.keep, budget_bytes=int(snaps.disk_budget_gib * 2**30),
-                     quarantine_keep=snaps.quarantine_keep)
+    from agent.store import SnapshotStore
 
 
 def build_store(config: Config) -> SnapshotStore:
@@ -28,11 +19,11 @@ def build_store(config: Config) -> SnapshotStore:
         store = build_store(load_config(path))
         store.quarantined()
     """
-    from agent.store import SnapshotStore
+    from agent.store import Retention, SnapshotStore
 
     return SnapshotStore(config.paths.snapshots,
                          trust_sealed=config.snapshots.verify == "changed",
-                         retention=retention(config))
+                         retention=Retention.of(config.snapshots))
 
 
 def build_snapshotter(config: Config) -> Snapshotter:

@@ -11,6 +11,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from agent.errors import SnapshotError
 from agent.identity import Identity
 from agent.store import Canary, Manifest, ProcessTree, Skipped, SnapshotKind, SnapshotStore
 
@@ -158,9 +159,20 @@ def take(store: SnapshotStore, backend: CheckpointBackend, request: CreateReques
          identity: Identity, *, clock: Callable[[], float] = time.monotonic) -> SnapshotInfo:
     """Have `backend` make an image in a draft of `store`, seal and publish it, then prune
     to the store's retention. Nothing is published when the backend or the seal fails, and
-    no older snapshot is touched before the new one is."""
+    no older snapshot is touched before the new one is. A write that fails (the store's
+    file system full: CRIU's action script, the manifest) is a SnapshotError too."""
     if request.kind not in backend.kinds:
         raise ValueError(f"the {backend.name} backend makes no {request.kind} snapshots")
+    try:
+        return _take(store, backend, request, identity, clock)
+    except OSError as e:
+        of = f" of PID {request.pid}" if request.pid is not None else ""
+        raise SnapshotError(f"the snapshot{of} could not be written: {e}; is the file system "
+                            f"of {store.root} full?") from e
+
+
+def _take(store: SnapshotStore, backend: CheckpointBackend, request: CreateRequest,
+          identity: Identity, clock: Callable[[], float]) -> SnapshotInfo:
     created = datetime.now(UTC)
     with store.begin(request.kind, in_place=backend.in_place) as draft:
         image = backend.create(request, draft.dir)

@@ -126,7 +126,7 @@ class TcpSurvey:
 
     Example::
 
-        t = tcp_survey(tree_pids(engine_pid))
+        t = survey(tree_pids(engine_pid)).tcp
         if t.outside: refuse(...)
         flags = ("--tcp-established",) if t.internal_present else ()
     """
@@ -191,34 +191,42 @@ def unix_sockets() -> dict[int, UnixSocket]:
                        NETLINK_SOCK_DIAG) as nl:
         nl.sendall(_NLMSG.pack(_NLMSG.size + len(req), SOCK_DIAG_BY_FAMILY,
                                NLM_F_REQUEST | NLM_F_DUMP, 1, 0) + req)
-        while True:
-            data = nl.recv(1 << 16)
-            off = 0
-            while off + _NLMSG.size <= len(data):
-                length, kind, _, _, _ = _NLMSG.unpack_from(data, off)
-                if length < _NLMSG.size:
-                    raise OSError(f"sock_diag: malformed netlink message of {length} bytes")
-                body = data[off + _NLMSG.size:off + length]
-                off += (length + 3) & ~3
+        while data := nl.recv(1 << 16):
+            for kind, body in _messages(data):
                 if kind == NLMSG_DONE:
                     return out
                 if kind == NLMSG_ERROR:
                     err = -struct.unpack_from("=i", body)[0]
                     raise OSError(err, f"sock_diag dump of Unix sockets: {os.strerror(err)}")
-                if kind != SOCK_DIAG_BY_FAMILY:
-                    continue
-                _, stype, state, _, ino, _, _ = _UNIX_MSG.unpack_from(body)
-                name, peer, icons = "", 0, ()
-                for akind, value in _attrs(body[_UNIX_MSG.size:]):
-                    if akind == UNIX_DIAG_NAME:
-                        name = _name(value)
-                    elif akind == UNIX_DIAG_PEER:
-                        peer = struct.unpack_from("=I", value)[0]
-                    elif akind == UNIX_DIAG_ICONS:
-                        icons = struct.unpack(f"={len(value) // 4}I", value)
-                out[ino] = UnixSocket(ino, stype, state, name, peer, icons)
-            if not data:
-                return out
+                if kind == SOCK_DIAG_BY_FAMILY:
+                    s = _unix_socket(body)
+                    out[s.inode] = s
+    return out
+
+
+def _messages(data: bytes) -> Iterator[tuple[int, bytes]]:
+    """(type, body) of each netlink message in one datagram."""
+    off = 0
+    while off + _NLMSG.size <= len(data):
+        length, kind, _, _, _ = _NLMSG.unpack_from(data, off)
+        if length < _NLMSG.size:
+            raise OSError(f"sock_diag: malformed netlink message of {length} bytes")
+        yield kind, data[off + _NLMSG.size:off + length]
+        off += (length + 3) & ~3
+
+
+def _unix_socket(body: bytes) -> UnixSocket:
+    """One sock_diag answer about a Unix socket, with its name, peer and queued clients."""
+    _, stype, state, _, ino, _, _ = _UNIX_MSG.unpack_from(body)
+    name, peer, icons = "", 0, ()
+    for akind, value in _attrs(body[_UNIX_MSG.size:]):
+        if akind == UNIX_DIAG_NAME:
+            name = _name(value)
+        elif akind == UNIX_DIAG_PEER:
+            peer = struct.unpack_from("=I", value)[0]
+        elif akind == UNIX_DIAG_ICONS:
+            icons = struct.unpack(f"={len(value) // 4}I", value)
+    return UnixSocket(ino, stype, state, name, peer, icons)
 
 
 # --- which process holds which socket ------------------------------------------------------------
@@ -382,14 +390,6 @@ def _stable_read(tree: tuple[int, ...], proc: Path,
     return holders, read()  # the tree keeps opening sockets: the last reading, as it is
 
 
-def tcp_survey(pids: Iterable[int], proc: Path = Path("/proc")) -> TcpSurvey:
-    """The TCP connections of the processes `pids` (a whole tree): internal ones, and those
-    whose other end is outside it, listeners left out. Reads /proc only."""
-    tree = tuple(pids)
-    holders, tables = _stable_read(tree, proc, lambda: _netns_tables(tree, proc))
-    return _name_peers(_tcp(tables, holders), proc)
-
-
 # --- Unix: which connections leave the tree ------------------------------------------------------
 def _unix(holders: dict[int, Holder], table: dict[int, UnixSocket]) -> list[OutsideConnection]:
     mine = {ino: table[ino] for ino in holders if ino in table}
@@ -431,10 +431,6 @@ def _unix(holders: dict[int, Holder], table: dict[int, UnixSocket]) -> list[Outs
         found.append(OutsideConnection(reason, ino, local, peer_name or "an unnamed socket", h,
                                        peer_inode=s.peer))
     return found
-
-
-def _name_peers(t: TcpSurvey, proc: Path) -> TcpSurvey:
-    return TcpSurvey(t.internal, _with_peer_holders(t.outside, proc))
 
 
 def _with_peer_holders(conns: Iterable[OutsideConnection],

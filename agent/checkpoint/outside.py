@@ -181,32 +181,15 @@ def drop_stale_remaps(tree: tuple[int, ...], shm_dir: Path = SHM_DIR,
     link_remap.N: File exists"). Another tree's dump under way keeps its own: that frozen
     tree still maps the file its link_remap points at. One that only `tree` holds is left
     from an earlier dump of it, as the agent never runs two dumps of one tree at once."""
-    candidates: dict[tuple[int, int], str] = {}
-    for name in _names(shm_dir):
-        if name.startswith(REMAP):
-            with contextlib.suppress(OSError):
-                st = os.lstat(shm_dir / name)
-                if stat.S_ISREG(st.st_mode):
-                    candidates[(st.st_dev, st.st_ino)] = name
+    candidates = _remap_files(shm_dir)
     if not candidates:
         return ()
     inodes = {ino for _, ino in candidates}
-    held: set[tuple[int, int]] = set()
     mine = {str(p) for p in tree}
+    held: set[tuple[int, int]] = set()
     for pid in _names(proc_root):
-        if not pid.isdigit() or pid in mine:
-            continue
-        with contextlib.suppress(OSError):
-            for line in (proc_root / pid / "maps").read_text().splitlines():
-                parts = line.split(maxsplit=5)
-                if len(parts) >= 5 and parts[4].isdigit() and int(parts[4]) in inodes:
-                    major, minor = (int(x, 16) for x in parts[3].split(":"))
-                    held.add((os.makedev(major, minor), int(parts[4])))
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(proc_root / pid / "fd"):
-                with contextlib.suppress(OSError):
-                    st = os.stat(proc_root / pid / "fd" / fd)
-                    held.add((st.st_dev, st.st_ino))
+        if pid.isdigit() and pid not in mine:
+            held |= _held_by(proc_root / pid, inodes)
     dropped = []
     for key, name in candidates.items():
         if key not in held:
@@ -214,6 +197,36 @@ def drop_stale_remaps(tree: tuple[int, ...], shm_dir: Path = SHM_DIR,
                 os.unlink(shm_dir / name)
                 dropped.append(name)
     return tuple(sorted(dropped))
+
+
+def _remap_files(shm_dir: Path) -> dict[tuple[int, int], str]:
+    """{(device, inode): name} of the link_remap.N files in `shm_dir`."""
+    found: dict[tuple[int, int], str] = {}
+    for name in _names(shm_dir):
+        if name.startswith(REMAP):
+            with contextlib.suppress(OSError):
+                st = os.lstat(shm_dir / name)
+                if stat.S_ISREG(st.st_mode):
+                    found[(st.st_dev, st.st_ino)] = name
+    return found
+
+
+def _held_by(proc: Path, inodes: set[int]) -> set[tuple[int, int]]:
+    """(device, inode) of what the process at `proc` (/proc/PID) maps among `inodes`, and
+    of every file it holds open; nothing when it is gone or not ours to read."""
+    held: set[tuple[int, int]] = set()
+    with contextlib.suppress(OSError):
+        for line in (proc / "maps").read_text().splitlines():
+            parts = line.split(maxsplit=5)
+            if len(parts) >= 5 and parts[4].isdigit() and int(parts[4]) in inodes:
+                major, minor = (int(x, 16) for x in parts[3].split(":"))
+                held.add((os.makedev(major, minor), int(parts[4])))
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(proc / "fd"):
+            with contextlib.suppress(OSError):
+                st = os.stat(proc / "fd" / fd)
+                held.add((st.st_dev, st.st_ino))
+    return held
 
 
 # Every agent on the host takes it around a dump and around a restore (put back, CRIU,

@@ -9,7 +9,6 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from agent.checkpoint import outside
 from agent.checkpoint.backend import (
@@ -18,7 +17,6 @@ from agent.checkpoint.backend import (
     Image,
     RestoredProcess,
     SnapshotInfo,
-    take,
 )
 from agent.checkpoint.connections import refuse_outside_connections
 from agent.checkpoint.criu import (
@@ -31,14 +29,13 @@ from agent.checkpoint.criu import (
 from agent.checkpoint.cuda import CudaCheckpoint, GpuPair, gpu_pairs, uses_cuda
 from agent.checkpoint.xcomp import Regrant, continue_tree, process_tree, regrant_tree
 from agent.checkpoint.zeropages import ImageDamagedError, ImageFormatError, drop_zero_pages
+from agent.config import Config
 from agent.errors import RestoreBlockedError, SnapshotError
-from agent.identity import REMAPPED_FIELDS, Identity
+from agent.identity import REMAPPED_FIELDS
 from agent.proc import descendants, ids_in_use, kill_tree, stat
 from agent.store import (
-    Canary,
     Manifest,
     ProcessTree,
-    Retention,
     Skipped,
     SnapshotKind,
     SnapshotStore,
@@ -86,7 +83,8 @@ class Snapshotter:
     Example::
 
         snap = Snapshotter(store, CriuBackend(locate()), CudaCheckpoint())
-        info = snap.capture(engine_pid, canary=canary, identity=host_identity)
+        info = take(store, snap, CreateRequest("full", pid=engine_pid, canary=canary),
+                    host_identity)
         ...
         restored = snap.restore(store.select(host_identity).chosen)
         restored.pid  # same PID as at dump time; verify the canary, then report ready
@@ -103,8 +101,6 @@ class Snapshotter:
         proc_root: Path = Path("/proc"),
         shm_dir: Path = outside.SHM_DIR,
         clock: Callable[[], float] = time.monotonic,
-        keep: int | None = None,
-        budget_bytes: int | None = None,
         regrant: Regrant = Regrant.AUTO,
         pid_wait_s: float = PID_WAIT_S,
         sleep: Callable[[float], None] = time.sleep,
@@ -125,11 +121,14 @@ class Snapshotter:
         self._proc = proc_root
         self._shm = shm_dir
         self._clock = clock
-        if keep is not None or budget_bytes is not None:
-            self.keep, self.budget_bytes = keep, budget_bytes
         self.regrant = regrant
         self.pid_wait_s = pid_wait_s
         self._sleep = sleep
+
+    def reconfigure(self, config: Config) -> None:
+        """snapshots.cuda_lock_timeout_ms, as a reload left it: the next checkpoint's lock."""
+        if self.cuda is not None:
+            self.cuda.lock_timeout_ms = config.snapshots.cuda_lock_timeout_ms
 
     @property
     def create_limit_s(self) -> float:
@@ -142,67 +141,23 @@ class Snapshotter:
         # The wait for the image's PIDs, then CRIU and the CUDA restore, likewise.
         return self.pid_wait_s + 2 * CRIU_TIMEOUT_S
 
-    # Retention is the store's (one definition, whoever publishes into it); these read and
-    # set it, as a reload does.
-    @property
-    def keep(self) -> int | None:
-        return self.store.retention.keep if self.store.retention else None
-
-    @keep.setter
-    def keep(self, keep: int | None) -> None:
-        self.store.retention = replace(self._retention(), keep=keep)
-
-    @property
-    def budget_bytes(self) -> int | None:
-        return self.store.retention.budget_bytes if self.store.retention else None
-
-    @budget_bytes.setter
-    def budget_bytes(self, budget: int | None) -> None:
-        self.store.retention = replace(self._retention(), budget_bytes=budget or 0)
-
-    def _retention(self) -> Retention:
-        return self.store.retention or Retention(keep=None, budget_bytes=0)
-
     def _log(self, name: str, where: Path | None = None) -> Path:
         d = where or self.log_dir
         d.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         _prune_logs(d, LOG_KEEP - 1)
         return d / name
 
-    def capture(
-        self,
-        pid: int,
-        *,
-        canary: Canary,
-        identity: Identity,
-        kind: SnapshotKind = "full",
-        options: DumpOptions | None = None,
-        held: dict[str, dict[str, Any]] | None = None,
-    ) -> SnapshotInfo:
-        """Dump the tree rooted at `pid` and publish it. The engine must be idle (no
-        requests in flight) and its stdin /dev/null. Without `options.leave_running`
-        CRIU kills the tree after a successful dump. A failed dump leaves the engine
-        running (CUDA restored and unlocked) and publishes nothing.
+    def create(self, request: CreateRequest, staging: Path) -> Image:
+        """Dump the tree rooted at `request.pid` into `staging`. The engine must be idle (no
+        requests in flight) and its stdin /dev/null. Without `leave_running` CRIU kills the
+        tree after a successful dump. A failed dump leaves the engine running (CUDA
+        restored and unlocked).
 
         A connection from outside the tree still open raises OpenConnectionsError before
         anything runs (TCP included: the engine is left running and goes on talking to
         that peer, so no restore could match the peer's view of it). The TCP connections
         left have both ends in the tree: they are dumped with `--tcp-established` and no
-        network lock, as both ends freeze and come back together.
-
-        A write that fails (the store's file system full: CRIU's action script, the
-        manifest) raises SnapshotError too; the draft is removed."""
-        request = CreateRequest(kind=kind, pid=pid, canary=canary, held=held,
-                                leave_running=(options or DumpOptions()).leave_running,
-                                dump_options=options)
-        try:
-            return take(self.store, self, request, identity, clock=self._clock)
-        except OSError as e:
-            raise SnapshotError(f"the snapshot of PID {pid} could not be written: {e}; is "
-                                f"the file system of {self.store.root} full?") from e
-
-    def create(self, request: CreateRequest, staging: Path) -> Image:
-        """Dump the tree rooted at `request.pid` into `staging` (see `capture`)."""
+        network lock, as both ends freeze and come back together."""
         if request.pid is None or request.canary is None:
             raise ValueError("a CRIU snapshot is of a running engine: give its pid and canary")
         pid = request.pid
@@ -354,30 +309,35 @@ class Snapshotter:
         outputs = {int(n): files[w] for n, w in manifest.process.inherited_pipes.items()}
         restored = RestoredProcess(done.pid, manifest.id, outputs, log, timings)
         try:
-            if done.pid != manifest.process.root_pid:
-                raise SnapshotError(
-                    f"snapshot {manifest.id}: restored root PID {done.pid}, "
-                    f"dumped as {manifest.process.root_pid}"
-                )
-            if regrant:
-                t0 = self._clock()
-                pids = process_tree(done.pid, self._proc)
-                restored.amx = regrant_tree(pids, self._proc)
-                continue_tree(pids)
-                timings["amx_regrant"] = self._clock() - t0
-            # Continued first: the CUDA restore was only ever run, and measured, on a
-            # running tree.
-            pairs = gpu_pairs(manifest.identity.gpu_uuid, gpu_uuid)
-            if pairs:
-                logger.info("snapshot %s: restoring its CUDA state onto another GPU: %s",
-                            manifest.id, ", ".join(map(str, pairs)))
-            self._resume(manifest.process.cuda_pids, timings, pairs=pairs)
+            self._bring_up(restored, manifest, regrant=regrant, gpu_uuid=gpu_uuid)
         except BaseException:
             kill_tree(done.pid, proc=self._proc)
             for f in files.values():
                 f.close()
             raise
         return restored
+
+    def _bring_up(self, restored: RestoredProcess, manifest: Manifest, *, regrant: bool,
+                  gpu_uuid: str | None) -> None:
+        """After CRIU: the root PID checked, the AMX permission granted again and the tree
+        continued (`regrant`), then the CUDA state restored (onto `gpu_uuid`)."""
+        timings = restored.timings
+        if restored.pid != manifest.process.root_pid:
+            raise SnapshotError(f"snapshot {manifest.id}: restored root PID {restored.pid}, "
+                                f"dumped as {manifest.process.root_pid}")
+        if regrant:
+            t0 = self._clock()
+            pids = process_tree(restored.pid, self._proc)
+            restored.amx = regrant_tree(pids, self._proc)
+            continue_tree(pids)
+            timings["amx_regrant"] = self._clock() - t0
+        # Continued first: the CUDA restore was only ever run, and measured, on a running
+        # tree.
+        pairs = gpu_pairs(manifest.identity.gpu_uuid, gpu_uuid)
+        if pairs:
+            logger.info("snapshot %s: restoring its CUDA state onto another GPU: %s",
+                        manifest.id, ", ".join(map(str, pairs)))
+        self._resume(manifest.process.cuda_pids, timings, pairs=pairs)
 
 
     def _wait_pids_free(self, manifest: Manifest) -> float:

@@ -24,6 +24,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 PAGE = 4096
 # criu/include/pagemap.h: a pagemap entry's flags.
@@ -38,6 +39,7 @@ VMA_ANON_PRIVATE = 1 << 9
 # unsupported, ...) means the area is not plain private anonymous memory.
 _PLAIN = VMA_AREA_REGULAR | VMA_AREA_STACK | VMA_AREA_HEAP | VMA_ANON_PRIVATE
 _CHUNK = 64 << 20
+_ZERO = bytes(PAGE)
 
 
 class ImageFormatError(Exception):
@@ -91,48 +93,11 @@ def _one(pagemap: Path, mm: Path, image_dir: Path) -> tuple[int, int]:
     if pages_id is None:
         raise ImageFormatError(f"{pagemap}: its head names no pages image")
     pages = image_dir / f"pages-{pages_id}.img"
-    zero = bytes(PAGE)
-    out_entries = [entries[0]]
-    total = dropped = 0
     tmp_pages = pages.with_name(pages.name + ".nozero")
     tmp_map = pagemap.with_name(pagemap.name + ".nozero")
     try:
         with pages.open("rb", buffering=0) as src, tmp_pages.open("wb") as dst:
-            for raw in entries[1:]:
-                f = _fields(raw)
-                # An entry without flags is of CRIU's older format: its `in_parent` (field 3)
-                # meant the pages are in the parent image (CRIU's init_compat_pagemap_entry).
-                vaddr = f.get(1, 0)
-                flags = f.get(4, PE_PARENT if f.get(3) else PE_PRESENT)
-                nr = f.get(5, f.get(2, 0))
-                if not flags & PE_PRESENT:
-                    out_entries.append(raw)  # no pages of its own in the file
-                    continue
-                total += nr
-                run_start = run_len = 0  # the kept pages since the last dropped one
-                done = 0
-                while done < nr:
-                    n = min(nr - done, _CHUNK // PAGE)
-                    data = _read_exact(src, n * PAGE, pages)
-                    drop = [i for i in _zero_indices(data, n, zero)
-                            if _inside(anon, vaddr + (done + i) * PAGE)]
-                    view = memoryview(data)  # writes of its slices copy nothing
-                    prev = 0  # the first page of the chunk not yet written or dropped
-                    for i in [*drop, n]:
-                        if i > prev:  # pages prev..i-1 are kept
-                            dst.write(view[prev * PAGE:i * PAGE])
-                            if not run_len:
-                                run_start = vaddr + (done + prev) * PAGE
-                            run_len += i - prev
-                        if i < n:
-                            dropped += 1
-                            if run_len:
-                                out_entries.append(_entry(run_start, run_len, flags))
-                                run_len = 0
-                        prev = i + 1
-                    done += n
-                if run_len:
-                    out_entries.append(_entry(run_start, run_len, flags))
+            out_entries, total, dropped = _rewrite(src, dst, entries, anon, pages)
             if src.read(1):
                 raise ImageDamagedError(f"{pages}: longer than its pagemap says")
         if not dropped:
@@ -150,6 +115,68 @@ def _one(pagemap: Path, mm: Path, image_dir: Path) -> tuple[int, int]:
         tmp_pages.unlink(missing_ok=True)
         tmp_map.unlink(missing_ok=True)
     return total, dropped
+
+
+def _rewrite(src: BinaryIO, dst: BinaryIO, entries: list[bytes],
+             anon: tuple[list[int], list[int]], pages: Path) -> tuple[list[bytes], int, int]:
+    """Copy the pages of `src` to `dst` but the zero ones of private anonymous memory;
+    (the pagemap's entries for what `dst` holds, pages before, pages dropped)."""
+    out_entries = [entries[0]]
+    total = dropped = 0
+    for raw in entries[1:]:
+        f = _fields(raw)
+        # An entry without flags is of CRIU's older format: its `in_parent` (field 3)
+        # meant the pages are in the parent image (CRIU's init_compat_pagemap_entry).
+        vaddr = f.get(1, 0)
+        flags = f.get(4, PE_PARENT if f.get(3) else PE_PRESENT)
+        nr = f.get(5, f.get(2, 0))
+        if not flags & PE_PRESENT:
+            out_entries.append(raw)  # no pages of its own in the file
+            continue
+        total += nr
+        kept = _Kept(dst, flags, out_entries)
+        done = 0
+        while done < nr:
+            n = min(nr - done, _CHUNK // PAGE)
+            data = _read_exact(src, n * PAGE, pages)
+            drop = [i for i in _zero_indices(data, n, _ZERO)
+                    if _inside(anon, vaddr + (done + i) * PAGE)]
+            kept.split(memoryview(data), vaddr + done * PAGE, drop)
+            done += n
+        kept.end()
+        dropped += kept.dropped
+    return out_entries, total, dropped
+
+
+class _Kept:
+    """The kept pages of one pagemap entry: written to `dst`, each run of them between
+    dropped pages a new entry of `flags` in `out`."""
+
+    def __init__(self, dst: BinaryIO, flags: int, out: list[bytes]) -> None:
+        self._dst, self._flags, self._out = dst, flags, out
+        self._start = self._len = 0  # the run kept since the last dropped page
+        self.dropped = 0
+
+    def split(self, view: memoryview, vaddr: int, drop: list[int]) -> None:
+        """Pages of `view` (at `vaddr`) kept, but those at the indices `drop`."""
+        n = len(view) // PAGE
+        prev = 0  # the first page of the chunk not yet written or dropped
+        for i in [*drop, n]:
+            if i > prev:  # pages prev..i-1 are kept; writes of a slice copy nothing
+                self._dst.write(view[prev * PAGE:i * PAGE])
+                if not self._len:
+                    self._start = vaddr + prev * PAGE
+                self._len += i - prev
+            if i < n:
+                self.dropped += 1
+                self.end()
+            prev = i + 1
+
+    def end(self) -> None:
+        """The run kept so far is one entry."""
+        if self._len:
+            self._out.append(_entry(self._start, self._len, self._flags))
+            self._len = 0
 
 
 def _zero_indices(data: bytes, n: int, zero: bytes) -> list[int]:

@@ -8,16 +8,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from agent.config import Config
+    from agent.engines.probe import EngineProbe
     from agent.refusal import Refusal
     from agent.store.manifest import CanaryMethod
-    from agent.supervisor.probe import EngineProbe
 
 
 @dataclass(frozen=True)
-class Prepared:
-    """What an engine dropped before a snapshot: bytes freed, and the held regions it had
-    mapped (name -> holder_id, epoch, digest, chunks; None when it maps none): a snapshot
-    with held regions is a hybrid one, and records what a restore must find held."""
+class Detached:
+    """What an engine dropped before a snapshot (`EngineAdapter.detach`): bytes freed, and
+    the held regions it had mapped (name -> holder_id, epoch, digest, chunks; None when it
+    maps none): a snapshot with held regions is a hybrid one, and records what a restore
+    must find held."""
 
     freed_bytes: int = 0
     held: dict[str, dict[str, object]] | None = None
@@ -54,7 +55,7 @@ class EngineAdapter(Protocol):
     # How this engine's new canary records are made; a record made another way (an older
     # Pitstop's) is checked the way it was made (canary_fields), then made again this way.
     canary_method: CanaryMethod
-    # The longest its prepare, or its resume, may take in all (the control calls around a
+    # The longest its detach, or its resume, may take in all (the control calls around a
     # snapshot and after a restore); past it the engine is stuck.
     control_limit_s: float
 
@@ -90,11 +91,12 @@ class EngineAdapter(Protocol):
         """The engine's flags that make it map the weights of `digest` from the holder."""
         ...
 
-    async def prepare(self, probe: EngineProbe) -> Prepared | None:
+    async def detach(self, probe: EngineProbe) -> Detached | None:
         """Before a snapshot: drop what the image need not hold (the KV pool, the held
-        weights' mapping); None when the engine has nothing to drop."""
+        weights' mapping; the engine's POST /pitstop/prepare); None when the engine has
+        nothing to drop. Not a rung's `prepare`, which chooses what a start uses."""
         ...
 
     async def resume(self, probe: EngineProbe) -> None:
-        """After a dump or a restore: rebuild what prepare dropped; EngineError if it cannot."""
+        """After a dump or a restore: rebuild what detach dropped; EngineError if it cannot."""
         ...

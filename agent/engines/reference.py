@@ -8,19 +8,19 @@ from typing import TYPE_CHECKING, Any
 
 import agent
 from agent.config import Config
-from agent.engines.base import LaunchSpec, Prepared
+from agent.engines.base import Detached, LaunchSpec
 from agent.engines.refengine.protocol import Prefill
 from agent.extras import Extra, require
 from agent.refusal import Refusal
 from agent.store.manifest import CanaryMethod
 
 if TYPE_CHECKING:
-    from agent.supervisor.probe import EngineProbe
+    from agent.engines.probe import EngineProbe
 
 # The reference engine's control endpoints (agent/engines/refengine/server.py).
 PREPARE_PATH = "/pitstop/prepare"
 RESUME_PATH = "/pitstop/resume"
-# The longest a prepare or a resume may take: the reference engine gives back caches and
+# The longest a detach or a resume may take: the reference engine gives back caches and
 # unmaps or maps its held weights.
 CONTROL_LIMIT_S = 60.0
 
@@ -88,9 +88,9 @@ class ReferenceAdapter:
         return ["--holder", str(socket), "--weights-digest", digest,
                 "--kv-owner", str(self._config.engine_socket)]
 
-    async def prepare(self, probe: EngineProbe) -> Prepared:
+    async def detach(self, probe: EngineProbe) -> Detached:
         answer = await probe.control(PREPARE_PATH, timeout=CONTROL_LIMIT_S)
-        return Prepared(freed_bytes=int(answer.get("freed_bytes", 0)),
+        return Detached(freed_bytes=int(answer.get("freed_bytes", 0)),
                         held=(answer.get("held") or {}).get("regions") or None)
 
     async def resume(self, probe: EngineProbe) -> None:

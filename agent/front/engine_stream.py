@@ -214,7 +214,11 @@ class EngineStream(asyncio.Protocol):
                 pos += len(piece)
                 self._left -= len(piece)
                 if self._left == 0:
-                    self._left = -2  # its CRLF next
+                    if buf.startswith(b"\r\n", pos):  # its CRLF, already here
+                        pos += 2
+                        self._left = -1
+                    else:
+                        self._left = -2  # its CRLF next
                 if self._give(piece):
                     return
                 continue
@@ -223,23 +227,33 @@ class EngineStream(asyncio.Protocol):
                 break  # a line not yet complete
             line = buf[pos:eol]
             pos = eol + 2
-            if self._left == -2:  # the CRLF after a chunk's data
-                if line:
-                    return self._fail(f"bad chunk end from the engine: {line[:50]!r}")
-                self._left = -1
-            elif self._trailer:  # trailer lines until an empty one
-                if not line:
-                    return self._end()
-            else:
-                try:
-                    size = int(line.split(b";", 1)[0], 16)
-                except ValueError:
-                    return self._fail(f"bad chunk size from the engine: {line[:50]!r}")
-                if size == 0:
-                    self._trailer = True
-                else:
-                    self._left = size
+            if self._chunk_line(line):
+                return
         self._buf = buf[pos:]
+
+    def _chunk_line(self, line: bytes) -> bool:
+        """One line between chunks' data: a chunk's size, the CRLF after its data, or a
+        trailer; True when the body ended there or is broken."""
+        if self._left == -2:  # the CRLF after a chunk's data
+            if line:
+                self._fail(f"bad chunk end from the engine: {line[:50]!r}")
+                return True
+            self._left = -1
+        elif self._trailer:  # trailer lines until an empty one
+            if not line:
+                self._end()
+                return True
+        else:
+            try:
+                size = int(line.split(b";", 1)[0], 16)
+            except ValueError:
+                self._fail(f"bad chunk size from the engine: {line[:50]!r}")
+                return True
+            if size == 0:
+                self._trailer = True
+            else:
+                self._left = size
+        return False
 
     def _give(self, piece: bytes) -> bool:
         if self._sink is None:

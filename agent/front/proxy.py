@@ -7,19 +7,23 @@ import contextlib
 import itertools
 import json
 import logging
+import ssl
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 
 from agent.config import FrontConfig
 from agent.errors import FrontError, FrontRejected
 from agent.front.auth import ApiKeys, key_check
 from agent.front.engine_stream import EngineStream
 from agent.front.holding import FrontFailure, Holding
+from agent.front.relay import Relay
 from agent.front.resume import CHAT, COMPLETIONS, Plan, Tracker
 from agent.front.sse import error_body, error_frame
 from agent.front.upstream import LOST, Upstream, forward_headers
@@ -90,67 +94,13 @@ async def _send(resp: web.StreamResponse, data: bytes) -> None:
         raise _ClientGone(str(e)) from e
 
 
-class _Relay:
-    """The per-token path: engine bytes in, client bytes out, inside the socket's callback.
-
-    Writes go straight to the client's transport (framed as the chunked response that
-    aiohttp prepared), with no task switch per token; a client that reads too slowly pauses
-    the engine's socket until it has caught up (`drain`).
-    """
-
-    # asyncio's write-buffer marks for the client's transport: above HIGH it pauses
-    # aiohttp's protocol (and the relay the engine's socket), below LOW it resumes it.
-    HIGH = 64 * 1024
-    LOW = 16 * 1024
-
-    def __init__(self, resp: web.StreamResponse, request: web.Request, tracker: Tracker,
-                 up: EngineStream, metrics: Metrics, lost_at: float | None,
-                 first_token: Callable[[], None] | None = None) -> None:
-        self.tracker, self.up, self.metrics, self.lost_at = tracker, up, metrics, lost_at
-        # Called once, at the first bytes of an answer sent on (time to first token).
-        self.first_token = first_token
-        self.transport = request.transport
-        self.writer = request.writer
-        self.chunked = resp.headers.get("Transfer-Encoding", "").lower() == "chunked"
-        self.client_gone = ""
-
-    def feed(self, piece: bytes) -> bool:
-        """True: stop reading the engine (the answer was cut, or the client went away)."""
-        out = self.tracker.feed(piece)
-        if out:
-            if self.first_token is not None:
-                self.first_token()
-                self.first_token = None
-            if self.lost_at is not None:
-                self.metrics.front_stall.observe(time.monotonic() - self.lost_at)
-                self.lost_at = None
-            t = self.transport
-            if t is None or t.is_closing():
-                self.client_gone = "the client's connection closed"
-                return True
-            t.write(b"%x\r\n%b\r\n" % (len(out), out) if self.chunked else out)
-            if t.get_write_buffer_size() > self.HIGH:
-                self.up.pause_reading()
-                self.up.poke()
-        # Stopped by the front (a stop string), or the engine said it died: closing the
-        # engine's request aborts it.
-        return self.tracker.cut or self.tracker.engine_dead
-
-    async def drain(self) -> None:
-        # Woken by the transport once its buffer is below LOW (or the client is gone: the
-        # next feed finds it closing).
-        with contextlib.suppress(ConnectionError):
-            await self.writer.drain()
-        self.up.resume_reading()
-
-
 class Front:
     """Owns the public TCP port and forwards OpenAI requests to the engine's Unix socket.
 
     New requests wait (bounded, with a deadline) while the gate is closed; a streaming
     answer cut by an engine crash is continued on the recovered engine from the last token
-    sent; a non-streaming one is sent again whole. `queue_depth` and `inflight` are read by
-    the metrics collector at scrape time.
+    sent; a non-streaming one is sent again whole. `queue_depth` is read by the metrics
+    collector at scrape time (the requests in flight are the gate's count).
 
     Example::
 
@@ -180,7 +130,6 @@ class Front:
         self.upstream = Upstream()
         # Before a snapshot the pooled connections go: CRIU cannot dump half of a connection.
         gate.on_quiesce(self.upstream.close_idle)
-        self.inflight = 0  # requests with an engine request open right now
         # The latest recovery whose engine was sent its first streamed request: that request's
         # first token is the one after a recovery, every later one's is steady state.
         self._first_stream_of = 0
@@ -205,6 +154,13 @@ class Front:
         from the start (the reload policy refuses changes to them)."""
         self.config = config
         self.holding.reconfigure(config.queue)
+
+    def use_access(self, keys: ApiKeys, ctx: ssl.SSLContext | None) -> None:
+        """Keys and a certificate read again (a reload): new requests and handshakes use
+        them. TLS itself stays on or off as the front started."""
+        self.keys = keys
+        if self.tls is not None and ctx is not None:
+            self.tls.use(ctx)
 
     @property
     def queue_depth(self) -> int:
@@ -271,16 +227,6 @@ class Front:
             self._active.discard(task)
             if not self._active:
                 self._idle.set()
-
-    @contextlib.contextmanager
-    def _forwarding(self) -> Iterator[None]:
-        """One engine request: counted for the gauge and on the gate (snapshot quiet)."""
-        self.inflight += 1
-        try:
-            with self.gate.request():
-                yield
-        finally:
-            self.inflight -= 1
 
     def _refused(self, request: web.Request) -> None:
         """A request without a valid API key: counted, never logged with its header."""
@@ -408,7 +354,7 @@ class Front:
         attempts = 0
         while True:
             try:
-                with self._forwarding():
+                with self.gate.request():
                     async with self.upstream.session(ready) as s, s.request(
                             request.method, _ENGINE + request.path_qs, data=raw,
                             headers=headers) as up:
@@ -425,11 +371,8 @@ class Front:
                                             headers=forward_headers(up.headers.items()))
             except (*LOST, _EngineDead) as e:
                 why = _describe(e)
-            if attempts >= self.config.max_resumes:
-                return self._give_up(rid, FrontFailure.RESUME_LIMIT,
-                                     f"the engine died {attempts + 1} times under this request "
-                                     f"(front.max_resumes={self.config.max_resumes})")
             try:
+                self._within_resume_limit(attempts)
                 new = await self._recovered(rid, ready, why)
             except _Failed as f:
                 return self._give_up(rid, f.reason, str(f))
@@ -480,112 +423,174 @@ class Front:
     async def _stream(self, request: web.Request, rid: str, ready: Ready,
                       body: dict[str, Any]) -> web.StreamResponse:
         """A streaming completion: forwarded as it comes, continued across engine deaths."""
+        call = _Call.of(request, rid, ready, body, self._dead_marker)
+        try:
+            while True:
+                why = await self._attempt(call)
+                if call.answer is not None:
+                    return call.answer
+                ended = await self._ended(call)
+                if ended is not None:
+                    return ended
+                await self._continue(call, why)
+        except (_ClientGone, _Failed, asyncio.CancelledError) as e:
+            return await self._stream_failed(call, e)
+
+    async def _attempt(self, call: _Call) -> str:
+        """One request to the engine for `call`, relayed to the client; why it ended short
+        of the answer's end ("" when it did not). The engine's own answer instead of a
+        stream goes in `call.answer`."""
+        call.relay = None
+        # Only a new request's first answer: a resumed one's pause is a stall.
+        timer = self._first_token_timer(call.ready) if call.attempts == 0 else None
+        try:
+            with self.gate.request():
+                up = await EngineStream.open(call.ready.socket, "POST", call.path,
+                                             call.headers.items(),
+                                             json.dumps(call.body).encode())
+                try:
+                    if up.status != 200 or up.content_type != "text/event-stream":
+                        call.answer = await self._engine_answer(call, up)
+                        return ""
+                    return await self._relay(call, up, timer)
+                finally:
+                    up.close()
+        except (*LOST, _EngineDead) as e:
+            if call.relay is not None:
+                call.lost_at = call.relay.lost_at
+            return _describe(e)
+
+    async def _engine_answer(self, call: _Call, up: EngineStream) -> web.Response:
+        """The engine's own answer (a 400 for a bad request), as it is, while the client has
+        had nothing; once it has, a continuation the engine refused fails the request."""
+        data = await up.read()
+        self._check_alive(up.status, data)
+        if call.resp is not None:
+            raise _Failed(FrontFailure.ENGINE_ERROR, "the recovered engine refused the "
+                          f"continuation: {up.status} {data[:500]!r}")
+        return web.Response(status=up.status, body=data,
+                            headers=forward_headers(up.headers.items()))
+
+    async def _relay(self, call: _Call, up: EngineStream,
+                     timer: Callable[[], None] | None) -> str:
+        """The engine's events to the client until the engine's answer ends; why it ended
+        short of the whole answer ("" when it did not)."""
+        if call.attempts:
+            self._count_kv_resume(call.rid, up.headers.get(KV_HEADER, ""),
+                                  up.headers.get(KV_KEPT_HEADER, "0"))
+        if call.resp is None:
+            call.resp = web.StreamResponse(status=200,
+                                           headers=forward_headers(up.headers.items()))
+            await call.resp.prepare(call.request)
+        call.tracker.begin_attempt()
+        relay = call.relay = Relay(call.resp, call.request, call.tracker, up, self.metrics,
+                                   call.lost_at, timer)
+        up.stream(relay.feed)
+        while not await up.wait():
+            await relay.drain()
+        call.lost_at = relay.lost_at
+        if relay.client_gone:
+            raise _ClientGone(relay.client_gone)
+        if call.tracker.engine_dead:
+            return "the engine said it died during this answer"
+        return "" if call.tracker.done else "the engine's stream ended without [DONE]"
+
+    async def _ended(self, call: _Call) -> web.StreamResponse | None:
+        """The response once the answer is whole, or all its tokens were sent before the
+        engine died; None when it must be continued."""
+        if call.tracker.done:
+            assert call.resp is not None
+            await call.resp.write_eof()
+            return call.resp
+        # The engine died under this answer.
+        call.lost_at = call.lost_at or time.monotonic()
+        if call.resp is not None and call.tracker.complete:
+            await call.resp.write(call.tracker.finished_frames())
+            await call.resp.write_eof()
+            return call.resp
+        return None
+
+    async def _continue(self, call: _Call, why: str) -> None:
+        """Decide to resume: the answer must be resumable and under front.max_resumes; then
+        the next engine, and the request that continues the answer on it."""
+        tracker = call.tracker
+        refusal = tracker.resume_refusal()
+        if refusal is not None:
+            raise _Failed(FrontFailure.NOT_RESUMABLE, "the engine died during this answer, "
+                          f"which cannot be resumed: {refusal.detail}")
+        self._within_resume_limit(call.attempts)
+        new = await self._recovered(call.rid, call.ready, why)
+        call.path, call.body = tracker.continuation()
+        call.headers[RESUME_HEADER] = str(len(tracker.out_ids))
+        call.attempts += 1
+        self.metrics.front_resumed.labels(endpoint=call.plan.endpoint).inc()
+        log.warning("request %s: resumed on recovery %d (lost on recovery %d) after %d tokens "
+                    "sent", call.rid, new.recovery, call.ready.recovery, len(tracker.out_ids))
+        call.ready = new
+
+    async def _stream_failed(self, call: _Call, e: BaseException) -> web.StreamResponse:
+        """What the client gets when the front gives the stream up (or it went away)."""
+        if isinstance(e, _ClientGone):
+            self.metrics.front_failed.labels(reason=FrontFailure.CLIENT_GONE).inc()
+            log.info("request %s: client went away", call.rid)
+            assert call.resp is not None
+            return call.resp
+        if isinstance(e, _Failed):
+            self.metrics.front_failed.labels(reason=e.reason).inc()
+            log.error("request %s failed (%s): %s", call.rid, e.reason, e)
+            if call.resp is None:
+                return _json_error(503, str(e), retry_after=self.config.queue.retry_after_s)
+            await call.resp.write(error_frame(str(e)))
+            await call.resp.write_eof()
+            return call.resp
+        if not self._shutting_down or call.resp is None:
+            raise e
+        # Our own stop() ended it after the drain: say so to the client.
+        self.metrics.front_failed.labels(reason=FrontFailure.DRAINING).inc()
+        with contextlib.suppress(Exception):
+            await call.resp.write(error_frame("the front is shutting down"))
+            await call.resp.write_eof()
+        return call.resp
+
+    def _within_resume_limit(self, attempts: int) -> None:
+        """_Failed when the engine died under one request more than front.max_resumes times
+        (the same limit for a whole request sent again and for a stream continued)."""
+        if attempts >= self.config.max_resumes:
+            raise _Failed(FrontFailure.RESUME_LIMIT,
+                          f"the engine died {attempts + 1} times under this request "
+                          f"(front.max_resumes={self.config.max_resumes})")
+
+
+@dataclass
+class _Call:
+    """One streaming request as the front carries it from engine to engine."""
+
+    request: web.Request
+    rid: str
+    ready: Ready
+    plan: Plan
+    tracker: Tracker
+    headers: CIMultiDict[str]
+    # What goes to the engine next: the request, then the continuation.
+    path: str
+    body: dict[str, Any]
+    resp: web.StreamResponse | None = None
+    # The engine's own answer instead of a stream, for the client as it is.
+    answer: web.Response | None = None
+    relay: Relay | None = None
+    attempts: int = 0
+    # When the engine under this answer was lost (the client's stall runs from then).
+    lost_at: float | None = None
+
+    @classmethod
+    def of(cls, request: web.Request, rid: str, ready: Ready, body: dict[str, Any],
+           dead_marker: bytes | None) -> _Call:
         plan = Plan.of(request.path, body)
-        tracker = Tracker(plan, self._dead_marker)
         headers = forward_headers(request.headers)
         headers["Content-Type"] = "application/json"
         # One name for the answer on every engine it goes to: an engine that kept the dead
         # one's KV finds it by this name (unique, unlike a client's X-Request-Id).
         headers[REQUEST_HEADER] = uuid.uuid4().hex
         headers.popall(RESUME_HEADER, None)  # only the front says what continues what
-        path, fwd = plan.endpoint, plan.first_body()
-        resp: web.StreamResponse | None = None
-        attempts = 0
-        lost_at: float | None = None
-        try:
-            while True:
-                why = ""
-                relay: _Relay | None = None
-                # Only a new request's first answer: a resumed one's pause is a stall.
-                timer = self._first_token_timer(ready) if attempts == 0 else None
-                try:
-                    with self._forwarding():
-                        up = await EngineStream.open(ready.socket, "POST", path, headers.items(),
-                                                     json.dumps(fwd).encode())
-                        try:
-                            if up.status != 200 or up.content_type != "text/event-stream":
-                                # The engine's own answer (a 400 for a bad request): as is.
-                                data = await up.read()
-                                self._check_alive(up.status, data)
-                                if resp is None:
-                                    return web.Response(
-                                        status=up.status, body=data,
-                                        headers=forward_headers(up.headers.items()))
-                                raise _Failed(FrontFailure.ENGINE_ERROR,
-                                              "the recovered engine refused "
-                                              f"the continuation: {up.status} {data[:500]!r}")
-                            if attempts:
-                                self._count_kv_resume(rid, up.headers.get(KV_HEADER, ""),
-                                                      up.headers.get(KV_KEPT_HEADER, "0"))
-                            if resp is None:
-                                resp = web.StreamResponse(
-                                    status=200, headers=forward_headers(up.headers.items()))
-                                await resp.prepare(request)
-                            tracker.begin_attempt()
-                            relay = _Relay(resp, request, tracker, up, self.metrics, lost_at,
-                                           timer)
-                            up.stream(relay.feed)
-                            while not await up.wait():
-                                await relay.drain()
-                            lost_at = relay.lost_at
-                            if relay.client_gone:
-                                raise _ClientGone(relay.client_gone)
-                            if tracker.engine_dead:
-                                why = "the engine said it died during this answer"
-                            elif not tracker.done:
-                                why = "the engine's stream ended without [DONE]"
-                        finally:
-                            up.close()
-                except (*LOST, _EngineDead) as e:
-                    why = _describe(e)
-                    lost_at = relay.lost_at if relay is not None else lost_at
-                if tracker.done:
-                    assert resp is not None
-                    await resp.write_eof()
-                    return resp
-                # The engine died under this answer.
-                lost_at = lost_at or time.monotonic()
-                if resp is not None and tracker.complete:
-                    await resp.write(tracker.finished_frames())
-                    await resp.write_eof()
-                    return resp
-                refusal = tracker.resume_refusal()
-                if refusal is not None:
-                    raise _Failed(FrontFailure.NOT_RESUMABLE,
-                                  f"the engine died during this answer, "
-                                  f"which cannot be resumed: {refusal.detail}")
-                if attempts >= self.config.max_resumes:
-                    raise _Failed(FrontFailure.RESUME_LIMIT,
-                                  f"the engine died {attempts + 1} times under "
-                                  f"this request (front.max_resumes={self.config.max_resumes})")
-                new = await self._recovered(rid, ready, why)
-                path, fwd = tracker.resume_request()
-                headers[RESUME_HEADER] = str(len(tracker.out_ids))
-                attempts += 1
-                self.metrics.front_resumed.labels(endpoint=plan.endpoint).inc()
-                log.warning("request %s: resumed on recovery %d (lost on recovery %d) after "
-                            "%d tokens sent", rid, new.recovery, ready.recovery,
-                            len(tracker.out_ids))
-                ready = new
-        except _ClientGone:
-            self.metrics.front_failed.labels(reason=FrontFailure.CLIENT_GONE).inc()
-            log.info("request %s: client went away", rid)
-            assert resp is not None
-            return resp
-        except _Failed as f:
-            self.metrics.front_failed.labels(reason=f.reason).inc()
-            log.error("request %s failed (%s): %s", rid, f.reason, f)
-            if resp is None:
-                return _json_error(503, str(f), retry_after=self.config.queue.retry_after_s)
-            await resp.write(error_frame(str(f)))
-            await resp.write_eof()
-            return resp
-        except asyncio.CancelledError:
-            if not self._shutting_down or resp is None:
-                raise
-            # Our own stop() ended it after the drain: say so to the client.
-            self.metrics.front_failed.labels(reason=FrontFailure.DRAINING).inc()
-            with contextlib.suppress(Exception):
-                await resp.write(error_frame("the front is shutting down"))
-                await resp.write_eof()
-            return resp
+        return cls(request, rid, ready, plan, Tracker(plan, dead_marker), headers,
+                   plan.endpoint, plan.first_body())

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
-from agent.front.sse import DONE_FRAME, SSEParser, data_frame, event_of
+from agent.front.events import (
+    EngineEvent,
+    Tokens,
+    is_plain,
+    plain_tokens,
+    strip_ids,
+    tokens_of,
+)
+from agent.front.sse import DONE_FRAME, SSEParser, data_frame
 from agent.refusal import Refusal, RefusalCode
 
 COMPLETIONS = "/v1/completions"
@@ -26,43 +32,6 @@ _CARRIED_FROM_CHAT = (
 # Keys the front takes over (stop strings) or that make no sense on a continuation.
 _DROPPED_ON_RESUME = ("stop", "include_stop_str_in_output", "stream_options", "echo", "suffix",
                       "prompt_logprobs")
-
-# The id lists the front asked for, cut out of an event's bytes without decoding the JSON
-# again: a '"' right after '{' or ',' cannot be inside a JSON string (it would be escaped).
-_ID_KEYS = re.compile(
-    rb',\s*"(?:prompt_)?token_ids"\s*:\s*(?:null|\[[^\]]*\])'
-    rb'|"(?:prompt_)?token_ids"\s*:\s*(?:null|\[[^\]]*\])\s*,?')
-
-
-# The fast path reads an event's delta ids and finish reason with these instead of decoding
-# it (same structural argument: the key's quote follows '{' or ',' directly).
-_DELTA_IDS = re.compile(rb'"token_ids"\s*:\s*\[([^\]]*)\]')
-_FINISH = re.compile(rb'"finish_reason"\s*:\s*(?:null|"([^"\\]*)")')
-# A completions event's text, matched where it is empty.
-_EMPTY_TEXT = re.compile(rb'"text"\s*:\s*""')
-
-
-def _key(pattern: re.Pattern[bytes], key: bytes, raw: bytes) -> re.Match[bytes] | None:
-    """`pattern` matched at the last `key` in `raw`, if that is a key of an object."""
-    i = raw.rfind(key)
-    if i <= 0:
-        return None
-    k = i - 1
-    while k > 0 and raw[k] in b" \t\r\n":
-        k -= 1
-    return pattern.match(raw, i) if raw[k] in b",{" else None
-
-
-def _delta_has_text(delta: Any) -> bool:
-    """Whether a chat delta carries any text (content, or a reasoning parser's fields)."""
-    return isinstance(delta, dict) and any(
-        isinstance(v, str) and v for k, v in delta.items() if k != "role")
-
-
-def strip_ids(raw: bytes) -> bytes:
-    """`raw` without the token id lists the front added to the request."""
-    return _ID_KEYS.sub(b"", raw) if b"token_ids" in raw else raw
-
 
 def _stops(value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
@@ -222,7 +191,7 @@ class Tracker:
     """Follows one streaming answer: forwards its events and records the sent offset.
 
     It turns engine bytes into client bytes (`feed`), knows whether the answer is complete
-    (`done`), and builds the request that continues it on another engine (`resume_request`).
+    (`done`), and builds the request that continues it on another engine (`continuation`).
     On the fast path (first attempt, no stop strings) an event's bytes go out as they came,
     less the id lists the front added; after a resume every event is rebuilt in the
     client's format with the first attempt's id, created time and model.
@@ -242,7 +211,8 @@ class Tracker:
         t = Tracker(Plan.of("/v1/completions", body))
         client_bytes = t.feed(engine_bytes)
         if not t.done and t.resume_refusal() is None:
-            path, body = t.resume_request() or (None, None)
+            path, body = t.continuation()
+            t.begin_attempt()   # then feed it the continuation's events
     """
 
     def __init__(self, plan: Plan, dead_marker: bytes | None = None) -> None:
@@ -275,69 +245,32 @@ class Tracker:
     # --- feeding ------------------------------------------------------------------------
     def begin_attempt(self) -> None:
         """A new upstream response starts: a half event from a dead engine is dropped, and
-        tokens whose text it never sent come again from the continuation."""
+        tokens whose text it never sent come again from the continuation. Once the client
+        has had part of the answer, what comes is the continuation (`continuation`): its
+        events are rebuilt in the client's format."""
         self._parser = SSEParser()
         self._waiting_ids.clear()
         self.engine_dead = False
+        if self.started:
+            self.resumes += 1
+            self._quick = False
 
     def feed(self, chunk: bytes) -> bytes:
         """Client bytes for a chunk of engine bytes."""
         out: list[bytes] = []
+        chat = self.plan.endpoint == CHAT
         for raw in self._parser.frames(chunk):
             if self.done or self.engine_dead:
                 break
-            if self._quick:
-                sent = self._quick_event(raw)
-                if sent is not None:
-                    out.append(sent)
+            if self._quick and is_plain(raw):
+                # The common event of a first attempt: its bytes go on, less the front's ids.
+                tokens = plain_tokens(raw, chat)
+                if tokens is not None:
+                    out.append(self._forward(raw, tokens))
                     continue
-            ev = event_of(raw)
-            out.append(self._event(ev.data, ev.raw))
+            out.append(self._event(EngineEvent(raw)))
         # One event per read is the rule while tokens stream: no join for it.
         return out[0] if len(out) == 1 else b"".join(out)
-
-    def _quick_event(self, raw: bytes) -> bytes | None:
-        """The client bytes of the common event, read without decoding its JSON: one
-        `data:` line, one choice, its ids and finish reason. None for any other event."""
-        if (not raw.startswith(b"data: {") or raw.find(b"\n", 6) != len(raw) - 2
-                or b'"error"' in raw):
-            return None
-        ids = _key(_DELTA_IDS, b'"token_ids"', raw)
-        if ids is None:
-            return None
-        fin = _key(_FINISH, b'"finish_reason"', raw)
-        if fin is None:
-            return None
-        got = ids.group(1)
-        if got.strip():
-            # Text held back by the engine comes as an empty string; and `""` is in the
-            # bytes only where a string is empty (JSON escapes a quote inside a string).
-            if b'""' in raw and fin.group(1) is None:
-                if self.plan.endpoint == CHAT or self.plan.client_ids:
-                    return None  # the full path reads a delta's text fields, moves ids
-                textless = _key(_EMPTY_TEXT, b'"text"', raw) is not None
-            else:
-                textless = False
-            if textless:
-                self._waiting_ids.extend(map(int, got.split(b",")))
-            elif self._waiting_ids and self.plan.client_ids:
-                return None  # the waiting ids go out with this event: the full path
-            else:
-                if self._waiting_ids:
-                    self.out_ids.extend(self._waiting_ids)
-                    self._waiting_ids.clear()
-                self.out_ids.extend(map(int, got.split(b",")))
-        elif self._waiting_ids:
-            return None  # an event with no ids may still bring their text or the end
-        if fin.group(1) is not None:
-            self.finish = fin.group(1).decode()
-        if self.plan.client_ids:
-            return raw
-        # Cut ', "token_ids": [...]' out: the last key, and the only id list here.
-        head = raw[:ids.start()].rstrip()
-        if head.endswith(b",") and b"token_ids" not in head:
-            return head[:-1] + raw[ids.end():]
-        return strip_ids(raw)
 
     def _count(self, ids: list[int], textless: bool) -> list[int]:
         """Record an event's ids; the ids it delivers to the client (see the class doc)."""
@@ -356,78 +289,104 @@ class Tracker:
         self._quick = (self.plan.resumable and not self.plan.rewrites and not self.resumes
                        and self.prompt_ids is not None)
 
-    def _event(self, data: bytes, raw: bytes) -> bytes:
-        if not data:
-            return raw  # a comment or keep-alive
-        if data.strip() == b"[DONE]":
+    def _event(self, ev: EngineEvent) -> bytes:
+        if not ev.data:
+            return ev.raw  # a comment or keep-alive
+        if ev.data.strip() == b"[DONE]":
             self.done = True
-            return self._usage_frame() + DONE_FRAME if self._rebuilding else raw
-        try:
-            obj = json.loads(data)
-        except ValueError:
-            return raw
-        if not isinstance(obj, dict):
-            return raw
+            return self._usage_frame() + DONE_FRAME if self._rebuilding else ev.raw
+        obj = ev.obj
+        if obj is None:
+            return ev.raw
         if "error" in obj:
-            if self._dead_marker is not None and self._dead_marker in data:
-                # The engine died under this answer and says so before it exits: a crash
-                # to hide and resume from, like a lost connection.
-                self.engine_dead = True
-                return b""
-            # The engine refused or failed this request: its answer, not a crash to hide.
-            self.started = True
-            self.engine_error = True
-            return raw
+            return self._error(ev)
         self.started = True
         if not self.header:
             self.header = {k: obj[k] for k in ("id", "created", "model", "system_fingerprint")
                            if k in obj}
         if self.resumes:
-            return self._resumed_event(obj)
-        out = self._first_event(obj, raw)
+            return self._resumed_event(ev)
+        out = self._first_event(ev, obj)
         if not self._quick:
             self._update_quick()
         return out
+
+    def _error(self, ev: EngineEvent) -> bytes:
+        if self._dead_marker is not None and self._dead_marker in ev.data:
+            # The engine died under this answer and says so before it exits: a crash to
+            # hide and resume from, like a lost connection.
+            self.engine_dead = True
+            return b""
+        # The engine refused or failed this request: its answer, not a crash to hide.
+        self.started = True
+        self.engine_error = True
+        return ev.raw
 
     @property
     def _rebuilding(self) -> bool:
         return self.resumes > 0 or self.plan.rewrites
 
-    def _first_event(self, obj: dict[str, Any], raw: bytes) -> bytes:
+    def _first_event(self, ev: EngineEvent, obj: dict[str, Any]) -> bytes:
         chat = self.plan.endpoint == CHAT
-        choices = obj.get("choices") or []
-        if chat and self.prompt_ids is None and isinstance(obj.get("prompt_token_ids"), list):
-            self.prompt_ids = obj["prompt_token_ids"]
-        if not choices:
-            if not self.plan.resumable:
-                return raw
-            if obj.get("usage") is not None and self._rebuilding:
-                return self._usage_frame()  # counts are the front's once it applies stops
-            if obj.get("usage") is not None:
-                self._usage_sent = True
-            return strip_ids(raw) if not self.plan.client_ids else raw
+        self._take_prompt_ids(obj, chat)
+        tokens = tokens_of(ev, chat)
+        if tokens is None:
+            return self._choiceless(ev, obj)
         if not self.plan.resumable:
-            return raw  # only its [DONE] matters: without one, the client gets an error
-        choice = choices[0]
-        if not chat and self.prompt_ids is None and isinstance(
-                choice.get("prompt_token_ids"), list):
-            self.prompt_ids = choice["prompt_token_ids"]
+            return ev.raw  # only its [DONE] matters: without one, the client gets an error
+        self._has_stop_reason = self._has_stop_reason or "stop_reason" in obj["choices"][0]
+        if self._scanner is None:
+            return self._forward(ev.raw, tokens, ev)
+        return self._scanned(obj, tokens, chat)
+
+    def _take_prompt_ids(self, obj: dict[str, Any], chat: bool) -> None:
+        """The prompt's ids, from the first event that has them (chat: the event's,
+        completions: its choice's)."""
+        if self.prompt_ids is not None:
+            return
+        choices = obj.get("choices") or [{}]
+        where = obj if chat else choices[0]
+        if isinstance(where, dict) and isinstance(where.get("prompt_token_ids"), list):
+            self.prompt_ids = where["prompt_token_ids"]
+
+    def _choiceless(self, ev: EngineEvent, obj: dict[str, Any]) -> bytes:
+        """An event without a choice: the usage counts."""
+        if not self.plan.resumable:
+            return ev.raw
+        if obj.get("usage") is not None and self._rebuilding:
+            return self._usage_frame()  # counts are the front's once it applies stops
+        if obj.get("usage") is not None:
+            self._usage_sent = True
+        return strip_ids(ev.raw) if not self.plan.client_ids else ev.raw
+
+    def _forward(self, raw: bytes, tokens: Tokens, ev: EngineEvent | None = None) -> bytes:
+        """A first attempt's event without stop strings: its bytes as they came, less the
+        id lists the front asked for (unless the client asked for them too)."""
+        ids = self._count(tokens.ids, tokens.textless)
+        self.finish = tokens.finish or self.finish
+        if self.plan.client_ids:
+            if ids == tokens.ids:
+                return raw
+            obj = (ev or EngineEvent(raw)).obj
+            assert obj is not None
+            obj["choices"][0]["token_ids"] = ids  # ids that waited for this event's text
+            return data_frame(obj)
+        if tokens.span is not None:
+            # Cut ', "token_ids": [...]' out where it is the only id list (no prompt's ids).
+            start, end = tokens.span
+            head = raw[:start].rstrip()
+            if head.endswith(b",") and b"token_ids" not in head \
+                    and raw.find(b"token_ids", end) < 0:
+                return head[:-1] + raw[end:]
+        return strip_ids(raw)
+
+    def _scanned(self, obj: dict[str, Any], tokens: Tokens, chat: bool) -> bytes:
+        """A first attempt's event with stop strings: its text is what the scanner lets out."""
+        ids = self._count(tokens.ids, tokens.textless)
+        choice = obj["choices"][0]
         delta = choice.get("delta") if chat else None
         text = (delta or {}).get("content") if chat else choice.get("text")
-        got = list(choice.get("token_ids") or ())
-        ids = self._count(got, not choice.get("finish_reason") and not (
-            _delta_has_text(delta) if chat else text))
-        self._has_stop_reason = self._has_stop_reason or "stop_reason" in choice
-        if self._scanner is None:
-            self.finish = choice.get("finish_reason") or self.finish
-            if not self.plan.client_ids:
-                return strip_ids(raw)
-            if ids == got:
-                return raw
-            choice["token_ids"] = ids
-            return data_frame(obj)
-        # Stop strings: this event's text is whatever the scanner lets out.
-        emit, stop, finish = self._scan(text or "", choice.get("finish_reason"))
+        emit, stop, finish = self._scan(text or "", tokens.finish)
         if chat:
             if emit or (delta and "content" in delta):
                 choice["delta"] = {**(delta or {}), "content": emit}
@@ -462,19 +421,19 @@ class Tracker:
             self.finish = finish
         return emit, stop, finish
 
-    def _resumed_event(self, obj: dict[str, Any]) -> bytes:
+    def _resumed_event(self, ev: EngineEvent) -> bytes:
         """An event of a continuation (always a completions stream), in the client's format."""
-        choices = obj.get("choices") or []
-        if not choices:
+        tokens = tokens_of(ev, chat=False)
+        if tokens is None:
             return b""  # the engine's usage counts the wrong prompt; ours comes at [DONE]
-        choice = choices[0]
+        assert ev.obj is not None
+        choice = ev.obj["choices"][0]
         text = choice.get("text") or ""
-        got = list(choice.get("token_ids") or ())
-        ids = self._count(got, not text and not choice.get("finish_reason"))
+        ids = self._count(tokens.ids, tokens.textless)
         if self._scanner is not None:
-            emit, stop, finish = self._scan(text, choice.get("finish_reason"))
+            emit, stop, finish = self._scan(text, tokens.finish)
         else:
-            emit, stop, finish = text, None, choice.get("finish_reason")
+            emit, stop, finish = text, None, tokens.finish
             self.finish = finish or self.finish
         frame = data_frame(self._chunk(emit, ids, finish,
                                        stop if stop is not None else choice.get("stop_reason")))
@@ -558,8 +517,10 @@ class Tracker:
                 self._scanner.flush() if self._scanner else "", [], "length"))
         return frames + self._usage_frame() + DONE_FRAME
 
-    def resume_request(self) -> tuple[str, dict[str, Any]]:
-        """(path, body) that continues the answer, once `complete` and `resume_refusal` said so."""
+    def continuation(self) -> tuple[str, dict[str, Any]]:
+        """(path, body) that continues the answer, once `complete` and `resume_refusal` said
+        so; the whole request again while nothing was sent. A query: `begin_attempt` takes
+        the continuation's answer."""
         if not self.started:
             return self.plan.endpoint, self.plan.first_body()
         left = self.remaining()
@@ -574,6 +535,4 @@ class Tracker:
                     max_tokens=left)
         if self.plan.min_tokens:
             body["min_tokens"] = max(0, self.plan.min_tokens - len(self.out_ids))
-        self.resumes += 1
-        self._quick = False
         return COMPLETIONS, body

@@ -176,7 +176,7 @@ class HolderClient:
     def committed_set(self, digest: str) -> list[p.RegionInfo] | None:
         """The committed regions of `digest` when all `parts` of them are there, else None."""
         regions = [r for r in self.list(digest) if r.committed]
-        if not regions or any(r.parts != len(regions) for r in regions):
+        if not p.whole_set(regions):
             return None
         return sorted(regions, key=lambda r: r.name)
 

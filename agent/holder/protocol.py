@@ -6,8 +6,9 @@ import contextlib
 import json
 import os
 import socket
+from collections.abc import Sequence
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -203,6 +204,22 @@ class Reply(_Msg):
     stats: Stats | None = None
     dropped: Dropped | None = None
     refilled: Refilled | None = None
+
+
+class _Part(Protocol):
+    @property
+    def parts(self) -> int: ...
+
+
+def whole_set(committed: Sequence[_Part]) -> bool:
+    """Whether the committed regions of one digest are all of its set: each says how many
+    parts the set has (`parts`), and that many are there. Half a set is never one."""
+    return bool(committed) and all(r.parts == len(committed) for r in committed)
+
+
+def error_reply(code: ErrorCode, message: str) -> Reply:
+    """The answer to a request refused with `code`."""
+    return Reply(ok=False, error=ErrorInfo(code=code, message=message))
 
 
 class ProtocolError(ValueError):

@@ -11,24 +11,16 @@ import signal
 import socket
 import stat
 import struct
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.errors import HolderError, HolderInvariantError, ModelError
+from agent.errors import HolderError, HolderInvariantError
 from agent.holder import protocol as p
-from agent.holder.backends import Backend, BackendError, GpuFaultError
-from agent.holder.refill import (
-    DEFAULT_TUNING,
-    RefillFailure,
-    RefillJob,
-    Sink,
-    Tuning,
-    make_sink,
-)
+from agent.holder.backends import Backend, GpuFaultError
+from agent.holder.refill import DEFAULT_TUNING, Tuning
+from agent.holder.refill.refiller import Refiller
 from agent.holder.regions import RegionTable, RequestRefused
-from agent.holder.weightplan import load_plan
 
 log = logging.getLogger("pitstop.holder")
 
@@ -47,13 +39,6 @@ class Session:
     @property
     def allowed(self) -> bool:
         return self.uid in (os.getuid(), 0)
-
-
-@dataclass(eq=False)
-class RefillWriter:
-    """The writer of a refill's regions: the holder itself, until the job commits them."""
-
-    pid: int
 
 
 def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
@@ -110,16 +95,9 @@ class HolderServer:
         self._stop = False
         self._closed = False
         self._wake_r, self._wake_w = socket.socketpair()
-        # The one refill that may run, its writer, and how its thread says it ended.
-        self._refill: RefillJob | None = None
-        self._refill_writer: RefillWriter | None = None
-        self._refill_tuning = refill_tuning
-        self._refill_rate = refill_rate
-        self._done_r, self._done_w = socket.socketpair()
-        # A sink made ahead of the refill it will serve (prepare_refill): its context,
-        # streams and pinned buffers are ready when the request comes.
-        self._ready_sink: Sink | None = None
-        self._ready_digest = ""
+        self.refiller = Refiller(backend, self.table, self.directory,
+                                 answer=self._answer_waiters, tuning=refill_tuning,
+                                 rate=refill_rate)
 
     def bind(self) -> None:
         """Take the per-GPU lock, then the socket; a second holder for the GPU is refused."""
@@ -148,8 +126,7 @@ class HolderServer:
         s.setblocking(False)
         self._listener = s
         self._sel.register(s, selectors.EVENT_READ, self._accept)
-        self._done_r.setblocking(False)
-        self._sel.register(self._done_r, selectors.EVENT_READ, self._refill_ended)
+        self._sel.register(self.refiller.wakeup, selectors.EVENT_READ, self.refiller.ended)
         log.info("holder %s serving %s (backend %s, gpu %s)", self.holder_id, self.path,
                  self.backend.name, self.backend.gpu)
 
@@ -185,11 +162,9 @@ class HolderServer:
         if self._closed:
             return
         self._closed = True
-        if self._refill is not None:
-            # Stopped mid-load: the job ends between pieces and its regions go uncommitted.
-            self._refill.cancel()
-            self._refill = None
-        self._discard_ready_sink()
+        if self._listener is not None:  # bound: the refill's wakeup is watched too
+            self._sel.unregister(self.refiller.wakeup)
+        self.refiller.close()
         for sid in list(self._sessions):
             self._drop(sid)
         for pid in list(self._pidfds):
@@ -209,8 +184,6 @@ class HolderServer:
         self._sel.close()
         self._wake_r.close()
         self._wake_w.close()
-        self._done_r.close()
-        self._done_w.close()
         log.info("holder stopped; freed %d bytes", freed)
 
     def _watch(self, pid: int) -> None:
@@ -266,7 +239,7 @@ class HolderServer:
         except BlockingIOError:
             return
         except p.ProtocolError as e:
-            self._answer(s, _error(e.code, str(e)))
+            self._answer(s, p.error_reply(e.code, str(e)))
             return
         except OSError:
             self._drop(id(s))
@@ -277,7 +250,7 @@ class HolderServer:
         for fd in fds:  # tenants never send fds; don't keep what they did send
             os.close(fd)
         if not s.allowed:
-            self._answer(s, _error(p.ErrorCode.FORBIDDEN,
+            self._answer(s, p.error_reply(p.ErrorCode.FORBIDDEN,
                                    f"uid {s.uid} may not use this holder (it serves uid "
                                    f"{os.getuid()} and root)"))
             if id(s) in self._sessions:
@@ -290,8 +263,8 @@ class HolderServer:
 
     def _check(self) -> None:
         live = set(self._sessions)
-        if self._refill_writer is not None:
-            live.add(id(self._refill_writer))
+        if self.refiller.writer is not None:
+            live.add(id(self.refiller.writer))
         self.table.check(live)
 
     def _answer(self, s: Session, reply: p.Reply, fds: list[int] | None = None) -> None:
@@ -299,7 +272,7 @@ class HolderServer:
             data = p.encode(reply)
         except ValueError as e:
             # Too many regions for one datagram: the client can narrow its question.
-            reply = _error(p.ErrorCode.BAD_REQUEST, f"{e}; ask for one digest's regions "
+            reply = p.error_reply(p.ErrorCode.BAD_REQUEST, f"{e}; ask for one digest's regions "
                            '({"op": "list", "digest": ...})')
             data, fds = p.encode(reply), None
         try:
@@ -318,7 +291,7 @@ class HolderServer:
             req = p.parse_request(data)
             t = self.table
             if isinstance(req, p.RefillRequest):
-                return self.refill(req.digest, s), []
+                return self.refiller.request(req.digest, s), []
             if isinstance(req, p.CreateRequest):
                 r = t.create(s, req.name, req.size, req.digest, req.parts, req.memory,
                              req.lease_s)
@@ -330,9 +303,7 @@ class HolderServer:
             if isinstance(req, p.StatsRequest):
                 return p.Reply(ok=True, stats=self._stats()), []
             if isinstance(req, p.DropRequest):
-                if self._refill is not None:
-                    self._refill.cancel()
-                    self._refill_ended(None, dropped=req.reason.value)
+                self.refiller.drop(req.reason.value)
                 regions, freed = t.drop_all()
                 log.warning("dropped all %d regions (%d bytes) at the request of pid %d (%s)%s",
                             regions, freed, s.pid, req.reason,
@@ -340,16 +311,16 @@ class HolderServer:
                 return p.Reply(ok=True, dropped=p.Dropped(regions=regions, bytes=freed)), []
             if req.op == "commit":
                 committed = t.commit(s, req.name)
-                self._drop_ready_sink_if_held(committed.digest)
+                self.refiller.committed(committed.digest)
                 return p.Reply(ok=True, region=t.info(committed)), []
             if req.op == "attach":
                 r = t.attach(req.name, s)
                 return p.Reply(ok=True, region=t.info(r)), list(r.allocation.fds)
             return p.Reply(ok=True, region=t.info(t.release(s, req.name))), []
         except p.ProtocolError as e:
-            return _error(e.code, str(e)), []
+            return p.error_reply(e.code, str(e)), []
         except RequestRefused as e:
-            return _error(e.code, str(e)), []
+            return p.error_reply(e.code, str(e)), []
 
     def _stats(self) -> p.Stats:
         t = self.table
@@ -358,185 +329,12 @@ class HolderServer:
                        bytes_pending=t.bytes_pending, regions_committed=len(t.committed),
                        regions_pending=len(t.pending), sessions=len(self._sessions))
 
-
-    # --- refill --------------------------------------------------------------------
-
-    def refill(self, digest: str, waiter: Session | None = None) -> p.Reply | None:
-        """Start loading `digest` from the plan in the holder's directory; None when the
-        answer comes at the end of the load (to `waiter`), else the answer now."""
-        job = self._refill
-        if job is not None:
-            if job.digest != digest:
-                return _error(p.ErrorCode.BUSY, f"a refill of {job.digest} is running; ask "
-                              "again when it ended")
-            if waiter is not None:
-                job.waiters.append(waiter)
-            return None
-        try:
-            plan = load_plan(self.directory)
-        except ModelError as e:
-            return self._unplanned(p.ErrorCode.NO_PLAN, str(e))
-        if plan is None:
-            return self._unplanned(p.ErrorCode.NO_PLAN, f"no refill plan in {self.directory}: "
-                                   "the agent writes one once an engine has committed weights "
-                                   "to this holder")
-        if plan.digest != digest:
-            return self._unplanned(p.ErrorCode.NO_PLAN, f"the refill plan in {self.directory} "
-                                   f"is for weights {plan.digest}, not {digest}")
-        if self._complete(digest):
-            return p.Reply(ok=True, refilled=p.Refilled(digest=digest, regions=len(plan.regions),
-                                                        bytes=0, seconds=0.0))
-        drift = plan.drift()
-        if drift is not None:
-            return self._unplanned(p.ErrorCode.DRIFT, f"refill of {digest} refused: {drift}")
-        writer = RefillWriter(pid=os.getpid())
-        t0 = time.monotonic()
-        sink, self._ready_sink = self._ready_sink, None
-        ready = sink is not None
-        if sink is None:
-            try:
-                # First: the cuda sink makes its context and pinned buffers meanwhile.
-                sink = make_sink(self.backend, self._refill_tuning)
-            except BackendError as e:
-                return _error(p.ErrorCode.REFILL_FAILED, f"refill of {digest}: {e}")
-        try:
-            allocations = []
-            for r in plan.regions:
-                region = self.table.create(writer, r.name, r.size, digest, len(plan.regions))
-                allocations.append(region.allocation)
-        except BaseException as e:
-            self.table.session_closed(writer)
-            with contextlib.suppress(BackendError):
-                sink.close()
-            if isinstance(e, GpuFaultError):
-                raise  # serve() stops: the GPU's memory is not to be trusted
-            if isinstance(e, RequestRefused):
-                return _error(e.code, f"refill of {digest}: {e}")
-            if isinstance(e, BackendError):
-                return _error(p.ErrorCode.REFILL_FAILED, f"refill of {digest}: {e}")
-            raise
-        self._refill_writer = writer
-        self._refill = RefillJob(plan, allocations, sink, on_done=self._refill_wake,
-                                 tuning=self._refill_tuning, rate=self._refill_rate)
-        self._refill.timings["create_s"] = time.monotonic() - t0
-        if waiter is not None:
-            self._refill.waiters.append(waiter)
-        log.info("refill of %s started: %d regions, %d bytes from %s%s", digest,
-                 len(plan.regions), plan.bytes, plan.model,
-                 " (its sink made ahead)" if ready else "")
-        self._refill.start()
-        return None
-
-    def prepare_refill(self) -> None:
-        """At start-up without a refill of its own: when the directory has a plan, make the
-        sink now, so that a refill the agent asks for later is reading and copying only.
-
-        On cuda that is the device's primary context (some hundred MB of GPU memory), a
-        stream and `buffers` pinned pieces per thread (512 MiB by default) — about half a
-        second to make, a third of a 32 GiB refill. They go with the first refill."""
-        try:
-            plan = load_plan(self.directory)
-        except ModelError as e:
-            log.warning("no refill prepared: %s", e)
-            return
-        if plan is None or self._ready_sink is not None or self._complete(plan.digest):
-            return
-        try:
-            self._ready_sink = make_sink(self.backend, self._refill_tuning)
-        except BackendError as e:
-            log.warning("no refill prepared: %s", e)
-            return
-        self._ready_digest = plan.digest
-        log.info("ready to refill %s: context, streams and buffers made ahead", plan.digest)
-
-    def _drop_ready_sink_if_held(self, digest: str) -> None:
-        """An engine committed a whole set of weights itself, the plan's or others (it
-        started on another model): no refill is coming for the sink made ahead."""
-        if self._ready_sink is None or not self._complete(digest):
-            return
-        ready = self._ready_digest
-        self._discard_ready_sink()
-        log.info("no longer ready to refill %s: an engine committed %s", ready,
-                 "the weights" if digest == ready else f"other weights ({digest})")
-
-    def _unplanned(self, code: p.ErrorCode, message: str) -> p.Reply:
-        """A refill refused for its plan (none, another digest's, drifted): the sink made
-        ahead for that plan is not kept for one that cannot come."""
-        if self._ready_sink is not None:
-            ready = self._ready_digest
-            self._discard_ready_sink()
-            log.info("no longer ready to refill %s: %s", ready, message)
-        return _error(code, message)
-
-    def _discard_ready_sink(self) -> None:
-        if self._ready_sink is not None:
-            with contextlib.suppress(BackendError):
-                self._ready_sink.close()
-            self._ready_sink = None
-
-    def refill_from_plan(self) -> None:
-        """At start-up: load the weights the plan in the directory names, if there is one."""
-        try:
-            plan = load_plan(self.directory)
-        except ModelError as e:
-            log.warning("no refill at start-up: %s", e)
-            return
-        if plan is None:
-            return
-        reply = self.refill(plan.digest)
-        if reply is not None and reply.error is not None:
-            log.warning("no refill at start-up: %s", reply.error.message)
-
-    def _complete(self, digest: str) -> bool:
-        regions = [r for r in self.table.committed.values() if r.digest == digest]
-        return bool(regions) and all(r.parts == len(regions) for r in regions)
-
-    def _refill_wake(self) -> None:
-        # From the job's thread: the table is the loop's, so the loop finishes the job.
-        with contextlib.suppress(OSError):
-            self._done_w.send(b"x")
-
-    def _refill_ended(self, sock: socket.socket | None, dropped: str = "") -> None:
-        if sock is not None:
-            with contextlib.suppress(BlockingIOError):
-                sock.recv(64)
-        job, writer = self._refill, self._refill_writer
-        if job is None or writer is None:
-            return
-        job.join()
-        self._refill, self._refill_writer = None, None
-        if job.fault is not None:
-            raise job.fault  # serve() stops: the GPU's memory is not to be trusted
-        mine = [r for r in self.table.pending.values() if r.writer is writer]
-        error = job.error
-        if error is None and dropped:
-            error = RefillFailure(p.ErrorCode.REFILL_FAILED, f"dropped ({dropped}) mid-load")
-        if error is None and len(mine) != len(job.plan.regions):
-            error = RefillFailure(p.ErrorCode.REFILL_FAILED, "its regions were dropped mid-load")
-        if error is not None:
-            self.table.session_closed(writer)  # uncommitted: freed, never shown
-            reply = _error(error.code, f"refill of {job.digest} failed: {error}; nothing "
-                           "was committed")
-            log.error("%s", reply.error.message if reply.error else error)
-        else:
-            # All on this thread, between two requests: a reader sees none or all of them.
-            for r in mine:
-                self.table.commit(writer, r.name)
-            # From the request to here: creating the regions, then the job's load.
-            done = p.Refilled(digest=job.digest, regions=len(mine), bytes=job.bytes,
-                              seconds=job.timings.get("create_s", 0.0) + job.seconds)
-            reply = p.Reply(ok=True, refilled=done)
-            log.info("refill of %s committed: %d bytes in %.2fs (%.2f GB/s); %s", job.digest,
-                     done.bytes, done.seconds, done.gbps,
-                     ", ".join(f"{k} {v:.3f}" for k, v in sorted(job.timings.items())))
-        for w in job.waiters:
+    def _answer_waiters(self, waiters: list[Session], reply: p.Reply) -> None:
+        """A refill ended: tell every session that asked and is still open."""
+        for w in waiters:
             if id(w) in self._sessions:
                 self._answer(w, reply)
         self._check()
-
-
-def _error(code: p.ErrorCode, message: str) -> p.Reply:
-    return p.Reply(ok=False, error=p.ErrorInfo(code=code, message=message))
 
 
 def run_holder(backend_kind: str, gpu: str, base: Path, max_bytes: int | None = None,
@@ -558,9 +356,9 @@ def run_holder(backend_kind: str, gpu: str, base: Path, max_bytes: int | None = 
         if refill_at_start:
             # Ready before the load ends: the agent's refill request joins this load, and
             # the regions stay invisible to tenants until all of them are committed.
-            server.refill_from_plan()
+            server.refiller.from_plan()
         else:
-            server.prepare_refill()
+            server.refiller.prepare()
     except BaseException:
         server.close()
         raise

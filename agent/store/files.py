@@ -176,3 +176,41 @@ def chunk_digests(
     finally:
         for fd in fds.values():
             os.close(fd)
+
+
+def private_file(p: Path, size: int) -> tuple[os.stat_result | None, str]:
+    """`p`'s stat when it is a private regular file of `size` bytes, else None and why not."""
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
+        return None, f"{p}: missing"
+    if not stat.S_ISREG(st.st_mode):
+        return None, f"{p}: not a regular file"
+    if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        return None, f"{p}: not private (uid {st.st_uid}, mode {st.st_mode & 0o777:o})"
+    if st.st_size != size:
+        return None, f"{p}: size {st.st_size}, manifest says {size}"
+    return st, ""
+
+
+def chunks_differ(p: Path, expected: Sequence[str], got: Sequence[str],
+                  chunk_bytes: int) -> str:
+    """Why the sha256 chunks `got` of `p` are not the manifest's `expected`; "" when they
+    are. The first bad chunk is named by its byte offset."""
+    if len(got) != len(expected):
+        return f"{p}: the manifest's chunk list does not fit its size"
+    bad = [i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b]
+    if bad:
+        return (f"{p}: sha256 differs from the manifest in {len(bad)} chunk(s), the first at "
+                f"byte {bad[0] * chunk_bytes}")
+    return ""
+
+
+def unlisted_files(d: Path, listed: set[str], known: set[str]) -> list[str]:
+    """Why the files in `d` that are not `known` (the manifest's and the store's own) are
+    wrong there, and the odd entries (not a regular file or directory) it does not list."""
+    on_disk, odd = walk_files(d)
+    reasons = [f"{d / extra}: not listed in the manifest" for extra in sorted(set(on_disk) - known)]
+    reasons += [f"{d / name}: not a regular file or directory" for name in odd
+                if name not in listed]
+    return reasons

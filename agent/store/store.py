@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from agent.config import Config, SnapshotsConfig
 from agent.drift import compare, describe
 from agent.errors import SnapshotError, SnapshotUnusableError
 from agent.identity import Identity
@@ -28,13 +29,16 @@ from agent.store.files import (
     check_private_dir,
     check_root,
     chunk_digests,
+    chunks_differ,
     chunks_key,
     fsync_dir,
     fsync_file,
     make_private_dir,
+    private_file,
     read_private,
     stat_key,
     tree_bytes,
+    unlisted_files,
     walk_files,
     write_private,
 )
@@ -140,6 +144,12 @@ class Retention:
     keep: int | None
     budget_bytes: int
     quarantine_keep: int | None = None
+
+    @classmethod
+    def of(cls, snaps: SnapshotsConfig) -> Retention:
+        """From snapshots.keep, disk_budget_gib and quarantine_keep."""
+        return cls(keep=snaps.keep, budget_bytes=int(snaps.disk_budget_gib * 2**30),
+                   quarantine_keep=snaps.quarantine_keep)
 
 
 @dataclass
@@ -253,6 +263,12 @@ class SnapshotStore:
         self.trust_sealed = trust_sealed
         # None: nothing is pruned unless asked (prune, prune_quarantine). A reload replaces it.
         self.retention = retention
+
+    def reconfigure(self, config: Config) -> None:
+        """snapshots.keep, disk_budget_gib, quarantine_keep and verify, as a reload left
+        them: whichever backend publishes into the store next is pruned by them."""
+        self.retention = Retention.of(config.snapshots)
+        self.trust_sealed = config.snapshots.verify == "changed"
 
     # --- layout -------------------------------------------------------------------
 
@@ -391,46 +407,23 @@ class SnapshotStore:
         except SnapshotError as e:
             return Verdict(snapshot_id, (str(e),))
         d = self.path(snapshot_id)
-        reasons = []
         listed = {f.name for f in m.files}
-        known = listed | {MANIFEST_NAME, SEALED_NAME} | RESTORE_LEFTOVERS | set(m.scratch)
-        on_disk, odd = walk_files(d)
-        for extra in sorted(set(on_disk) - known):
-            reasons.append(f"{d / extra}: not listed in the manifest")
-        for name in odd:
-            if name not in listed:
-                reasons.append(f"{d / name}: not a regular file or directory")
+        reasons = unlisted_files(d, listed, listed | {MANIFEST_NAME, SEALED_NAME}
+                                 | RESTORE_LEFTOVERS | set(m.scratch))
         sealed = {} if full else self._sealed(d)
         to_hash = []
         for f in m.files:
-            p = d / f.name
-            try:
-                st = os.lstat(p)
-            except FileNotFoundError:
-                reasons.append(f"{p}: missing")
-                continue
-            if not stat.S_ISREG(st.st_mode):
-                reasons.append(f"{p}: not a regular file")
-            elif st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
-                reasons.append(f"{p}: not private (uid {st.st_uid}, mode {st.st_mode & 0o777:o})")
-            elif st.st_size != f.size:
-                reasons.append(f"{p}: size {st.st_size}, manifest says {f.size}")
+            st, why = private_file(d / f.name, f.size)
+            if st is None:
+                reasons.append(why)
             elif sealed.get(f.name) != [*stat_key(st), chunks_key(f.sha256_chunks)]:
                 to_hash.append(f)
         with ThreadPoolExecutor(HASH_WORKERS) as pool:
             digests = chunk_digests(d, [f.name for f in to_hash], pool, m.chunk_bytes)
         for f in to_hash:
-            got = digests[f.name][1]
-            if len(got) != len(f.sha256_chunks):
-                reasons.append(f"{d / f.name}: the manifest's chunk list does not fit its size")
-                continue
-            bad = [i for i, (a, b) in enumerate(zip(got, f.sha256_chunks, strict=True)) if a != b]
-            if bad:
-                at = bad[0] * m.chunk_bytes
-                reasons.append(
-                    f"{d / f.name}: sha256 differs from the manifest in {len(bad)} chunk(s), "
-                    f"the first at byte {at}"
-                )
+            why = chunks_differ(d / f.name, f.sha256_chunks, digests[f.name][1], m.chunk_bytes)
+            if why:
+                reasons.append(why)
         return Verdict(snapshot_id, tuple(reasons), m, sum(f.size for f in to_hash))
 
     def _sealed(self, d: Path) -> dict[str, list[int]]:
@@ -465,7 +458,7 @@ class SnapshotStore:
             elif kind is not None and e.manifest.kind != kind:
                 skip(e.id, RefusalCode.WRONG_KIND, f"kind {e.manifest.kind}, wanted {kind}")
             elif diffs := compare(e.manifest.identity, identity, remapped):
-                skip(e.id, RefusalCode.STALE, describe(diffs))
+                skip(e.id, RefusalCode.STALE, describe(diffs, brief=True))
             elif accept is not None and (refused := accept(e.manifest)) is not None:
                 skipped.append(refused)
             else:
@@ -597,3 +590,5 @@ def _known_code(value: object) -> RefusalCode | None:
         return RefusalCode(value)
     except ValueError:
         return None
+
+

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.checkpoint.backend import CheckpointBackend, CreateRequest, SnapshotInfo, take
+from agent.config import Config
 from agent.engines.base import EngineAdapter
+from agent.engines.probe import EngineProbe
 from agent.errors import EngineError, OpenConnectionsError, SnapshotError
 from agent.identity import Identity
 from agent.metrics import Metrics
@@ -19,17 +21,16 @@ from agent.store import SnapshotKind, SnapshotStore
 from agent.supervisor.canary import CanaryRecord
 from agent.supervisor.engine import EngineProcess
 from agent.supervisor.gate import EngineGate
-from agent.supervisor.probe import EngineProbe
 
 log = logging.getLogger("pitstop.capture")
 
 
 class _DumpFailed(SnapshotError):
-    """The checkpoint itself failed (not the quiet wait, not the engine's prepare)."""
+    """The checkpoint itself failed (not the quiet wait, not the engine's detach)."""
 
 
 class ResumeFailed(EngineError):
-    """After a snapshot the engine could not take back what its prepare dropped (its held
+    """After a snapshot the engine could not take back what it detached (its held
     weights, its KV pool): it cannot serve, and must be replaced.
 
     `published` is the snapshot the dump made, None when the dump failed too; then
@@ -85,13 +86,19 @@ class CaptureResult:
     duration_s: float
     freed_bytes: int
 
+    def summary(self) -> dict:
+        """What `pitstop snapshot create` is answered about the published snapshot."""
+        return {"id": self.info.id, "kind": self.info.manifest.kind,
+                "bytes": self.info.image_bytes, "duration_s": round(self.duration_s, 3),
+                "freed_bytes": self.freed_bytes}
+
 
 class Capture:
     """Snapshots a ready engine without losing a request.
 
     New requests are held by the front (admission paused), the ones in flight finish and
     idle connections to the engine are closed (the gate's quiesce); the engine drops its KV
-    pool (prepare), CRIU dumps it and leaves it running, the engine rebuilds the pool
+    pool (detach), CRIU dumps it and leaves it running, the engine rebuilds the pool
     (resume), and admission resumes. A failed dump publishes nothing and
     leaves the engine serving. A failed resume leaves an engine that cannot serve: the gate
     is closed before admission resumes, so that no request reaches it, and `take` raises
@@ -115,23 +122,30 @@ class Capture:
         self._gate = gate
         self._metrics = metrics
         self._identity = identity
-        # Public: a reload sets it (snapshots.quiet_timeout_s), the next capture uses it.
+        # snapshots.quiet_timeout_s: a reload sets it (`reconfigure`), the next capture uses it.
         self.quiet_timeout_s = quiet_timeout_s
         self._control_timeout = control_timeout_s
         # Told each snapshot once it is published (the remote store's push).
         self._on_published = on_published
-        self.last: SnapshotInfo | None = None
-        # The kind the engine's last prepare made this capture take: a snapshot refused
-        # before its prepare (requests still in flight) is counted under it.
+        # The kind the engine's last detach made this capture take: a snapshot refused
+        # before its detach (requests still in flight) is counted under it.
         self.kind: SnapshotKind = "full"
         # Why the last attempt failed, one line; "" once one succeeds. The restore rungs give
         # it as their reason to skip, and `pitstop status` shows it (snapshot_error).
         self.failure = ""
 
+    def last_failure(self) -> str:
+        """Why the last attempt to take a snapshot failed; "" when the last one worked."""
+        return self.failure
+
+    def reconfigure(self, config: Config) -> None:
+        """snapshots.quiet_timeout_s, as a reload left it: the next capture waits that long."""
+        self.quiet_timeout_s = config.snapshots.quiet_timeout_s
+
     @property
     def limit_s(self) -> float:
         """The longest `take` may last before it is stuck: the wait for requests in flight,
-        the engine's prepare and resume, the backend's create (and the seal with it)."""
+        the engine's detach and resume, the backend's create (and the seal with it)."""
         return (self.quiet_timeout_s + 2 * self._adapter.control_limit_s
                 + self._backend.create_limit_s)
 
@@ -176,7 +190,6 @@ class Capture:
         self.failure = ""
         self._metrics.snapshots_created.labels(kind=kind, result="success").inc()
         self._metrics.snapshot_create_duration.labels(kind=kind).observe(result.duration_s)
-        self.last = result.info
         self._on_published(result.info)
 
     async def _dump(self, engine: EngineProcess, canary: CanaryRecord,
@@ -186,12 +199,12 @@ class Capture:
         # The control calls have a session each, closed before the dump: a connection of
         # ours to the engine must not be open while CRIU takes its tree.
         async with EngineProbe(self._socket, timeout=self._control_timeout) as probe:
-            prepared = await self._adapter.prepare(probe)
-        if prepared is not None:
-            freed = prepared.freed_bytes
-            # Weights the engine maps from the holder were detached by prepare: the image
-            # leaves them out, and records what a restore must find held.
-            held = prepared.held
+            detached = await self._adapter.detach(probe)
+        if detached is not None:
+            freed = detached.freed_bytes
+            # Weights the engine maps from the holder were detached: the image leaves them
+            # out, and records what a restore must find held.
+            held = detached.held
         kind: SnapshotKind = "hybrid" if held else "full"
         self.kind = kind
         dumped: CaptureResult | None = None
@@ -201,8 +214,8 @@ class Capture:
         except _DumpFailed as e:
             failed = e
         finally:
-            # Whatever the dump did, the engine must take back what prepare dropped.
-            if prepared is not None and engine.alive:
+            # Whatever the dump did, the engine must take back what it detached.
+            if detached is not None and engine.alive:
                 try:
                     async with EngineProbe(self._socket,
                                            timeout=self._control_timeout) as probe:
@@ -216,7 +229,7 @@ class Capture:
 
     async def _publish(self, engine: EngineProcess, canary: CanaryRecord, kind: SnapshotKind,
                        held: dict | None, freed: int, t0: float) -> CaptureResult:
-        """Dump the prepared engine and publish its image; _DumpFailed when that fails."""
+        """Dump the detached engine and publish its image; _DumpFailed when that fails."""
         try:
             info = await asyncio.get_running_loop().run_in_executor(
                 None, self._capture, engine.pid, canary, kind, held)
@@ -237,8 +250,4 @@ class Capture:
                  held: dict | None) -> SnapshotInfo:
         request = CreateRequest(kind=kind, pid=pid, leave_running=True,  # type: ignore[arg-type]
                                 held=held, canary=canary.to_manifest())
-        try:
-            return take(self._store, self._backend, request, self._identity())
-        except OSError as e:
-            raise SnapshotError(f"the snapshot of PID {pid} could not be written: {e}; is "
-                                f"the file system of {self._store.root} full?") from e
+        return take(self._store, self._backend, request, self._identity())

@@ -10,7 +10,10 @@ from typing import Protocol
 from agent.errors import IdentityError
 from agent.gpu_health import HEALTHY, GpuCheck, GpuFault, GpuWatch, PeakSampler, Verdict
 from agent.metrics import Metrics
+from agent.recovery import Fall
 from agent.refusal import Refusal, RefusalCode
+from agent.supervisor.ladder import Attempt
+from agent.supervisor.status import Fallthrough
 
 log = logging.getLogger("pitstop.gpu")
 
@@ -31,6 +34,12 @@ def ruled_out(rung: Rung, check: GpuCheck) -> Refusal | None:
         return None
     return Refusal(RefusalCode.GPU_FAULT,
                    f"GPU fault ({check.describe()}): the memory it would reuse may be corrupt")
+
+
+def unusable(check: GpuCheck) -> str:
+    """Why no restart can help with the GPU `check` found unusable, and what to do."""
+    return (f"the GPU is unusable: {check.describe()}; restarting the engine cannot help. "
+            "Reset or service the GPU, then restart the agent")
 
 
 class GpuGuard:
@@ -58,15 +67,36 @@ class GpuGuard:
         # engine may be pointed at the holder until a check is acknowledged.
         self.held_suspect = False
         self.last: GpuCheck = HEALTHY
+        # Samples the GPU's memory in use during a walk of the ladder (None without a GPU).
+        self._sampler: PeakSampler | None = None
 
-    def listen(self, callback: Callable[[GpuFault], None]) -> None:
-        """Call `callback` on the running event loop for each fault an NVML event reports."""
+    def listen(self, lost: Callable[[GpuFault], None]) -> None:
+        """Call `lost` on the running event loop for each fault an NVML event reports that
+        leaves the GPU unusable. Memory faults wait for the engine's own failure, which
+        they usually cause."""
         if self.watch is None:
             return
         loop = asyncio.get_running_loop()
-        self.watch.on_fault = lambda fault: loop.call_soon_threadsafe(callback, fault)
 
-    async def check(self) -> GpuCheck:
+        def fault(f: GpuFault) -> None:
+            if f.verdict is Verdict.UNUSABLE:
+                loop.call_soon_threadsafe(lost, f)
+
+        self.watch.on_fault = fault
+
+    async def check(self, attempt: Attempt | None = None) -> GpuCheck:
+        """The GPU's faults now; before a walk (`attempt`), after a memory fault the holder
+        is told to drop what it holds, and what it did is told beside the rungs it rules
+        out (the attempt's fallthroughs)."""
+        check = await self._check()
+        if attempt is not None and check.verdict is Verdict.MEMORY_SUSPECT:
+            attempt.gpu_fault = check.describe()
+            dropped = await self.drop_held(check)
+            attempt.fallthroughs.append(Fallthrough("holder", Fall.GPU_FAULT, Refusal(
+                RefusalCode.GPU_FAULT, f"GPU fault: {attempt.gpu_fault}; {dropped}")))
+        return check
+
+    async def _check(self) -> GpuCheck:
         if self.watch is None:
             return HEALTHY
         try:
@@ -110,6 +140,17 @@ class GpuGuard:
         if self.watch is None:
             return None
         return PeakSampler(self.watch.memory_used, SAMPLE_EVERY_S).start()
+
+    def start_sampling(self) -> None:
+        """Sample the GPU's memory in use for one walk of the ladder (ending any earlier
+        sampling); `stop_sampling` gives its peak."""
+        self.stop_sampling()
+        self._sampler = self.sampler()
+
+    def stop_sampling(self) -> int | None:
+        """The peak since `start_sampling`; None without a GPU or a sampling under way."""
+        sampler, self._sampler = self._sampler, None
+        return sampler.stop() if sampler is not None else None
 
     def close(self) -> None:
         if self.watch is not None:

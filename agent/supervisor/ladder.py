@@ -8,22 +8,30 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
+from agent.recovery import Cause
 from agent.refusal import Refusal
 from agent.supervisor.canary import CanaryRecord
 from agent.supervisor.engine import EngineProcess
+from agent.supervisor.status import Fallthrough
 
 # What one rung's `prepare` found and its `start` uses: the snapshot chosen, or nothing.
 T = TypeVar("T")
+
+
+class StopRequested(Exception):  # noqa: N818 - a signal, not a failure
+    """A stop came while a rung was tried: the walk ends there, its engine stopped."""
 
 
 @dataclass
 class Attempt:
     """One walk of the ladder: why it started, and the stage timings a path records."""
 
-    cause: str
+    cause: Cause
     stages: dict[str, float] = field(default_factory=dict)
     # The GPU fault this walk works around ("" for none): see agent/supervisor/gpu.py.
     gpu_fault: str = ""
+    # The rungs passed over so far, and why (what `pitstop status` shows of a recovery).
+    fallthroughs: list[Fallthrough] = field(default_factory=list)
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[None]:
@@ -93,3 +101,13 @@ class StartPath(Protocol[T]):
         """The engine started from `prepared` failed verification (quarantine the snapshot,
         in a worker thread: that renames, fsyncs and may delete images of many GB)."""
         ...
+
+
+class Puller(Protocol):
+    """Takes a snapshot from the fleet's store before a walk finds none (agent/supervisor/
+    remote.py): blocking work in a thread, for at most `limit_s`."""
+
+    @property
+    def limit_s(self) -> float: ...
+
+    async def before_walk(self, attempt: Attempt) -> None: ...

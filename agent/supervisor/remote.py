@@ -8,9 +8,10 @@ import time
 from collections.abc import Callable
 
 from agent.checkpoint.backend import SnapshotInfo
-from agent.config import S3Url, SnapshotsConfig
+from agent.config import Config, S3Url, SnapshotsConfig
 from agent.drift import compare
 from agent.errors import MissingExtraError, RemoteError, SnapshotError
+from agent.holder.plans import RefillPlans
 from agent.identity import Identity
 from agent.metrics import Metrics
 from agent.refusal import RefusalCode
@@ -18,7 +19,7 @@ from agent.store import SnapshotKind, SnapshotStore
 from agent.store.remote import PORTABLE_KINDS, Transfer, pull, push
 from agent.store.s3 import Bucket
 from agent.supervisor.ladder import Attempt
-from agent.supervisor.paths.refill import RefillRestore
+from agent.supervisor.paths.holder import HolderLink
 from agent.supervisor.status import AgentStatus
 
 log = logging.getLogger("pitstop.remote")
@@ -39,36 +40,42 @@ class RemoteSnapshots:
 
     Example::
 
-        remote = RemoteSnapshots(settings=lambda: config.snapshots, store=store, ...)
+        remote = RemoteSnapshots(settings=config.snapshots, store=store, ...)
         await remote.before_walk(attempt)   # in the supervisor, before the ladder
         remote.published(info)             # after a capture (snapshots.publish)
     """
 
-    def __init__(self, *, settings: Callable[[], SnapshotsConfig], store: SnapshotStore,
+    def __init__(self, *, settings: SnapshotsConfig, store: SnapshotStore,
                  identity: Callable[[], Identity], remaps: frozenset[str],
-                 refill: RefillRestore, metrics: Metrics, status: AgentStatus,
-                 on_change: Callable[[], None],
+                 holder: HolderLink, plans: RefillPlans, metrics: Metrics,
+                 status: AgentStatus, on_change: Callable[[], None],
                  bucket: Callable[[S3Url], Bucket] = Bucket) -> None:
         self._settings = settings
         self._store = store
         self._identity = identity
         self._remaps = remaps
-        self._refill = refill
+        # The refill's two owners: the holder it would load, the plan it would load from.
+        self._holder = holder
+        self._plans = plans
         self._metrics = metrics
         self._status = status
         self._on_change = on_change
         self._bucket = bucket
         self._pushes: set[asyncio.Task] = set()
 
+    def reconfigure(self, config: Config) -> None:
+        """snapshots.remote, publish and pull_timeout_s, as a reload left them."""
+        self._settings = config.snapshots
+
     @property
     def limit_s(self) -> float:
         """The longest a pull may keep the start waiting (the supervisor's heartbeat)."""
-        return self._settings().pull_timeout_s + SLACK_S
+        return self._settings.pull_timeout_s + SLACK_S
 
     async def before_walk(self, attempt: Attempt) -> None:
         """Pull a snapshot for this start when the local store has none that fits; what was
         taken, or why not, goes to the status and pitstop_snapshot_transfers_total."""
-        if self._settings().remote is None:
+        if self._settings.remote is None:
             return
         with attempt.stage("pull"):
             done = await asyncio.to_thread(self._pull)
@@ -77,12 +84,12 @@ class RemoteSnapshots:
 
     def _kinds(self) -> tuple[SnapshotKind, ...]:
         # A hybrid image needs the weights in a holder; the refill rung puts them there.
-        if self._refill.enabled and self._refill.holder_answers():
+        if self._holder.config.refill and self._holder.unavailable() is None:
             return PORTABLE_KINDS
         return ("full",)
 
     def _pull(self) -> Transfer | None:
-        settings = self._settings()
+        settings = self._settings
         assert settings.remote is not None
         identity = self._identity()
         kinds = self._kinds()
@@ -103,13 +110,14 @@ class RemoteSnapshots:
             return Transfer("pull", RefusalCode.TRANSFER_FAILED.value, "", str(e),
                             at=time.time())
         if done.kind == "hybrid" and identity.weights_digest:
-            # The holder loads the weights from the files this plan names (the refill rung).
-            self._refill.plan_from_files(identity.weights_digest)
+            # The holder loads the weights from the files this plan names (the refill rung):
+            # the image's engine never committed them here, so no plan was left the usual way.
+            self._plans.from_files(self._holder.path.parent, identity.weights_digest)
         return done
 
     def published(self, info: SnapshotInfo) -> None:
         """A capture published `info`: push it, off the event loop, with snapshots.publish."""
-        settings = self._settings()
+        settings = self._settings
         if not settings.publish or settings.remote is None:
             return
         task = asyncio.get_running_loop().create_task(self._push(settings.remote, info.id))

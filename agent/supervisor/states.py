@@ -33,36 +33,6 @@ class Event(StrEnum):
     STOPPED = "stopped"
 
 
-class Cause(StrEnum):
-    """Why the ladder is walked: the `cause` of a recovery, status and metrics."""
-
-    STARTUP = "startup"
-    CRASH = "crash"
-    EXIT = "exit"
-    HANG = "hang"
-    # The engine failed while its GPU reported a fault (Xid, uncorrectable ECC): memory held
-    # across the failure is not reused.
-    GPU_FAULT = "gpu_fault"
-    # After a snapshot the engine could not take back its held weights or KV pool: it is
-    # alive but cannot serve, so it is replaced.
-    RESUME_FAILED = "resume_failed"
-    RELOAD = "reload"
-    DRIFT = "drift"
-    RESET = "reset"
-
-
-class Fall(StrEnum):
-    """How a rung of the ladder was passed over: `pitstop_ladder_fallthroughs_total{reason}`."""
-
-    # It could not be tried now (no snapshot yet, holder gone): its refusal says why.
-    SKIPPED = "skipped"
-    # Not tried: it would reuse memory that a GPU fault made suspect.
-    GPU_FAULT = "gpu_fault"
-    START_FAILED = "start_failed"
-    # The engine came up but did not give the recorded canary answer (or another model).
-    VERIFY_FAILED = "verify_failed"
-
-
 class TransitionError(PitstopError):
     """An event arrived in a state that has no edge for it: a bug in the supervisor."""
 
@@ -75,8 +45,8 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     (S.STARTING, E.VERIFIED): S.READY,
     # Every path failed, or the engine died while starting: wait, then try again.
     (S.STARTING, E.START_FAILED): S.BACKOFF,
-    # Too many failures inside the crash-loop window: stop trying until told to.
-    (S.STARTING, E.CRASH_LOOP): S.FAILED,
+    # Too many failures inside the crash-loop window (counted before each backoff): stop
+    # trying until told to.
     (S.BACKOFF, E.CRASH_LOOP): S.FAILED,
     # A crash, an unrequested exit or a hang while serving.
     (S.READY, E.ENGINE_FAILED): S.BACKOFF,

@@ -12,10 +12,11 @@ from pathlib import Path
 
 from agent.errors import StatusError
 from agent.fsutil import write_private
+from agent.recovery import Fall
 from agent.refusal import Refusal
 from agent.reload import ReloadResult
 from agent.store.remote import Transfer
-from agent.supervisor.states import Fall, State
+from agent.supervisor.states import State
 
 log = logging.getLogger("pitstop.status")
 

@@ -3,49 +3,35 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
-from agent.config import Config
+from agent.config import Config, HealthConfig
 from agent.engines.base import EngineAdapter
+from agent.engines.probe import EngineProbe
 from agent.errors import EngineError, IdentityError, SnapshotError, StartPathError, VerifyError
-from agent.gpu_health import GpuCheck, GpuFault, PeakSampler, Verdict
+from agent.gpu_health import GpuCheck, GpuFault, Verdict
 from agent.metrics import Metrics
+from agent.recovery import Cause, Fall
 from agent.refusal import Refusal, RefusalCode
-from agent.store.manifest import CanaryMethod
-from agent.supervisor.canary import CanaryBook, CanaryRecord, setup_key
-from agent.supervisor.capture import Capture, CaptureResult, ResumeFailed
-from agent.supervisor.engine import EngineProcess
+from agent.supervisor.backoff import Failures
+from agent.supervisor.canary import CanaryBook, CanaryCheck, CanaryRecord
+from agent.supervisor.capture import Capture, ResumeFailed
+from agent.supervisor.engine import EngineProcess, Exit
 from agent.supervisor.gate import EngineGate
-from agent.supervisor.gpu import GpuGuard, ruled_out
-from agent.supervisor.ladder import Attempt, Prepared, StartPath
-from agent.supervisor.probe import CanaryAnswer, EngineProbe
-from agent.supervisor.states import Cause, Event, Fall, State, next_state
+from agent.supervisor.gpu import GpuGuard, ruled_out, unusable
+from agent.supervisor.heartbeat import BEAT_S, Heartbeat
+from agent.supervisor.ladder import Attempt, Prepared, Puller, StartPath, StopRequested
+from agent.supervisor.states import Event, State, next_state
 from agent.supervisor.status import AgentStatus, Fallthrough, Recovery
+from agent.supervisor.verify import Verifier
 from agent.systemd import Notifier
 
 log = logging.getLogger("pitstop.supervisor")
 
-# How often to re-arm systemd's start timeout while a long start is making progress.
-EXTEND_EVERY_S = 10.0
-HEALTH_POLL_S = 0.1
-# How often the heartbeat is refreshed while one long step (hashing the weights, a restore,
-# a dump) runs off the loop.
-BEAT_S = 1.0
-
-
-class Puller(Protocol):
-    """Takes a snapshot from the fleet's store before a walk finds none (agent/supervisor/
-    remote.py): blocking work in a thread, for at most `limit_s`."""
-
-    @property
-    def limit_s(self) -> float: ...
-
-    async def before_walk(self, attempt: Attempt) -> None: ...
 
 
 class Supervisor:
@@ -77,14 +63,11 @@ class Supervisor:
         self.metrics = metrics
         self.notifier = notifier
         self.status = status
-        self.canaries = canaries
         self._on_change = on_change
         self.capture = capture
         self._before_start = before_start
         self._on_ready = on_ready
         self.gpu = gpu if gpu is not None else GpuGuard()
-        # Samples the GPU's memory in use during a walk of the ladder (None without a GPU).
-        self._sampler: PeakSampler | None = None
         self._serving_path = ""
         # Set when an NVML event says the GPU is gone while the engine may look healthy.
         self._gpu_gone: GpuFault | None = None
@@ -95,14 +78,16 @@ class Supervisor:
         self._clock = clock
         self.state = State.STOPPED
         self.engine: EngineProcess | None = None
-        self.heartbeat = clock()
+        self._heart = Heartbeat(clock)
         self._stop = asyncio.Event()
+        self._verifier = Verifier(adapter, CanaryCheck(canaries, adapter), self._heart,
+                                  self._stop, notifier, clock)
         self._reset = asyncio.Event()
         self._restart = asyncio.Event()
         self._wake = asyncio.Event()
-        self._failures: collections.deque[float] = collections.deque()
+        self._failures = Failures(clock)
         self._announced_ready = False
-        self._cause = "startup"
+        self._cause = Cause.STARTUP
         # Set when the engine came up without a usable snapshot: take one per policy.
         self._snapshot_wanted = ""
         self._snapshot_requests: list[asyncio.Future[dict]] = []
@@ -113,7 +98,7 @@ class Supervisor:
     def request_stop(self) -> None:
         self._stop.set()
 
-    def request_restart(self, cause: str) -> None:
+    def request_restart(self, cause: Cause) -> None:
         """Replace a serving engine through the ladder (a reload changed the engine)."""
         self._cause = cause
         self._restart.set()
@@ -127,7 +112,7 @@ class Supervisor:
         self._reconfigured = True
         self._wake.set()
         if restart_engine and self.state in (State.READY, State.BACKOFF):
-            self.request_restart("reload")
+            self.request_restart(Cause.RELOAD)
 
     def request_snapshot(self) -> asyncio.Future[dict]:
         """Take a snapshot at the next quiet moment; the future gets its summary."""
@@ -150,7 +135,7 @@ class Supervisor:
                     summary, " and a fresh snapshot taken" if self.capture is not None else
                     "; take a fresh snapshot with `pitstop vllm-snapshot create`")
         if self.state in (State.READY, State.SNAPSHOTTING):
-            self.request_restart("drift")
+            self.request_restart(Cause.DRIFT)
 
     def request_reset(self) -> None:
         """Clear a crash loop (on reload): the next walk of the ladder starts at once."""
@@ -168,8 +153,13 @@ class Supervisor:
         self.notifier.status(f"{new}" + (f": {reason}" if reason else ""))
         self._on_change()
 
+    @property
+    def heartbeat(self) -> float:
+        """When the loop last showed it is not stuck (what systemd's watchdog is fed by)."""
+        return self._heart.at
+
     def _beat(self) -> None:
-        self.heartbeat = self._clock()
+        self._heart.beat()
 
     @property
     def _step_limit_s(self) -> float:
@@ -177,57 +167,19 @@ class Supervisor:
         return self.config.health.start_timeout_s
 
     @property
-    def _canary_timeout_s(self) -> float:
-        # A canary answer is several forward passes: more than a health check may take.
-        return max(self.config.health.timeout_s, 30.0)
-
-    @property
     def _stop_limit_s(self) -> float:
         # The engine's stop timeout, then its kill and the wait for its whole tree.
         return self.config.engine.stop_timeout_s + 30.0
 
-    @contextlib.asynccontextmanager
-    async def _working(self, what: str, limit_s: float) -> AsyncIterator[None]:
-        """Keep the heartbeat fresh while one long step runs (its work is in a thread or a
-        child process, so the loop is free), for at most `limit_s`.
-
-        A step may take longer than the watchdog allows the loop to be silent: a 64 GiB
-        model hashed, a CUDA checkpoint and dump of 40 GB. A step past its own limit is
-        stuck: the beats stop and systemd's watchdog restarts the agent. A blocking call on
-        the loop stops them too, since they run on it."""
-        end = self._clock() + limit_s
-
-        async def beat() -> None:
-            while self._clock() < end:
-                self._beat()
-                await asyncio.sleep(BEAT_S)
-            log.warning("%s still running after %.0fs: the supervisor's heartbeat stops",
-                        what, limit_s)
-
-        task = asyncio.ensure_future(beat())
-        try:
-            yield
-        finally:
-            task.cancel()
-            self._beat()
-
-    async def _sleep_or_stop(self, seconds: float) -> bool:
-        """Sleep; True when a stop was requested meanwhile."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), seconds)
-        return self._stop.is_set()
-
     # --- the loop ---------------------------------------------------------------------
-    def _gpu_event(self, fault: GpuFault) -> None:
+    def _gpu_lost(self, fault: GpuFault) -> None:
         # An engine on a lost GPU can answer /health for a long while and fail every request:
-        # replace it now rather than at its next failed health check. Memory faults wait for
-        # the engine's own failure, which they usually cause.
-        if fault.verdict is Verdict.UNUSABLE:
-            self._gpu_gone = fault
-            self._wake.set()
+        # replace it now rather than at its next failed health check.
+        self._gpu_gone = fault
+        self._wake.set()
 
     async def run(self) -> None:
-        self.gpu.listen(self._gpu_event)
+        self.gpu.listen(self._gpu_lost)
         self._fire(Event.START)
         while self.state is not State.STOPPED:
             self._beat()
@@ -245,251 +197,149 @@ class Supervisor:
                 await self._shutdown()
 
     # --- starting ---------------------------------------------------------------------
-    def _canary_key(self) -> str:
-        eng = self.config.engine
-        return setup_key(eng.model, [eng.kind, self.adapter.version(), eng.device, *eng.args])
-
     async def _start(self) -> None:
         attempt = Attempt(cause=self._cause)
         self._gpu_gone = None  # the walk's own check sees that fault
-        self._sample_gpu_memory()
+        self.gpu.start_sampling()
         t0 = self._clock()
-        fallthroughs: list[Fallthrough] = []
         # Before the identity: reading a lost GPU's identity would fail, and less clearly.
-        check = await self._gpu_before_walk(attempt, fallthroughs)
-        if check is None:
+        check = await self._gpu_before_walk(attempt)
+        if check is None or not await self._read_identity(attempt):
             return
-        if self._before_start is not None:
-            try:
-                with attempt.stage("identity"):
-                    async with self._working("reading the identity", self._step_limit_s):
-                        await self._before_start()
-            except IdentityError as e:
-                # Weights rewritten while they were hashed, an engine interpreter that cannot
-                # run: this start fails and is retried with backoff; the agent lives on.
-                self._stop_sampling()
-                self.record_failure()
-                self._fire(Event.START_FAILED, f"cannot read what the engine depends on: {e}")
-                return
         await self._pull_snapshot(attempt)
-        last_path = "cold"
         for path in self.paths:
             if self._stop.is_set():
                 return
-            last_path = path.name
-            ruled = ruled_out(path, check)
-            if ruled is not None:
-                self._fall(path.name, Fall.GPU_FAULT, ruled, fallthroughs)
-                continue
-            # Off the event loop: choosing a snapshot hashes its files, asking the holder is
-            # a socket round trip; health probes and the front keep running meanwhile.
-            async with self._working(f"preparing {path.name}", self._step_limit_s):
-                prepared = await path.prepare(attempt)
-            if self._stop.is_set():
+            try:
+                engine = await self._try(path, attempt, check)
+            except StopRequested:
                 return
-            if isinstance(prepared, Refusal):
-                self._fall(path.name, Fall.SKIPPED, prepared, fallthroughs)
-                continue
-            for stage, secs in prepared.stages.items():
-                attempt.stages[stage] = attempt.stages.get(stage, 0.0) + secs
-            self.notifier.status(f"starting: {path.name} ({attempt.cause})")
-            try:
-                limit = max(self._step_limit_s, path.start_limit_s(prepared))
-                async with self._working(f"starting {path.name}", limit):
-                    engine = await path.start(attempt, prepared)
-            except StartPathError as e:
-                self._fall(path.name, Fall.START_FAILED, e.refusal, fallthroughs)
-                continue
-            except EngineError as e:
-                self._fall(path.name, Fall.START_FAILED,
-                           Refusal(RefusalCode.ENGINE_FAILED, str(e)), fallthroughs)
-                continue
-            self.engine = engine
-            self.status.engine_pid = engine.pid
-            self._on_engine(engine.pid)
-            try:
-                await self._verify(engine, prepared, attempt)
-                await path.after_verified(engine, prepared)
-            except EngineError as e:
-                if not engine.stopping:
-                    await engine.kill()
-                await engine.close()
-                self.engine = None
-                self.status.engine_pid = None
-                if self._stop.is_set():
-                    return
-                async with self._working(f"setting {path.name}'s snapshot aside",
-                                         self._step_limit_s):
-                    await path.failed(prepared, str(e))
-                if isinstance(e, VerifyError):
-                    self._fall(path.name, Fall.VERIFY_FAILED,
-                               Refusal(RefusalCode.VERIFY_FAILED, str(e)), fallthroughs)
-                else:
-                    self._fall(path.name, Fall.START_FAILED,
-                               Refusal(RefusalCode.ENGINE_FAILED, str(e)), fallthroughs)
-                continue
-            self._ready(path.name, attempt, self._clock() - t0, fallthroughs)
-            return
-        duration = self._clock() - t0
-        self._record(last_path, "failure", attempt, duration, fallthroughs)
+            if engine is not None:
+                self._ready(path.name, attempt, self._clock() - t0)
+                return
+        last_path = self.paths[-1].name if self.paths else "cold"
+        self._record(last_path, "failure", attempt, self._clock() - t0)
         self.record_failure()
         self._fire(Event.START_FAILED,
-                   f"every start path failed: {'; '.join(map(str, fallthroughs))}")
+                   f"every start path failed: {'; '.join(map(str, attempt.fallthroughs))}")
+
+    async def _read_identity(self, attempt: Attempt) -> bool:
+        """Take what this start depends on (before_start); False when it cannot be read,
+        and this start has failed."""
+        if self._before_start is None:
+            return True
+        try:
+            with attempt.stage("identity"):
+                async with self._heart.working("reading the identity", self._step_limit_s):
+                    await self._before_start()
+        except IdentityError as e:
+            # Weights rewritten while they were hashed, an engine interpreter that cannot
+            # run: this start fails and is retried with backoff; the agent lives on.
+            self.gpu.stop_sampling()
+            self.record_failure()
+            self._fire(Event.START_FAILED, f"cannot read what the engine depends on: {e}")
+            return False
+        return True
+
+    async def _try(self, path: StartPath[Any], attempt: Attempt,
+                   check: GpuCheck) -> EngineProcess | None:
+        """One rung: prepared off the loop, started, verified. The engine, or None when the
+        rung fell through (in the attempt's fallthroughs); StopRequested when a stop came
+        meanwhile."""
+        ruled = ruled_out(path, check)
+        if ruled is not None:
+            self._fall(attempt, path.name, Fall.GPU_FAULT, ruled)
+            return None
+        # Off the event loop: choosing a snapshot hashes its files, asking the holder is
+        # a socket round trip; health probes and the front keep running meanwhile.
+        async with self._heart.working(f"preparing {path.name}", self._step_limit_s):
+            prepared = await path.prepare(attempt)
+        if self._stop.is_set():
+            raise StopRequested
+        if isinstance(prepared, Refusal):
+            self._fall(attempt, path.name, Fall.SKIPPED, prepared)
+            return None
+        for stage, secs in prepared.stages.items():
+            attempt.stages[stage] = attempt.stages.get(stage, 0.0) + secs
+        engine = await self._start_rung(path, attempt, prepared)
+        if engine is None:
+            return None
+        try:
+            self._verified_canary = await self._verifier.verify(
+                self.config, engine, prepared.canary, attempt,
+                extend=not self._announced_ready)
+            await path.after_verified(engine, prepared)
+        except EngineError as e:
+            await self._let_go(engine, stop=False)
+            if self._stop.is_set():
+                raise StopRequested from e
+            async with self._heart.working(f"setting {path.name}'s snapshot aside",
+                                           self._step_limit_s):
+                await path.failed(prepared, str(e))
+            if isinstance(e, VerifyError):
+                self._fall(attempt, path.name, Fall.VERIFY_FAILED,
+                           Refusal(RefusalCode.VERIFY_FAILED, str(e)))
+            else:
+                self._fall(attempt, path.name, Fall.START_FAILED,
+                           Refusal(RefusalCode.ENGINE_FAILED, str(e)))
+            return None
+        return engine
+
+    async def _start_rung(self, path: StartPath[Any], attempt: Attempt,
+                          prepared: Prepared[Any]) -> EngineProcess | None:
+        """The engine `path` starts from `prepared`, told to the ledger at once; None when
+        the start failed (in the attempt's fallthroughs)."""
+        self.notifier.status(f"starting: {path.name} ({attempt.cause})")
+        try:
+            limit = max(self._step_limit_s, path.start_limit_s(prepared))
+            async with self._heart.working(f"starting {path.name}", limit):
+                engine = await path.start(attempt, prepared)
+        except StartPathError as e:
+            self._fall(attempt, path.name, Fall.START_FAILED, e.refusal)
+            return None
+        except EngineError as e:
+            self._fall(attempt, path.name, Fall.START_FAILED,
+                       Refusal(RefusalCode.ENGINE_FAILED, str(e)))
+            return None
+        self.engine = engine
+        self.status.engine_pid = engine.pid
+        self._on_engine(engine.pid)
+        return engine
 
     async def _pull_snapshot(self, attempt: Attempt) -> None:
         """Let the fleet's store give this walk a snapshot its local store lacks."""
         if self._pull is not None:
             # Off the loop like a rung's prepare: the front and the health probes go on.
-            async with self._working("pulling a snapshot", self._pull.limit_s):
+            async with self._heart.working("pulling a snapshot", self._pull.limit_s):
                 await self._pull.before_walk(attempt)
 
-    async def _gpu_check(self) -> GpuCheck:
-        """The GPU's faults and health now (off the event loop), kept in the status."""
-        check = await self.gpu.check()
+    async def _gpu_check(self, attempt: Attempt | None = None) -> GpuCheck:
+        """The GPU's faults and health now (off the event loop), kept in the status; before
+        a walk (`attempt`), held memory a fault made suspect is dropped."""
+        check = await self.gpu.check(attempt)
         self.status.gpu = check.verdict.value if self.gpu.watch is not None else ""
         return check
 
-    async def _gpu_before_walk(self, attempt: Attempt,
-                               fallthroughs: list[Fallthrough]) -> GpuCheck | None:
-        """The GPU's faults before a walk, held memory dropped after one; None when the GPU
-        is unusable (the state is failed then)."""
-        check = await self._gpu_check()
+    async def _gpu_before_walk(self, attempt: Attempt) -> GpuCheck | None:
+        """The GPU's faults before a walk; None when the GPU is unusable (state failed)."""
+        check = await self._gpu_check(attempt)
         if check.verdict is Verdict.UNUSABLE:
-            self._stop_sampling()
-            self._fire(Event.GPU_FAILED, self._gpu_failed_reason(check))
+            self.gpu.stop_sampling()
+            self._fire(Event.GPU_FAILED, unusable(check))
             return None
-        if check.verdict is Verdict.MEMORY_SUSPECT:
-            attempt.gpu_fault = check.describe()
-            # Not a rung: what the holder did about the fault, told beside the rungs it ruled out.
-            dropped = await self.gpu.drop_held(check)
-            fallthroughs.append(Fallthrough("holder", Fall.GPU_FAULT, Refusal(
-                RefusalCode.GPU_FAULT, f"GPU fault: {attempt.gpu_fault}; {dropped}")))
         return check
 
-    @staticmethod
-    def _gpu_failed_reason(check: GpuCheck) -> str:
-        return (f"the GPU is unusable: {check.describe()}; restarting the engine cannot help. "
-                "Reset or service the GPU, then restart the agent")
-
-    def _sample_gpu_memory(self) -> None:
-        """Start sampling for a walk (ending any earlier sampler); `_record` takes its peak."""
-        self._stop_sampling()
-        self._sampler = self.gpu.sampler()
-
-    def _stop_sampling(self) -> int | None:
-        sampler, self._sampler = self._sampler, None
-        return sampler.stop() if sampler is not None else None
-
-    def _fall(self, path: str, kind: Fall, refusal: Refusal,
-              fallthroughs: list[Fallthrough]) -> None:
+    def _fall(self, attempt: Attempt, path: str, kind: Fall, refusal: Refusal) -> None:
         fall = Fallthrough(path, kind, refusal)
         # A rung that cannot apply (no snapshot yet) is routine; one that broke is not.
         level = logging.INFO if kind is Fall.SKIPPED else logging.WARNING
         log.log(level, "ladder: %s (%s)", fall, refusal.code)
-        fallthroughs.append(fall)
+        attempt.fallthroughs.append(fall)
         self.metrics.ladder_fallthroughs.labels(path=path, reason=kind.value).inc()
 
-    async def _verify(self, engine: EngineProcess, prepared: Prepared[Any],
-                      attempt: Attempt) -> None:
-        hc = self.config.health
-        sock = self.config.engine_socket
-        deadline = self._clock() + hc.start_timeout_s
-        next_extend = self._clock()
-        async with EngineProbe(sock, timeout=hc.timeout_s) as probe:
-            with attempt.stage("health"):
-                while True:
-                    self._beat()
-                    if not engine.alive:
-                        raise EngineError(f"engine {engine.pid} {engine.exited.result()} "
-                                          "before it became healthy; see its log above")
-                    if self._stop.is_set():
-                        await engine.stop(self.config.engine.stop_timeout_s)
-                        raise EngineError("stop requested while starting")
-                    if self._clock() >= next_extend and not self._announced_ready:
-                        self.notifier.extend_timeout(EXTEND_EVERY_S * 3)
-                        next_extend = self._clock() + EXTEND_EVERY_S
-                    try:
-                        await probe.health(self.adapter.health_path)
-                        break
-                    except EngineError:
-                        if self._clock() >= deadline:
-                            raise EngineError(
-                                f"engine {engine.pid} not healthy within {hc.start_timeout_s:.0f}s"
-                                " (health.start_timeout_s)") from None
-                    await asyncio.sleep(HEALTH_POLL_S)
-            # The canary may be asked twice (a record of an older method is made again), and
-            # a first answer after a restore can be slower than the watchdog's allowance.
-            with attempt.stage("verify"):
-                async with self._working("the canary", hc.timeout_s + 2 * self._canary_timeout_s):
-                    name = self.adapter.model_name()
-                    models = await probe.models()
-                    if name not in models:
-                        raise VerifyError(f"engine serves {models}, not the configured model "
-                                          f"{name!r}")
-                    await self._verify_canary(probe, name, prepared)
-
-    async def _verify_canary(self, probe: EngineProbe, name: str,
-                             prepared: Prepared[Any]) -> None:
-        """Ask the canary the way the expected answer was made and compare; with nothing
-        expected yet, record this answer. A record made another way than this engine's
-        current one (an older Pitstop's) is checked its own way, then made again."""
-        expected = await self._expected_canary(prepared)
-        current = self.adapter.canary_method
-        method = current if expected is None else expected.method
-        answer = await self._ask_canary(probe, name, method)
-        if expected is None:
-            # First start of this setup: its answer becomes the record later starts must match.
-            expected = await self._record_canary(answer, current)
-            log.info("canary recorded for this setup (%s): %r", current.value, answer.text)
-        elif not expected.matches(answer):
-            raise VerifyError(f"canary answered {answer.text!r} (tokens "
-                              f"{list(answer.token_ids)}), expected the recorded "
-                              f"{expected.text!r} (tokens {list(expected.token_ids)}, "
-                              f"{expected.method.value}): this engine is not the one that "
-                              "was recorded")
-        elif expected.method is not current:
-            answer = await self._ask_canary(probe, name, current)
-            expected = await self._record_canary(answer, current)
-            log.info("canary: the record made by %s matched; recorded again by %s: %r",
-                     method.value, current.value, answer.text)
-        self._verified_canary = expected
-
-    async def _expected_canary(self, prepared: Prepared[Any]) -> CanaryRecord | None:
-        if prepared.canary is not None:
-            return prepared.canary
-        return await asyncio.to_thread(self._recorded_canary)
-
-    def _recorded_canary(self) -> CanaryRecord | None:
-        """The record of this setup, if any. Blocking: it reads a file, lists the model's
-        files and asks the engine's version (for vLLM a subprocess when its packages
-        changed on disk), so it runs in a worker thread."""
-        canary = self.config.health.canary
-        rec = self.canaries.load()
-        if rec is not None and rec.key == self._canary_key() and rec.prompt == canary.prompt \
-                and rec.max_tokens == canary.max_tokens:
-            return rec
-        return None
-
-    async def _ask_canary(self, probe: EngineProbe, name: str,
-                          method: CanaryMethod) -> CanaryAnswer:
-        hc = self.config.health
-        return await probe.canary(name, hc.canary.prompt, hc.canary.max_tokens,
-                                  timeout=self._canary_timeout_s,
-                                  fields=self.adapter.canary_fields(method))
-
-    async def _record_canary(self, answer: CanaryAnswer, method: CanaryMethod) -> CanaryRecord:
-        canary = self.config.health.canary
-        # Off the loop, as _recorded_canary; the record is written with its fsyncs.
-        key = await asyncio.to_thread(self._canary_key)
-        rec = CanaryRecord(key=key, prompt=canary.prompt, max_tokens=canary.max_tokens,
-                           text=answer.text, token_ids=answer.token_ids, method=method)
-        await asyncio.to_thread(self.canaries.save, rec)
-        return rec
-
-    def _ready(self, path: str, attempt: Attempt, duration: float,
-               fallthroughs: list[Fallthrough]) -> None:
+    def _ready(self, path: str, attempt: Attempt, duration: float) -> None:
         assert self.engine is not None
-        self._record(path, "success", attempt, duration, fallthroughs)
+        self._record(path, "success", attempt, duration)
         # An engine that reuses no suspect memory serves: those faults are dealt with.
         self.gpu.acknowledge()
         self._serving_path = path
@@ -509,20 +359,16 @@ class Supervisor:
                  duration, attempt.cause,
                  ", ".join(f"{k} {v:.2f}s" for k, v in attempt.stages.items()))
 
-    def _record(self, path: str, result: str, attempt: Attempt, duration: float,
-                fallthroughs: list[Fallthrough]) -> None:
-        m = self.metrics
-        m.recoveries.labels(path=path, result=result, cause=attempt.cause).inc()
-        m.recovery_duration.labels(path=path, result=result).observe(duration)
-        for stage, secs in attempt.stages.items():
-            m.recovery_stage_duration.labels(path=path, stage=stage).observe(secs)
-        peak = self._stop_sampling()
+    def _record(self, path: str, result: str, attempt: Attempt, duration: float) -> None:
+        self.metrics.recovered(path, result, attempt.cause, duration, attempt.stages)
+        peak = self.gpu.stop_sampling()
         if peak is not None:
             self.status.gpu_peak_bytes[path] = peak
         self.status.last_recovery = Recovery(
             path=path, cause=attempt.cause, result=result, duration_s=round(duration, 3),
             at=time.time(), stages={k: round(v, 3) for k, v in attempt.stages.items()},
-            fallthroughs=fallthroughs, gpu_fault=attempt.gpu_fault, gpu_peak_bytes=peak)
+            fallthroughs=attempt.fallthroughs, gpu_fault=attempt.gpu_fault,
+            gpu_peak_bytes=peak)
 
     # --- serving ----------------------------------------------------------------------
     async def _serve(self) -> None:
@@ -539,51 +385,69 @@ class Supervisor:
         async with EngineProbe(self.config.engine_socket, timeout=hc.timeout_s) as probe:
             while True:
                 self._beat()
-                stop = asyncio.ensure_future(self._stop.wait())
-                restart = asyncio.ensure_future(self._restart.wait())
-                wake = asyncio.ensure_future(self._wake.wait())
-                await asyncio.wait({engine.exited, stop, restart, wake}, timeout=hc.interval_s,
-                                   return_when=asyncio.FIRST_COMPLETED)
-                for f in (stop, restart, wake):
-                    f.cancel()
-                self._wake.clear()
+                await self._wait_serving(engine, hc.interval_s)
                 if self._stop.is_set():
                     return
-                if self._gpu_gone is not None and not engine.exited.done():
-                    fault, self._gpu_gone = self._gpu_gone, None
-                    await self._engine_failed(Cause.GPU_FAULT, f"engine {engine.pid} stopped: "
-                                              f"its GPU reported {fault.detail}")
-                    return
-                if (self._snapshot_requests or self._snapshot_wanted) \
-                        and not engine.exited.done():
-                    await self._snapshot(self._snapshot_wanted or "requested")
-                    if self.state is not State.READY:
+                leave = await self._serving_event(engine)
+                if leave is not None:
+                    if leave:
                         return
                     continue
-                if self._restart.is_set():
-                    self._restart.clear()
-                    await self._replace(engine)
+                misses = await self._health_check(probe, engine, hc, misses)
+                if misses < 0:
                     return
-                if self._reconfigured:
-                    self._reconfigured = False
-                    return  # run() serves again, with the reloaded health settings
-                if engine.exited.done():
-                    exit = engine.exited.result()
-                    cause = "crash" if self.adapter.exit_is_failure(exit.code or 0) else "exit"
-                    await self._engine_failed(cause, f"engine {engine.pid} {exit}")
-                    return
-                try:
-                    await probe.health(self.adapter.health_path)
-                    misses = 0
-                except EngineError as e:
-                    misses += 1
-                    log.warning("health check %d/%d failed: %s", misses,
-                                hc.failures_before_restart, e)
-                    if misses >= hc.failures_before_restart:
-                        await self._engine_failed(
-                            "hang", f"engine {engine.pid} failed {misses} health checks in a "
-                            f"row ({e})")
-                        return
+
+    async def _wait_serving(self, engine: EngineProcess, interval_s: float) -> None:
+        """Until the engine exits, something is asked of the supervisor, or `interval_s`."""
+        waits = [asyncio.ensure_future(e.wait()) for e in (self._stop, self._restart, self._wake)]
+        await asyncio.wait({engine.exited, *waits}, timeout=interval_s,
+                           return_when=asyncio.FIRST_COMPLETED)
+        for f in waits:
+            f.cancel()
+        self._wake.clear()
+
+    async def _serving_event(self, engine: EngineProcess) -> bool | None:
+        """Act on what woke the serving loop: True when it is to return (the engine is
+        gone, replaced, or the loop restarts with reloaded settings), False when it is to
+        wait again, None when nothing happened and the engine's health is due."""
+        if self._gpu_gone is not None and not engine.exited.done():
+            fault, self._gpu_gone = self._gpu_gone, None
+            await self._engine_failed(Cause.GPU_FAULT, f"engine {engine.pid} stopped: "
+                                      f"its GPU reported {fault.detail}")
+            return True
+        if (self._snapshot_requests or self._snapshot_wanted) and not engine.exited.done():
+            await self._snapshot(self._snapshot_wanted or "requested")
+            return self.state is not State.READY
+        if self._restart.is_set():
+            self._restart.clear()
+            await self._replace(engine)
+            return True
+        if self._reconfigured:
+            self._reconfigured = False
+            return True  # run() serves again, with the reloaded health settings
+        if engine.exited.done():
+            exit = engine.exited.result()
+            failed = self.adapter.exit_is_failure(exit.code or 0)
+            await self._engine_failed(Cause.CRASH if failed else Cause.EXIT,
+                                      f"engine {engine.pid} {exit}")
+            return True
+        return None
+
+    async def _health_check(self, probe: EngineProbe, engine: EngineProcess,
+                            hc: HealthConfig, misses: int) -> int:
+        """The engine's health checks failed in a row, counting this one; -1 once that is
+        `health.failures_before_restart` and the engine was failed for a hang."""
+        try:
+            await probe.health(self.adapter.health_path)
+            return 0
+        except EngineError as e:
+            misses += 1
+            log.warning("health check %d/%d failed: %s", misses, hc.failures_before_restart, e)
+            if misses < hc.failures_before_restart:
+                return misses
+            await self._engine_failed(Cause.HANG, f"engine {engine.pid} failed {misses} "
+                                      f"health checks in a row ({e})")
+            return -1
 
     async def _snapshot(self, why: str) -> None:
         """Snapshot the serving engine (READY -> SNAPSHOTTING -> READY, or BACKOFF when the
@@ -600,49 +464,42 @@ class Supervisor:
             return
         self._fire(Event.SNAPSHOT, why)
         try:
-            async with self._working("the snapshot", self.capture.limit_s):
+            async with self._heart.working("the snapshot", self.capture.limit_s):
                 result = await self.capture.take(engine, self._verified_canary)
         except ResumeFailed as e:
-            await self._resume_failed(e, waiting, regeneration)
+            # The engine lost what it detached: it is replaced through the ladder, where the
+            # snapshot just published (when it is sound) is what it comes back from.
+            self._tell(waiting, regeneration, SnapshotError(str(e)) if e.published is None
+                       else {**e.published.summary(), "engine_failed": str(e)})
+            await self._engine_failed(Cause.RESUME_FAILED, str(e))
             return
         except SnapshotError as e:
             log.error("%s", e)
-            self.status.snapshot_error = self.capture.failure
-            if regeneration:
-                self.metrics.regenerations.labels(result="failure").inc()
-            for fut in waiting:
-                fut.set_exception(e)
+            self._tell(waiting, regeneration, e)
             if not engine.alive:
-                await self._engine_failed("crash", f"engine {engine.pid} died during a "
+                await self._engine_failed(Cause.CRASH, f"engine {engine.pid} died during a "
                                           f"snapshot: {engine.exited.result()}")
                 return
             self._fire(Event.SNAPSHOT_DONE, f"snapshot failed: {e}"[:300])
             return
-        self.status.snapshot_error = ""
-        if regeneration:
-            self.metrics.regenerations.labels(result="success").inc()
-        for fut in waiting:
-            fut.set_result(_summary(result))
+        self._tell(waiting, regeneration, result.summary())
         self._fire(Event.SNAPSHOT_DONE, f"snapshot {result.info.id} published")
 
-    async def _resume_failed(self, e: ResumeFailed, waiting: list[asyncio.Future[dict]],
-                             regeneration: bool) -> None:
-        """The engine lost what its prepare dropped (its weights, its KV pool): the snapshot
-        is told for what it was, and the engine is replaced through the ladder, where the
-        snapshot just published (when it is sound) is what it comes back from."""
+    def _tell(self, waiting: list[asyncio.Future[dict]], regeneration: bool,
+              answer: dict | SnapshotError) -> None:
+        """A snapshot's outcome to the status, the regenerations counter and whoever asked."""
         assert self.capture is not None
         self.status.snapshot_error = self.capture.failure
+        failed = isinstance(answer, SnapshotError)
         if regeneration:
-            self.metrics.regenerations.labels(
-                result="success" if e.published is not None else "failure").inc()
+            self.metrics.regenerations.labels(result="failure" if failed else "success").inc()
         for fut in waiting:
-            if e.published is not None:
-                fut.set_result({**_summary(e.published), "engine_failed": str(e)})
+            if isinstance(answer, SnapshotError):
+                fut.set_exception(answer)
             else:
-                fut.set_exception(SnapshotError(str(e)))
-        await self._engine_failed(Cause.RESUME_FAILED, str(e))
+                fut.set_result(answer)
 
-    async def _engine_failed(self, cause: str, reason: str) -> None:
+    async def _engine_failed(self, cause: Cause, reason: str) -> None:
         self.gate.close(reason)
         check = await self._gpu_check()
         if check.verdict is not Verdict.HEALTHY:
@@ -650,56 +507,38 @@ class Supervisor:
             cause = Cause.GPU_FAULT
             reason = f"{reason}, with a GPU fault: {check.describe()}"
             self.gate.close(reason)
-        engine = self.engine
-        if engine is not None:
-            await engine.kill()
-            await engine.close()
-        self.engine = None
-        self.status.engine_pid = None
-        self.status.engine_ready_since = None
+        await self._let_go(self.engine, stop=False)
         self.status.restarts += 1
         self.metrics.engine_failures.labels(cause=cause).inc()
         self.record_failure()
         self._cause = cause
         log.error("engine failed (%s): %s", cause, reason)
         if check.verdict is Verdict.UNUSABLE:
-            self._fire(Event.GPU_FAILED, self._gpu_failed_reason(check))
+            self._fire(Event.GPU_FAILED, unusable(check))
             return
         self._fire(Event.ENGINE_FAILED, reason)
 
     async def _replace(self, engine: EngineProcess) -> None:
-        if self._cause == "drift":
+        if self._cause is Cause.DRIFT:
             # Not urgent: let the requests in flight finish; new ones wait in the front.
             self.gate.pause_admission()
-            async with self._working("waiting for requests in flight",
+            async with self._heart.working("waiting for requests in flight",
                                      self.config.snapshots.quiet_timeout_s + BEAT_S):
                 await self.gate.wait_quiet(self.config.snapshots.quiet_timeout_s)
         self.gate.close(f"restarting: {self._cause}")
         self.gate.resume_admission()
-        async with self._working("stopping the engine", self._stop_limit_s):
-            exit = await engine.stop(self.config.engine.stop_timeout_s)
-        await engine.close()
+        exit = await self._let_go(engine, stop=True)
         log.info("engine %d stopped for a restart (%s): %s", engine.pid, self._cause, exit)
-        self.engine = None
-        self.status.engine_pid = None
-        self.status.engine_ready_since = None
         self._fire(Event.RESTART, self._cause)
 
     # --- backing off ------------------------------------------------------------------
     def record_failure(self) -> None:
         """Count one failed start or engine failure towards backoff and the crash loop."""
-        self._failures.append(self._clock())
+        self._failures.record()
 
     def backoff_delay(self) -> tuple[float, int]:
         """(seconds to wait, failures in the window); a first failure restarts at once."""
-        rc = self.config.restart
-        now = self._clock()
-        while self._failures and now - self._failures[0] > rc.crash_loop_window_s:
-            self._failures.popleft()
-        n = len(self._failures)
-        if n <= 1:
-            return 0.0, n
-        return min(rc.backoff_max_s, rc.backoff_initial_s * rc.backoff_multiplier ** (n - 2)), n
+        return self._failures.delay(self.config.restart)
 
     async def _backoff(self) -> None:
         delay, n = self.backoff_delay()
@@ -712,7 +551,9 @@ class Supervisor:
             return
         if delay > 0:
             log.info("backing off %.1fs before the next start (%d recent failures)", delay, n)
-        if await self._sleep_or_stop(delay):
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), delay)
+        if self._stop.is_set():
             return
         self._restart.clear()
         self._fire(Event.BACKOFF_DONE)
@@ -724,7 +565,7 @@ class Supervisor:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._reset.wait(), 1.0)
         if self._reset.is_set() and not self._stop.is_set():
-            self._cause = "reset"
+            self._cause = Cause.RESET
             # The operator says the cause was fixed: faults seen so far are history. The next
             # walk reads the GPU's health afresh and fails again if it still is unusable.
             self.gpu.acknowledge()
@@ -732,23 +573,28 @@ class Supervisor:
 
     # --- stopping ---------------------------------------------------------------------
     async def _shutdown(self) -> None:
-        self._stop_sampling()
+        self.gpu.stop_sampling()
         self.notifier.stopping()
         self.gate.close("stopping")
         engine = self.engine
+        exit = await self._let_go(engine, stop=True)
         if engine is not None:
-            async with self._working("stopping the engine", self._stop_limit_s):
-                exit = await engine.stop(self.config.engine.stop_timeout_s)
-            await engine.close()
             log.info("engine %d stopped: %s", engine.pid, exit)
+        self._fire(Event.STOPPED)
+
+    async def _let_go(self, engine: EngineProcess | None, *, stop: bool) -> Exit | None:
+        """Take `engine` down and forget it, the one way every path does: stopped (SIGTERM,
+        then SIGKILL after engine.stop_timeout_s) or, with `stop` false, killed at once
+        unless the agent is stopping it already; its whole tree is gone on return."""
+        exit = None
+        if engine is not None:
+            if stop:
+                async with self._heart.working("stopping the engine", self._stop_limit_s):
+                    exit = await engine.stop(self.config.engine.stop_timeout_s)
+            elif not engine.stopping:
+                exit = await engine.kill()
+            await engine.close()
         self.engine = None
         self.status.engine_pid = None
         self.status.engine_ready_since = None
-        self._fire(Event.STOPPED)
-
-
-def _summary(result: CaptureResult) -> dict:
-    """What `pitstop snapshot create` is answered about a published snapshot."""
-    return {"id": result.info.id, "kind": result.info.manifest.kind,
-            "bytes": result.info.image_bytes, "duration_s": round(result.duration_s, 3),
-            "freed_bytes": result.freed_bytes}
+        return exit

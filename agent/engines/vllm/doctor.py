@@ -16,12 +16,12 @@ from agent.engines.vllm.cli import (
     FLASHINFER_SAMPLER,
     VllmFeatures,
     gpu_present,
+    host_unfit,
     read_features,
     sampler_off,
 )
 from agent.engines.vllm.plugin import support
 from agent.engines.vllm.preload import PreloadLink, engine_gpu
-from agent.engines.vllm.rungs import host_unfit
 from agent.engines.vllm.snapshot import choose_backend
 from agent.errors import EngineError, SnapshotError
 from agent.refusal import RefusalCode
@@ -94,66 +94,77 @@ def vllm_checks(
             f"pip install flashinfer-python into {python}'s environment (vLLM's CUDA "
             f"requirements name it), or set {FLASHINFER_SAMPLER}: \"0\" in engine.env"))
     backend, why = choose_backend(config, lambda: f, lambda: gpu)
-    snapshots = config.snapshots.enabled
+    return [*checks, _criu_check(config, backend, tcp_dump),
+            _snapshot_check(config, f, gpu, backend, why), _plugin_check(config, f, python),
+            _preload_check(config, f, gpu, preload_link)]
 
+
+def _criu_check(config: Config, backend: str,
+                tcp_dump: Callable[[Config], tuple[bool, str]]) -> Check:
+    """Whether Pitstop's CRIU backend can snapshot vLLM here."""
     dumpable, how = tcp_dump(config)
-    pitstop_needed = snapshots and backend == "pitstop"
+    needed = config.snapshots.enabled and backend == "pitstop"
     if dumpable:
-        checks.append(Check("criu of vLLM", True, pitstop_needed,
-                            f"{how}; needs kernel.io_uring_disabled=2 as well (see io_uring)"))
-    else:
-        checks.append(Check(
-            "criu of vLLM", False, pitstop_needed,
-            f"Pitstop's CRIU backend cannot snapshot vLLM with this CRIU: {how}",
-            "run `make criu` (or the criu role) for CRIU >= 4.2; until then every vLLM "
-            "start is cold"))
+        return Check("criu of vLLM", True, needed,
+                     f"{how}; needs kernel.io_uring_disabled=2 as well (see io_uring)")
+    return Check("criu of vLLM", False, needed,
+                 f"Pitstop's CRIU backend cannot snapshot vLLM with this CRIU: {how}",
+                 "run `make criu` (or the criu role) for CRIU >= 4.2; until then every vLLM "
+                 "start is cold")
 
+
+def _snapshot_check(config: Config, f: VllmFeatures, gpu: bool, backend: str,
+                    why: str) -> Check:
+    """Whether `vllm snapshot` can run here and is configured."""
     unfit = host_unfit(f, gpu, "snapshot")
     configured = config.vllm.snapshot.model is not None and config.vllm.snapshot.revision
-    name, needed = "vllm snapshot", snapshots and config.snapshots.backend == "vllm"
+    name = "vllm snapshot"
+    needed = config.snapshots.enabled and config.snapshots.backend == "vllm"
     present = "present" if f.snapshot else "absent"
     if unfit is not None:
-        checks.append(Check(name, False, needed, f"{present}, but cannot run: {unfit}; "
-                            f"snapshots use the {backend} backend",
-                            "a CUDA build of vLLM on an NVIDIA GPU host" if f.snapshot else
-                            "install a vLLM that has `vllm snapshot` (0.32+)"))
-    elif not configured:
-        checks.append(Check(name, False, needed, "usable here, but vllm.snapshot.model and "
-                            f"vllm.snapshot.revision are not set; backend {backend} ({why})",
-                            "set them (a Hugging Face repo id and its 40-character commit)"))
-    else:
-        checks.append(Check(name, True, needed, f"usable; backend {backend} ({why})"))
+        return Check(name, False, needed, f"{present}, but cannot run: {unfit}; "
+                     f"snapshots use the {backend} backend",
+                     "a CUDA build of vLLM on an NVIDIA GPU host" if f.snapshot else
+                     "install a vLLM that has `vllm snapshot` (0.32+)")
+    if not configured:
+        return Check(name, False, needed, "usable here, but vllm.snapshot.model and "
+                     f"vllm.snapshot.revision are not set; backend {backend} ({why})",
+                     "set them (a Hugging Face repo id and its 40-character commit)")
+    return Check(name, True, needed, f"usable; backend {backend} ({why})")
 
+
+def _plugin_check(config: Config, f: VllmFeatures, python: str) -> Check:
+    """Whether Pitstop's plugin lets vLLM map held weights (the hybrid and warm rungs)."""
     refusal = plugin_refusal(f, python, support.Untested(config.vllm.plugin.untested))
     held = config.holder.enabled
     if refusal is None:
-        checks.append(Check("vllm plugin", True, held, f"Pitstop plugin {f.plugin}: the hybrid "
-                            "and warm rungs map held weights" + ("" if held else
-                                                               " (holder.enabled is false)")))
-    else:
-        checks.append(Check("vllm plugin", False, held,
-                            f"no hybrid or warm rung for vLLM: {refusal.detail}",
-                            f"scripts/install-vllm-plugin.sh {python}"
-                            if refusal.code is RefusalCode.PLUGIN_NOT_INSTALLED else None))
+        return Check("vllm plugin", True, held, f"Pitstop plugin {f.plugin}: the hybrid "
+                     "and warm rungs map held weights" + ("" if held else
+                                                        " (holder.enabled is false)"))
+    return Check("vllm plugin", False, held,
+                 f"no hybrid or warm rung for vLLM: {refusal.detail}",
+                 f"scripts/install-vllm-plugin.sh {python}"
+                 if refusal.code is RefusalCode.PLUGIN_NOT_INSTALLED else None)
 
+
+def _preload_check(config: Config, f: VllmFeatures, gpu: bool,
+                   preload_link: PreloadLink | None) -> Check:
+    """Whether `vllm preload` can run here and, when it is on, its daemon answers."""
     pre = config.vllm.preload
     unfit = host_unfit(f, gpu, "preload")
     present = "present" if f.preload else "absent"
     if unfit is not None:
-        checks.append(Check("vllm preload", False, pre.enabled, f"{present}, but cannot run: "
-                            f"{unfit}" + ("" if pre.enabled else " (vllm.preload is off)"),
-                            "a CUDA build of vLLM on an NVIDIA GPU host" if f.preload else
-                            "install a vLLM that has `vllm preload` (0.32+)"))
-    elif not pre.enabled:
-        checks.append(Check("vllm preload", True, False,
-                            "usable here; off (vllm.preload.enabled: false)"))
-    else:
-        link = preload_link or PreloadLink(config, gpu=lambda: engine_gpu(config))
-        reason = link.unavailable()
-        gpu_name = engine_gpu(config) or "?"
-        checks.append(Check("vllm preload", reason is None, True,
-                            reason.detail if reason is not None
-                            else f"the daemon for GPU {gpu_name} is healthy",
-                            None if reason is None else
-                            f"systemctl enable --now pitstop-vllm-preload@{gpu_name}.service"))
-    return checks
+        return Check("vllm preload", False, pre.enabled, f"{present}, but cannot run: "
+                     f"{unfit}" + ("" if pre.enabled else " (vllm.preload is off)"),
+                     "a CUDA build of vLLM on an NVIDIA GPU host" if f.preload else
+                     "install a vLLM that has `vllm preload` (0.32+)")
+    if not pre.enabled:
+        return Check("vllm preload", True, False, "usable here; off (vllm.preload.enabled: false)")
+    link = preload_link or PreloadLink(config, gpu=lambda: engine_gpu(config))
+    reason = link.unavailable()
+    gpu_name = engine_gpu(config) or "?"
+    return Check("vllm preload", reason is None, True,
+                 reason.detail if reason is not None
+                 else f"the daemon for GPU {gpu_name} is healthy",
+                 None if reason is None else
+                 f"systemctl enable --now pitstop-vllm-preload@{gpu_name}.service")

@@ -138,7 +138,13 @@ def map_failure(action: str, path: Path, returncode: int, stderr: str) -> VllmSn
     if err is None:
         tail = " | ".join(stderr.strip().splitlines()[-3:]) or "no output"
         return VllmSnapshotError(f"{what} exited with {returncode}: {tail}")
-    cls, msg = err.cls, err.message
+    return (_refused(what, path, err.cls, err.message) or _missing(what, err.cls, err.message)
+            or VllmSnapshotError(f"{what} failed: {err.cls}: {err.message}"))
+
+
+def _refused(what: str, path: Path, cls: str, msg: str) -> VllmSnapshotError | None:
+    """vLLM's own snapshot errors: the snapshot stale, corrupt, not private, its canary
+    answered otherwise, or its PIDs taken; None for another error."""
     if cls == "SnapshotCompatibilityError" and msg.startswith("snapshot mismatch:"):
         fields = [f.strip() for f in msg.split(":", 1)[1].split(",") if f.strip()]
         return VllmSnapshotError(
@@ -163,6 +169,12 @@ def map_failure(action: str, path: Path, returncode: int, stderr: str) -> VllmSn
         return VllmSnapshotError(
             f"{what}: {msg}: a process restored from a snapshot gets its old PIDs back; stop "
             "the process holding it (an engine restored earlier?)", RefusalCode.PID_TAKEN)
+    return None
+
+
+def _missing(what: str, cls: str, msg: str) -> VllmSnapshotError | None:
+    """What the host lacks for vLLM's snapshots (CUDA, CRIU, its CUDA plugin, Linux) or
+    the engine arguments it refused; None for another error."""
     m = re.match(r"snapshot dependency not found: (\S+)", msg)
     if m and m.group(1) in ("cuda-checkpoint", "nvidia-smi"):
         return VllmSnapshotError(
@@ -183,7 +195,7 @@ def map_failure(action: str, path: Path, returncode: int, stderr: str) -> VllmSn
                                  RefusalCode.INVALID_ARGS)
     if "requires Linux" in msg:
         return VllmSnapshotError(f"unsupported: {what}: {msg}", RefusalCode.UNSUPPORTED)
-    return VllmSnapshotError(f"{what} failed: {cls}: {msg}")
+    return None
 
 
 class VllmSnapshotBackend:

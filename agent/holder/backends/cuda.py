@@ -89,7 +89,7 @@ class CudaBackend:
 
     Creating and exporting allocations needs no CUDA context (cuMemCreate works without
     one on current drivers); a refill does, for its copies, and holds one only while it
-    loads (agent/holder/refill.py).
+    loads (agent/holder/refill/).
     """
 
     name = "cuda"

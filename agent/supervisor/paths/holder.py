@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 
-from agent.config import HolderConfig
+from agent.checkpoint.snapshotter import Snapshotter
+from agent.config import Config, HolderConfig
 from agent.engines.base import EngineAdapter
 from agent.errors import HolderError
 from agent.holder.client import HolderClient, holder_available, stale_reason
 from agent.holder.protocol import DropReason, socket_path
+from agent.identity import Identity
+from agent.metrics import Metrics
 from agent.refusal import Refusal, RefusalCode
 from agent.store import Manifest
 from agent.supervisor.ladder import Attempt, Prepared
@@ -43,6 +47,10 @@ class HolderLink:
         # The engine decides how it maps held weights (its flags), and whether it can here
         # (vLLM: the Pitstop plugin installed in its interpreter, a vLLM the plugin supports).
         self._adapter = adapter
+
+    def reconfigure(self, config: Config) -> None:
+        """holder.refill and the rest of the holder section, as a reload left them."""
+        self.config = config.holder
 
     @property
     def path(self) -> Path:
@@ -138,23 +146,35 @@ class HybridRestore(FullRestore):
     reuses_held_memory = True
     kind = "hybrid"
 
-    def __init__(self, link: HolderLink, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, link: HolderLink, *, snapshotter: Snapshotter | None, unavailable: str,
+                 adapter: EngineAdapter, socket: os.PathLike, identity: Callable[[], Identity],
+                 metrics: Metrics, timeout_s: float,
+                 capture_failure: Callable[[], str] = lambda: "") -> None:
+        super().__init__(snapshotter=snapshotter, unavailable=unavailable, adapter=adapter,
+                         socket=socket, identity=identity, metrics=metrics,
+                         timeout_s=timeout_s, capture_failure=capture_failure)
         self._link = link
+
+    def newest_image(self) -> Prepared[Manifest] | Refusal:
+        """The newest hybrid image of this host that records held regions, whatever the
+        holder holds now (the refill loads them first); blocking (it verifies files)."""
+        chosen = super()._choose()
+        if isinstance(chosen, Refusal):
+            return chosen
+        if not chosen.plan.held:
+            return Refusal(RefusalCode.NO_HELD_REGIONS,
+                           "the newest hybrid snapshot records no held regions")
+        return chosen
 
     def _choose(self) -> Prepared[Manifest] | Refusal:
         refusal = self._link.unavailable()
         if refusal is not None:
             return refusal
-        chosen = super()._choose()
+        chosen = self.newest_image()
         if isinstance(chosen, Refusal):
             return chosen
-        held = chosen.plan.held
-        if not held:
-            return Refusal(RefusalCode.NO_HELD_REGIONS,
-                           "the newest hybrid snapshot records no held regions")
         try:
-            stale = self._link.stale_reason(held)
+            stale = self._link.stale_reason(chosen.plan.held or {})
         except HolderError as e:
             # It answered a moment ago (unavailable() above) and no longer does, or answers
             # what this agent cannot read: a reason to take the next rung, not to exit.

@@ -13,7 +13,9 @@ from collections.abc import Callable
 from agent import proc
 from agent.checkpoint.backend import CheckpointBackend
 from agent.checkpoint.snapshotter import Snapshotter
+from agent.config import Config
 from agent.engines.base import EngineAdapter
+from agent.engines.probe import EngineProbe
 from agent.errors import EngineError, RestoreBlockedError, SnapshotError, StartPathError
 from agent.identity import Identity
 from agent.metrics import Metrics
@@ -22,9 +24,16 @@ from agent.store import Manifest, SnapshotKind, SnapshotStore
 from agent.supervisor.canary import CanaryRecord
 from agent.supervisor.engine import EngineProcess
 from agent.supervisor.ladder import Attempt, Prepared
-from agent.supervisor.probe import EngineProbe
 
 log = logging.getLogger("pitstop.restore")
+
+# The restored engine may take this many health timeouts to answer its resume.
+RESTORE_TIMEOUTS = 10
+
+
+def resume_timeout_s(config: Config) -> float:
+    """How long a restored engine may take to answer its resume (health.timeout_s x 10)."""
+    return config.health.timeout_s * RESTORE_TIMEOUTS
 
 
 class SnapshotRestore:
@@ -131,9 +140,12 @@ class FullRestore(SnapshotRestore):
                          capture_failure=capture_failure)
         self._adapter = adapter
         self._socket = socket
-        # How long the restored engine may take to answer its resume (health.timeout_s x 10):
-        # public so that a reload sets it.
+        # How long the restored engine may take to answer its resume (resume_timeout_s).
         self.timeout_s = timeout_s
+
+    def reconfigure(self, config: Config) -> None:
+        """health.timeout_s, as a reload left it: the next resume's limit."""
+        self.timeout_s = resume_timeout_s(config)
 
     async def prepare(self, attempt: Attempt) -> Prepared[Manifest] | Refusal:
         # Reading the identity and verifying every chunk of a multi-GB image take seconds.

@@ -13,8 +13,6 @@ from enum import StrEnum
 # The plugin registers nothing unless the agent launched this engine with this set to "1":
 # an unrelated vLLM on the node, with the same venv, is left as it is.
 ENABLE_ENV = "PITSTOP_VLLM_PLUGIN"
-# The entry point's name in `vllm.general_plugins` (pyproject.toml).
-ENTRY_POINT = "pitstop"
 LOAD_FORMAT = "pitstop"
 # Its --model-loader-extra-config keys: where the holder listens, which weights to map.
 SOCKET_KEY = "holder_socket"

@@ -9,12 +9,14 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache, partial
 from pathlib import Path
 
 from agent import proc
 from agent.config import Config
 from agent.engines.base import EngineAdapter
-from agent.engines.vllm.cli import VllmFeatures
+from agent.engines.vllm.cli import VllmFeatures, host_unfit
 from agent.engines.vllm.preload import PreloadLink
 from agent.engines.vllm.snapshot import VllmSnapshotBackend
 from agent.errors import EngineError, StartPathError, VllmSnapshotError
@@ -32,24 +34,6 @@ log = logging.getLogger("pitstop.vllm")
 
 # Failures that say the snapshot itself is bad: it is set aside, never tried again.
 _BAD_SNAPSHOT = frozenset({RefusalCode.CANARY, RefusalCode.CORRUPT, RefusalCode.STALE})
-
-
-def host_unfit(features: VllmFeatures, has_gpu: bool, what: str) -> Refusal | None:
-    """Why this host cannot run vLLM's `what` subcommand (snapshot, preload); None if it can."""
-    if features.distribution is None:
-        return Refusal(RefusalCode.NO_VLLM, "engine.python has no vLLM installed")
-    present = features.snapshot if what == "snapshot" else features.preload
-    if not present:
-        return Refusal(RefusalCode.UNSUPPORTED,
-                       f"the installed vLLM ({features.describe()}) has no `vllm {what}`")
-    missing = []
-    if not features.cuda_build:
-        missing.append(f"the installed vLLM ({features.describe()}) is not a CUDA build")
-    if not has_gpu:
-        missing.append("this host has no NVIDIA GPU")
-    if missing:
-        return Refusal(RefusalCode.NO_CUDA, f"{' and '.join(missing)}; `vllm {what}` needs CUDA")
-    return None
 
 
 class VllmSnapshotRestore(SnapshotRestore):
@@ -187,38 +171,66 @@ class VllmPreloadStart(ColdStart):
         return Prepared(self.name, tuple(self._link.engine_args()))
 
 
-def vllm_rungs(config: Config, adapter: EngineAdapter, identity: Callable[[], Identity],
-               criu: Path | None, store: SnapshotStore, metrics: Metrics) -> tuple[list, list]:
+@dataclass(frozen=True)
+class VllmHost:
+    """What this host has of vLLM, read once per agent start (a vLLM or driver change means
+    a restart of the agent anyway): its interpreter and environment, its features and the
+    GPU (each read when first asked), and the snapshot backend chosen with them.
+
+    Example::
+
+        host = VllmHost.read(config)        # `auto` may run vLLM's interpreter: blocking
+        first, warm = vllm_rungs(config, adapter, host, reader, criu_path, store, metrics)
+    """
+
+    python: str
+    env: dict[str, str]
+    features: Callable[[], VllmFeatures]
+    has_gpu: Callable[[], bool]
+    # "vllm" or "pitstop", and why (snapshots.backend, or what `auto` found).
+    backend: str
+    why: str
+
+    @classmethod
+    def read(cls, config: Config) -> VllmHost | None:
+        """None for another engine than vLLM."""
+        if config.engine.kind != "vllm":
+            return None
+        from agent.engines.vllm.cli import gpu_present, read_features
+        from agent.engines.vllm.snapshot import choose_backend
+
+        python = str(config.engine.python) if config.engine.python else sys.executable
+        env = {**os.environ, **config.engine.env}
+        features = cache(partial(read_features, python, env))
+        has_gpu = cache(partial(gpu_present, env))
+        backend, why = choose_backend(config, features, has_gpu)
+        log.info("vLLM snapshots: %s backend (%s)", backend, why)
+        return cls(python, env, features, has_gpu, backend, why)
+
+
+def vllm_rungs(config: Config, adapter: EngineAdapter, host: VllmHost | None,
+               identity: Callable[[], Identity], criu: Path | None, store: SnapshotStore,
+               metrics: Metrics) -> tuple[list, list]:
     """(rungs before the ladder, rungs just above cold start) for this configuration.
 
     Example::
 
-        first, warm = vllm_rungs(config, adapter, reader, criu_path, store, metrics)
+        first, warm = vllm_rungs(config, adapter, VllmHost.read(config), reader, criu_path,
+                                 store, metrics)
         ladder = [*first, hybrid, refill, full, warm_start, *warm, cold]
     """
-    if config.engine.kind != "vllm":
+    if host is None:
         return [], []
-    from functools import cache
-
-    from agent.engines.vllm.cli import gpu_present, read_features
     from agent.engines.vllm.preload import engine_gpu
-    from agent.engines.vllm.snapshot import choose_backend
 
-    python = str(config.engine.python) if config.engine.python else sys.executable
-    env = {**os.environ, **config.engine.env}
-    # Read once per agent start: a vLLM or driver change means a restart of the agent anyway.
-    features = cache(lambda: read_features(python, env))
-    has_gpu = cache(lambda: gpu_present(env))
     first: list = []
     warm: list = []
-    backend, why = choose_backend(config, features, has_gpu)
-    log.info("vLLM snapshots: %s backend (%s)", backend, why)
-    if backend == "vllm":
-        snap = VllmSnapshotBackend.from_config(config, python=python, criu=criu)
+    if host.backend == "vllm":
+        snap = VllmSnapshotBackend.from_config(config, python=host.python, criu=criu)
         first.append(VllmSnapshotRestore(snap, store, socket=config.engine_socket,
-                                         identity=identity, features=features,
-                                         has_gpu=has_gpu, metrics=metrics))
+                                         identity=identity, features=host.features,
+                                         has_gpu=host.has_gpu, metrics=metrics))
     if config.vllm.preload.enabled:
-        link = PreloadLink(config, gpu=lambda: engine_gpu(config))
-        warm.append(VllmPreloadStart(adapter, link, features, has_gpu))
+        link = PreloadLink(config, gpu=partial(engine_gpu, config))
+        warm.append(VllmPreloadStart(adapter, link, host.features, host.has_gpu))
     return first, warm
