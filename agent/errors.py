@@ -186,3 +186,10 @@ class VllmSnapshotError(SnapshotError):
 
 class VllmPreloadError(EngineError):
     """vLLM's weight-cache daemon (`vllm preload`) could not be started or is not healthy."""
+
+
+# The `pitstop` command's exit statuses (the agent's unit prevents a restart on EXIT_USAGE:
+# a configuration that is wrong stays wrong).
+EXIT_OK = 0
+EXIT_FAIL = 1
+EXIT_USAGE = 2

@@ -199,6 +199,16 @@ def _check(r: subprocess.CompletedProcess[str], what: str) -> None:
         raise UnitsError(f"{' '.join(r.args)} exited with {r.returncode} ({what}): {tail}")
 
 
+def _check_instances(holders: Sequence[str], preloads: Sequence[str]) -> None:
+    for h in holders:
+        if not _INSTANCE.match(h):
+            raise UnitsError(f"--holder {h!r}: not a GPU UUID (expected e.g. GPU-8b3c2f1e-...)")
+    for g in preloads:
+        if not _INSTANCE.match(g):
+            raise UnitsError(f"--vllm-preload {g!r}: not a GPU index or UUID (e.g. 0 or "
+                             "GPU-8b3c2f1e-...)")
+
+
 def activate(prefix: Path, enable: bool, holders: Sequence[str],
              run: Runner = _run, preloads: Sequence[str] = (),
              engines: Sequence[str] = ()) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -212,13 +222,7 @@ def activate(prefix: Path, enable: bool, holders: Sequence[str],
     On the live system (prefix /): daemon-reload, create the tmpfiles directories, apply the
     sysctl. Under another prefix only `systemctl --root` enabling is possible, which is offline.
     """
-    for h in holders:
-        if not _INSTANCE.match(h):
-            raise UnitsError(f"--holder {h!r}: not a GPU UUID (expected e.g. GPU-8b3c2f1e-...)")
-    for g in preloads:
-        if not _INSTANCE.match(g):
-            raise UnitsError(f"--vllm-preload {g!r}: not a GPU index or UUID (e.g. 0 or "
-                             "GPU-8b3c2f1e-...)")
+    _check_instances(holders, preloads)
     live = prefix.resolve() == Path("/")
     done: list[str] = []
     warnings: list[str] = []
