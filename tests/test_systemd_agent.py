@@ -333,6 +333,14 @@ def _restored_ids(c: SystemdContainer, name: str) -> list[str]:
     return re.findall(r"restored snapshot (\S+) as PID", c.journal(_unit(name)))
 
 
+def _next_restored(c: SystemdContainer, name: str, seen: int) -> str:
+    """The snapshot of the restore after the first `seen` ones; journald may write the line a
+    moment after the agent said ready."""
+    c.wait_for(f"engine {name}'s restore in its journal",
+               lambda: len(_restored_ids(c, name)) > seen, 30, interval_s=0.2)
+    return _restored_ids(c, name)[seen]
+
+
 @pytest.fixture(scope="module")
 def engines(agent: SystemdContainer) -> Iterator[SystemdContainer]:
     """Engines a and b, each with its own file, ports and state, both ready with a snapshot."""
@@ -383,6 +391,7 @@ def test_each_engine_sigkilled_comes_back_from_its_own_snapshot_while_the_other_
     c = engines
     other_before = (_estatus(c, other)["engine_pid"], c.show(_unit(other), "MainPID"))
     restarts = _estatus(c, killed)["restarts"]
+    restored = len(_restored_ids(c, killed))
     c.run(["kill", "-KILL", str(_estatus(c, killed)["engine_pid"])])
     # While `killed` recovers, `other` answers, through the same engine process as before.
     assert _serves(c, other)
@@ -393,7 +402,7 @@ def test_each_engine_sigkilled_comes_back_from_its_own_snapshot_while_the_other_
     print(f"\nengine {killed} SIGKILLed: back via {rec['path']} in {rec['duration_s']:.2f} s; "
           f"engine {other} served meanwhile")
     assert (rec["path"], rec["cause"]) == ("full", "crash"), rec
-    assert _restored_ids(c, killed)[-1] in _snapshot_ids(c, killed)
+    assert _next_restored(c, killed, restored) in _snapshot_ids(c, killed)
     assert (_estatus(c, other)["engine_pid"], c.show(_unit(other), "MainPID")) == other_before
     assert _estatus(c, other)["state"] in ("ready", "snapshotting")
     assert _serves(c, killed) and _serves(c, other)
@@ -404,11 +413,12 @@ def test_systemctl_restart_of_one_engine_leaves_the_other_serving(
     c = engines
     b_before = (_estatus(c, "b")["engine_pid"], c.show(_unit("b"), "MainPID"))
     a_agent = c.show(_unit("a"), "MainPID")
+    restored = len(_restored_ids(c, "a"))
     # Returns once the new agent of a sent READY=1.
     c.systemctl("restart", _unit("a"), timeout=300)
     assert c.show(_unit("a"), "MainPID") != a_agent
     rec = _estatus(c, "a")["last_recovery"]
     assert rec["path"] == "full", rec
-    assert _restored_ids(c, "a")[-1] in _snapshot_ids(c, "a")
+    assert _next_restored(c, "a", restored) in _snapshot_ids(c, "a")
     assert (_estatus(c, "b")["engine_pid"], c.show(_unit("b"), "MainPID")) == b_before
     assert _serves(c, "b") and _serves(c, "a")
