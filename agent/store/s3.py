@@ -20,16 +20,12 @@ CONCURRENCY = 16
 PART_BYTES = 64 << 20
 
 
-class WindowReader(io.RawIOBase):
-    """`length` bytes of an open file from `offset`, read like a file of their own: what an
-    upload of one chunk reads (botocore seeks back to retry or to compute its checksum)."""
+class _Window(io.RawIOBase):
+    """`length` bytes of an open file from `offset`, as a seekable file of their own."""
 
     def __init__(self, fd: int, offset: int, length: int) -> None:
         super().__init__()
         self._fd, self._base, self._length, self._pos = fd, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
 
     def seekable(self) -> bool:
         return True
@@ -37,9 +33,20 @@ class WindowReader(io.RawIOBase):
     def tell(self) -> int:
         return self._pos
 
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+    def _target(self, pos: int, whence: int) -> int:
         start = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
-        self._pos = max(0, min(self._length, start + pos))
+        return start + pos
+
+
+class WindowReader(_Window):
+    """`length` bytes of an open file from `offset`, read like a file of their own: what an
+    upload of one chunk reads (botocore seeks back to retry or to compute its checksum)."""
+
+    def readable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        self._pos = max(0, min(self._length, self._target(pos, whence)))
         return self._pos
 
     def readinto(self, buf: Any) -> int:
@@ -52,28 +59,20 @@ class WindowReader(io.RawIOBase):
         return len(data)
 
 
-class WindowWriter(io.RawIOBase):
+class WindowWriter(_Window):
     """Writes into `length` bytes of an open file from `offset`, for the download of one
     chunk (the transfer manager seeks to each part's offset). An object longer than its
     chunk is refused here, before it can write over the next chunk."""
 
     def __init__(self, fd: int, offset: int, length: int, name: str) -> None:
-        super().__init__()
-        self._fd, self._base, self._length, self._pos = fd, offset, length, 0
+        super().__init__(fd, offset, length)
         self._name = name
 
     def writable(self) -> bool:
         return True
 
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
     def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        start = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
-        self._pos = start + pos
+        self._pos = self._target(pos, whence)
         return self._pos
 
     def write(self, data: Any) -> int:
