@@ -5,7 +5,6 @@ the image and comes back through the full rung, answering as host A did. One vLL
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,26 +13,12 @@ from tests.agentproc import RunningAgent, agent_config, complete
 from tests.prereq import require
 from tests.s3_server import s3_server
 from tests.snapshot_helpers import criu
+from tests.test_agent_vllm import io_uring_off  # noqa: F401 - a module fixture, used by name
 from tests.vllmproc import CPU_ARGS, VLLM_PYTHON
 
 pytestmark = pytest.mark.integration
 
 BOOT_S = 400  # one vLLM start on a shared 2-core machine (25-150 s seen)
-IO_URING = Path("/proc/sys/kernel/io_uring_disabled")
-
-
-@pytest.fixture(scope="module")
-def io_uring_off() -> Iterator[None]:
-    """kernel.io_uring_disabled=2, as the criu role sets it on a node: CRIU cannot dump
-    io_uring, which vLLM's API server opens otherwise."""
-    require(os.access(IO_URING, os.W_OK),
-            f"{IO_URING} is not writable: run the vLLM agent tests as root")
-    before = IO_URING.read_text().strip()
-    IO_URING.write_text("2")
-    try:
-        yield
-    finally:
-        IO_URING.write_text(before)
 
 
 def vllm_host(tmp: Path, shared: Path, model: Path, **snapshots: object) -> dict:
@@ -47,8 +32,9 @@ def vllm_host(tmp: Path, shared: Path, model: Path, **snapshots: object) -> dict
         snapshots={"remote": "s3://fleet/vllm", "pull_timeout_s": 600, **snapshots})
 
 
+@pytest.mark.usefixtures("io_uring_off")
 def test_vllm_snapshotted_on_one_host_serves_on_another_through_a_restore(
-        tiny_model: Path, tmp_path: Path, io_uring_off: None):
+        tiny_model: Path, tmp_path: Path):
     require(os.access(VLLM_PYTHON, os.X_OK),
             f"no vLLM interpreter at {VLLM_PYTHON}; run `make vllm` (scripts/install-vllm.sh)")
     criu()
