@@ -1,7 +1,7 @@
 """A node that never ran the model: pull the fleet's snapshot and restore it, against a cold start.
 
-Runs the real agent with the reference engine over a model of --gib GiB made by
-`pitstop make-model`, in one run:
+Runs the real agent with the reference engine (or, with `--engine vllm`, vLLM with the Pitstop
+plugin) over a model of --gib GiB made by `pitstop make-model`, in one run:
 
 1. cold: `--runs` cold starts (snapshots off), the baseline;
 2. seed: an agent with a holder makes the first snapshot (hybrid) and pushes it
@@ -20,9 +20,13 @@ S3-compatible server on loopback (the dev extra), whose Python server, not a net
 then bounds the rate. On the GPU host, from the repository root:
 
     PITSTOP_CRIU=$PWD/.gpu/criu/bin/criu python3 bench/fleet_bench.py OUT --gib 8
+    PITSTOP_CRIU=$PWD/.gpu/criu/bin/criu python3 bench/fleet_bench.py OUT --gib 8 \\
+        --engine vllm --python /opt/vllm/bin/python --site /tmp/vsite
 
 and on CPU (`--device cpu`) it is a dry run of the same script. Writes
-OUT/fleet-<gib>gib.json with `rows` (engine, path, gib, runs_s, median_s, machine, command).
+OUT/fleet-<engine>-<gib>gib.json with `rows` (engine, path, gib, runs_s, median_s, machine,
+command; for vLLM `vllm_version`), each with `node_ready_s`: from the agent's launch on the
+new node to its engine serving a verified canary, as the node's operator sees it.
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ from gpu_recovery_bench import (
     starts,
     stop_holder,
 )
+from vllm_bench_kit import add_vllm_args
+
+IO_URING = Path("/proc/sys/kernel/io_uring_disabled")
 
 BUCKET = "pitstop-fleet-bench"
 
@@ -96,9 +103,11 @@ def seed(cfg: dict, work: Path, name: str) -> dict:
 
 def pulled_start(cfg: dict, work: Path, name: str, want: str) -> dict:
     """A node that never ran the engine: its start, which pulls and restores."""
+    t0 = time.monotonic()
     agent = Agent(node(cfg, work, name), work / name)
     try:
         st = agent.wait(lambda s: s.get("state") == "ready", 1800, f"{name} ready")
+        ready_s = round(time.monotonic() - t0, 3)
     finally:
         agent.stop()
     rec, pull = st["last_recovery"], st.get("last_pull") or {}
@@ -106,25 +115,29 @@ def pulled_start(cfg: dict, work: Path, name: str, want: str) -> dict:
         f"{pull.get('bytes', 0) / 1e9:.2f} GB in {pull.get('seconds', 0):.2f}s")
     if rec["path"] != want or pull.get("result") != "ok":
         log(f"{name}: expected a pull and {want}: {rec.get('fallthroughs')} {pull}")
-    return {**rec, "pull": pull}
+    return {**rec, "pull": pull, "node_ready_s": ready_s}
 
 
-def rows(result: dict, gib: float, command: str) -> list[dict]:
+def rows(result: dict, gib: float, command: str, engine: str) -> list[dict]:
     where, host = machine()
     out = []
     for path, want in (("cold", "cold"), ("pull+refill", "refill"), ("pull+full", "full")):
         recs = [r for r in result.get(path, []) if r.get("result") == "success"
                 and r.get("path") == want]
-        if not recs:
+        if not result.get(path):
             continue
         runs = [r["duration_s"] for r in recs]
         pulls = [r["pull"] for r in recs if r.get("pull")]
         rates = [p["bytes"] / p["seconds"] / 1e6 for p in pulls if p.get("seconds")]
         out.append({
-            "engine": "reference", "path": path, "gib": gib, "runs_s": runs,
-            "median_s": statistics.median(runs), "machine": where, "host": host,
+            "engine": engine, "path": path, "gib": gib, "runs_s": runs,
+            # None: every start fell to another path (`fell_to` says which).
+            "median_s": statistics.median(runs) if runs else None, "machine": where, "host": host,
             "command": command,
             "fell_to": [r["path"] for r in result.get(path, []) if r.get("path") != want],
+            **({"node_ready_s": [r["node_ready_s"] for r in recs if "node_ready_s" in r]}
+               if path != "cold" else {}),
+            **({"vllm_version": result.get("vllm_version")} if engine == "vllm" else {}),
             **({"pull_s": [p["seconds"] for p in pulls],
                 "pulled_bytes": [p["bytes"] for p in pulls],
                 "download_mb_per_s": [round(r, 1) for r in rates],
@@ -150,6 +163,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--url", help="s3://BUCKET/PREFIX (default: moto's server on loopback)")
     ap.add_argument("--paths", default="cold,pull+refill,pull+full")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script")
+    ap.add_argument("--engine", choices=["reference", "vllm"], default="reference")
+    add_vllm_args(ap)
     return ap.parse_args()
 
 
@@ -184,53 +199,77 @@ def pull_runs(result: dict, cfg: dict, held: dict, work: Path, a: argparse.Names
         save()
 
 
+def engine_of(a: argparse.Namespace, work: Path, result: dict) -> dict:
+    """The fleet's engine section: the reference engine, or vLLM with the Pitstop plugin."""
+    if a.engine == "vllm":
+        from vllm_bench_kit import plugin_engine_env
+        from vllm_gpu_bench import engine_args, model_dir
+
+        model = model_dir(a)
+        env, features = plugin_engine_env(a, work)
+        result["vllm"], result["vllm_version"] = features.describe(), features.version
+        engine = {"kind": "vllm", "python": a.python, "served_model_name": "bench", "env": env,
+                  "args": engine_args(model, a, False)}
+    else:
+        model = a.models / f"{a.gib:g}gib"
+        subprocess.run([sys.executable, "-m", "agent", "make-model", str(model),
+                        "--target-gib", str(a.gib)], cwd=REPO, check=True,
+                       env={**os.environ, "PITSTOP_MODELGEN_DEVICE": a.device})
+        engine = {"kind": "reference", "device": a.device,
+                  "args": kv_args(model, a.kv_gib, a.max_len)}
+    result["weights_bytes"] = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    # The fleet's one configuration: the same socket on every node.
+    return {**engine, "model": str(model), "stop_timeout_s": 30,
+            "socket": str(work / "engine.sock")}
+
+
 def main() -> None:
     a = parse_args()
     paths = a.paths.split(",")
     a.out.mkdir(parents=True, exist_ok=True)
     tag = f"{a.gib:g}gib"
+    name = f"fleet-{a.engine}-{tag}.json"
     command = " ".join(["python3", *sys.argv])
-    result: dict = {"gib": a.gib, "runs": a.runs, "host": os.uname().nodename}
-    model = a.models / tag
-    subprocess.run([sys.executable, "-m", "agent", "make-model", str(model), "--target-gib",
-                    str(a.gib)], cwd=REPO, check=True,
-                   env={**os.environ, "PITSTOP_MODELGEN_DEVICE": a.device})
-    result["weights_bytes"] = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    result: dict = {"gib": a.gib, "runs": a.runs, "engine": a.engine,
+                    "host": os.uname().nodename}
     work = a.work / tag
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     gpu = gpu_id(a.device)
     holder_dir = work / "holder"
     cfg = {
-        "engine": {"kind": "reference", "model": str(model), "device": a.device,
-                   "args": kv_args(model, a.kv_gib, a.max_len), "stop_timeout_s": 30,
-                   # The fleet's one configuration: the same socket on every node.
-                   "socket": str(work / "engine.sock")},
+        "engine": engine_of(a, work, result),
         "front": {"host": "127.0.0.1", "port": 0},
         "metrics": {"host": "127.0.0.1", "port": 0},
-        "health": {"start_timeout_s": 900, "timeout_s": 5},
+        "health": {"start_timeout_s": 900, "timeout_s": 10},
         "snapshots": {"drift_check_interval_s": 0, "quiet_timeout_s": 60,
                       "regenerate": "before-serving", "pull_timeout_s": 1800},
         "restart": {"crash_loop_limit": 1000},
     }
 
     def save() -> None:
-        result["rows"] = rows(result, a.gib, command)
-        (a.out / f"fleet-{tag}.json").write_text(json.dumps(result, indent=1))
+        result["rows"] = rows(result, a.gib, command, a.engine)
+        (a.out / name).write_text(json.dumps(result, indent=1))
 
-    if "cold" in paths:
-        off = node({**cfg, "snapshots": {"enabled": False}}, work, "cold")
-        result["cold"] = starts(off, work / "cold", a.runs, "cold start", 0)
+    uring = IO_URING.read_text().strip()
+    if a.engine == "vllm":
+        IO_URING.write_text("2")  # CRIU refuses io_uring, which vLLM's API server sets up
+    try:
+        if "cold" in paths:
+            off = node({**cfg, "snapshots": {"enabled": False}}, work, "cold")
+            result["cold"] = starts(off, work / "cold", a.runs, "cold start", 0)
+            save()
+        with store(a.url, work) as (url, env):
+            os.environ.update(env)  # the agents started from here reach the store with these
+            cfg["snapshots"]["remote"] = url
+            result["store"] = url if a.url else f"{url} (moto's server on loopback)"
+            held = {**cfg, "holder": {"enabled": True, "dir": str(holder_dir), "gpu": gpu}}
+            pull_runs(result, cfg, held, work, a, save)
+    finally:
+        IO_URING.write_text(uring)
+        result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         save()
-    with store(a.url, work) as (url, env):
-        os.environ.update(env)  # the agents started from here reach the store with these
-        cfg["snapshots"]["remote"] = url
-        result["store"] = url if a.url else f"{url} (moto's server on loopback)"
-        held = {**cfg, "holder": {"enabled": True, "dir": str(holder_dir), "gpu": gpu}}
-        pull_runs(result, cfg, held, work, a, save)
-    result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    save()
-    log("wrote", a.out / f"fleet-{tag}.json")
+    log("wrote", a.out / name)
 
 
 if __name__ == "__main__":

@@ -56,12 +56,20 @@ from gpu_recovery_bench import (  # noqa: E402
     start_holder,
     stop_holder,
 )
+from vllm_bench_kit import add_vllm_args  # noqa: E402
 
 ENGINES = ("a", "b")
 IO_URING = Path("/proc/sys/kernel/io_uring_disabled")
 PROMPT = "The quick brown fox"
 BOOT_S = 900.0
 RECOVER_S = 600.0
+
+
+def agent_env() -> dict[str, str]:
+    """The agent's environment: this checkout first, then whatever else it was given (on the
+    GPU host, the unpacked bundle that holds its dependencies)."""
+    path = [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
 class EngineAgent(Agent):
@@ -77,12 +85,12 @@ class EngineAgent(Agent):
         self.p = subprocess.Popen(
             [sys.executable, "-m", "agent", "run", "--engine", name, "--engines-dir",
              str(engines_dir)], cwd=REPO, stdout=self.logf, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(REPO)})
+            env=agent_env())
 
 
 def pitstop(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "agent", *args], cwd=REPO, capture_output=True,
-                          text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          text=True, env=agent_env())
 
 
 def answer(agent: Agent) -> str:
@@ -148,11 +156,9 @@ def reference_engine(a: argparse.Namespace, model: Path) -> dict:
 
 
 def vllm_engine(a: argparse.Namespace, model: Path, work: Path) -> dict:
-    from vllm_gpu_bench import engine_env, install_plugin
+    from vllm_bench_kit import plugin_engine_env
 
-    env, features = engine_env(a)
-    plugin = install_plugin(a, work)
-    env["PYTHONPATH"] = os.pathsep.join([str(plugin), *([str(a.site)] if a.site else [])])
+    env, features = plugin_engine_env(a, work)
     c = json.loads((model / "config.json").read_text())
     max_len = min(a.max_len, c["max_position_embeddings"])
     if a.device == "cpu":
@@ -251,10 +257,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--device", default="cuda", help="cpu: a dry run on this machine's CPU")
     ap.add_argument("--models", type=Path, default=Path("/dev/shm/pitstop-models"))
     ap.add_argument("--work", type=Path, default=Path("/root/pitstop-multi-bench"))
-    ap.add_argument("--python", default=os.environ.get("PITSTOP_VLLM_PYTHON", sys.executable),
-                    help="with --engine vllm: the interpreter that runs vLLM")
-    ap.add_argument("--site", type=Path, default=None,
-                    help="with --engine vllm: PYTHONPATH for vLLM's interpreter")
+    add_vllm_args(ap)
     return ap.parse_args()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import hashlib
@@ -12,18 +13,64 @@ import signal
 import socket
 import statistics
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
-from gpu_recovery_bench import log, machine
+from gpu_recovery_bench import REPO, log, machine
+
+if TYPE_CHECKING:
+    from agent.engines.vllm.cli import VllmFeatures
 
 PROMPT = "The license"
 ANSWER_TOKENS = 8
 # One request through the front may wait this long: the front holds it while the agent
 # recovers, and a recovery that falls to a cold start of a 32 GiB model takes minutes.
 ANSWER_LIMIT_S = 900.0
+
+
+def add_vllm_args(ap: argparse.ArgumentParser) -> None:
+    """Where vLLM runs: its interpreter, its packages, more environment for its processes."""
+    ap.add_argument("--python", default=os.environ.get("PITSTOP_VLLM_PYTHON", sys.executable),
+                    help="the interpreter that runs vLLM (engine.python)")
+    ap.add_argument("--site", type=Path, default=None,
+                    help="PYTHONPATH of vLLM's interpreter (an unpacked vLLM bundle)")
+    ap.add_argument("--engine-env", action="append", default=[], metavar="K=V",
+                    help="more environment for every vLLM process (repeatable)")
+
+
+def engine_env(a: argparse.Namespace) -> dict[str, str]:
+    env = {"VLLM_SERVER_DEV_MODE": "1"}  # /sleep and /wake_up
+    if a.site:
+        env["PYTHONPATH"] = str(a.site)
+    for kv in a.engine_env:
+        k, _, v = kv.partition("=")
+        env[k] = v
+    return env
+
+
+def install_plugin(a: argparse.Namespace, where: Path) -> Path:
+    """The Pitstop plugin for vLLM's interpreter, in a folder of its own (as on a node)."""
+    plugin = where / "vllm-plugin"
+    env = {**os.environ, **({"PYTHONPATH": str(a.site)} if a.site else {})}
+    subprocess.run([str(REPO / "scripts" / "install-vllm-plugin.sh"), a.python,
+                    str(plugin)], check=True, env=env)
+    return plugin
+
+
+def plugin_engine_env(a: argparse.Namespace, where: Path) -> tuple[dict[str, str], VllmFeatures]:
+    """The environment of an engine that loads the Pitstop plugin (installed under `where`),
+    and what vLLM it is."""
+    from agent.engines.vllm.cli import read_features
+
+    env = engine_env(a)
+    features = read_features(a.python, {**os.environ, **env})
+    plugin = install_plugin(a, where)
+    env["PYTHONPATH"] = os.pathsep.join([str(plugin), *([str(a.site)] if a.site else [])])
+    return env, features
 
 
 @dataclass

@@ -77,11 +77,14 @@ from gpu_recovery_bench import (  # noqa: E402
 )
 from vllm_bench_kit import (  # noqa: E402
     Budget,
+    add_vllm_args,
     answer,
     engine_call,
+    engine_env,
     first_answer,
     gpu_used_bytes,
     hf_cache,
+    install_plugin,
     kill_to_answer,
     kill_tree,
     set_subreaper,
@@ -189,16 +192,6 @@ def engine_args(model: Path, a: argparse.Namespace, sleep_mode: bool) -> list[st
             "--max-num-seqs", "16", *(["--enable-sleep-mode"] if sleep_mode else [])]
 
 
-def engine_env(a: argparse.Namespace) -> dict[str, str]:
-    env = {"VLLM_SERVER_DEV_MODE": "1"}  # /sleep and /wake_up
-    if a.site:
-        env["PYTHONPATH"] = str(a.site)
-    for kv in a.engine_env:
-        k, _, v = kv.partition("=")
-        env[k] = v
-    return env
-
-
 def agent_cfg(run_dir: Path, base: dict, **over: dict) -> dict:
     """The base configuration for an agent working in `run_dir`, sections replaced by
     `over` (merged one level down)."""
@@ -287,15 +280,6 @@ def start_estimate(run: Run) -> float:
 # --- the phases ------------------------------------------------------------------------------
 
 
-def install_plugin(run: Run, where: Path) -> Path:
-    """The Pitstop plugin for vLLM's interpreter, in a folder of its own (as on a node)."""
-    plugin = where / "vllm-plugin"
-    env = {**os.environ, **({"PYTHONPATH": str(run.a.site)} if run.a.site else {})}
-    subprocess.run([str(REPO / "scripts" / "install-vllm-plugin.sh"), run.a.python,
-                    str(plugin)], check=True, env=env)
-    return plugin
-
-
 def wait_copy_plan(plan: Path, limit_s: float) -> float | None:
     """Seconds until the agent's copy of the held set and its plan are there."""
     t0 = time.monotonic()
@@ -311,7 +295,7 @@ def holder_phase(run: Run) -> None:
     a, r = run.a, run.result
     d = run.work / "holder"
     d.mkdir(parents=True, exist_ok=True)
-    plugin = install_plugin(run, d)
+    plugin = install_plugin(a, d)
     gpu = gpu_id(a.device)
     hdir = d / "holder-dir"
     env = dict(run.cfg["engine"]["env"])
@@ -624,12 +608,7 @@ def parse_args() -> argparse.Namespace:
                     help="skip what would not fit in this many seconds")
     ap.add_argument("--kv-gib", type=float, default=2.0, help="the KV pool, in GiB")
     ap.add_argument("--max-len", type=int, default=2048)
-    ap.add_argument("--python", default=os.environ.get("PITSTOP_VLLM_PYTHON", sys.executable),
-                    help="the interpreter that runs vLLM (engine.python)")
-    ap.add_argument("--site", type=Path, default=None,
-                    help="PYTHONPATH of vLLM's interpreter (an unpacked vLLM bundle)")
-    ap.add_argument("--engine-env", action="append", default=[], metavar="K=V",
-                    help="more environment for every vLLM process (repeatable)")
+    add_vllm_args(ap)
     ap.add_argument("--criu", type=Path, default=os.environ.get("PITSTOP_CRIU"))
     ap.add_argument("--cuda-checkpoint", type=Path, default=None,
                     help="NVIDIA's cuda-checkpoint binary (vLLM's snapshots run it)")
