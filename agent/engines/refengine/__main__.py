@@ -199,7 +199,9 @@ def _device(args: argparse.Namespace) -> Any:
     if device.type == "cuda" and args.gpu_memory_utilization is not None:
         # A cap on torch's caching allocator: beyond it an allocation fails as out of memory
         # instead of taking what an engine beside this one on the GPU counts on.
-        torch.cuda.set_per_process_memory_fraction(args.gpu_memory_utilization, device)
+        # It wants an index: "cuda" alone is refused (ValueError), the current device meant.
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.set_per_process_memory_fraction(args.gpu_memory_utilization, index)
     return device
 
 
