@@ -37,8 +37,9 @@ ARCHITECTURES = ("llama", "qwen3-moe")
 # How the linear layers' weights are stored: as the model's dtype, or pre-quantized to FP8
 # (e4m3) in one of the two checkpoint formats vLLM loads: its own `fp8` (one scale per
 # tensor, as AutoFP8 writes) or `compressed-tensors` (one scale per output channel, as
-# llm-compressor writes). Activations are quantized dynamically by vLLM in both.
-QUANTIZATIONS = ("none", "fp8", "fp8-ct")
+# llm-compressor writes); or to int8 in compressed-tensors W8A8 (one scale per output
+# channel). Activations are quantized dynamically by vLLM in all three.
+QUANTIZATIONS = ("none", "fp8", "fp8-ct", "w8a8-int8")
 FP8_MAX = 448.0  # the largest float8_e4m3fn
 # Fields a record leaves out at these values: a dense unquantized model's record (and so its
 # directory's identity) is what it was before the fields existed.
@@ -95,8 +96,8 @@ class ModelSpec:
             if not linear or self.quant == "none":
                 out.append((name, shape, self.dtype))
                 return
-            out.append((name, shape, "float8_e4m3fn"))
-            scale = (shape[0], 1) if self.quant == "fp8-ct" else ()
+            out.append((name, shape, "int8" if self.quant == "w8a8-int8" else "float8_e4m3fn"))
+            scale = () if self.quant == "fp8" else (shape[0], 1)
             out.append((name + "_scale", scale, "float32"))
 
         add("model.embed_tokens.weight", (VOCAB_SIZE, h))
@@ -373,14 +374,15 @@ def _config(spec: ModelSpec) -> dict[str, Any]:
 def _quantization_config(quant: str) -> dict[str, Any]:
     if quant == "fp8":
         return {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    kind = "int" if quant == "w8a8-int8" else "float"
     return {
-        "quant_method": "compressed-tensors", "format": "float-quantized",
-        "quantization_status": "compressed",
+        "quant_method": "compressed-tensors", "quantization_status": "compressed",
+        "format": "int-quantized" if kind == "int" else "float-quantized",
         "config_groups": {"group_0": {
             "targets": ["Linear"],
-            "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+            "weights": {"num_bits": 8, "type": kind, "strategy": "channel",
                         "symmetric": True, "dynamic": False},
-            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+            "input_activations": {"num_bits": 8, "type": kind, "strategy": "token",
                                   "symmetric": True, "dynamic": True},
         }},
         "ignore": ["lm_head"],
@@ -404,11 +406,12 @@ def _tensor(name: str, shape: tuple[int, ...], spec: ModelSpec, dtype_name: str)
     its scale are both made from the same full-precision draw."""
     import torch
 
-    if dtype_name == "float8_e4m3fn":
-        return _fp8(name, shape, spec)[0]
+    if dtype_name in ("float8_e4m3fn", "int8"):
+        return _quantized(name, shape, spec)[0]
     if name.endswith("weight_scale"):
         weight = name.removesuffix("_scale")
-        return _fp8(weight, next(s for n, s, _ in spec.tensors() if n == weight), spec)[1]
+        return _quantized(weight, next(s for n, s, _ in spec.tensors() if n == weight),
+                          spec)[1]
     dtype = getattr(torch, dtype_name)
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=dtype)
@@ -424,20 +427,25 @@ def _tensor(name: str, shape: tuple[int, ...], spec: ModelSpec, dtype_name: str)
     return t.to(dtype).cpu()
 
 
-def _fp8(name: str, shape: tuple[int, ...], spec: ModelSpec) -> tuple[Any, Any]:
-    """The weight `name` quantized to e4m3 and its scale (one per tensor for `fp8`, one
-    per output row for `fp8-ct`): weight * scale is the dense model's weight, rounded."""
+def _quantized(name: str, shape: tuple[int, ...], spec: ModelSpec) -> tuple[Any, Any]:
+    """The weight `name` quantized (e4m3, or int8 for `w8a8-int8`) and its scale (one per
+    tensor for `fp8`, else one per output row): weight * scale is the dense model's
+    weight, rounded."""
     import torch
 
     w = _tensor(name, shape, replace(spec, quant="none"), "float32")
-    per_row = spec.quant == "fp8-ct"
-    amax = w.abs().amax(dim=1, keepdim=True) if per_row else w.abs().amax()
-    scale = (amax / FP8_MAX).clamp(min=1e-12).to(torch.float32)
-    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+    top = 127.0 if spec.quant == "w8a8-int8" else FP8_MAX
+    amax = w.abs().amax() if spec.quant == "fp8" else w.abs().amax(dim=1, keepdim=True)
+    scale = (amax / top).clamp(min=1e-12).to(torch.float32)
+    q = (w / scale).clamp(-top, top)
+    if spec.quant == "w8a8-int8":
+        return q.round().to(torch.int8), scale
+    return q.to(torch.float8_e4m3fn), scale
 
 
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
-_ST_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float8_e4m3fn": "F8_E4M3"}
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1}
+_ST_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float8_e4m3fn": "F8_E4M3",
+             "int8": "I8"}
 
 
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:

@@ -43,7 +43,8 @@ from tests.test_agent_vllm_hybrid import (
 pytestmark = pytest.mark.integration
 
 # make-model arguments of each model the holder serves on vLLM's CPU build.
-HELD = {"qwen3-moe": {"arch": "qwen3-moe"}, "fp8": {"quant": "fp8"}}
+# FP8 is not here: vLLM 0.32's CPU build runs it only with AMX (docs/vllm.md, limits).
+HELD = {"qwen3-moe": {"arch": "qwen3-moe"}}
 
 
 def _start(tmp: Path, model: Path, plugin: Path) -> HybridNode:

@@ -1,7 +1,7 @@
 """A model vLLM cannot serve from held memory: typed refusal, the ladder falls through.
 
-Real vLLM (CPU build) with the Pitstop plugin and a real holder, on a compressed-tensors FP8
-checkpoint (`pitstop make-model --quant fp8-ct`): vLLM 0.32's quantization method for it
+Real vLLM (CPU build) with the Pitstop plugin and a real holder, on a compressed-tensors W8A8
+int8 checkpoint (`pitstop make-model --quant w8a8-int8`): vLLM 0.32's quantization method for it
 cannot start from its own post-processed weights, so the plugin holds nothing and says why,
 the snapshot is a full one, and after a SIGKILL the hybrid rung refuses with
 `weights_outside_holder` and the full restore brings the engine back. A module of its own:
@@ -35,9 +35,9 @@ pytestmark = pytest.mark.integration
 
 def test_a_quantization_vllm_cannot_restart_from_its_own_output_is_refused_typed(
         plugin_dir: Path, tmp_path: Path, io_uring_off: None):  # noqa: F811
-    # compressed-tensors FP8: vLLM 0.32's CompressedTensorsLinearMethod does not declare
+    # compressed-tensors W8A8 int8: vLLM 0.32's CompressedTensorsLinearMethod does not declare
     # supports_pre_processed_weights (nor does vLLM's own weight cache serve it).
-    n = _start(tmp_path, cached_model("tiny", quant="fp8-ct"), plugin_dir)
+    n = _start(tmp_path, cached_model("tiny", quant="w8a8-int8"), plugin_dir)
     try:
         a = n.agent
         _published(a)
