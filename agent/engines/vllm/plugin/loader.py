@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,15 @@ class PitstopModelLoader(BaseModelLoader):
         load_device = vllm_config.load_config.device or vllm_config.device_config.device
         device = torch.device(load_device)
         t0 = time.monotonic()
+        # Each attention layer registers itself by name as it is built: a model built twice
+        # must take back the first one's names (vLLM refuses a duplicate layer name).
+        layers = vllm_config.compilation_config.static_forward_context
+        before = set(layers)
+
+        def forget() -> None:
+            for k in set(layers) - before:
+                del layers[k]
+
         with set_default_torch_dtype(model_config.dtype):
             # On the meta device: no memory, only what the model is made of.
             with torch.device("meta"):
@@ -104,6 +114,7 @@ class PitstopModelLoader(BaseModelLoader):
             methods = _rewriting_methods(meta)
             if not methods:
                 del meta
+                forget()
                 model, held = self._load_bound(vllm_config, model_config, prefix, device,
                                                vllm.__version__)
             else:
@@ -111,11 +122,12 @@ class PitstopModelLoader(BaseModelLoader):
                          if not fit]
                 if unfit:
                     del meta
+                    forget()
                     return self._load_unheld(vllm_config, model_config, prefix, unfit, t0)
                 quant = type(vllm_config.quant_config).__name__
                 model, held = self._load_post(meta, vllm_config, model_config, prefix,
                                               device, post.signature(meta, vllm.__version__,
-                                                                     quant))
+                                                                     quant), forget)
         space = held.held.space
         if held.layout is not None:
             # Bound by parameter: vLLM's buffers (rotary tables) are made from the config
@@ -147,8 +159,8 @@ class PitstopModelLoader(BaseModelLoader):
         return model, self._hold(model, params, model_config, device, version)
 
     def _load_post(self, meta: nn.Module, vllm_config: VllmConfig, model_config: ModelConfig,
-                   prefix: str, device: torch.device,
-                   sig: str) -> tuple[nn.Module, HeldParams]:
+                   prefix: str, device: torch.device, sig: str,
+                   forget: Callable[[], None]) -> tuple[nn.Module, HeldParams]:
         """A model whose post-processing rewrites its tensors (quantized, mixture of
         experts): the holder keeps what vLLM made of the checkpoint. A warm start maps
         that and has vLLM only rebuild its Python-side state; a first start loads and
@@ -171,6 +183,7 @@ class PitstopModelLoader(BaseModelLoader):
                 raise
             return meta, held
         del meta
+        forget()
         with device:
             model = initialize_model(vllm_config=vllm_config, model_config=model_config,
                                      prefix=prefix)
