@@ -99,12 +99,18 @@ class PitstopModelLoader(BaseModelLoader):
         t0 = time.monotonic()
         # Each attention layer registers itself by name as it is built: a model built twice
         # must take back the first one's names (vLLM refuses a duplicate layer name).
-        layers = vllm_config.compilation_config.static_forward_context
-        before = set(layers)
+        # So must vLLM's cache of rotary embeddings, or the real model would get the meta
+        # one's tables (no data).
+        from vllm.model_executor.layers import rotary_embedding
+
+        caches = [vllm_config.compilation_config.static_forward_context,
+                  getattr(rotary_embedding, "_ROPE_DICT", {})]
+        before = [set(c) for c in caches]
 
         def forget() -> None:
-            for k in set(layers) - before:
-                del layers[k]
+            for c, had in zip(caches, before, strict=True):
+                for k in set(c) - had:
+                    del c[k]
 
         with set_default_torch_dtype(model_config.dtype):
             # On the meta device: no memory, only what the model is made of.

@@ -170,9 +170,10 @@ def materialize(model: Any, device: Any) -> list[str]:
 def outside(model: Any, base: int, size: int) -> list[str]:
     """Every parameter and buffer with bytes whose storage is not in [base, base + size):
     what the engine reads from its own memory, so from a snapshot's image, not the holder."""
+    # A tensor still on the meta device has no bytes at all: listed too.
     return sorted({name for name, _, t in named_tensors(model)
-                   if t.numel() and t.device.type != "meta"
-                   and not base <= t.untyped_storage().data_ptr() < base + size})
+                   if t.numel() and (t.device.type == "meta"
+                                     or not base <= t.untyped_storage().data_ptr() < base + size)})
 
 
 def _get(modules: dict[str, Any], name: str) -> Any:
