@@ -97,21 +97,7 @@ class PitstopModelLoader(BaseModelLoader):
         load_device = vllm_config.load_config.device or vllm_config.device_config.device
         device = torch.device(load_device)
         t0 = time.monotonic()
-        # Each attention layer registers itself by name as it is built: a model built twice
-        # must take back the first one's names (vLLM refuses a duplicate layer name).
-        # So must vLLM's cache of rotary embeddings, or the real model would get the meta
-        # one's tables (no data).
-        from vllm.model_executor.layers import rotary_embedding
-
-        caches = [vllm_config.compilation_config.static_forward_context,
-                  getattr(rotary_embedding, "_ROPE_DICT", {})]
-        before = [set(c) for c in caches]
-
-        def forget() -> None:
-            for c, had in zip(caches, before, strict=True):
-                for k in set(c) - had:
-                    del c[k]
-
+        forget = _forgetter(vllm_config)
         with set_default_torch_dtype(model_config.dtype):
             # On the meta device: no memory, only what the model is made of.
             with torch.device("meta"):
@@ -289,3 +275,23 @@ def _rewriting_methods(model: nn.Module) -> list[tuple[str, str, bool]]:
             found.append((name, type(qm).__name__,
                           bool(getattr(qm, "supports_pre_processed_weights", False))))
     return found
+
+
+def _forgetter(vllm_config: VllmConfig) -> Callable[[], None]:
+    """What takes back the names a model build registers in vLLM's process-wide tables,
+    for a model built twice (on the meta device, then for real).
+
+    Each attention layer registers itself by name as it is built (vLLM refuses a duplicate
+    layer name), and vLLM caches rotary embeddings: the real model would get the meta
+    one's tables, which have no data."""
+    from vllm.model_executor.layers import rotary_embedding
+
+    caches = [vllm_config.compilation_config.static_forward_context,
+              getattr(rotary_embedding, "_ROPE_DICT", {})]
+    before = [set(c) for c in caches]
+
+    def forget() -> None:
+        for c, had in zip(caches, before, strict=True):
+            for k in set(c) - had:
+                del c[k]
+    return forget
