@@ -14,6 +14,7 @@ from agent.errors import (
     EXIT_USAGE,
     AgentRunningError,
     ConfigError,
+    ModelError,
     PitstopError,
 )
 
@@ -51,7 +52,12 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 
     from agent.modelgen import make_model, spec_for
 
-    spec = spec_for(args.size, target_gib=args.target_gib, seed=args.seed)
+    try:
+        spec = spec_for(args.size, target_gib=args.target_gib, seed=args.seed, arch=args.arch,
+                        quant=args.quant)
+    except ModelError as e:
+        print(f"make-model: {e}", file=sys.stderr)
+        return EXIT_USAGE
     if args.max_position_embeddings is not None:
         if args.max_position_embeddings < 16:
             print("make-model: --max-position-embeddings must be at least 16", file=sys.stderr)
@@ -61,8 +67,11 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     gib = spec.weight_bytes() / (1 << 30)
     verb = "wrote" if made else "already present:"
     print(
-        f"{verb} {args.dir} ({spec.num_hidden_layers} layers, hidden {spec.hidden_size}, "
-        f"{spec.dtype}, {gib:.3f} GiB of weights)"
+        f"{verb} {args.dir} ({spec.arch}, {spec.num_hidden_layers} layers, hidden "
+        f"{spec.hidden_size}, {spec.dtype}"
+        f"{'' if spec.quant == 'none' else ', linear weights ' + spec.quant}"
+        f"{f', {spec.num_experts} experts' if spec.num_experts else ''}, "
+        f"{gib:.3f} GiB of weights)"
     )
     return EXIT_OK
 
@@ -392,12 +401,19 @@ def _snapshot_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _make_model_parser(sub: argparse._SubParsersAction) -> None:
-    m = sub.add_parser("make-model", help="write a random-weight Llama model directory")
+    m = sub.add_parser("make-model", help="write a random-weight model directory (Llama, "
+                       "Qwen3-MoE; optionally FP8)")
     m.add_argument("dir", type=Path)
     m.add_argument("--size", default="tiny", choices=["tiny", "small", "medium"])
     m.add_argument("--target-gib", type=_positive_float, default=None,
                    help="make a bf16 model of about this many GiB (overrides --size)")
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--arch", default="llama", choices=["llama", "qwen3-moe"],
+                   help="dense Llama, or Qwen3-MoE with 4 experts a layer, 2 per token")
+    m.add_argument("--quant", default="none", choices=["none", "fp8", "fp8-ct", "w8a8-int8"],
+                   help="linear weights pre-quantized: FP8 in vLLM's fp8 format (one scale "
+                        "per tensor) or compressed-tensors (one per output channel), or int8 "
+                        "in compressed-tensors W8A8")
     m.add_argument("--max-position-embeddings", type=int, default=None, metavar="N",
                    help="the longest context the model takes, prompt included (default "
                         "2048; RoPE tables are made for it, no weight changes size)")

@@ -1,4 +1,4 @@
-"""Make a random-weight Llama model directory in the standard Hugging Face layout."""
+"""Make a random-weight model directory (Llama or Qwen3-MoE, optionally FP8) in HF layout."""
 
 from __future__ import annotations
 
@@ -33,6 +33,18 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
 SHARD_BYTES = 2 << 30  # big models are written shard by shard: peak RAM is one shard
+ARCHITECTURES = ("llama", "qwen3-moe")
+# How the linear layers' weights are stored: as the model's dtype, or pre-quantized to FP8
+# (e4m3) in one of the two checkpoint formats vLLM loads: its own `fp8` (one scale per
+# tensor, as AutoFP8 writes) or `compressed-tensors` (one scale per output channel, as
+# llm-compressor writes); or to int8 in compressed-tensors W8A8 (one scale per output
+# channel). Activations are quantized dynamically by vLLM in all three.
+QUANTIZATIONS = ("none", "fp8", "fp8-ct", "w8a8-int8")
+FP8_MAX = 448.0  # the largest float8_e4m3fn
+# Fields a record leaves out at these values: a dense unquantized model's record (and so its
+# directory's identity) is what it was before the fields existed.
+_NEW_FIELDS = {"arch": "llama", "quant": "none", "num_experts": 0, "num_experts_per_tok": 0,
+               "moe_intermediate_size": 0}
 
 
 @dataclass(frozen=True)
@@ -58,40 +70,81 @@ class ModelSpec:
     # logits only depend on the last token and greedy text falls into a 2-token loop.
     init_std: float = 0.08
     seed: int = 0
+    arch: str = "llama"
+    quant: str = "none"
+    # Qwen3-MoE only: every layer's MLP is this many experts, of which the router picks
+    # num_experts_per_tok per token.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
     def tensor_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        """Every tensor, in file order, with the HF Llama names vLLM and transformers expect."""
+        """Every tensor, in file order, with the HF names vLLM and transformers expect."""
+        return [(n, shape) for n, shape, _ in self.tensors()]
+
+    def tensors(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """Every tensor in file order: name, shape and dtype (the model's, `float8_e4m3fn`
+        for a quantized linear weight, `float32` for its scale)."""
         h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
-        shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (VOCAB_SIZE, h))]
+        out: list[tuple[str, tuple[int, ...], str]] = []
+
+        def add(name: str, shape: tuple[int, ...], linear: bool = False) -> None:
+            if not linear or self.quant == "none":
+                out.append((name, shape, self.dtype))
+                return
+            out.append((name, shape, "int8" if self.quant == "w8a8-int8" else "float8_e4m3fn"))
+            scale = () if self.quant == "fp8" else (shape[0], 1)
+            out.append((name + "_scale", scale, "float32"))
+
+        add("model.embed_tokens.weight", (VOCAB_SIZE, h))
         for i in range(self.num_hidden_layers):
             p = f"model.layers.{i}"
-            shapes += [
-                (f"{p}.input_layernorm.weight", (h,)),
-                (f"{p}.self_attn.q_proj.weight", (h, h)),
-                (f"{p}.self_attn.k_proj.weight", (kv, h)),
-                (f"{p}.self_attn.v_proj.weight", (kv, h)),
-                (f"{p}.self_attn.o_proj.weight", (h, h)),
-                (f"{p}.post_attention_layernorm.weight", (h,)),
-                (f"{p}.mlp.gate_proj.weight", (self.intermediate_size, h)),
-                (f"{p}.mlp.up_proj.weight", (self.intermediate_size, h)),
-                (f"{p}.mlp.down_proj.weight", (h, self.intermediate_size)),
-            ]
-        shapes += [("model.norm.weight", (h,)), ("lm_head.weight", (VOCAB_SIZE, h))]
-        return shapes
+            add(f"{p}.input_layernorm.weight", (h,))
+            add(f"{p}.self_attn.q_proj.weight", (h, h), linear=True)
+            add(f"{p}.self_attn.k_proj.weight", (kv, h), linear=True)
+            add(f"{p}.self_attn.v_proj.weight", (kv, h), linear=True)
+            add(f"{p}.self_attn.o_proj.weight", (h, h), linear=True)
+            if self.arch == "qwen3-moe":
+                add(f"{p}.self_attn.q_norm.weight", (self.head_dim,))
+                add(f"{p}.self_attn.k_norm.weight", (self.head_dim,))
+            add(f"{p}.post_attention_layernorm.weight", (h,))
+            if self.arch == "qwen3-moe":
+                m = self.moe_intermediate_size
+                add(f"{p}.mlp.gate.weight", (self.num_experts, h))
+                for e in range(self.num_experts):
+                    add(f"{p}.mlp.experts.{e}.gate_proj.weight", (m, h))
+                    add(f"{p}.mlp.experts.{e}.up_proj.weight", (m, h))
+                    add(f"{p}.mlp.experts.{e}.down_proj.weight", (h, m))
+                continue
+            add(f"{p}.mlp.gate_proj.weight", (self.intermediate_size, h), linear=True)
+            add(f"{p}.mlp.up_proj.weight", (self.intermediate_size, h), linear=True)
+            add(f"{p}.mlp.down_proj.weight", (h, self.intermediate_size), linear=True)
+        add("model.norm.weight", (h,))
+        add("lm_head.weight", (VOCAB_SIZE, h))
+        return out
 
     def weight_bytes(self) -> int:
-        itemsize = 4 if self.dtype == "float32" else 2
-        total = 0
-        for _, shape in self.tensor_shapes():
-            n = 1
-            for d in shape:
-                n *= d
-            total += n * itemsize
-        return total
+        return sum(_nbytes(shape, dtype) for _, shape, dtype in self.tensors())
+
+    def check(self) -> None:
+        """ModelError when the fields do not make a model vLLM runs."""
+        if self.arch not in ARCHITECTURES:
+            raise ModelError(f"unknown architecture {self.arch!r}; choose one of "
+                             f"{', '.join(ARCHITECTURES)}")
+        if self.quant not in QUANTIZATIONS:
+            raise ModelError(f"unknown quantization {self.quant!r}; choose one of "
+                             f"{', '.join(QUANTIZATIONS)}")
+        if self.arch == "qwen3-moe" and self.quant != "none":
+            # vLLM's CPU build has no FP8 MoE kernel without AMX (docs/vllm.md, limits).
+            raise ModelError("--quant applies to the llama architecture only; a qwen3-moe "
+                             "model is written unquantized")
+        if self.arch == "qwen3-moe" and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ModelError(f"qwen3-moe needs 0 < experts per token <= experts, got "
+                             f"{self.num_experts_per_tok} of {self.num_experts}")
 
 
 SIZES: dict[str, ModelSpec] = {
@@ -102,13 +155,29 @@ SIZES: dict[str, ModelSpec] = {
 }
 
 
-def spec_for(size: str = "tiny", *, target_gib: float | None = None, seed: int = 0) -> ModelSpec:
-    """A named size, or (with target_gib) a bf16 model of about that many GiB of weights."""
+def spec_for(size: str = "tiny", *, target_gib: float | None = None, seed: int = 0,
+             arch: str = "llama", quant: str = "none") -> ModelSpec:
+    """A named size, or (with target_gib) a bf16 model of about that many GiB of weights;
+    of the architecture `arch`, its linear weights stored as `quant` says.
+
+    Example::
+
+        spec_for("tiny", arch="qwen3-moe")   # 4 experts a layer, 2 per token
+        spec_for("tiny", quant="fp8-ct")     # FP8 weights, compressed-tensors format
+    """
     if target_gib is not None:
-        return _spec_for_bytes(int(target_gib * (1 << 30)), seed)
-    if size not in SIZES:
+        spec = _spec_for_bytes(int(target_gib * (1 << 30)), seed)
+    elif size not in SIZES:
         raise ModelError(f"unknown model size {size!r}; choose one of {', '.join(SIZES)}")
-    return replace(SIZES[size], seed=seed)
+    else:
+        spec = replace(SIZES[size], seed=seed)
+    if arch == "qwen3-moe":
+        # A few experts, each a quarter of the dense MLP: about the dense model's bytes.
+        spec = replace(spec, arch=arch, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=-(-spec.intermediate_size // 4 // 32) * 32)
+    spec = replace(spec, arch=arch, quant=quant)
+    spec.check()
+    return spec
 
 
 def _spec_for_bytes(target: int, seed: int) -> ModelSpec:
@@ -138,10 +207,12 @@ def corpus_text() -> str:
 def record_for(spec: ModelSpec) -> dict[str, Any]:
     """What `pitstop-model.json` holds: equal records mean equal models."""
     corpus = hashlib.sha256(corpus_text().encode()).hexdigest()
+    fields = {k: v for k, v in asdict(spec).items()
+              if k not in _NEW_FIELDS or v != _NEW_FIELDS[k]}
     return {
         "generator": GENERATOR,
         "version": GENERATOR_VERSION,
-        "spec": asdict(spec),
+        "spec": fields,
         "corpus_sha256": corpus,
     }
 
@@ -258,7 +329,7 @@ def _tokenizer_config(spec: ModelSpec) -> dict[str, Any]:
 
 
 def _config(spec: ModelSpec) -> dict[str, Any]:
-    return {
+    config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": spec.hidden_size,
@@ -286,6 +357,38 @@ def _config(spec: ModelSpec) -> dict[str, Any]:
         "use_cache": True,
         "transformers_version": "4.57.1",
     }
+    if spec.arch == "qwen3-moe":
+        config.update({
+            "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "num_experts": spec.num_experts, "num_experts_per_tok": spec.num_experts_per_tok,
+            "moe_intermediate_size": spec.moe_intermediate_size, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "norm_topk_prob": True, "output_router_logits": False,
+            "router_aux_loss_coef": 0.001, "sliding_window": None, "use_sliding_window": False,
+            "max_window_layers": spec.num_hidden_layers,
+        })
+    if spec.quant != "none":
+        config["quantization_config"] = _quantization_config(spec.quant)
+    return config
+
+
+def _quantization_config(quant: str) -> dict[str, Any]:
+    if quant == "fp8":
+        return {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    kind = "int" if quant == "w8a8-int8" else "float"
+    return {
+        "quant_method": "compressed-tensors", "quantization_status": "compressed",
+        "format": "int-quantized" if kind == "int" else "float-quantized",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": kind, "strategy": "channel",
+                        "symmetric": True, "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": kind, "strategy": "token",
+                                  "symmetric": True, "dynamic": True},
+        }},
+        "ignore": ["lm_head"],
+    }
+
+
 
 
 def _generation_config() -> dict[str, Any]:
@@ -298,10 +401,18 @@ def _generation_config() -> dict[str, Any]:
     }
 
 
-def _tensor(name: str, shape: tuple[int, ...], spec: ModelSpec) -> Any:
+def _tensor(name: str, shape: tuple[int, ...], spec: ModelSpec, dtype_name: str) -> Any:
+    """The tensor `name`: random from (seed, name), ones for a norm; a quantized weight and
+    its scale are both made from the same full-precision draw."""
     import torch
 
-    dtype = getattr(torch, spec.dtype)
+    if dtype_name in ("float8_e4m3fn", "int8"):
+        return _quantized(name, shape, spec)[0]
+    if name.endswith("weight_scale"):
+        weight = name.removesuffix("_scale")
+        return _quantized(weight, next(s for n, s, _ in spec.tensors() if n == weight),
+                          spec)[1]
+    dtype = getattr(torch, dtype_name)
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=dtype)
     # One generator per tensor, seeded from (seed, name): each tensor is the same whatever
@@ -316,22 +427,43 @@ def _tensor(name: str, shape: tuple[int, ...], spec: ModelSpec) -> Any:
     return t.to(dtype).cpu()
 
 
+def _quantized(name: str, shape: tuple[int, ...], spec: ModelSpec) -> tuple[Any, Any]:
+    """The weight `name` quantized (e4m3, or int8 for `w8a8-int8`) and its scale (one per
+    tensor for `fp8`, else one per output row): weight * scale is the dense model's
+    weight, rounded."""
+    import torch
+
+    w = _tensor(name, shape, replace(spec, quant="none"), "float32")
+    top = 127.0 if spec.quant == "w8a8-int8" else FP8_MAX
+    amax = w.abs().amax() if spec.quant == "fp8" else w.abs().amax(dim=1, keepdim=True)
+    scale = (amax / top).clamp(min=1e-12).to(torch.float32)
+    q = (w / scale).clamp(-top, top)
+    if spec.quant == "w8a8-int8":
+        return q.round().to(torch.int8), scale
+    return q.to(torch.float8_e4m3fn), scale
+
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1}
+_ST_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float8_e4m3fn": "F8_E4M3",
+             "int8": "I8"}
+
+
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
-    n = 4 if dtype == "float32" else 2
+    n = _ITEMSIZE[dtype]
     for d in shape:
         n *= d
     return n
 
 
 def _write_weights(tmp: Path, spec: ModelSpec, shard_bytes: int) -> None:
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    shards: list[list[tuple[str, tuple[int, ...], str]]] = [[]]
     size = 0
-    for name, shape in spec.tensor_shapes():
-        n = _nbytes(shape, spec.dtype)
+    for name, shape, dtype in spec.tensors():
+        n = _nbytes(shape, dtype)
         if shards[-1] and size + n > shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append((name, shape))
+        shards[-1].append((name, shape, dtype))
         size += n
     if len(shards) == 1:
         _write_safetensors(tmp / "model.safetensors", shards[0], spec)
@@ -340,13 +472,13 @@ def _write_weights(tmp: Path, spec: ModelSpec, shard_bytes: int) -> None:
     for i, shard in enumerate(shards, 1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         _write_safetensors(tmp / fname, shard, spec)
-        weight_map.update({name: fname for name, _ in shard})
+        weight_map.update({name: fname for name, _, _ in shard})
     index = {"metadata": {"total_size": spec.weight_bytes()}, "weight_map": weight_map}
     _write_json(tmp / "model.safetensors.index.json", index)
 
 
 def _write_safetensors(
-    path: Path, tensors: list[tuple[str, tuple[int, ...]]], spec: ModelSpec
+    path: Path, tensors: list[tuple[str, tuple[int, ...], str]], spec: ModelSpec
 ) -> None:
     """Stream one safetensors file tensor by tensor: peak memory is one tensor, not the file.
 
@@ -354,13 +486,12 @@ def _write_safetensors(
     tensor's dtype, shape and byte range, then the raw bytes (safetensors' own writer
     wants every tensor of the file in memory at once).
     """
-    st_dtype = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[spec.dtype]
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for name, shape in tensors:
-        n = _nbytes(shape, spec.dtype)
+    for name, shape, dtype in tensors:
+        n = _nbytes(shape, dtype)
         header[name] = {
-            "dtype": st_dtype, "shape": list(shape),
+            "dtype": _ST_DTYPE[dtype], "shape": list(shape),
             "data_offsets": [offset, offset + n],
         }
         offset += n
@@ -368,8 +499,8 @@ def _write_safetensors(
     head += b" " * (-len(head) % 8)  # the data section starts 8-byte aligned
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(head)) + head)
-        for name, shape in tensors:
-            t = _tensor(name, shape, spec).contiguous()
+        for name, shape, dtype in tensors:
+            t = _tensor(name, shape, spec, dtype).contiguous()
             f.write(ctypes.string_at(t.data_ptr(), t.nbytes))
             del t
         f.flush()

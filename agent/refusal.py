@@ -58,6 +58,10 @@ class RefusalCode(StrEnum):
     HOLDER_DOWN = "holder_down"
     WEIGHTS_NOT_HELD = "weights_not_held"
     NO_HELD_REGIONS = "no_held_regions"
+    # The engine reads a parameter or buffer outside held memory (vLLM made it after the
+    # load, or its quantization method cannot start from its own post-processed tensors):
+    # an image or a warm start would serve it by accident, so the holder rungs are skipped.
+    WEIGHTS_OUTSIDE_HOLDER = "weights_outside_holder"
     # The holder's regions are not those the hybrid snapshot was taken with.
     HELD_STALE = "held_stale"
     # The refill rung (agent/supervisor/paths/refill.py): the holder holds the weights

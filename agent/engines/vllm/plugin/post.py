@@ -1,0 +1,197 @@
+"""What vLLM serves from after its post-processing: laid out, moved into held memory, mapped."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+# Under vLLM's logger: its handlers print it with the process name, like its own lines.
+log = logging.getLogger("vllm.pitstop")
+
+# Every storage starts on this boundary: enough for any dtype and for vectorised kernels.
+ALIGN = 256
+# The region starts with the layout: its length (8 bytes, little-endian), then JSON.
+_LEN = struct.Struct("<Q")
+
+
+def named_tensors(model: Any) -> Iterator[tuple[str, str, Any]]:
+    """(name, "param" or "buffer", tensor) for every tensor the model reaches by name, tied
+    names included (as vLLM's weight-cache daemon exports them)."""
+    for name, p in model.named_parameters(remove_duplicate=False):
+        yield name, "param", p
+    for name, b in model.named_buffers(remove_duplicate=False):
+        yield name, "buffer", b
+
+
+def signature(model: Any, vllm_version: str, quant: str) -> str:
+    """What fixes the post-processed tensors: vLLM's version, the quantization method and
+    every tensor of the freshly built model (name, kind, dtype, shape). Built on the meta
+    device or on the real one, the same model has the same signature."""
+    h = hashlib.sha256(f"{vllm_version}\n{quant}".encode())
+    for name, kind, t in sorted(named_tensors(model), key=lambda x: x[0]):
+        h.update(f"\n{name} {kind} {t.dtype} {tuple(t.shape)}".encode())
+    return h.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor by name: which held storage it views, and how."""
+
+    name: str
+    kind: str
+    dtype: str
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int      # in elements, into its storage (as torch's storage_offset)
+    storage: int     # the index of its storage in Layout.storages
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The post-processed model's storages back to back after a header that describes
+    them; each tensor a view of one, with the strides vLLM's kernels left it (a transposed
+    weight stays transposed)."""
+
+    storages: tuple[tuple[int, int], ...]  # (offset in the region, bytes)
+    entries: tuple[Entry, ...]
+    header: bytes
+    size: int
+
+    @classmethod
+    def of(cls, model: Any) -> Layout:
+        by_ptr: dict[int, int] = {}
+        sizes: list[int] = []
+        entries: list[Entry] = []
+        for name, kind, t in named_tensors(model):
+            if t.device.type == "meta":
+                continue
+            st = t.untyped_storage()
+            idx = by_ptr.setdefault(st.data_ptr(), len(sizes))
+            if idx == len(sizes):
+                sizes.append(st.nbytes())
+            entries.append(Entry(name, kind, str(t.dtype).removeprefix("torch."),
+                                 tuple(t.shape), tuple(t.stride()), t.storage_offset(), idx))
+        return cls.build(sizes, entries)
+
+    @classmethod
+    def build(cls, sizes: list[int], entries: list[Entry]) -> Layout:
+        body = json.dumps({"storages": sizes, "entries": [
+            [e.name, e.kind, e.dtype, list(e.size), list(e.stride), e.offset, e.storage]
+            for e in entries]}, separators=(",", ":")).encode()
+        header = _LEN.pack(len(body)) + body
+        at = _up(len(header))
+        storages = []
+        for n in sizes:
+            storages.append((at, n))
+            at = _up(at + n)
+        return cls(tuple(storages), tuple(entries), header, max(at, ALIGN))
+
+    @classmethod
+    def read(cls, raw: Any) -> Layout:
+        """The layout a held region starts with (`raw`: the region as uint8)."""
+        (n,) = _LEN.unpack(bytes(raw[:_LEN.size].cpu().numpy()))
+        doc = json.loads(bytes(raw[_LEN.size:_LEN.size + n].cpu().numpy()))
+        entries = [Entry(name, kind, dtype, tuple(size), tuple(stride), off, st)
+                   for name, kind, dtype, size, stride, off, st in doc["entries"]]
+        return cls.build(list(doc["storages"]), entries)
+
+
+def _up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _view(raw: Any, layout: Layout, e: Entry) -> Any:
+    import torch
+
+    at, _ = layout.storages[e.storage]
+    dtype = getattr(torch, e.dtype)
+    base = raw.storage_offset() + at
+    return torch.empty(0, dtype=dtype, device=raw.device).set_(
+        raw.untyped_storage(), base // dtype.itemsize + e.offset, e.size, e.stride)
+
+
+def move(model: Any, raw: Any, layout: Layout) -> None:
+    """Copy each storage into its slot of `raw` and make every tensor on it a view there,
+    one storage at a time: the engine's own copy of each is freed as soon as nothing else
+    holds it, so the model is never there twice. Parameters keep their objects (and the
+    attributes vLLM set on them); buffers are re-registered."""
+    import torch
+
+    modules = dict(model.named_modules(remove_duplicate=False))
+    raw[:len(layout.header)].copy_(torch.frombuffer(bytearray(layout.header), dtype=torch.uint8))
+    by_storage: dict[int, list[Entry]] = {}
+    for e in layout.entries:
+        by_storage.setdefault(e.storage, []).append(e)
+    for idx, group in by_storage.items():
+        at, n = layout.storages[idx]
+        first = _get(modules, group[0].name)
+        src = torch.empty(0, dtype=torch.uint8, device=first.device).set_(
+            first.untyped_storage(), 0, (n,), (1,))
+        raw[at:at + n].copy_(src)
+        del src, first
+        for e in group:
+            _rebind(modules, e.name, e.kind, _view(raw, layout, e), keep=True)
+
+
+def register(model: Any, raw: Any, layout: Layout) -> None:
+    """Make every tensor the layout names a view of held memory in `model` (built on the
+    meta device): what a warm start serves from, no weight read from disk."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for e in layout.entries:
+        _rebind(modules, e.name, e.kind, _view(raw, layout, e), keep=False)
+
+
+def materialize(model: Any, device: Any) -> list[str]:
+    """Tensors still on the meta device after a warm start's post-processing (ones the
+    first start's post-processing dropped): given empty storage, as vLLM's IPC loader does;
+    their names."""
+    import torch
+    from torch import nn
+
+    left = []
+    for mname, m in model.named_modules():
+        for leaf, p in list(m._parameters.items()):
+            if p is not None and p.device.type == "meta":
+                m._parameters[leaf] = nn.Parameter(torch.empty_like(p, device=device),
+                                                   requires_grad=False)
+                left.append(f"{mname}.{leaf}")
+        for leaf, b in list(m._buffers.items()):
+            if b is not None and b.device.type == "meta":
+                m._buffers[leaf] = torch.empty_like(b, device=device)
+                left.append(f"{mname}.{leaf}")
+    return left
+
+
+def outside(model: Any, base: int, size: int) -> list[str]:
+    """Every parameter and buffer with bytes whose storage is not in [base, base + size):
+    what the engine reads from its own memory, so from a snapshot's image, not the holder."""
+    # A tensor still on the meta device has no bytes at all: listed too.
+    return sorted({name for name, _, t in named_tensors(model)
+                   if t.numel() and (t.device.type == "meta"
+                                     or not base <= t.untyped_storage().data_ptr() < base + size)})
+
+
+def _get(modules: dict[str, Any], name: str) -> Any:
+    mname, _, leaf = name.rpartition(".")
+    m = modules[mname]
+    return m._parameters[leaf] if leaf in m._parameters else m._buffers[leaf]
+
+
+def _rebind(modules: dict[str, Any], name: str, kind: str, t: Any, keep: bool) -> None:
+    from torch import nn
+
+    mname, _, leaf = name.rpartition(".")
+    m = modules[mname]
+    if kind == "param":
+        p = m._parameters.get(leaf)
+        if keep and p is not None:
+            p.data = t  # the same Parameter: anything that holds it sees held memory
+        else:
+            m._parameters[leaf] = nn.Parameter(t, requires_grad=False)
+    else:
+        m._buffers[leaf] = t

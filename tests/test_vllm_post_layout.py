@@ -1,0 +1,68 @@
+"""The post-processed tensors' layout: moved into one region, read back, mapped onto a new model."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from agent.engines.vllm.plugin import post
+
+
+class Tiny(nn.Module):
+    """What vLLM's post-processing leaves: a transposed weight, a scale, a buffer, a tie."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4, bias=False)
+        self.emb = nn.Embedding(4, 8)
+        self.head = nn.Module()
+        self.head.weight = self.emb.weight  # tied
+        self.register_buffer("table", torch.arange(6, dtype=torch.float32).view(2, 3))
+        self.lin.weight = nn.Parameter(torch.randn(4, 8).t(), requires_grad=False)
+        self.lin.scale = nn.Parameter(torch.tensor([0.5], dtype=torch.float32))
+
+
+def _values(m: nn.Module) -> dict[str, tuple]:
+    return {n: (t.dtype, tuple(t.shape), tuple(t.stride()), t.detach().clone())
+            for n, _, t in post.named_tensors(m)}
+
+
+def test_every_tensor_moves_into_the_region_keeping_its_values_strides_and_ties():
+    m = Tiny()
+    want = _values(m)
+    layout = post.Layout.of(m)
+    raw = torch.zeros(layout.size, dtype=torch.uint8)
+    post.move(m, raw, layout)
+    base = raw.data_ptr()
+    assert post.outside(m, base, layout.size) == []
+    got = _values(m)
+    for name, (dtype, shape, stride, value) in want.items():
+        assert got[name][:3] == (dtype, shape, stride), name
+        assert torch.equal(got[name][3], value), name
+    assert m.head.weight is m.emb.weight  # the tie is the same Parameter still
+    assert m.lin.weight.t().is_contiguous()  # transposed, as the kernel left it
+
+
+def test_a_model_built_on_meta_maps_the_region_by_its_own_header():
+    m = Tiny()
+    layout = post.Layout.of(m)
+    raw = torch.zeros(layout.size, dtype=torch.uint8)
+    post.move(m, raw, layout)
+    with torch.device("meta"):
+        fresh = Tiny()
+    post.register(fresh, raw, post.Layout.read(raw))
+    assert post.materialize(fresh, torch.device("cpu")) == []
+    assert post.outside(fresh, raw.data_ptr(), layout.size) == []
+    for name, (_, _, _, value) in _values(m).items():
+        assert torch.equal(_values(fresh)[name][3], value), name
+
+
+def test_a_tensor_outside_the_region_or_without_bytes_is_listed():
+    m = Tiny()
+    layout = post.Layout.of(m)
+    raw = torch.zeros(layout.size, dtype=torch.uint8)
+    post.move(m, raw, layout)
+    m.register_buffer("late", torch.ones(3))  # made after the load
+    with torch.device("meta"):
+        m.lin.register_buffer("empty", torch.ones(2))
+    assert post.outside(m, raw.data_ptr(), layout.size) == ["late", "lin.empty"]
