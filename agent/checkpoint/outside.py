@@ -7,6 +7,7 @@ import fcntl
 import os
 import shlex
 import stat
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -236,12 +237,13 @@ REMAP_LOCK = ".pitstop-link-remap.lock"
 
 
 @contextlib.contextmanager
-def remap_window(shm_dir: Path = SHM_DIR) -> Iterator[None]:
-    """Hold the host-wide lock on `shm_dir`'s link_remap names (blocking; flock(2)).
+def remap_window(shm_dir: Path = SHM_DIR) -> Iterator[float]:
+    """Hold the host-wide lock on `shm_dir`'s link_remap names (blocking; flock(2)); yields
+    the seconds spent waiting for it (another engine's dump or restore on this host).
 
     Example::
 
-        with remap_window():
+        with remap_window() as waited_s:
             criu.dump(...)
     """
     try:
@@ -250,8 +252,9 @@ def remap_window(shm_dir: Path = SHM_DIR) -> Iterator[None]:
         raise SnapshotError(f"cannot open {shm_dir / REMAP_LOCK}: {e.strerror}; "
                             f"{shm_dir} must be writable by the agent") from e
     try:
+        t0 = time.monotonic()
         fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        yield time.monotonic() - t0
     finally:
         os.close(fd)  # releases the lock
 

@@ -289,7 +289,8 @@ class Snapshotter:
         # its processes has asked for it again (agent/checkpoint/xcomp.py).
         regrant = self.regrant.active(self._proc)
         try:
-            with outside.remap_window(self._shm):
+            with outside.remap_window(self._shm) as remap_wait:
+                timings["remap_wait"] = remap_wait
                 remaps = outside.put_back(image_dir, manifest.process.shm_files,
                                           manifest.process.socket_paths, self._shm)
                 try:
