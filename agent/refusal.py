@@ -71,6 +71,10 @@ class RefusalCode(StrEnum):
     NO_REFILL_PLAN = "no_refill_plan"
     WEIGHTS_CHANGED = "weights_changed"
     REFILL_LAYOUT = "refill_layout"
+    # Held regions in the engine's own layout (vLLM's parameters) and no recipe that
+    # rebuilds them from the model files (agent/holder/recipe.py): none could be made, one
+    # did not rebuild the held bytes, or a pulled hybrid image carries none.
+    NO_REFILL_RECIPE = "no_refill_recipe"
     NO_VLLM = "no_vllm"
     # Pitstop's vLLM plugin (agent/engines/vllm/adapter.py `plugin_refusal`): not installed in
     # vLLM's interpreter, another version than the agent's, a vLLM version it refuses (not

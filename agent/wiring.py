@@ -36,7 +36,7 @@ from agent.signals import Reloader, Signals
 from agent.status_view import StatusBoard
 from agent.store import SnapshotStore
 from agent.supervisor.canary import CanaryBook
-from agent.supervisor.capture import Capture
+from agent.supervisor.capture import RECIPE_WAIT_S, Capture
 from agent.supervisor.gate import EngineGate
 from agent.supervisor.gpu import GpuGuard
 from agent.supervisor.ownership import EngineLedger, Tether
@@ -217,6 +217,7 @@ class Agent:
         self.front = self._front(config)
         self._build_snapshots(config)
         self._tasks: set[asyncio.Task] = set()
+        self._remembering: asyncio.Task | None = None
         self.gpu = GpuGuard(host.gpu_watch, drop_held=self.holder.drop, metrics=self.metrics)
         if host.gpu_watch is not None:
             self.metrics.gpu_watched()
@@ -280,7 +281,7 @@ class Agent:
             self.capture = Capture(
                 host.snapshotter, self.store, self.adapter, config.engine_socket, self.gate,
                 self.metrics, self.identity, config.snapshots.quiet_timeout_s,
-                on_published=self.remote.published)
+                on_published=self.remote.published, refill_recipe=self._refill_recipe)
             capture_failure = self.capture.last_failure
         self.full = FullRestore(
             snapshotter=host.snapshotter, unavailable=host.no_snapshots, adapter=self.adapter,
@@ -397,8 +398,27 @@ class Agent:
         digest = self._weights_digest()
         if self.config.holder.enabled and digest:
             # So that a holder that restarts (or a reboot) can load these weights by itself.
-            self._keep(asyncio.get_running_loop().create_task(
-                asyncio.to_thread(self.refill.remember, digest)))
+            self._remembering = asyncio.get_running_loop().create_task(
+                asyncio.to_thread(self.refill.remember, digest))
+            self._keep(self._remembering)
+
+    async def _refill_recipe(self) -> dict | None:
+        """The refill recipe of the held weights, for a hybrid image to carry: once the plan
+        being written after the last start is (RECIPE_WAIT_S at most)."""
+        digest = self._weights_digest()
+        if not (self.config.holder.enabled and digest):
+            return None
+        task = self._remembering
+        if task is not None and not task.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(task), RECIPE_WAIT_S)
+            except TimeoutError:
+                log.warning("the snapshot carries no refill recipe: the refill plan was still "
+                            "being made after %.0fs", RECIPE_WAIT_S)
+                return None
+            except Exception:  # noqa: BLE001 - remember() logged it; the snapshot goes on
+                return None
+        return await asyncio.to_thread(self.plans.recipe, self.holder.path.parent, digest)
 
     def _keep(self, task: asyncio.Task[None]) -> None:
         # The loop keeps only a weak reference to a task: one nobody holds may vanish.

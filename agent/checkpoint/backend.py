@@ -49,6 +49,8 @@ class CreateRequest:
     leave_running: bool = False
     # A hybrid image's held regions (see Manifest.held).
     held: dict[str, dict[str, Any]] | None = None
+    # A hybrid image's refill recipe (see Manifest.refill).
+    refill: dict[str, Any] | None = None
     # CRIU backend only: the dump's flags; the default fits an engine the supervisor started.
     dump_options: DumpOptions | None = None
 
@@ -183,7 +185,7 @@ def _take(store: SnapshotStore, backend: CheckpointBackend, request: CreateReque
             process=image.process, files=files,
             timings={**image.timings, "seal": clock() - t0}, canary=image.canary,
             chunk_bytes=draft.chunk_bytes, criu_flags=image.criu_flags, held=image.held,
-            scratch=image.scratch)
+            refill=request.refill if image.held else None, scratch=image.scratch)
         path = draft.publish(manifest)
     r = store.retention
     if r is not None and r.keep is not None:

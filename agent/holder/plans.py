@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -17,6 +19,7 @@ from agent.holder.protocol import RegionInfo
 from agent.holder.weightplan import (
     PLAN_NAME,
     DriftCode,
+    PlanRegion,
     PlanSource,
     RefillPlan,
     load_plan,
@@ -83,10 +86,12 @@ class RefillPlans:
                            f"names ({plan.digest})" + (f": {drift}" if drift else ""))
         drift = plan.drift()
         if drift is not None and drift.code is DriftCode.CHANGED \
-                and plan.source is PlanSource.FILES:
+                and plan.source is not PlanSource.COPY:
             # Same digest, other stat (a file touched or copied back): the bytes are the
             # plan's; a fresh plan records the keys they have now.
-            plan = self.from_files(directory, digest) or plan
+            fresh = self.from_files(directory, digest) if plan.source is PlanSource.FILES \
+                else self._rebased(directory, plan.regions, digest)
+            plan = fresh if isinstance(fresh, RefillPlan) else plan
             drift = plan.drift()
         if drift is not None:
             return Refusal(RefusalCode.WEIGHTS_CHANGED, f"the weights changed on disk since "
@@ -120,8 +125,9 @@ class RefillPlans:
             plan = plan_for(self._model, self._digester, digest)
             if names != sorted(r.name for r in plan.regions):
                 # Held in another layout than the files' (vLLM's parameters): a refill of
-                # the files would not give this engine's regions; a copy of them will.
-                return self._remember_copy(socket, digest, held, backend)
+                # the files' sections would not give this engine's regions; a recipe of
+                # the files' tensors may, else a copy of the held set will.
+                return self._remember_recipe(socket, plan, held, backend)
             try:
                 if load_plan(directory) == plan:
                     return None
@@ -135,12 +141,108 @@ class RefillPlans:
                  len(plan.regions), plan.bytes / 1e6)
         return path
 
+    def _remember_recipe(self, socket: Path, files: RefillPlan, held: list[RegionInfo],
+                         backend: str) -> Path | None:
+        """A plan that rebuilds the held set from the model files (kept while it still
+        names these regions and the files are unchanged); else a copy of the set."""
+        directory, digest = socket.parent, files.digest
+        if self._kept(digest, held, directory, PlanSource.RECIPE):
+            return None
+        plan = self._recipe(socket, files, sum(r.size for r in held))
+        if isinstance(plan, Refusal):
+            log.warning("no refill recipe for %s (%s): %s; the held set is copied instead",
+                        digest, plan.code, plan.detail)
+            return self._remember_copy(socket, digest, held, backend)
+        path = write_plan(directory, plan)
+        log.info("refill plan for %s written to %s: a recipe of the model files (%d regions, "
+                 "%d parts, %.1f MB)", digest, path, len(plan.regions),
+                 sum(len(r.parts or ()) for r in plan.regions), plan.bytes / 1e6)
+        return path
+
+    def _recipe(self, socket: Path, files: RefillPlan, held_bytes: int) -> RefillPlan | Refusal:
+        """The held set's recipe, made and checked by its own process (a tenant of the
+        holder that reads the set and the files once each, and hashes both)."""
+        try:
+            done = self._run([sys.executable, "-m", "agent.holder.recipe", "--socket",
+                              str(socket), "--digest", files.digest, "--model", str(self._model)],
+                             timeout_s=load_timeout(3 * held_bytes), check=False)
+        except CommandError as e:
+            return Refusal(RefusalCode.NO_REFILL_RECIPE, f"the recipe was not made: {e}")
+        try:
+            out: dict[str, Any] = json.loads(done.stdout) if done.ok else {}
+            regions = [PlanRegion.model_validate(r) for r in out.get("regions", [])]
+        except (ValueError, ValidationError) as e:
+            return Refusal(RefusalCode.NO_REFILL_RECIPE, f"the recipe maker answered {e}")
+        if not regions:
+            why = out.get("refused") or done.stderr.strip() or f"exit status {done.returncode}"
+            return Refusal(RefusalCode.NO_REFILL_RECIPE, str(why))
+        plan = RefillPlan(digest=files.digest, model=files.model, files=files.files,
+                          regions=regions, source=PlanSource.RECIPE)
+        drift = plan.drift()
+        if drift is not None:
+            return Refusal(RefusalCode.WEIGHTS_CHANGED, f"the model files changed while the "
+                           f"recipe was made: {drift}")
+        return plan
+
+    def from_recipe(self, directory: Path, recipe: dict[str, Any] | None,
+                    digest: str) -> RefillPlan | Refusal:
+        """Write into `directory` the plan of a recipe another node made (a pulled hybrid
+        image's), for the weights `digest` as they are in this node's model directory.
+        Blocking (it may hash files)."""
+        if recipe is None:
+            return Refusal(RefusalCode.NO_REFILL_RECIPE, "the image carries no refill recipe "
+                           "(the node that made it could not make one that rebuilds its held "
+                           "weights; its log says why)")
+        try:
+            theirs = RefillPlan.model_validate(recipe)
+        except ValidationError as e:
+            return Refusal(RefusalCode.NO_REFILL_RECIPE, f"the image's refill recipe is not "
+                           f"one this agent reads: {e.errors()[0]['msg']}")
+        if theirs.source is not PlanSource.RECIPE or theirs.digest != digest:
+            return Refusal(RefusalCode.WEIGHTS_CHANGED, f"the image's refill recipe is for "
+                           f"weights {theirs.digest} ({theirs.source}), not {digest}")
+        return self._rebased(directory, theirs.regions, digest)
+
+    def _rebased(self, directory: Path, regions: list[PlanRegion],
+                 digest: str) -> RefillPlan | Refusal:
+        """The recipe `regions` over this node's model files as they are now (their digest
+        must be `digest`: the same names, sizes and sha256 as the recipe was made of),
+        written into `directory`."""
+        try:
+            files = plan_for(self._model, self._digester, digest)
+            plan = RefillPlan(digest=digest, model=files.model, files=files.files,
+                              regions=regions, source=PlanSource.RECIPE)
+            drift = plan.drift()
+            if drift is not None:
+                return Refusal(RefusalCode.WEIGHTS_CHANGED, f"the refill recipe does not fit "
+                               f"the model files here: {drift}")
+            write_plan(directory, plan)
+        except (ModelError, WeightsError, OSError) as e:
+            return Refusal(RefusalCode.WEIGHTS_CHANGED, f"no refill plan of the recipe: {e}")
+        log.info("refill plan for %s written from a recipe (%d regions, %.1f MB)", digest,
+                 len(plan.regions), plan.bytes / 1e6)
+        return plan
+
+    @staticmethod
+    def recipe(directory: Path, digest: str) -> dict[str, Any] | None:
+        """The recipe plan in `directory` for `digest`, as a snapshot's manifest carries
+        it; None when the plan there is none, or not a recipe."""
+        try:
+            plan = load_plan(directory)
+        except ModelError as e:
+            log.warning("no refill recipe for the snapshot: %s", e)
+            return None
+        if plan is None or plan.source is not PlanSource.RECIPE or plan.digest != digest:
+            return None
+        return plan.model_dump(mode="json", exclude_none=True)
+
     def _remember_copy(self, socket: Path, digest: str, held: list[RegionInfo],
                        backend: str) -> Path | None:
         """A plan that loads a copy of the held set (written once per set: kept while it
         still names these regions and its copies are the files written)."""
         directory = socket.parent
-        if backend in COPYABLE_BACKENDS and self._copy_kept(digest, held, directory):
+        if backend in COPYABLE_BACKENDS and self._kept(digest, held, directory,
+                                                       PlanSource.COPY):
             return None
         # From here on no plan names what is on disk: the old one (of the files' layout, or
         # of copies being replaced) goes first.
@@ -168,14 +270,15 @@ class RefillPlans:
         return path
 
     @staticmethod
-    def _copy_kept(digest: str, held: list[RegionInfo], directory: Path) -> bool:
-        """Whether the plan in `directory` already loads a sound copy of this held set."""
+    def _kept(digest: str, held: list[RegionInfo], directory: Path, source: PlanSource) -> bool:
+        """Whether the plan in `directory` already loads this held set soundly, from
+        `source`."""
         try:
             current = load_plan(directory)
         except ModelError as e:
             log.warning("replacing the refill plan: %s", e)
             return False
-        return (current is not None and current.source is PlanSource.COPY
+        return (current is not None and current.source is source
                 and current.digest == digest
                 and sorted(r.name for r in current.regions) == sorted(r.name for r in held)
                 and current.drift() is None)

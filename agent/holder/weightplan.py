@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agent.errors import ModelError
 from agent.fsutil import write_private
@@ -124,11 +124,47 @@ class PlanFile(_Model):
     key: list[int]
 
 
+class PlanPart(_Model):
+    """Bytes of a model file copied into a region: `size` bytes of `file` from `at`, to the
+    region's `offset`."""
+
+    file: str
+    at: int = Field(ge=0)
+    offset: int = Field(ge=0)
+    size: int = Field(gt=0)
+
+
 class PlanRegion(_Model):
+    """One region of a plan: `size` bytes of `file` from `offset`; or, in a recipe, the
+    `parts` copied from the model's files with zeros everywhere else, which rebuild a region
+    whose bytes hash to `sha256`."""
+
     name: str
     file: str
     offset: int
     size: int
+    parts: tuple[PlanPart, ...] | None = None
+    sha256: str | None = None
+
+    def copies(self) -> list[PlanPart]:
+        """What is copied into the region, in region order."""
+        if self.parts is None:
+            return [PlanPart(file=self.file, at=self.offset, offset=0, size=self.size)]
+        return sorted(self.parts, key=lambda c: c.offset)
+
+    def zeros(self) -> list[tuple[int, int]]:
+        """The (offset, length) spans of the region no copy writes: zeros."""
+        out, at = [], 0
+        for c in self.copies():
+            if c.offset > at:
+                out.append((at, c.offset - at))
+            at = max(at, c.offset + c.size)
+        if at < self.size:
+            out.append((at, self.size - at))
+        return out
+
+    def files(self) -> set[str]:
+        return {c.file for c in self.copies()}
 
 
 class PlanSource(StrEnum):
@@ -142,6 +178,10 @@ class PlanSource(StrEnum):
     # parameters). The region name fixes the bytes (weights digest, vLLM version, names,
     # dtypes and shapes), as it does for the warm start that attaches them by name.
     COPY = "copy"
+    # The model's safetensors files, each region rebuilt from the parts a recipe names
+    # (agent/holder/recipe.py): an engine that holds its own layout of the files' bytes,
+    # on a node that never held them (a pulled hybrid snapshot carries the recipe).
+    RECIPE = "recipe"
 
 
 class RefillPlan(_Model):
@@ -170,6 +210,24 @@ class RefillPlan(_Model):
         """Why the files on disk are no longer the ones this plan describes, or None."""
         if self.source is PlanSource.COPY:
             return self._copy_drift()
+        drift = self._files_drift()
+        if drift is not None or self.source is PlanSource.RECIPE:
+            return drift or self._recipe_drift()
+        model = Path(self.model)
+        try:
+            files = [WeightFile.read_header(model / f.name) for f in self.files
+                     if is_weight_file(f.name)]
+            want = [PlanRegion(name=r.name, file=r.path.name, offset=r.offset, size=r.size)
+                    for r in weight_regions(self.digest, files)]
+        except ModelError as e:
+            return Drift(DriftCode.CHANGED, "", str(e))
+        if want != self.regions:
+            return Drift(DriftCode.INCONSISTENT, "", "the plan's regions are not the ones its "
+                         "files make")
+        return None
+
+    def _files_drift(self) -> Drift | None:
+        """Why the model's files are not the ones the plan recorded, or None."""
         if manifest_digest(tuple(FileDigest(f.name, f.size, f.sha256)
                                  for f in self.files)) != self.digest:
             return Drift(DriftCode.INCONSISTENT, "", "the plan's files do not make its digest")
@@ -191,16 +249,23 @@ class RefillPlan(_Model):
                 return Drift(DriftCode.MISSING, f.name, f"cannot stat it: {e.strerror}")
             if key != f.key:
                 return Drift(DriftCode.CHANGED, f.name, _key_change(f.key, key))
-        try:
-            files = [WeightFile.read_header(model / f.name) for f in self.files
-                     if is_weight_file(f.name)]
-            want = [PlanRegion(name=r.name, file=r.path.name, offset=r.offset, size=r.size)
-                    for r in weight_regions(self.digest, files)]
-        except ModelError as e:
-            return Drift(DriftCode.CHANGED, "", str(e))
-        if want != self.regions:
-            return Drift(DriftCode.INCONSISTENT, "", "the plan's regions are not the ones its "
-                         "files make")
+        return None
+
+    def _recipe_drift(self) -> Drift | None:
+        # Each part inside its file and its region, none overlapping another: a recipe of
+        # these files, whatever else it says (its bytes were checked when it was made).
+        sizes = {f.name: f.size for f in self.files if is_weight_file(f.name)}
+        for r in self.regions:
+            end = 0
+            for c in r.copies():
+                if c.file not in sizes or c.at + c.size > sizes[c.file] \
+                        or c.offset < end or c.offset + c.size > r.size:
+                    return Drift(DriftCode.INCONSISTENT, r.name, f"a part ({c.file} at {c.at}, "
+                                 f"{c.size} bytes to {c.offset}) is outside its file or "
+                                 "region, or overlaps another")
+                end = c.offset + c.size
+            if r.parts is None or not content_addressed(r.name, self.digest):
+                return Drift(DriftCode.INCONSISTENT, r.name, "not a recipe's region")
         return None
 
     def _copy_drift(self) -> Drift | None:
@@ -290,7 +355,8 @@ def write_plan(directory: Path, plan: RefillPlan) -> Path:
     # A plan of the files' bytes is written as before the copies existed: a holder of the
     # previous version, still running through an upgrade of the agent, reads it.
     exclude = {"source"} if plan.source is PlanSource.FILES else None
-    write_private(path, plan.model_dump_json(indent=1, exclude=exclude).encode())
+    write_private(path, plan.model_dump_json(indent=1, exclude=exclude,
+                                             exclude_none=True).encode())
     return path
 
 
@@ -322,6 +388,7 @@ def load_plan(directory: Path) -> RefillPlan | None:
     return plan
 
 
-__all__ = ["DTYPES", "Drift", "DriftCode", "PlanFile", "PlanRegion", "PlanSource", "RefillPlan",
-           "TensorEntry", "WeightFile", "WeightRegion", "build_plan", "content_addressed",
-           "load_plan", "plan_for", "region_name", "weight_regions", "write_plan"]
+__all__ = ["DTYPES", "Drift", "DriftCode", "PlanFile", "PlanPart", "PlanRegion", "PlanSource",
+           "RefillPlan", "TensorEntry", "WeightFile", "WeightRegion", "build_plan",
+           "content_addressed", "load_plan", "plan_for", "region_name", "weight_regions",
+           "write_plan"]

@@ -127,6 +127,9 @@ class Manifest(_Strict):
     # A hybrid image's held regions at dump time (name -> holder_id, epoch, digest,
     # chunks): a restore is tried only while the holder still has exactly these.
     held: dict[str, dict[str, Any]] | None = None
+    # A hybrid image's refill recipe (agent/holder/weightplan.py RefillPlan, source recipe):
+    # how a holder rebuilds `held` from the model files, on a node that never held them.
+    refill: dict[str, Any] | None = None
     # Files the backend rewrites at every restore (vLLM's release marker, restore log and
     # the engine's log): neither sealed nor verified, and allowed to come and go.
     scratch: tuple[str, ...] = ()

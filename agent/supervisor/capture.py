@@ -6,7 +6,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +23,10 @@ from agent.supervisor.engine import EngineProcess
 from agent.supervisor.gate import EngineGate
 
 log = logging.getLogger("pitstop.capture")
+
+# The longest a capture waits for the refill recipe still being made after a start (the
+# first snapshot follows the first start at once); past it the image carries none.
+RECIPE_WAIT_S = 180.0
 
 
 class _DumpFailed(SnapshotError):
@@ -113,7 +117,8 @@ class Capture:
                  socket: Path, gate: EngineGate, metrics: Metrics,
                  identity: Callable[[], Identity], quiet_timeout_s: float,
                  control_timeout_s: float = 60.0,
-                 on_published: Callable[[SnapshotInfo], None] = lambda info: None) -> None:
+                 on_published: Callable[[SnapshotInfo], None] = lambda info: None,
+                 refill_recipe: Callable[[], Awaitable[dict | None]] | None = None) -> None:
         self._backend = backend
         # Publishes into it, pruned to its retention after each publish.
         self._store = store
@@ -127,6 +132,9 @@ class Capture:
         self._control_timeout = control_timeout_s
         # Told each snapshot once it is published (the remote store's push).
         self._on_published = on_published
+        # The recipe a hybrid image carries, so that a node that never held the weights
+        # refills them from its model files (the holder's refill plan, once it is written).
+        self._refill_recipe = refill_recipe
         # The kind the engine's last detach made this capture take: a snapshot refused
         # before its detach (requests still in flight) is counted under it.
         self.kind: SnapshotKind = "full"
@@ -147,7 +155,8 @@ class Capture:
         """The longest `take` may last before it is stuck: the wait for requests in flight,
         the engine's detach and resume, the backend's create (and the seal with it)."""
         return (self.quiet_timeout_s + 2 * self._adapter.control_limit_s
-                + self._backend.create_limit_s)
+                + self._backend.create_limit_s
+                + (RECIPE_WAIT_S if self._refill_recipe is not None else 0.0))
 
     async def take(self, engine: EngineProcess, canary: CanaryRecord) -> CaptureResult:
         """A `hybrid` snapshot when the engine's weights live in the holder, else `full`.
@@ -155,6 +164,8 @@ class Capture:
         Raises SnapshotError when no snapshot was published and the engine serves on, and
         ResumeFailed when the engine cannot serve any more (whether or not one was)."""
         t0 = time.monotonic()
+        # Before admission pauses: it may wait for the recipe still being made.
+        recipe = await self._refill_recipe() if self._refill_recipe is not None else None
         self._gate.pause_admission()
         try:
             # Quiet also closes the front's idle connections to the engine (CRIU cannot
@@ -166,7 +177,7 @@ class Capture:
                 raise SnapshotError(
                     f"{self._gate.inflight} requests still in flight after "
                     f"{self.quiet_timeout_s:.0f}s (snapshots.quiet_timeout_s); try again later")
-            result = await self._dump(engine, canary, t0)
+            result = await self._dump(engine, canary, t0, recipe)
         except ResumeFailed as e:
             # Before admission resumes: the requests it held wait for the next engine.
             self._gate.close(str(e))
@@ -192,8 +203,8 @@ class Capture:
         self._metrics.snapshot_create_duration.labels(kind=kind).observe(result.duration_s)
         self._on_published(result.info)
 
-    async def _dump(self, engine: EngineProcess, canary: CanaryRecord,
-                    t0: float) -> CaptureResult:
+    async def _dump(self, engine: EngineProcess, canary: CanaryRecord, t0: float,
+                    recipe: dict | None) -> CaptureResult:
         freed = 0
         held = None
         # The control calls have a session each, closed before the dump: a connection of
@@ -210,7 +221,11 @@ class Capture:
         dumped: CaptureResult | None = None
         failed: _DumpFailed | None = None
         try:
-            dumped = await self._publish(engine, canary, kind, held, freed, t0)
+            # A recipe of other regions than the detached ones (another load since) is none.
+            if held is None or recipe is None or sorted(
+                    r.get("name") for r in recipe.get("regions", [])) != sorted(held):
+                recipe = None
+            dumped = await self._publish(engine, canary, kind, held, freed, t0, recipe)
         except _DumpFailed as e:
             failed = e
         finally:
@@ -228,11 +243,12 @@ class Capture:
         return dumped
 
     async def _publish(self, engine: EngineProcess, canary: CanaryRecord, kind: SnapshotKind,
-                       held: dict | None, freed: int, t0: float) -> CaptureResult:
+                       held: dict | None, freed: int, t0: float,
+                       recipe: dict | None = None) -> CaptureResult:
         """Dump the detached engine and publish its image; _DumpFailed when that fails."""
         try:
             info = await asyncio.get_running_loop().run_in_executor(
-                None, self._capture, engine.pid, canary, kind, held)
+                None, self._capture, engine.pid, canary, kind, held, recipe)
         except OpenConnectionsError as e:
             self.failure = f"the snapshot was refused before CRIU ran: {e}"
             raise _DumpFailed(str(e)) from e
@@ -247,7 +263,7 @@ class Capture:
         return CaptureResult(info=info, duration_s=duration, freed_bytes=freed)
 
     def _capture(self, pid: int, canary: CanaryRecord, kind: SnapshotKind,
-                 held: dict | None) -> SnapshotInfo:
+                 held: dict | None, recipe: dict | None = None) -> SnapshotInfo:
         request = CreateRequest(kind=kind, pid=pid, leave_running=True,  # type: ignore[arg-type]
-                                held=held, canary=canary.to_manifest())
+                                held=held, canary=canary.to_manifest(), refill=recipe)
         return take(self._store, self._backend, request, self._identity())

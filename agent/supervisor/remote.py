@@ -14,7 +14,7 @@ from agent.errors import MissingExtraError, RemoteError, SnapshotError
 from agent.holder.plans import RefillPlans
 from agent.identity import Identity
 from agent.metrics import Metrics
-from agent.refusal import RefusalCode
+from agent.refusal import Refusal, RefusalCode
 from agent.store import SnapshotKind, SnapshotStore
 from agent.store.remote import PORTABLE_KINDS, Transfer, pull, push
 from agent.store.s3 import Bucket
@@ -110,10 +110,27 @@ class RemoteSnapshots:
             return Transfer("pull", RefusalCode.TRANSFER_FAILED.value, "", str(e),
                             at=time.time())
         if done.kind == "hybrid" and identity.weights_digest:
-            # The holder loads the weights from the files this plan names (the refill rung):
-            # the image's engine never committed them here, so no plan was left the usual way.
-            self._plans.from_files(self._holder.path.parent, identity.weights_digest)
+            self._plan_refill(done.snapshot, identity.weights_digest)
         return done
+
+    def _plan_refill(self, snapshot_id: str, digest: str) -> None:
+        """Leave the plan the holder loads the image's weights from (the refill rung): the
+        image's engine never committed them here, so none was left the usual way. The
+        image's recipe when it carries one (an engine that holds its own layout, vLLM),
+        else the files' sections (the reference engine)."""
+        directory = self._holder.path.parent
+        try:
+            recipe = self._store.load(snapshot_id).refill
+        except SnapshotError as e:
+            log.warning("no refill plan for snapshot %s: %s", snapshot_id, e)
+            return
+        if recipe is None:
+            self._plans.from_files(directory, digest)
+            return
+        plan = self._plans.from_recipe(directory, recipe, digest)
+        if isinstance(plan, Refusal):
+            log.warning("no refill plan of snapshot %s's recipe (%s): %s", snapshot_id,
+                        plan.code, plan.detail)
 
     def published(self, info: SnapshotInfo) -> None:
         """A capture published `info`: push it, off the event loop, with snapshots.publish."""

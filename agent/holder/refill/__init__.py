@@ -84,6 +84,10 @@ class Sink(Protocol):
         """Read `length` bytes of `fd` at `file_offset` into region `region` at `offset`."""
         ...
 
+    def zero(self, region: int, offset: int, length: int) -> None:
+        """Write `length` zero bytes into region `region` at `offset` (a recipe's gaps)."""
+        ...
+
     def finish(self) -> None:
         """Wait until every write has landed (copies still in flight on cuda)."""
         ...

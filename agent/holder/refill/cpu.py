@@ -7,6 +7,8 @@ import mmap
 from agent.holder.backends import Allocation
 from agent.holder.refill import pread_into
 
+ZEROS = bytes(1 << 20)
+
 
 class CpuSink:
     """memfd regions, mapped into the holder for the load; reads land in them directly."""
@@ -29,6 +31,14 @@ class CpuSink:
 
     def write(self, region: int, offset: int, fd: int, file_offset: int, length: int) -> None:
         pread_into(fd, self._views[region][offset:offset + length], file_offset)
+
+    def zero(self, region: int, offset: int, length: int) -> None:
+        # A new memfd reads as zeros already; written anyway, so the sink owes nothing to
+        # how the backend allocated it.
+        view = self._views[region]
+        for at in range(offset, offset + length, len(ZEROS)):
+            n = min(len(ZEROS), offset + length - at)
+            view[at:at + n] = ZEROS[:n]
 
     def finish(self) -> None:
         return None

@@ -210,6 +210,12 @@ class CudaSink:
             check(cu.cuEventRecord(lane.events[b], lane.stream), "cuEventRecord")
             done += n
 
+    def zero(self, region: int, offset: int, length: int) -> None:
+        # cuMemCreate'd memory holds whatever it held: the gaps are set, on the lane's stream.
+        lane = self._lane()
+        self._check(self._cu.cuMemsetD8Async(self._bases[region][0] + offset, 0, length,
+                                             lane.stream), "cuMemsetD8Async")
+
     def _unregister(self, lane: _Lane, b: int) -> None:
         at = lane.registered[b]
         if at is not None:

@@ -24,8 +24,9 @@ from agent.weights import stat_key
 
 log = logging.getLogger("pitstop.holder.refill")
 
-# One piece of a load: (region index, its plan region, offset in the region, length).
-Piece = tuple[int, PlanRegion, int, int]
+# One piece of a load: (region index, file name, offset in the file, offset in the region,
+# length); a file name of None is zeros (a recipe's span that no part of a file fills).
+Piece = tuple[int, str | None, int, int, int]
 
 
 def make_sink(backend: Backend, tuning: Tuning = DEFAULT_TUNING) -> Sink:
@@ -39,15 +40,18 @@ def make_sink(backend: Backend, tuning: Tuning = DEFAULT_TUNING) -> Sink:
 
 def cut(regions: list[PlanRegion], piece: int) -> list[Piece]:
     """The pieces of `regions`, cut where the file offset is a multiple of `piece`: every
-    piece but a region's first starts on a page (the kernel's copies are aligned), and in
-    direct mode no two pieces share a page to register."""
+    piece but a part's first starts on a page (the kernel's copies are aligned), and in
+    direct mode no two pieces share a page to register. Then the zero spans, whole."""
     pieces: list[Piece] = []
     for i, r in enumerate(regions):
-        at, end = r.offset, r.offset + r.size
-        while at < end:
-            step = min(end, (at // piece + 1) * piece)
-            pieces.append((i, r, at - r.offset, step - at))
-            at = step
+        for c in r.copies():
+            at, end = c.at, c.at + c.size
+            while at < end:
+                step = min(end, (at // piece + 1) * piece)
+                pieces.append((i, c.file, at, c.offset + at - c.at, step - at))
+                at = step
+    for i, r in enumerate(regions):
+        pieces += [(i, None, 0, offset, n) for offset, n in r.zeros()]
     return pieces
 
 
@@ -137,11 +141,9 @@ class RefillJob:
         keys = {f.name: f.key for f in self.plan.files}
         fds: dict[str, int] = {}
         try:
-            for r in self.plan.regions:
-                if r.file not in fds:
-                    fds[r.file] = os.open(Path(self.plan.model) / r.file,
-                                          os.O_RDONLY | os.O_CLOEXEC)
-                    self._same(r.file, fds[r.file], keys[r.file])
+            for name in sorted({f for r in self.plan.regions for f in r.files()}):
+                fds[name] = os.open(Path(self.plan.model) / name, os.O_RDONLY | os.O_CLOEXEC)
+                self._same(name, fds[name], keys[name])
             t0 = time.monotonic()
             self.sink.open(self.allocations)
             self.timings["open_s"] = time.monotonic() - t0
@@ -165,19 +167,13 @@ class RefillJob:
         # future or queue per piece, so small pieces cost little Python.
         order = itertools.count()
         errors: list[BaseException] = []
-        write = self.sink.write
-
         def worker() -> None:
             try:
                 while not self._cancelled.is_set():
                     k = next(order)
                     if k >= len(pieces):
                         return
-                    i, r, off, n = pieces[k]
-                    throttle.take(n)
-                    if self._cancelled.is_set():
-                        break
-                    write(i, off, fds[r.file], r.offset + off, n)
+                    self._piece(pieces[k], fds, throttle)
             except BaseException as e:  # noqa: BLE001 - raised on the job's thread below
                 errors.append(e)
                 self._cancelled.set()
@@ -192,6 +188,15 @@ class RefillJob:
             raise errors[0]  # the first: the others may only have seen it cancel them
         if self._cancelled.is_set():
             raise RefillFailure(ErrorCode.REFILL_FAILED, "cancelled")
+
+    def _piece(self, piece: Piece, fds: dict[str, int], throttle: Throttle) -> None:
+        i, name, at, off, n = piece
+        if name is None:
+            self.sink.zero(i, off, n)
+            return
+        throttle.take(n)
+        if not self._cancelled.is_set():
+            self.sink.write(i, off, fds[name], at, n)
 
     def _same(self, name: str, fd: int, key: list[int]) -> None:
         now = stat_key(os.fstat(fd))

@@ -13,7 +13,7 @@ from agent.errors import HolderError, StartPathError
 from agent.holder.client import HolderClient
 from agent.holder.plans import RefillPlans, load_timeout
 from agent.holder.protocol import Refilled
-from agent.holder.weightplan import RefillPlan
+from agent.holder.weightplan import PlanSource, RefillPlan
 from agent.refusal import Refusal, RefusalCode
 from agent.store import Manifest
 from agent.supervisor.engine import EngineProcess
@@ -85,17 +85,33 @@ class RefillRestore:
         except HolderError as e:
             return Refusal(RefusalCode.HOLDER_DOWN,
                            f"the holder at {link.path} cannot tell what it holds: {e}")
-        plan = self._plans.usable(link.path.parent, str(link.digest))
-        if isinstance(plan, Refusal):
-            return plan
         image = self._hybrid.newest_image()
         if isinstance(image, Refusal):
             return image
-        if sorted(r.name for r in plan.regions) != sorted(image.plan.held or {}):
-            return Refusal(RefusalCode.REFILL_LAYOUT, "the refill plan's regions are not the "
-                           "ones the hybrid image recorded")
+        plan = self._plans.usable(link.path.parent, str(link.digest))
+        held = sorted(image.plan.held or {})
+        if isinstance(plan, Refusal) or sorted(r.name for r in plan.regions) != held:
+            plan = self._from_image(image.plan, plan)
+        if isinstance(plan, Refusal):
+            return plan
         return Prepared(self.name, RefillWork(plan, image), canary=image.canary,
                         stages=image.stages)
+
+    def _from_image(self, manifest: Manifest, plan: RefillPlan | Refusal) -> RefillPlan | Refusal:
+        """The plan of the image's own recipe when the holder's directory has none for its
+        regions (written there, for the holder to load); else why not."""
+        link = self._link
+        if manifest.refill is not None:
+            return self._plans.from_recipe(link.path.parent, manifest.refill, str(link.digest))
+        if isinstance(plan, Refusal):
+            return plan
+        if plan.source is PlanSource.FILES:
+            return Refusal(RefusalCode.NO_REFILL_RECIPE, f"snapshot {manifest.id} holds its "
+                           "weights in the engine's own layout, not the files', and carries no "
+                           "refill recipe (the node that made it could not make one that "
+                           "rebuilds them; its log says why)")
+        return Refusal(RefusalCode.REFILL_LAYOUT, "the refill plan's regions are not the "
+                       "ones the hybrid image recorded")
 
     async def start(self, attempt: Attempt, prepared: Prepared[RefillWork]) -> EngineProcess:
         plan, image = prepared.plan.plan, prepared.plan.image

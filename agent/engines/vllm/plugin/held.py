@@ -13,6 +13,7 @@ from typing import Any
 
 from agent.errors import HolderError, MappingError
 from agent.holder.client import HolderClient
+from agent.holder.paramlayout import ParamLayout, ParamSlot, write_layout
 from agent.tenant.mapping import HeldSet, HostSpace, Space
 
 # Under vLLM's logger: its handlers print it with the process name, like its own lines.
@@ -247,6 +248,18 @@ class HeldParams:
             self._writer.close()
             self._writer = None
         log.info("held weights %s committed (%.1f MB)", self.region, self.size / 1e6)
+
+    def record_layout(self) -> None:
+        """Leave where each parameter lies in the region beside the holder's socket: the
+        agent's refill recipe finds each checkpoint tensor's bytes in its parameter's slot.
+        A layout that cannot be written costs that recipe only (the agent says so)."""
+        layout = ParamLayout(self.layout.region(self.digest), self.layout.size,
+                             tuple(ParamSlot(s.name, s.offset, s.nbytes)
+                                   for s in self.layout.slots))
+        try:
+            write_layout(self.socket.parent, layout)
+        except OSError as e:
+            log.warning("the layout of held weights %s was not written: %s", layout.region, e)
 
     def close(self) -> None:
         """Unmap everything; an uncommitted set is freed by the holder with our session."""

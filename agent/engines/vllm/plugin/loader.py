@@ -230,6 +230,7 @@ class PitstopModelLoader(BaseModelLoader):
                 process_weights_after_loading(model, model_config, device)
             if held.source == "disk":
                 held.commit()
+            held.record_layout()
         except BaseException:
             held.close()
             raise
