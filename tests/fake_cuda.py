@@ -179,6 +179,10 @@ class FakeCuda:
         self.streams[stream].append(("copy", dst, src, n))
         return (OK,)
 
+    def cuMemsetD8Async(self, dst: int, value: int, n: int, stream: int):  # noqa: N802
+        self.streams[stream].append(("set", dst, value, n))
+        return (OK,)
+
     def cuEventRecord(self, e: int, stream: int):  # noqa: N802
         self.events[e] = stream
         self.streams[stream].append(("event", e))
@@ -201,6 +205,9 @@ class FakeCuda:
             if op[0] == "event":
                 if op[1] == until:
                     return
+                continue
+            if op[0] == "set":
+                self._write(op[1], bytes([op[2]]) * op[3])
                 continue
             _, dst, src, n = op
             assert self._host_memory(src, n), f"a copy from {src:#x}, neither pinned nor registered"
