@@ -1,6 +1,8 @@
 """Real vLLM (CPU build) across two hosts through a real S3-compatible server: host A boots
 vLLM once, snapshots it (full: no holder) and pushes it; host B, which never ran vLLM, pulls
-the image and comes back through the full rung, answering as host A did. One vLLM boot."""
+the image and comes back through the full rung, answering as host A did; then, with holders
+and Pitstop's vLLM plugin, host B refills the hybrid image's held weights from its model files
+by the recipe the image carries. One vLLM boot each."""
 
 from __future__ import annotations
 
@@ -9,11 +11,16 @@ from pathlib import Path
 
 import pytest
 
+from agent.holder.heldcopy import COPY_DIR
+from agent.holder.weightplan import PlanSource, load_plan
 from tests.agentproc import RunningAgent, agent_config, complete
+from tests.conftest import cached_model
+from tests.holder_proc import Holder
 from tests.prereq import require
 from tests.s3_server import s3_server
 from tests.snapshot_helpers import criu
 from tests.test_agent_vllm import io_uring_off  # noqa: F401 - a module fixture, used by name
+from tests.test_agent_vllm_hybrid import plugin_dir  # noqa: F401 - a module fixture, by name
 from tests.vllmproc import CPU_ARGS, VLLM_PYTHON
 
 pytestmark = pytest.mark.integration
@@ -66,3 +73,53 @@ def test_vllm_snapshotted_on_one_host_serves_on_another_through_a_restore(
             assert complete(b, "Once upon a time") == answer
         finally:
             b.stop(timeout=60)
+
+
+@pytest.mark.usefixtures("io_uring_off")
+def test_a_vllm_node_that_never_held_the_weights_refills_them_from_its_model_files(
+        plugin_dir: Path, tmp_path: Path):  # noqa: F811 - the fixture imported above
+    """Host A with a holder loads vLLM's parameters into it once and pushes the hybrid image,
+    which carries the recipe of its held region; host B, with a fresh holder, no copy of the
+    held set and the same model files, pulls it and comes back through the refill rung."""
+    criu()
+    model = cached_model("medium")  # bf16, as vLLM holds it: the files' bytes, relaid
+    shared = tmp_path / "shared"
+    shared.mkdir()
+
+    def host(name: str, **snapshots: object) -> dict:
+        cfg = vllm_host(tmp_path / name, shared, model, **snapshots)
+        cfg["engine"].update(served_model_name="tiny", env={
+            "PYTHONPATH": str(plugin_dir), "VLLM_CPU_KVCACHE_SPACE": "1"})
+        cfg["holder"] = {"enabled": True, "dir": str(tmp_path / f"{name}-holder"), "gpu": "cpu"}
+        return cfg
+
+    with s3_server(tmp_path / "aws") as server:
+        server.create_bucket("fleet")
+        holder = Holder(tmp_path / "host-a-holder")
+        a = RunningAgent(tmp_path / "host-a", host("host-a", publish=True), env=server.env())
+        try:
+            a.wait_ready(timeout=BOOT_S)
+            st = a.wait_for(lambda s: (s.get("last_push") or {}).get("result") == "ok", 600,
+                            "the hybrid vLLM snapshot pushed")
+            pushed = st["last_push"]
+            assert pushed["kind"] == "hybrid", (pushed, a.log_tail(3000))
+            answer = complete(a, "Once upon a time")
+        finally:
+            a.stop(timeout=60)
+            holder.stop()
+
+        holder = Holder(tmp_path / "host-b-holder")
+        b = RunningAgent(tmp_path / "host-b", host("host-b", regenerate="manual"),
+                         env=server.env())
+        try:
+            st = b.wait_ready(timeout=BOOT_S)
+            assert st["last_pull"]["snapshot"] == pushed["snapshot"], st["last_pull"]
+            assert st["last_recovery"]["path"] == "refill", (st["last_recovery"],
+                                                             b.log_tail(4000))
+            assert complete(b, "Once upon a time") == answer
+            plan = load_plan(tmp_path / "host-b-holder" / "cpu")
+            assert plan is not None and plan.source is PlanSource.RECIPE
+            assert not (tmp_path / "host-b-holder" / "cpu" / COPY_DIR).exists()
+        finally:
+            b.stop(timeout=60)
+            holder.stop()

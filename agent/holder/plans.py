@@ -50,7 +50,9 @@ class RefillPlans:
     holder that restarts empty (or after a reboot) loads the weights by itself.
 
     A plan of the model's files when the held regions are the files' layout (the reference
-    engine); otherwise (vLLM holds its parameters) a copy of the held set, written once by
+    engine); otherwise (vLLM holds its parameters) a recipe of the files that rebuilds the
+    held bytes (`python -m agent.holder.recipe`), which hybrid images carry to other nodes;
+    and when none verifies, a copy of the held set, written once by
     `python -m agent.holder.heldcopy` beside the plan, and a plan of that copy.
 
     Example::
