@@ -179,6 +179,10 @@ class FakeCuda:
         self.streams[stream].append(("copy", dst, src, n))
         return (OK,)
 
+    def cuMemcpyHtoD(self, dst: int, src: int, n: int):  # noqa: N802
+        self._write(dst, ctypes.string_at(src, n))
+        return (OK,)
+
     def cuMemsetD8Async(self, dst: int, value: int, n: int, stream: int):  # noqa: N802
         self.streams[stream].append(("set", dst, value, n))
         return (OK,)

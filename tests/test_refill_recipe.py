@@ -5,6 +5,7 @@ holder's refill job on the cpu sink and, through a fake driver, the cuda sink.""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 import threading
@@ -29,9 +30,10 @@ from tests.test_holder_refill import write_safetensors
 DIGEST = "sha256-" + "ab" * 32
 ALIGN = 256
 
-# A module: its parameter's kind of layout, and the sizes of the checkpoint tensors in it.
+# A module: its parameter's kind of layout, and the sizes of the checkpoint tensors in it (16
+# bytes or more: random bytes so few may well occur in another tensor, as no real one does).
 modules = st.lists(st.tuples(st.sampled_from(["own", "fused", "padded"]),
-                             st.lists(st.integers(1, 3000), min_size=1, max_size=3)),
+                             st.lists(st.integers(16, 3000), min_size=1, max_size=3)),
                    min_size=1, max_size=6)
 
 
@@ -170,3 +172,37 @@ def test_a_pulled_image_without_a_recipe_or_of_other_weights_gets_no_refill_plan
     assert not isinstance(refused, RefillPlan) and refused.code is RefusalCode.WEIGHTS_CHANGED
     assert load_plan(tmp_path) is None
 
+
+
+def test_a_float32_tensor_the_engine_holds_in_bf16_is_cast_as_torch_casts_it(tmp_path: Path):
+    import struct
+
+    from agent.holder.casts import Cast
+
+    # Round to nearest even at the halfway points, NaN as torch's one bf16 NaN.
+    halfway_even, halfway_odd = 0x3F808000, 0x3F818000
+    f32 = struct.pack("<4I", 0x3F800000, halfway_even, halfway_odd, 0x7FC00001)
+    assert struct.unpack("<4H", Cast.F32_BF16.apply(f32)) == (0x3F80, 0x3F80, 0x3F82, 0x7FC0)
+    # A model whose float32 weights the engine holds in bf16: found cast, and loaded cast.
+    model = tmp_path / "model"
+    model.mkdir()
+    weights = os.urandom(4 * 1000)
+    header = {"w.weight": {"dtype": "F32", "shape": [1000], "data_offsets": [0, 4000]}}
+    raw = json.dumps(header).encode()
+    (model / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + weights)
+    region = Cast.F32_BF16.apply(weights) + bytes(48)
+    layout = ParamLayout(f"{DIGEST}/vllm-params-test", len(region),
+                         (ParamSlot("w.weight", 0, 2000),))
+    made, placed = recipe_of(layout, len(region), iter([memoryview(region)]), model,
+                             checkpoint_tensors(model))
+    assert placed == {"w.weight"} and check(made, model) is None
+    assert [p.cast for p in made.parts or ()] == [Cast.F32_BF16]
+    d = WeightsDigester(None).digest(model)
+    plan = RefillPlan(digest=d.digest, model=str(model),
+                      files=build_plan(model, d.files, d.digest).files,
+                      regions=[made.model_copy(update={"name": f"{d.digest}/p"})],
+                      source=PlanSource.RECIPE)
+    sink, allocations, fd = cpu_sink(len(region))
+    refill(plan, (sink, allocations))
+    assert os.pread(fd, len(region), 0) == region
+    os.close(fd)

@@ -5,10 +5,12 @@ gate_up_proj from gate/up_proj), padded (the vocabulary), laid out back to back.
 engine that laid a region out leaves where each parameter lies (agent/holder/paramlayout.py);
 from that, each checkpoint tensor's bytes are looked for in the one parameter they can have
 gone to (its own name, else a parameter of the same module path and kind, which is where a
-fused parameter's pieces go), and the region becomes a list of parts copied from the files,
+fused parameter's pieces go; as the file has them, or a float32 tensor cast to bf16 or fp16
+as torch casts it), and the region becomes a list of parts copied from the files,
 zeros elsewhere. A recipe is kept only when rebuilding each region from it gives the very
-bytes held (their sha256): a model whose loader transformed a tensor on its way in (a dtype
-cast, a permutation) gets none, and says which tensors were not found.
+bytes held (their sha256): a model whose loader transformed a tensor otherwise on its way
+in (a permutation, a rename to another module path) gets none, and says which tensors were
+not found.
 
 Run as its own process (`python -m agent.holder.recipe`), a tenant of the holder that
 attaches the set read-only, as agent/holder/heldcopy.py does; it prints the recipe's
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.errors import HolderError, ModelError
+from agent.holder.casts import Cast
 from agent.holder.client import HolderClient
 from agent.holder.heldcopy import MemfdReader, RegionReader, reader_for
 from agent.holder.paramlayout import ParamLayout, ParamSlot, read_layout
@@ -46,6 +49,7 @@ class Tensor:
     file: str
     at: int
     size: int
+    dtype: str = "U8"
 
 
 def checkpoint_tensors(model: Path) -> list[Tensor]:
@@ -55,7 +59,7 @@ def checkpoint_tensors(model: Path) -> list[Tensor]:
         if not is_weight_file(name):
             continue
         wf = WeightFile.read_header(model / name)
-        out += [Tensor(t, name, wf.data_offset + e.begin, e.end - e.begin)
+        out += [Tensor(t, name, wf.data_offset + e.begin, e.end - e.begin, e.dtype)
                 for t, e in wf.tensors.items() if e.end > e.begin]
     return out
 
@@ -94,17 +98,24 @@ def place(slot: ParamSlot, data: bytes, tensors: list[Tensor], model: Path,
           placed: set[str]) -> list[PlanPart]:
     """The parts that copy checkpoint tensors into `slot`, whose bytes are `data`."""
     parts, taken = [], []
-    for t in sorted(tensors, key=lambda t: (t.name != slot.name, t.name)):
-        if t.name in placed or t.size > len(data):
+    # The biggest first: a few bytes are found anywhere, and must not take the place of a
+    # tensor whose bytes are found only where they are.
+    for t in sorted(tensors, key=lambda t: (t.name != slot.name, -t.size, t.name)):
+        if t.name in placed:
             continue
         with (model / t.file).open("rb") as f:
-            needle = os.pread(f.fileno(), t.size, t.at)
-        at = _find(data, needle, taken)
-        if at < 0:
-            continue
-        taken.append((at, at + t.size))
-        placed.add(t.name)
-        parts.append(PlanPart(file=t.file, at=t.at, offset=slot.offset + at, size=t.size))
+            raw = os.pread(f.fileno(), t.size, t.at)
+        # As the file has it; else as the engine may have cast it on its way in.
+        casts: list[Cast | None] = [None, *(Cast if t.dtype == "F32" else ())]
+        for cast in casts:
+            needle = cast.apply(raw) if cast is not None else raw
+            at = _find(data, needle, taken) if len(needle) <= len(data) else -1
+            if at >= 0:
+                taken.append((at, at + len(needle)))
+                placed.add(t.name)
+                parts.append(PlanPart(file=t.file, at=t.at, offset=slot.offset + at,
+                                      size=len(needle), cast=cast))
+                break
     return parts
 
 
@@ -148,8 +159,9 @@ def rebuild_sha256(region: PlanRegion, model: Path) -> str:
             at += what
             continue
         with (model / what.file).open("rb") as f:
-            for k in range(0, what.size, PIECE):
-                h.update(os.pread(f.fileno(), min(PIECE, what.size - k), what.at + k))
+            for k in range(0, what.file_size, PIECE):
+                raw = os.pread(f.fileno(), min(PIECE, what.file_size - k), what.at + k)
+                h.update(what.cast.apply(raw) if what.cast is not None else raw)
         at += what.size
     return h.hexdigest()
 

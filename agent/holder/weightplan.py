@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agent.errors import ModelError
 from agent.fsutil import write_private
+from agent.holder.casts import Cast
 from agent.weights import FileDigest, WeightsDigester, is_model_file, manifest_digest, stat_key
 
 # Where a tenant-independent description of the held weights lives: the holder's own
@@ -126,12 +127,18 @@ class PlanFile(_Model):
 
 class PlanPart(_Model):
     """Bytes of a model file copied into a region: `size` bytes of `file` from `at`, to the
-    region's `offset`."""
+    region's `offset`; with `cast`, `size` region bytes cast from `cast.ratio` times as many
+    bytes of the file (a float32 tensor the engine holds in bf16 or fp16)."""
 
     file: str
     at: int = Field(ge=0)
     offset: int = Field(ge=0)
     size: int = Field(gt=0)
+    cast: Cast | None = None
+
+    @property
+    def file_size(self) -> int:
+        return self.size * self.cast.ratio if self.cast is not None else self.size
 
 
 class PlanRegion(_Model):
@@ -258,7 +265,7 @@ class RefillPlan(_Model):
         for r in self.regions:
             end = 0
             for c in r.copies():
-                if c.file not in sizes or c.at + c.size > sizes[c.file] \
+                if c.file not in sizes or c.at + c.file_size > sizes[c.file] \
                         or c.offset < end or c.offset + c.size > r.size:
                     return Drift(DriftCode.INCONSISTENT, r.name, f"a part ({c.file} at {c.at}, "
                                  f"{c.size} bytes to {c.offset}) is outside its file or "

@@ -84,6 +84,10 @@ class Sink(Protocol):
         """Read `length` bytes of `fd` at `file_offset` into region `region` at `offset`."""
         ...
 
+    def put(self, region: int, offset: int, data: bytes) -> None:
+        """Write `data` (made here: a cast tensor) into region `region` at `offset`."""
+        ...
+
     def zero(self, region: int, offset: int, length: int) -> None:
         """Write `length` zero bytes into region `region` at `offset` (a recipe's gaps)."""
         ...

@@ -32,6 +32,9 @@ class CpuSink:
     def write(self, region: int, offset: int, fd: int, file_offset: int, length: int) -> None:
         pread_into(fd, self._views[region][offset:offset + length], file_offset)
 
+    def put(self, region: int, offset: int, data: bytes) -> None:
+        self._views[region][offset:offset + len(data)] = data
+
     def zero(self, region: int, offset: int, length: int) -> None:
         # A new memfd reads as zeros already; written anyway, so the sink owes nothing to
         # how the backend allocated it.

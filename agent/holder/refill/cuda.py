@@ -210,6 +210,14 @@ class CudaSink:
             check(cu.cuEventRecord(lane.events[b], lane.stream), "cuEventRecord")
             done += n
 
+    def put(self, region: int, offset: int, data: bytes) -> None:
+        # Rare (a cast tensor) and small: a synchronous copy from pageable memory, which
+        # works in every host mode (direct has no buffers of its own).
+        self._lane()
+        buf = ctypes.create_string_buffer(data, len(data))
+        self._check(self._cu.cuMemcpyHtoD(self._bases[region][0] + offset,
+                                          ctypes.addressof(buf), len(data)), "cuMemcpyHtoD")
+
     def zero(self, region: int, offset: int, length: int) -> None:
         # cuMemCreate'd memory holds whatever it held: the gaps are set, on the lane's stream.
         lane = self._lane()

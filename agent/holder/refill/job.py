@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from agent.holder.backends import Allocation, Backend, BackendError, GpuFaultError
+from agent.holder.casts import Cast
 from agent.holder.protocol import ErrorCode
-from agent.holder.refill import DEFAULT_TUNING, RefillFailure, Sink, Tuning
+from agent.holder.refill import DEFAULT_TUNING, RefillFailure, Sink, Tuning, pread_into
 from agent.holder.refill.cpu import CpuSink
 from agent.holder.refill.cuda import CudaSink
 from agent.holder.refill.throttle import Throttle
@@ -25,8 +26,9 @@ from agent.weights import stat_key
 log = logging.getLogger("pitstop.holder.refill")
 
 # One piece of a load: (region index, file name, offset in the file, offset in the region,
-# length); a file name of None is zeros (a recipe's span that no part of a file fills).
-Piece = tuple[int, str | None, int, int, int]
+# length in the region, cast); a file name of None is zeros (a recipe's span that no part of
+# a file fills); a cast piece reads `cast.ratio` times its length from the file.
+Piece = tuple[int, str | None, int, int, int, Cast | None]
 
 
 def make_sink(backend: Backend, tuning: Tuning = DEFAULT_TUNING) -> Sink:
@@ -45,13 +47,18 @@ def cut(regions: list[PlanRegion], piece: int) -> list[Piece]:
     pieces: list[Piece] = []
     for i, r in enumerate(regions):
         for c in r.copies():
+            if c.cast is not None:
+                step = piece // c.cast.ratio
+                pieces += [(i, c.file, c.at + k * c.cast.ratio, c.offset + k,
+                            min(step, c.size - k), c.cast) for k in range(0, c.size, step)]
+                continue
             at, end = c.at, c.at + c.size
             while at < end:
                 step = min(end, (at // piece + 1) * piece)
-                pieces.append((i, c.file, at, c.offset + at - c.at, step - at))
+                pieces.append((i, c.file, at, c.offset + at - c.at, step - at, None))
                 at = step
     for i, r in enumerate(regions):
-        pieces += [(i, None, 0, offset, n) for offset, n in r.zeros()]
+        pieces += [(i, None, 0, offset, n, None) for offset, n in r.zeros()]
     return pieces
 
 
@@ -190,13 +197,19 @@ class RefillJob:
             raise RefillFailure(ErrorCode.REFILL_FAILED, "cancelled")
 
     def _piece(self, piece: Piece, fds: dict[str, int], throttle: Throttle) -> None:
-        i, name, at, off, n = piece
+        i, name, at, off, n, cast = piece
         if name is None:
             self.sink.zero(i, off, n)
             return
         throttle.take(n)
-        if not self._cancelled.is_set():
+        if self._cancelled.is_set():
+            return
+        if cast is None:
             self.sink.write(i, off, fds[name], at, n)
+            return
+        raw = bytearray(n * cast.ratio)
+        pread_into(fds[name], memoryview(raw), at)
+        self.sink.put(i, off, cast.apply(bytes(raw)))
 
     def _same(self, name: str, fd: int, key: list[int]) -> None:
         now = stat_key(os.fstat(fd))
