@@ -248,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(made, Refusal):
         json.dump({"refused": made.detail}, sys.stdout)
     else:
-        json.dump({"regions": [r.model_dump(mode="json") for r in made]}, sys.stdout)
+        json.dump({"regions": [r.model_dump(mode="json", exclude_none=True) for r in made]},
+                  sys.stdout)
     return 0
 
 
