@@ -85,12 +85,15 @@ class RefillRestore:
         except HolderError as e:
             return Refusal(RefusalCode.HOLDER_DOWN,
                            f"the holder at {link.path} cannot tell what it holds: {e}")
+        plan = self._plans.usable(link.path.parent, str(link.digest))
+        if isinstance(plan, Refusal) and plan.code is not RefusalCode.NO_REFILL_PLAN:
+            return plan
         image = self._hybrid.newest_image()
         if isinstance(image, Refusal):
             return image
-        plan = self._plans.usable(link.path.parent, str(link.digest))
-        held = sorted(image.plan.held or {})
-        if isinstance(plan, Refusal) or sorted(r.name for r in plan.regions) != held:
+        if isinstance(plan, Refusal) or \
+                sorted(r.name for r in plan.regions) != sorted(image.plan.held or {}):
+            # None for the image's regions here (a pulled image, a wiped holder directory).
             plan = self._from_image(image.plan, plan)
         if isinstance(plan, Refusal):
             return plan
