@@ -7,6 +7,7 @@ by the recipe the image carries. One vLLM boot each."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -90,12 +91,13 @@ def test_a_vllm_node_that_never_held_the_weights_refills_them_from_its_model_fil
         cfg = vllm_host(tmp_path / name, shared, model, **snapshots)
         cfg["engine"].update(served_model_name="tiny", env={
             "PYTHONPATH": str(plugin_dir), "VLLM_CPU_KVCACHE_SPACE": "1"})
-        cfg["holder"] = {"enabled": True, "dir": str(tmp_path / f"{name}-holder"), "gpu": "cpu"}
+        # The fleet's one holder directory: the image holds its socket's path.
+        cfg["holder"] = {"enabled": True, "dir": str(tmp_path / "holder"), "gpu": "cpu"}
         return cfg
 
     with s3_server(tmp_path / "aws") as server:
         server.create_bucket("fleet")
-        holder = Holder(tmp_path / "host-a-holder")
+        holder = Holder(tmp_path / "holder")
         a = RunningAgent(tmp_path / "host-a", host("host-a", publish=True), env=server.env())
         try:
             a.wait_ready(timeout=BOOT_S)
@@ -108,7 +110,9 @@ def test_a_vllm_node_that_never_held_the_weights_refills_them_from_its_model_fil
             a.stop(timeout=60)
             holder.stop()
 
-        holder = Holder(tmp_path / "host-b-holder")
+        # Host B's holder: fresh, in a directory with no plan, no copy, no layout.
+        shutil.rmtree(tmp_path / "holder")
+        holder = Holder(tmp_path / "holder")
         b = RunningAgent(tmp_path / "host-b", host("host-b", regenerate="manual"),
                          env=server.env())
         try:
@@ -117,9 +121,9 @@ def test_a_vllm_node_that_never_held_the_weights_refills_them_from_its_model_fil
             assert st["last_recovery"]["path"] == "refill", (st["last_recovery"],
                                                              b.log_tail(4000))
             assert complete(b, "Once upon a time") == answer
-            plan = load_plan(tmp_path / "host-b-holder" / "cpu")
+            plan = load_plan(tmp_path / "holder" / "cpu")
             assert plan is not None and plan.source is PlanSource.RECIPE
-            assert not (tmp_path / "host-b-holder" / "cpu" / COPY_DIR).exists()
+            assert not (tmp_path / "holder" / "cpu" / COPY_DIR).exists()
         finally:
             b.stop(timeout=60)
             holder.stop()

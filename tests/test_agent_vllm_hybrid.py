@@ -5,10 +5,11 @@ One agent for the module and two vLLM boots: the first start, which loads the we
 disk into the holder and takes a hybrid snapshot (the weights and the KV pool left out),
 then a warm start that attaches them. Between the two, SIGKILL of the API server and of the
 engine core each come back through the hybrid restore, answering as the first start did, and
-after the holder is restarted empty, through the refill of the copy of the held set the agent
-had written; and when the holder is replaced while a snapshot is taken, so that vLLM cannot
-map its weights again after the dump, the engine is replaced from that very snapshot. A last
-test starts a vLLM without the plugin (a third boot) for a full image of the same model.
+after the holder is restarted empty, through the refill from the model files by the recipe the
+agent had made of the held set; and when the holder is replaced while a snapshot is taken, so
+that vLLM cannot map its weights again after the dump, the engine is replaced from that very
+snapshot. A last test starts a vLLM without the plugin (a third boot) for a full image of the
+same model.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import openai
 import pytest
 
 from agent.engines.vllm.plugin import support
+from agent.holder.heldcopy import COPY_DIR
 from agent.holder.weightplan import PLAN_NAME, PlanSource, load_plan
 from tests.agentproc import REPO, RunningAgent, Traffic, agent_config, fallthroughs
 from tests.conftest import cached_model
@@ -190,15 +192,17 @@ def test_sigkill_of_the_engine_core_comes_back_through_the_hybrid_restore(
     _hybrid_back(node, client, 2, ("crash", "hang"))
 
 
-def test_a_holder_restarted_empty_is_refilled_from_its_copy_then_the_image_restored(
+def test_a_holder_restarted_empty_is_refilled_from_the_model_files_then_the_image_restored(
         node: HybridNode, client: openai.OpenAI):
-    # vLLM's held set is its parameters, not the files' bytes: the refill plan loads a copy
-    # of them, which the agent had the holder's set written to once it was committed.
+    # vLLM's held set is its parameters, not the files' bytes: the refill plan is the recipe
+    # the agent made of the files once the set was committed (checked against its bytes),
+    # and no copy of the set was written.
     a = node.agent
     directory = node.holder.sock.parent
     wait_for(lambda: (directory / PLAN_NAME).exists(), "the refill plan", timeout=120)
     plan = load_plan(directory)
-    assert plan is not None and plan.source is PlanSource.COPY, plan
+    assert plan is not None and plan.source is PlanSource.RECIPE, plan
+    assert not (directory / COPY_DIR).exists()
     [(region, _)] = _manifest(a, _snapshots(a)[0]["id"]).held.items()
     assert [r.name for r in plan.regions] == [region]
     recoveries = a.status()["restarts"]
