@@ -253,6 +253,8 @@ class HeldParams:
         """Leave where each parameter lies in the region beside the holder's socket: the
         agent's refill recipe finds each checkpoint tensor's bytes in its parameter's slot.
         A layout that cannot be written costs that recipe only (the agent says so)."""
+        if self.layout is None:
+            return  # a post-processed set (quantized, MoE): not the files' bytes relaid
         layout = ParamLayout(self.layout.region(self.digest), self.layout.size,
                              tuple(ParamSlot(s.name, s.offset, s.nbytes)
                                    for s in self.layout.slots))
