@@ -210,6 +210,10 @@ def kill_to_answer(front: str, model: str, pid: int) -> dict:
     """SIGKILL `pid` (the API server) and time the next request through `front` that
     completes, as a client sees the recovery; the answer must be the one before the kill."""
     before = answer(front, model)
+    # One more, timed: what an answer takes with nothing to recover (part of the figure).
+    t = time.monotonic()
+    answer(front, model)
+    steady = round(time.monotonic() - t, 4)
     killed_at = time.time()
     t0 = time.monotonic()
     os.kill(pid, signal.SIGKILL)
@@ -217,7 +221,7 @@ def kill_to_answer(front: str, model: str, pid: int) -> dict:
     secs, after = first_answer(front, model, t0, tries=tries)
     return {"kill_to_answer_s": secs, "same_answer": after is not None and after == before,
             "answer_before": before, "answer_after": after, "killed_at": killed_at,
-            "client_tries": tries[0]}
+            "client_tries": tries[0], "steady_answer_s": steady}
 
 
 def kill_breakdown(rec: dict, client: dict) -> dict[str, float] | None:

@@ -130,7 +130,7 @@ def kill_series(agent: Agent, runs: int, want: str) -> dict[str, list]:
     kill; each recovery must take path `want`."""
     out: dict[str, list] = {"runs": [], "kill_to_ready_s": [], "stages": [],
                             "kill_to_answer_s": [], "breakdown": [], "journal_breakdown": [],
-                            "same_answer": [], "client_tries": []}
+                            "same_answer": [], "client_tries": [], "steady_answer_s": []}
     log_path = agent.path.parent / "agent.log"
     for n in range(1, runs + 1):
         st = agent.status()
@@ -148,6 +148,7 @@ def kill_series(agent: Agent, runs: int, want: str) -> dict[str, list]:
         out["kill_to_answer_s"].append(client["kill_to_answer_s"])
         out["same_answer"].append(client["same_answer"])
         out["client_tries"].append(client["client_tries"])
+        out["steady_answer_s"].append(client["steady_answer_s"])
         out["breakdown"].append(kill_breakdown(rec, client))
         out["journal_breakdown"].append(journal_breakdown(log_path, client))
         parts = out["breakdown"][-1] or out["journal_breakdown"][-1]
@@ -171,7 +172,8 @@ def row(path: str, gib: float, r: dict, command: str, engine: str,
            "kill_to_answer_s": r["kill_to_answer_s"],
            "kill_to_answer_median_s": round(statistics.median(k2a), 3) if k2a else None,
            "kill_breakdown_median_s": medians(r["breakdown"]),
-           "journal_breakdown_median_s": medians(r["journal_breakdown"])}
+           "journal_breakdown_median_s": medians(r["journal_breakdown"]),
+           "steady_answer_median_s": round(statistics.median(r["steady_answer_s"]), 4)}
     if engine == "vllm":
         out["vllm_version"] = version
     return out
