@@ -215,6 +215,24 @@ def series(work: Path, name: str, model: Path, runs: int, want: str, snapshots: 
         agent.stop()
 
 
+def plugin_for(work: Path, vllm: bool) -> Path | None:
+    """The Pitstop plugin installed for vLLM in a folder of its own (None for the reference
+    engine, which needs none)."""
+    if not vllm:
+        return None
+    plugin = work / "vllm-plugin"
+    subprocess.run([str(REPO / "scripts" / "install-vllm-plugin.sh"), str(VLLM_PYTHON),
+                    str(plugin)], check=True)
+    return plugin
+
+
+def start_holder(work: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "agent", "holder", "--backend", "cpu", "--gpu", "cpu", "--dir",
+         str(work / "holder")], cwd=REPO,
+        stdout=open(work / "holder.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
@@ -243,17 +261,9 @@ def main() -> None:
                 results[path] = series(work, path, model, args.runs, path, path == "full",
                                        engine=args.engine)
             elif path == "hybrid":
-                plugin = None
-                if vllm:
-                    plugin = work / "vllm-plugin"
-                    subprocess.run([str(REPO / "scripts" / "install-vllm-plugin.sh"),
-                                    str(VLLM_PYTHON), str(plugin)], check=True)
-                holder = subprocess.Popen(
-                    [sys.executable, "-m", "agent", "holder", "--backend", "cpu", "--gpu",
-                     "cpu", "--dir", str(work / "holder")], cwd=REPO,
-                    stdout=open(work / "holder.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
+                holder = start_holder(work)
                 results[path] = series(work, path, model, args.runs, "hybrid", True,
-                                       holder=work / "holder", plugin=plugin,
+                                       holder=work / "holder", plugin=plugin_for(work, vllm),
                                        engine=args.engine)
                 holder.terminate()
                 holder.wait(30)
