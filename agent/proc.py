@@ -11,6 +11,7 @@ import select
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -209,16 +210,22 @@ def _exited(pidfd: int) -> bool:
     return bool(p.poll(0))
 
 
+def _pidfds(pids: Iterable[int]) -> list[int]:
+    """A pidfd for each of `pids` still there (a zombie too); the caller closes them."""
+    fds = []
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            fds.append(os.pidfd_open(pid))
+    return fds
+
+
 async def exits(pids: Iterable[int], timeout: float) -> bool:
     """Wait until every one of `pids` still running has exited, told by the kernel through
     a pidfd each (no polling), or `timeout` passed; False when none of them was running
     (each gone, or exited already: a zombie its parent, or we, will reap)."""
     loop = asyncio.get_running_loop()
-    fds: list[int] = []
+    fds = _pidfds(pids)
     try:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                fds.append(os.pidfd_open(pid))
         running = [fd for fd in fds if not _exited(fd)]
         if not running:
             return False
@@ -232,6 +239,28 @@ async def exits(pids: Iterable[int], timeout: float) -> bool:
         finally:
             for fd in running:
                 loop.remove_reader(fd)
+        return True
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def wait_exits(pids: Iterable[int], timeout: float) -> bool:
+    """`exits` for a worker thread: blocks until every one of `pids` still running has
+    exited or `timeout` passed; False when none of them was running."""
+    fds = _pidfds(pids)
+    try:
+        running = {fd for fd in fds if not _exited(fd)}
+        if not running:
+            return False
+        poller = select.poll()
+        for fd in running:
+            poller.register(fd, select.POLLIN)
+        end = time.monotonic() + timeout
+        while running and (left := end - time.monotonic()) > 0:
+            for fd, _ in poller.poll(max(1, int(left * 1000))):
+                running.discard(fd)
+                poller.unregister(fd)
         return True
     finally:
         for fd in fds:
