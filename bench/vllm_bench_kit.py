@@ -325,7 +325,14 @@ def summarize(path: str, recs: list[dict], ctx: dict, time_key: str = "duration_
             "kill_to_answer_median_s": round(statistics.median(k2a), 3) if k2a else None,
             "same_answer": [r.get("same_answer") for r in ok if "same_answer" in r],
             "stages_median_s": {k: round(statistics.median(v), 3) for k, v in stages.items()},
+            "kill_breakdown_median_s": median_parts([r.get("kill_breakdown") for r in ok]),
             "gpu_peak_bytes": [r.get("gpu_peak_bytes") for r in ok]}
+
+
+def median_parts(items: list[dict | None]) -> dict[str, float]:
+    """Each part's median over the runs that have it (kill_breakdown's)."""
+    keys = dict.fromkeys(k for d in items if d for k in d)
+    return {k: round(statistics.median(d[k] for d in items if d and k in d), 4) for k in keys}
 
 
 def start_peaks(result: dict, ctx: dict) -> list[dict]:

@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from gpu_recovery_bench import Agent, log  # noqa: E402
-from vllm_bench_kit import answer, kill_breakdown, kill_to_answer  # noqa: E402
+from vllm_bench_kit import answer, kill_breakdown, kill_to_answer, median_parts  # noqa: E402
 
 from agent.modelgen import make_model, record_for, spec_for  # noqa: E402
 
@@ -157,12 +157,6 @@ def kill_series(agent: Agent, runs: int, want: str) -> dict[str, list]:
     return out
 
 
-def medians(items: list[dict | None]) -> dict[str, float]:
-    """Each key's median over the runs that have it."""
-    keys = dict.fromkeys(k for d in items if d for k in d)
-    return {k: round(statistics.median(d[k] for d in items if d and k in d), 4) for k in keys}
-
-
 def row(path: str, gib: float, r: dict, command: str, engine: str,
         version: str | None) -> dict:
     runs, k2a = r["runs"], [x for x in r["kill_to_answer_s"] if x is not None]
@@ -171,8 +165,8 @@ def row(path: str, gib: float, r: dict, command: str, engine: str,
            "max_s": max(runs), "machine": "cpu-2core", "command": command,
            "kill_to_answer_s": r["kill_to_answer_s"],
            "kill_to_answer_median_s": round(statistics.median(k2a), 3) if k2a else None,
-           "kill_breakdown_median_s": medians(r["breakdown"]),
-           "journal_breakdown_median_s": medians(r["journal_breakdown"]),
+           "kill_breakdown_median_s": median_parts(r["breakdown"]),
+           "journal_breakdown_median_s": median_parts(r["journal_breakdown"]),
            "steady_answer_median_s": round(statistics.median(r["steady_answer_s"]), 4)}
     if engine == "vllm":
         out["vllm_version"] = version
