@@ -7,9 +7,11 @@ import contextlib
 import ctypes
 import logging
 import os
+import select
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -188,6 +190,87 @@ def ids_in_use(ids: Iterable[int], proc: Path = Path("/proc")) -> dict[int, int]
             if tid.isdigit() and int(tid) in want:
                 held.setdefault(int(tid), pid)
     return held
+
+
+def id_holders(ident: int, proc: Path = Path("/proc")) -> list[int]:
+    """Every process (a zombie too, until reaped) whose process group or session is
+    `ident`: while one is left the kernel keeps that ID allocated (see `ids_in_use`)."""
+    out = []
+    for pid in _pids(proc):
+        st = stat(pid, proc)
+        if st is not None and ident in (st.pgid, st.session):
+            out.append(pid)
+    return out
+
+
+def _exited(pidfd: int) -> bool:
+    """Whether the process of `pidfd` has exited: its pidfd polls readable (pidfd_open(2))."""
+    p = select.poll()
+    p.register(pidfd, select.POLLIN)
+    return bool(p.poll(0))
+
+
+def _pidfds(pids: Iterable[int]) -> list[int]:
+    """A pidfd for each of `pids` still there (a zombie too); the caller closes them."""
+    fds = []
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            fds.append(os.pidfd_open(pid))
+    return fds
+
+
+async def exits(pids: Iterable[int], timeout: float) -> bool:
+    """Wait until every one of `pids` still running has exited, told by the kernel through
+    a pidfd each (no polling), or `timeout` passed; False when none of them was running
+    (each gone, or exited already: a zombie its parent, or we, will reap)."""
+    loop = asyncio.get_running_loop()
+    fds = _pidfds(pids)
+    try:
+        running = [fd for fd in fds if not _exited(fd)]
+        if not running:
+            return False
+        waits: list[asyncio.Future[None]] = []
+        for fd in running:
+            fut: asyncio.Future[None] = loop.create_future()
+            loop.add_reader(fd, _on_exit, loop, fd, fut)
+            waits.append(fut)
+        try:
+            await asyncio.wait(waits, timeout=timeout)
+        finally:
+            for fd in running:
+                loop.remove_reader(fd)
+        return True
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def wait_exits(pids: Iterable[int], timeout: float) -> bool:
+    """`exits` for a worker thread: blocks until every one of `pids` still running has
+    exited or `timeout` passed; False when none of them was running."""
+    fds = _pidfds(pids)
+    try:
+        running = {fd for fd in fds if not _exited(fd)}
+        if not running:
+            return False
+        poller = select.poll()
+        for fd in running:
+            poller.register(fd, select.POLLIN)
+        end = time.monotonic() + timeout
+        while running and (left := end - time.monotonic()) > 0:
+            for fd, _ in poller.poll(max(1, int(left * 1000))):
+                running.discard(fd)
+                poller.unregister(fd)
+        return True
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _on_exit(loop: asyncio.AbstractEventLoop, fd: int, fut: asyncio.Future[None]) -> None:
+    loop.remove_reader(fd)
+    if not fut.done():
+        fut.set_result(None)
 
 
 def pid_alive(pid: int, proc: Path = Path("/proc")) -> bool:

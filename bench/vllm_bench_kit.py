@@ -185,28 +185,66 @@ def answer(addr: str, model: str, timeout: float = ANSWER_LIMIT_S) -> str | None
         return None
 
 
-def first_answer(addr: str, model: str, since: float, limit_s: float = ANSWER_LIMIT_S
-                 ) -> tuple[float | None, str | None]:
+def first_answer(addr: str, model: str, since: float, limit_s: float = ANSWER_LIMIT_S,
+                 tries: list[int] | None = None) -> tuple[float | None, str | None]:
     """Ask until a request completes: (seconds from `since` to that answer, its text); a
-    refused or cut request is asked again at once, as a client that retries would."""
+    refused or cut request is asked again at once, as a client that retries would, with no
+    pause of its own (the front holds a request while the engine is down, so a retry waits
+    there, not in a spin): the figure is the agent's and the front's, not this loop's.
+    `tries` gets the number of requests sent."""
     end = since + limit_s
-    while time.monotonic() < end:
-        text = answer(addr, model, timeout=max(1.0, end - time.monotonic()))
-        if text is not None:
-            return round(time.monotonic() - since, 3), text
-        time.sleep(0.05)
-    return None, None
+    n = 0
+    try:
+        while time.monotonic() < end:
+            n += 1
+            text = answer(addr, model, timeout=max(1.0, end - time.monotonic()))
+            if text is not None:
+                return round(time.monotonic() - since, 3), text
+        return None, None
+    finally:
+        if tries is not None:
+            tries.append(n)
 
 
 def kill_to_answer(front: str, model: str, pid: int) -> dict:
     """SIGKILL `pid` (the API server) and time the next request through `front` that
     completes, as a client sees the recovery; the answer must be the one before the kill."""
     before = answer(front, model)
+    # One more, timed: what an answer takes with nothing to recover (part of the figure).
+    t = time.monotonic()
+    answer(front, model)
+    steady = round(time.monotonic() - t, 4)
+    killed_at = time.time()
     t0 = time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    secs, after = first_answer(front, model, t0)
+    tries: list[int] = []
+    secs, after = first_answer(front, model, t0, tries=tries)
     return {"kill_to_answer_s": secs, "same_answer": after is not None and after == before,
-            "answer_before": before, "answer_after": after}
+            "answer_before": before, "answer_after": after, "killed_at": killed_at,
+            "client_tries": tries[0], "steady_answer_s": steady}
+
+
+def kill_breakdown(rec: dict, client: dict) -> dict[str, float] | None:
+    """Where the seconds from the SIGKILL to the client's answer went, from the agent's
+    `last_recovery` (wall-clock marks: `down_at`, when it saw the death; `lead_s`, what
+    came before its decision; `at` and `duration_s`) and the client's kill and answer:
+    `detect` (kill -> death seen), `teardown` (the dead tree killed and gone, its IDs
+    free), `backoff`, `other` (the rest before the decision), `recovery` (the agent's
+    own figure, decision -> verified canary), `front` (engine ready -> the client's
+    answer: the held request released, sent, answered). None without the agent's marks
+    (an agent older than them)."""
+    secs, killed = client.get("kill_to_answer_s"), client.get("killed_at")
+    if rec.get("down_at") is None or secs is None or killed is None:
+        return None
+    lead = rec.get("lead_s") or {}
+    ready = rec["at"]
+    decision = ready - rec["duration_s"]
+    out = {"detect": rec["down_at"] - killed, "teardown": lead.get("teardown", 0.0),
+           "backoff": lead.get("backoff", 0.0)}
+    out["other"] = decision - rec["down_at"] - out["teardown"] - out["backoff"]
+    out["recovery"] = rec["duration_s"]
+    out["front"] = killed + secs - ready
+    return {k: round(v, 4) for k, v in out.items()}
 
 
 def gpu_used_bytes() -> int | None:
@@ -287,7 +325,14 @@ def summarize(path: str, recs: list[dict], ctx: dict, time_key: str = "duration_
             "kill_to_answer_median_s": round(statistics.median(k2a), 3) if k2a else None,
             "same_answer": [r.get("same_answer") for r in ok if "same_answer" in r],
             "stages_median_s": {k: round(statistics.median(v), 3) for k, v in stages.items()},
+            "kill_breakdown_median_s": median_parts([r.get("kill_breakdown") for r in ok]),
             "gpu_peak_bytes": [r.get("gpu_peak_bytes") for r in ok]}
+
+
+def median_parts(items: list[dict | None]) -> dict[str, float]:
+    """Each part's median over the runs that have it (kill_breakdown's)."""
+    keys = dict.fromkeys(k for d in items if d for k in d)
+    return {k: round(statistics.median(d[k] for d in items if d and k in d), 4) for k in keys}
 
 
 def start_peaks(result: dict, ctx: dict) -> list[dict]:

@@ -34,7 +34,8 @@ One model of --gib GiB (`pitstop make-model --target-gib`, in /dev/shm), the rea
 
 Every recovery is timed twice: the agent's own figure (decision to restart -> verified
 canary, `runs_s`) and the client's (`kill_to_answer_s`: SIGKILL of the API server -> the
-next request through the front that completes; its answer must equal the one before).
+next request through the front that completes; its answer must equal the one before), and
+between them `kill_breakdown` (vllm_bench_kit.py) says where the client's seconds went.
 OUT/vllm-gpu-<gib>gib.json is written after every phase, so a run cut short keeps what it
 measured; phases of an earlier run into the same OUT are kept (run --paths subsets one after
 the other, each under its own --budget-s, to fit a caller's time limit). A phase or a run
@@ -85,6 +86,7 @@ from vllm_bench_kit import (  # noqa: E402
     gpu_used_bytes,
     hf_cache,
     install_plugin,
+    kill_breakdown,
     kill_to_answer,
     kill_tree,
     set_subreaper,
@@ -209,7 +211,8 @@ def kill(agent: Agent, want: str) -> dict:
     client = kill_to_answer(st["front"], MODEL_NAME, st["engine_pid"])
     st = agent.wait(lambda s: s.get("restarts", 0) >= n and s.get("state") in
                     ("ready", "snapshotting"), BOOT_S, f"recovery {n}")
-    rec = {**st["last_recovery"], **client}
+    rec = {**st["last_recovery"], **client,
+           "kill_breakdown": kill_breakdown(st["last_recovery"], client)}
     log(f"recovery {n}: {rec['path']} (wanted {want}) {rec['duration_s']:.2f} s by the agent, "
         f"{client['kill_to_answer_s']} s kill to answer, same answer {client['same_answer']}; "
         f"stages {rec['stages']}; fell through {rec.get('fallthroughs')}")
@@ -585,8 +588,9 @@ def base_config(a: argparse.Namespace, model: Path, env: dict[str, str]) -> dict
         "health": {"interval_s": 1.0, "timeout_s": 10.0, "failures_before_restart": 3,
                    "start_timeout_s": BOOT_S},
         # Every kill is the bench's own: many within minutes would be a crash loop to the
-        # default limit (5 in 300 s).
-        "restart": {"backoff_initial_s": 0.2, "backoff_max_s": 1.0, "crash_loop_limit": 1000},
+        # default limit (5 in 300 s), and a backoff would add 0.2, 0.4, 0.8 s before the
+        # decision of the second and later recoveries (kill_to_answer_s is one crash's).
+        "restart": {"backoff_initial_s": 0, "backoff_max_s": 1.0, "crash_loop_limit": 1000},
         # Snapshots only when the bench asks (`pitstop snapshot create`): after a cold or
         # warm start the agent would otherwise take one by itself, and the next kill would
         # be restored instead of measuring that path again.

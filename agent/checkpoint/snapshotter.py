@@ -32,7 +32,7 @@ from agent.checkpoint.zeropages import ImageDamagedError, ImageFormatError, drop
 from agent.config import Config
 from agent.errors import RestoreBlockedError, SnapshotError
 from agent.identity import REMAPPED_FIELDS
-from agent.proc import descendants, ids_in_use, kill_tree, stat
+from agent.proc import descendants, ids_in_use, kill_tree, stat, wait_exits
 from agent.store import (
     Manifest,
     ProcessTree,
@@ -58,6 +58,9 @@ STD_FDS = (1, 2)
 # than the agent took to decide on a restore, and kept its session's ID (the image's root
 # PID) taken: CRIU then failed with "Can't fork for PID: File exists".
 PID_WAIT_S = 30.0
+# How soon the PIDs are looked at again when each holder has exited already (a zombie): its
+# reap, by its parent or by the agent as the subreaper, is due at once.
+ZOMBIES_AGAIN_S = 0.005
 
 
 def tree_pids(root: int, proc_root: Path = Path("/proc")) -> tuple[int, ...]:
@@ -357,7 +360,12 @@ class Snapshotter:
             first = first or _holders(held, self._proc)
             if self._clock() >= end:
                 break
-            self._sleep(0.05)
+            # Woken by the holders' exits (pidfds), not a polling tick; when each has exited
+            # already, its reap (by its parent, or the agent as their subreaper) is due now.
+            # (A pidfd names a process of this host's /proc only.)
+            if self._proc != Path("/proc") or not wait_exits(set(held.values()),
+                                                              end - self._clock()):
+                self._sleep(ZOMBIES_AGAIN_S)
         pid, holder = min(held.items())
         try:
             comm = (self._proc / str(holder) / "comm").read_text().strip()

@@ -20,13 +20,17 @@ log = logging.getLogger("pitstop.engine")
 
 # How long a kill waits for the rest of the engine's group after its root is reaped.
 GROUP_GONE_TIMEOUT_S = 30.0
+# How soon the group is looked at again when all that is left of it are zombies: the kernel
+# hands each to us (the subreaper) as its parent exits, and a reap is due at once.
+ZOMBIES_AGAIN_S = 0.005
 
 
-def _group_held(root: int) -> dict[int, int]:
+def _group_held(root: int) -> list[int]:
+    """The processes that still hold the engine's group or session ID (`root`)."""
     # Members re-parented to the agent are its zombies until reaped: reap them here too.
     proc.reap_orphans()
     # The root itself is reaped already: a process with its PID now is someone else's.
-    return {i: holder for i, holder in proc.ids_in_use([root]).items() if holder != root}
+    return [pid for pid in proc.id_holders(root) if pid != root]
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,8 @@ class EngineProcess:
         # check (any other status) is still logged.
         self._quiet = f'"GET {health_path} HTTP/1.1" 200' if health_path else None
         self.started = time.monotonic()
+        # When its exit was seen (wall clock, for the status): None while it runs.
+        self.exited_at: float | None = None
         self._pidfd = os.pidfd_open(pid)
         self._exit: asyncio.Future[Exit] = asyncio.get_running_loop().create_future()
         self._stopping = False
@@ -102,6 +108,7 @@ class EngineProcess:
         return cls(pid, stdout=stdout, health_path=health_path)
 
     def _on_exit(self) -> None:
+        self.exited_at = time.time()
         loop = asyncio.get_running_loop()
         loop.remove_reader(self._pidfd)
         exit = Exit(code=None, signal=None)
@@ -155,21 +162,24 @@ class EngineProcess:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(self._pidfd, sig)
 
-    def _kill_group(self) -> None:
+    async def _kill_group(self) -> None:
         """SIGKILL the engine's process group and whatever descends from its root.
 
         The engine leads its own session and group, so the group also holds children that
         outlived their parent and were re-parented to us (vLLM's engine core after its API
-        server died): walking the tree from the root alone would miss them.
+        server died): walking the tree from the root alone would miss them. The group goes
+        first, in one call; the walk (for descendants that left the group) reads /proc, off
+        the loop, and only from a live root: a dead one's children are ours already.
         """
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
-        proc.kill_tree(self.pid, signal.SIGKILL)
+        if self.alive:
+            await asyncio.to_thread(proc.kill_tree, self.pid, signal.SIGKILL)
 
     async def kill(self) -> Exit:
         """SIGKILL the whole tree, reap the root, and wait for the rest of it to be gone."""
         self._stopping = True
-        self._kill_group()
+        await self._kill_group()
         exit = await self.wait()
         await self._group_gone()
         return exit
@@ -178,17 +188,21 @@ class EngineProcess:
         """Wait until no process holds the engine's session or group ID (its members exit
         after the root, and one holding tens of GiB takes seconds): until then the ID, which
         a restore must give back to the same root, cannot be allocated, and their GPU memory
-        is not free for a cold start."""
-        end = time.monotonic() + timeout
+        is not free for a cold start. Each wait ends when the kernel says the members still
+        there have exited (their pidfds), not at a polling tick."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
         while True:
             held = await asyncio.to_thread(_group_held, self.pid)
             if not held:
                 return
-            if time.monotonic() >= end:
+            left = end - loop.time()
+            if left <= 0:
                 log.warning("engine %d: processes of its group are still there %.0f s after "
-                            "SIGKILL: %s", self.pid, timeout, sorted(set(held.values())))
+                            "SIGKILL: %s", self.pid, timeout, sorted(held))
                 return
-            await asyncio.sleep(0.05)
+            if not await proc.exits(held, left):
+                await asyncio.sleep(ZOMBIES_AGAIN_S)
 
     async def stop(self, timeout: float) -> Exit:
         """SIGTERM the root (the engine drains its own children), wait, then SIGKILL all."""
@@ -201,7 +215,7 @@ class EngineProcess:
             except TimeoutError:
                 log.warning("engine %d did not stop within %.0fs; killing it", self.pid, timeout)
             else:
-                self._kill_group()  # leftovers of a tree whose root already exited
+                await self._kill_group()  # leftovers of a tree whose root already exited
                 await self._group_gone()
                 return exit
         return await self.kill()

@@ -55,6 +55,13 @@ class Recovery:
     gpu_fault: str = ""
     # GPU memory in use at its peak during the walk (every process); None without a GPU.
     gpu_peak_bytes: int | None = None
+    # When the agent saw the engine this walk replaced fail (wall clock: its exit, or the
+    # verdict of a hang); None for a walk that replaced no failed engine.
+    down_at: float | None = None
+    # What passed between down_at and this walk's first stage (not in duration_s):
+    # `teardown` (the dead tree killed, waited for, its IDs free; the GPU read beside it)
+    # and `backoff` (restart.backoff_*), in seconds.
+    lead_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

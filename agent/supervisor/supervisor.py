@@ -93,6 +93,10 @@ class Supervisor:
         self._snapshot_requests: list[asyncio.Future[dict]] = []
         self._verified_canary: CanaryRecord | None = None
         self._reconfigured = False
+        # When the engine the next walk replaces was seen to fail (wall clock), and what
+        # passed from then to that walk (Recovery.down_at, lead_s); None, {} for none.
+        self._down_at: float | None = None
+        self._lead_s: dict[str, float] = {}
 
     # --- control from outside (signals) -------------------------------------------------
     def request_stop(self) -> None:
@@ -368,7 +372,9 @@ class Supervisor:
             path=path, cause=attempt.cause, result=result, duration_s=round(duration, 3),
             at=time.time(), stages={k: round(v, 3) for k, v in attempt.stages.items()},
             fallthroughs=attempt.fallthroughs, gpu_fault=attempt.gpu_fault,
-            gpu_peak_bytes=peak)
+            gpu_peak_bytes=peak, down_at=self._down_at,
+            lead_s={k: round(v, 4) for k, v in self._lead_s.items()})
+        self._down_at, self._lead_s = None, {}
 
     # --- serving ----------------------------------------------------------------------
     async def _serve(self) -> None:
@@ -500,19 +506,26 @@ class Supervisor:
                 fut.set_result(answer)
 
     async def _engine_failed(self, cause: Cause, reason: str) -> None:
+        engine = self.engine
+        self._down_at = (engine.exited_at if engine is not None and engine.exited_at
+                         else time.time())
         self.gate.close(reason)
-        check = await self._gpu_check()
+        t0 = self._clock()
+        # The tree is killed at once and torn down while the GPU is read: a restore waits
+        # for both (the tree's PIDs, the GPU's faults), and neither needs the other.
+        check, _ = await asyncio.gather(self._gpu_check(), self._let_go(engine, stop=False))
+        self._lead_s = {"teardown": self._clock() - t0}
         if check.verdict is not Verdict.HEALTHY:
             # Whatever the engine died of, its GPU faulted: that is the cause worth telling.
             cause = Cause.GPU_FAULT
             reason = f"{reason}, with a GPU fault: {check.describe()}"
             self.gate.close(reason)
-        await self._let_go(self.engine, stop=False)
         self.status.restarts += 1
         self.metrics.engine_failures.labels(cause=cause).inc()
         self.record_failure()
         self._cause = cause
-        log.error("engine failed (%s): %s", cause, reason)
+        log.error("engine failed (%s): %s (its tree gone in %.3fs)", cause, reason,
+                  self._lead_s["teardown"])
         if check.verdict is Verdict.UNUSABLE:
             self._fire(Event.GPU_FAILED, unusable(check))
             return
@@ -551,8 +564,10 @@ class Supervisor:
             return
         if delay > 0:
             log.info("backing off %.1fs before the next start (%d recent failures)", delay, n)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), delay)
+            t0 = self._clock()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), delay)
+            self._lead_s["backoff"] = self._lead_s.get("backoff", 0.0) + self._clock() - t0
         if self._stop.is_set():
             return
         self._restart.clear()
