@@ -1,9 +1,11 @@
-"""Backoff between starts, and the crash loop: the failures counted in a sliding window."""
+"""Backoff between starts, the crash loop (the failures counted in a sliding window), and
+what passes between an engine's death and the walk that replaces it."""
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 from agent.config import RestartConfig
 
@@ -39,3 +41,39 @@ class Failures:
         if n <= 1:
             return 0.0, n
         return min(rc.backoff_max_s, rc.backoff_initial_s * rc.backoff_multiplier ** (n - 2)), n
+
+
+class Lead:
+    """From an engine's death being seen to the walk that replaces it: when it was seen
+    (wall clock: Recovery.down_at) and what took the time since (Recovery.lead_s: the
+    teardown of its tree, the backoff).
+
+    Example::
+
+        lead = Lead(time.monotonic)
+        lead.down(engine.exited_at)
+        with lead.span("teardown"):
+            await engine.kill()
+        down_at, lead_s = lead.take()   # for the recovery's record; cleared
+    """
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self.down_at: float | None = None
+        self.spans: dict[str, float] = {}
+
+    def down(self, at: float) -> None:
+        self.down_at, self.spans = at, {}
+
+    @contextlib.contextmanager
+    def span(self, what: str) -> Iterator[None]:
+        t0 = self._clock()
+        try:
+            yield
+        finally:
+            self.spans[what] = self.spans.get(what, 0.0) + self._clock() - t0
+
+    def take(self) -> tuple[float | None, dict[str, float]]:
+        out = self.down_at, {k: round(v, 4) for k, v in self.spans.items()}
+        self.down_at, self.spans = None, {}
+        return out

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from agent.recovery import Cause
+from agent.recovery import Cause, Fall
 from agent.refusal import Refusal
 from agent.supervisor.canary import CanaryRecord
 from agent.supervisor.engine import EngineProcess
 from agent.supervisor.status import Fallthrough
 
 # What one rung's `prepare` found and its `start` uses: the snapshot chosen, or nothing.
+log = logging.getLogger("pitstop.supervisor")
+
 T = TypeVar("T")
 
 
@@ -40,6 +43,15 @@ class Attempt:
             yield
         finally:
             self.stages[name] = self.stages.get(name, 0.0) + time.monotonic() - t0
+
+    def fall(self, path: str, kind: Fall, refusal: Refusal) -> Fallthrough:
+        """Pass over rung `path` for `refusal`: logged (a rung that cannot apply, as when
+        there is no snapshot yet, is routine; one that broke is not) and kept."""
+        fall = Fallthrough(path, kind, refusal)
+        level = logging.INFO if kind is Fall.SKIPPED else logging.WARNING
+        log.log(level, "ladder: %s (%s)", fall, refusal.code)
+        self.fallthroughs.append(fall)
+        return fall
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from agent.gpu_health import GpuCheck, GpuFault, Verdict
 from agent.metrics import Metrics
 from agent.recovery import Cause, Fall
 from agent.refusal import Refusal, RefusalCode
-from agent.supervisor.backoff import Failures
+from agent.supervisor.backoff import Failures, Lead
 from agent.supervisor.canary import CanaryBook, CanaryCheck, CanaryRecord
 from agent.supervisor.capture import Capture, ResumeFailed
 from agent.supervisor.engine import EngineProcess, Exit
@@ -26,12 +26,11 @@ from agent.supervisor.gpu import GpuGuard, ruled_out, unusable
 from agent.supervisor.heartbeat import BEAT_S, Heartbeat
 from agent.supervisor.ladder import Attempt, Prepared, Puller, StartPath, StopRequested
 from agent.supervisor.states import Event, State, next_state
-from agent.supervisor.status import AgentStatus, Fallthrough, Recovery
+from agent.supervisor.status import AgentStatus, Recovery
 from agent.supervisor.verify import Verifier
 from agent.systemd import Notifier
 
 log = logging.getLogger("pitstop.supervisor")
-
 
 
 class Supervisor:
@@ -93,10 +92,7 @@ class Supervisor:
         self._snapshot_requests: list[asyncio.Future[dict]] = []
         self._verified_canary: CanaryRecord | None = None
         self._reconfigured = False
-        # When the engine the next walk replaces was seen to fail (wall clock), and what
-        # passed from then to that walk (Recovery.down_at, lead_s); None, {} for none.
-        self._down_at: float | None = None
-        self._lead_s: dict[str, float] = {}
+        self._lead = Lead(clock)
 
     # --- control from outside (signals) -------------------------------------------------
     def request_stop(self) -> None:
@@ -162,9 +158,6 @@ class Supervisor:
         """When the loop last showed it is not stuck (what systemd's watchdog is fed by)."""
         return self._heart.at
 
-    def _beat(self) -> None:
-        self._heart.beat()
-
     @property
     def _step_limit_s(self) -> float:
         # A start may take this long to become healthy; no single step of it takes longer.
@@ -186,7 +179,7 @@ class Supervisor:
         self.gpu.listen(self._gpu_lost)
         self._fire(Event.START)
         while self.state is not State.STOPPED:
-            self._beat()
+            self._heart.beat()
             if self._stop.is_set() and self.state is not State.STOPPING:
                 self._fire(Event.STOP)
             if self.state is State.STARTING:
@@ -311,9 +304,9 @@ class Supervisor:
         return engine
 
     async def _pull_snapshot(self, attempt: Attempt) -> None:
-        """Let the fleet's store give this walk a snapshot its local store lacks."""
+        """Let the fleet's store give this walk a snapshot its local store lacks (off the
+        loop, like a rung's prepare: the front and the health probes go on)."""
         if self._pull is not None:
-            # Off the loop like a rung's prepare: the front and the health probes go on.
             async with self._heart.working("pulling a snapshot", self._pull.limit_s):
                 await self._pull.before_walk(attempt)
 
@@ -334,11 +327,7 @@ class Supervisor:
         return check
 
     def _fall(self, attempt: Attempt, path: str, kind: Fall, refusal: Refusal) -> None:
-        fall = Fallthrough(path, kind, refusal)
-        # A rung that cannot apply (no snapshot yet) is routine; one that broke is not.
-        level = logging.INFO if kind is Fall.SKIPPED else logging.WARNING
-        log.log(level, "ladder: %s (%s)", fall, refusal.code)
-        attempt.fallthroughs.append(fall)
+        attempt.fall(path, kind, refusal)
         self.metrics.ladder_fallthroughs.labels(path=path, reason=kind.value).inc()
 
     def _ready(self, path: str, attempt: Attempt, duration: float) -> None:
@@ -368,13 +357,12 @@ class Supervisor:
         peak = self.gpu.stop_sampling()
         if peak is not None:
             self.status.gpu_peak_bytes[path] = peak
+        down_at, lead_s = self._lead.take()
         self.status.last_recovery = Recovery(
             path=path, cause=attempt.cause, result=result, duration_s=round(duration, 3),
             at=time.time(), stages={k: round(v, 3) for k, v in attempt.stages.items()},
             fallthroughs=attempt.fallthroughs, gpu_fault=attempt.gpu_fault,
-            gpu_peak_bytes=peak, down_at=self._down_at,
-            lead_s={k: round(v, 4) for k, v in self._lead_s.items()})
-        self._down_at, self._lead_s = None, {}
+            gpu_peak_bytes=peak, down_at=down_at, lead_s=lead_s)
 
     # --- serving ----------------------------------------------------------------------
     async def _serve(self) -> None:
@@ -390,7 +378,7 @@ class Supervisor:
         misses = 0
         async with EngineProbe(self.config.engine_socket, timeout=hc.timeout_s) as probe:
             while True:
-                self._beat()
+                self._heart.beat()
                 await self._wait_serving(engine, hc.interval_s)
                 if self._stop.is_set():
                     return
@@ -507,14 +495,13 @@ class Supervisor:
 
     async def _engine_failed(self, cause: Cause, reason: str) -> None:
         engine = self.engine
-        self._down_at = (engine.exited_at if engine is not None and engine.exited_at
-                         else time.time())
+        self._lead.down(engine.exited_at if engine is not None and engine.exited_at
+                        else time.time())
         self.gate.close(reason)
-        t0 = self._clock()
         # The tree is killed at once and torn down while the GPU is read: a restore waits
         # for both (the tree's PIDs, the GPU's faults), and neither needs the other.
-        check, _ = await asyncio.gather(self._gpu_check(), self._let_go(engine, stop=False))
-        self._lead_s = {"teardown": self._clock() - t0}
+        with self._lead.span("teardown"):
+            check, _ = await asyncio.gather(self._gpu_check(), self._let_go(engine, stop=False))
         if check.verdict is not Verdict.HEALTHY:
             # Whatever the engine died of, its GPU faulted: that is the cause worth telling.
             cause = Cause.GPU_FAULT
@@ -525,7 +512,7 @@ class Supervisor:
         self.record_failure()
         self._cause = cause
         log.error("engine failed (%s): %s (its tree gone in %.3fs)", cause, reason,
-                  self._lead_s["teardown"])
+                  self._lead.spans["teardown"])
         if check.verdict is Verdict.UNUSABLE:
             self._fire(Event.GPU_FAILED, unusable(check))
             return
@@ -564,10 +551,8 @@ class Supervisor:
             return
         if delay > 0:
             log.info("backing off %.1fs before the next start (%d recent failures)", delay, n)
-            t0 = self._clock()
-            with contextlib.suppress(TimeoutError):
+            with self._lead.span("backoff"), contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), delay)
-            self._lead_s["backoff"] = self._lead_s.get("backoff", 0.0) + self._clock() - t0
         if self._stop.is_set():
             return
         self._restart.clear()
@@ -576,7 +561,7 @@ class Supervisor:
     async def _failed(self) -> None:
         self._reset.clear()
         while not self._stop.is_set() and not self._reset.is_set():
-            self._beat()
+            self._heart.beat()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._reset.wait(), 1.0)
         if self._reset.is_set() and not self._stop.is_set():
