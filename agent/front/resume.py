@@ -29,6 +29,7 @@ _CARRIED_FROM_CHAT = (
     "spaces_between_special_tokens", "logit_bias", "allowed_token_ids", "bad_words", "user",
     "priority",
 )
+_COMMA = ord(",")
 # Keys the front takes over (stop strings) or that make no sense on a continuation.
 _DROPPED_ON_RESUME = ("stop", "include_stop_str_in_output", "stream_options", "echo", "suffix",
                       "prompt_logprobs")
@@ -217,6 +218,7 @@ class Tracker:
 
     def __init__(self, plan: Plan, dead_marker: bytes | None = None) -> None:
         self.plan = plan
+        self._chat = plan.endpoint == CHAT
         # Text of an error event by which the engine says it died (vLLM's EngineDeadError):
         # such an event ends the attempt like a lost connection, and is not sent.
         self._dead_marker = dead_marker
@@ -258,13 +260,12 @@ class Tracker:
     def feed(self, chunk: bytes) -> bytes:
         """Client bytes for a chunk of engine bytes."""
         out: list[bytes] = []
-        chat = self.plan.endpoint == CHAT
         for raw in self._parser.frames(chunk):
             if self.done or self.engine_dead:
                 break
             if self._quick and is_plain(raw):
                 # The common event of a first attempt: its bytes go on, less the front's ids.
-                tokens = plain_tokens(raw, chat)
+                tokens = plain_tokens(raw, self._chat)
                 if tokens is not None:
                     out.append(self._forward(raw, tokens))
                     continue
@@ -374,10 +375,8 @@ class Tracker:
         if tokens.span is not None:
             # Cut ', "token_ids": [...]' out where it is the only id list (no prompt's ids).
             start, end = tokens.span
-            head = raw[:start].rstrip()
-            if head.endswith(b",") and b"token_ids" not in head \
-                    and raw.find(b"token_ids", end) < 0:
-                return head[:-1] + raw[end:]
+            if raw[start] == _COMMA and raw.count(b"token_ids") == 1:
+                return raw[:start] + raw[end:]
         return strip_ids(raw)
 
     def _scanned(self, obj: dict[str, Any], tokens: Tokens, chat: bool) -> bytes:

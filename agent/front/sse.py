@@ -53,7 +53,7 @@ class SSEParser:
         if self._skip_lf and chunk.startswith(b"\n"):
             chunk = chunk[1:]  # the second half of a CRLF split across two reads
         self._skip_lf = False
-        if b"\r" in chunk:
+        if chunk.find(b"\r") >= 0:  # not `in`: see events.plain_tokens
             # Rare (the servers we front write LF): normalise line ends to LF as they come.
             self._skip_lf = chunk.endswith(b"\r")
             chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
