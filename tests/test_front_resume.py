@@ -395,5 +395,8 @@ def test_any_chunking_gives_the_same_client_bytes(endpoint: str, client_ids: boo
     assert fed([whole]) == by_event
     assert fed([whole[i:i + 7] for i in range(0, len(whole), 7)]) == by_event
     assert fed([events[0], b"".join(events[1:4]), *events[4:]]) == by_event
+    crlf = whole.replace(b"\n", b"\r\n")
+    assert fed([e.replace(b"\n", b"\r\n") for e in events]) == by_event
+    assert fed([crlf[i:i + 7] for i in range(0, len(crlf), 7)]) == by_event
     # Bytes after [DONE] are never forwarded.
     assert fed([whole + events[1]]) == by_event

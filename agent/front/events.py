@@ -6,7 +6,7 @@ import json
 import re
 from typing import Any
 
-from agent.front.sse import event_of
+from agent.front.sse import event_of, is_plain
 
 # The id lists the front asked for, cut out of an event's bytes without decoding the JSON
 # again: a '"' right after '{' or ',' cannot be inside a JSON string (it would be escaped).
@@ -120,11 +120,6 @@ def tokens_of(ev: EngineEvent, chat: bool) -> Tokens | None:
     choice = choices[0]
     has_text = delta_has_text(choice.get("delta")) if chat else choice.get("text") != ""
     return Tokens(list(choice.get("token_ids") or ()), choice.get("finish_reason"), has_text)
-
-
-def is_plain(raw: bytes) -> bool:
-    """Whether an event is one `data: {...}` line (nearly every event is)."""
-    return raw.startswith(b"data: {") and raw.find(b"\n", 6) == len(raw) - 2
 
 
 def plain_tokens(raw: bytes, chat: bool) -> Tokens | None:

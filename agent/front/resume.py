@@ -8,12 +8,11 @@ from typing import Any
 from agent.front.events import (
     EngineEvent,
     Tokens,
-    is_plain,
     plain_tokens,
     strip_ids,
     tokens_of,
 )
-from agent.front.sse import DONE_FRAME, SSEParser, data_frame
+from agent.front.sse import DONE_FRAME, SSEParser, data_frame, is_plain
 from agent.refusal import Refusal, RefusalCode
 
 COMPLETIONS = "/v1/completions"
@@ -259,19 +258,24 @@ class Tracker:
 
     def feed(self, chunk: bytes) -> bytes:
         """Client bytes for a chunk of engine bytes."""
+        if self._parser.whole(chunk):
+            # The common read while tokens stream: one whole event, no split and no join.
+            return b"" if self.done or self.engine_dead else self._one(chunk, plain=True)
         out: list[bytes] = []
         for raw in self._parser.frames(chunk):
             if self.done or self.engine_dead:
                 break
-            if self._quick and is_plain(raw):
-                # The common event of a first attempt: its bytes go on, less the front's ids.
-                tokens = plain_tokens(raw, self._chat)
-                if tokens is not None:
-                    out.append(self._forward(raw, tokens))
-                    continue
-            out.append(self._event(EngineEvent(raw)))
-        # One event per read is the rule while tokens stream: no join for it.
-        return out[0] if len(out) == 1 else b"".join(out)
+            out.append(self._one(raw, is_plain(raw)))
+        return b"".join(out)
+
+    def _one(self, raw: bytes, plain: bool) -> bytes:
+        """Client bytes for one event (`plain`: one `data:` line, see sse.is_plain)."""
+        if self._quick and plain:
+            # The common event of a first attempt: its bytes go on, less the front's ids.
+            tokens = plain_tokens(raw, self._chat)
+            if tokens is not None:
+                return self._forward(raw, tokens)
+        return self._event(EngineEvent(raw))
 
     def _count(self, ids: list[int], textless: bool) -> list[int]:
         """Record an event's ids; the ids it delivers to the client (see the class doc)."""

@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 DONE = b"[DONE]"
 DONE_FRAME = b"data: [DONE]\n\n"
+_LF = ord("\n")
 
 
 class Event(NamedTuple):
@@ -40,6 +41,13 @@ class SSEParser:
         self._buf = b""
         self._skip_lf = False
 
+    def whole(self, chunk: bytes) -> bool:
+        """Whether `chunk` is, with nothing pending before it, one whole one-line event
+        (`is_plain`): the common read of a streaming answer, which `frames` would return
+        as it came (one search for a line end instead of two, and no list)."""
+        return (not self._buf and not self._skip_lf and is_plain(chunk)
+                and chunk[-1] == _LF and chunk.find(b"\r") < 0)
+
     @property
     def pending(self) -> bytes:
         """Bytes of an event not yet complete."""
@@ -71,6 +79,11 @@ class SSEParser:
             end = buf.find(b"\n\n", start)
         self._buf = buf[start:]
         return frames
+
+
+def is_plain(raw: bytes) -> bool:
+    """Whether a frame is one `data: {...}` line (nearly every event is)."""
+    return raw.startswith(b"data: {") and raw.find(b"\n", 6) == len(raw) - 2
 
 
 def event_of(raw: bytes) -> Event:
