@@ -10,10 +10,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import get_args
+from typing import Generic, TypeVar, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector, RestrictedRegistry
 
 import agent
@@ -350,6 +351,31 @@ class StatusCollector(Collector):
             "pitstop_front_inflight_requests", "Requests the front is forwarding right now.")
         inf.add_metric([], float(s.front_inflight))
         yield inf
+
+
+M = TypeVar("M", bound=MetricWrapperBase)
+
+
+class Children(Generic[M]):
+    """A labelled metric's children by their label values (in the metric's label order),
+    each looked up once: prometheus_client's `labels()` checks and converts its arguments
+    and takes a lock at every call, which a path taken per request need not pay.
+
+    Example::
+
+        answered = Children(metrics.front_requests)
+        answered("/v1/models", 200).inc()    # label values are made strings, as labels() does
+    """
+
+    def __init__(self, metric: M) -> None:
+        self._metric = metric
+        self._children: dict[tuple[object, ...], M] = {}
+
+    def __call__(self, *values: object) -> M:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*values)
+        return child
 
 
 class EngineLabel:

@@ -1,6 +1,7 @@
 """The front's own CPU per streamed token and per request, with the engine's cost out of it.
 
     python bench/front_cpu.py [--seconds 5] [--rounds 3] [--compare OTHER_CHECKOUT] [--floor]
+                              [--json OUT.json]
 
 front_bench.py measures the front beside a CPU-bound engine on the same cores, where the
 front's CPU time per token swings with the contention (108-160 us on the 2-core VM). Here a
@@ -10,7 +11,9 @@ the front process's user and system CPU time is divided by the tokens or request
 forwarded: a figure that compares two versions of the front. --compare runs the front of
 another checkout (its `agent/`, e.g. `git worktree add /tmp/old main`) beside this one,
 alternating; --floor adds a byte pump (TCP to Unix socket, no HTTP at all): the cost of the
-extra process hop alone, which no proxy in Python gets under.
+extra process hop alone, which no proxy in Python gets under. --json writes each round's
+figure too (a `rows` list, one row per load and front), since one round's noise on a shared
+machine is larger than most differences between two versions.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import asyncio
 import contextlib
 import json
 import os
+import platform
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -85,37 +90,42 @@ def _fake_engine(sock: str, gap: float) -> None:
 
 
 # --- the floor: a byte pump ------------------------------------------------------------------
+class _Up(asyncio.Protocol):
+    def __init__(self, down: asyncio.Transport) -> None:
+        self.down = down
+
+    def data_received(self, data: bytes) -> None:
+        self.down.write(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.down.close()
+
+
+class _Down(asyncio.Protocol):
+    def __init__(self, sock: str) -> None:
+        self.sock = sock
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.t, self.early, self.up = transport, [], None
+        self.opening = asyncio.ensure_future(self._open())
+
+    async def _open(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.up, _ = await loop.create_unix_connection(lambda: _Up(self.t), self.sock)
+        for b in self.early:
+            self.up.write(b)
+
+    def data_received(self, data: bytes) -> None:
+        (self.up.write if self.up else self.early.append)(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.up:
+            self.up.close()
+
+
 def _pump(sock: str) -> None:
-    class Up(asyncio.Protocol):
-        def __init__(self, down: asyncio.Transport) -> None:
-            self.down = down
-
-        def data_received(self, data: bytes) -> None:
-            self.down.write(data)
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self.down.close()
-
-    class Down(asyncio.Protocol):
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            self.t, self.early, self.up = transport, [], None
-            self.opening = asyncio.ensure_future(self._open())
-
-        async def _open(self) -> None:
-            loop = asyncio.get_running_loop()
-            self.up, _ = await loop.create_unix_connection(lambda: Up(self.t), sock)
-            for b in self.early:
-                self.up.write(b)
-
-        def data_received(self, data: bytes) -> None:
-            (self.up.write if self.up else self.early.append)(data)
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            if self.up:
-                self.up.close()
-
     async def serve() -> None:
-        srv = await asyncio.get_running_loop().create_server(Down, "127.0.0.1", 0)
+        srv = await asyncio.get_running_loop().create_server(lambda: _Down(sock), "127.0.0.1", 0)
         print(srv.sockets[0].getsockname()[1], flush=True)
         await asyncio.Event().wait()
 
@@ -157,6 +167,7 @@ async def measure(args: argparse.Namespace) -> None:
             procs["byte pump"] = _start([sys.executable, __file__, "_pump", str(sock)])
         chosen = [x for x in loads() if x.name.startswith(("models", "streaming"))]
         totals: dict[tuple[str, str], list[float]] = {}
+        rounds: dict[tuple[str, str], list[float]] = {}
         for r in range(args.rounds):
             for load in chosen:
                 for name, (proc, port) in procs.items():
@@ -169,13 +180,11 @@ async def measure(args: argparse.Namespace) -> None:
                     t[1] += s1 - s0
                     t[2] += res.tokens or len(res.latencies)
                     t[3] += res.errors
+                    n = res.tokens or len(res.latencies)
+                    rounds.setdefault((load.name, name), []).append(
+                        1e6 * (u1 - u0 + s1 - s0) / n if n else float("nan"))
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-        print("| load | front | user us | system us | total us | per | errors |")
-        print("| --- | --- | ---: | ---: | ---: | --- | ---: |")
-        for (load_name, name), (u, s, n, err) in totals.items():
-            per = "token" if "stream" in load_name else "request"
-            print(f"| {load_name} | {name} | {1e6 * u / n:.1f} | {1e6 * s / n:.1f} | "
-                  f"{1e6 * (u + s) / n:.1f} | {per} | {err} |")
+        _report(args, totals, rounds)
     finally:
         for proc, _ in procs.values():
             proc.send_signal(signal.SIGTERM)
@@ -189,6 +198,44 @@ async def measure(args: argparse.Namespace) -> None:
         for p in work.iterdir():
             p.unlink()
         work.rmdir()
+
+
+def _report(args: argparse.Namespace, totals: dict[tuple[str, str], list[float]],
+            rounds: dict[tuple[str, str], list[float]]) -> None:
+    print("| load | front | user us | system us | total us | per | errors |")
+    print("| --- | --- | ---: | ---: | ---: | --- | ---: |")
+    for (load_name, name), (u, s, n, err) in totals.items():
+        per = "token" if "stream" in load_name else "request"
+        print(f"| {load_name} | {name} | {1e6 * u / n:.1f} | {1e6 * s / n:.1f} | "
+              f"{1e6 * (u + s) / n:.1f} | {per} | {err} |")
+    print("\nper round, total us (median; min-max):")
+    for (load_name, name), runs in rounds.items():
+        print(f"  {load_name} | {name}: {statistics.median(runs):.1f} "
+              f"({min(runs):.1f}-{max(runs):.1f}) {' '.join(f'{x:.1f}' for x in runs)}")
+    if args.json:
+        _write_json(args, totals, rounds)
+
+
+def _write_json(args: argparse.Namespace, totals: dict[tuple[str, str], list[float]],
+                rounds: dict[tuple[str, str], list[float]]) -> None:
+    """The result rows: one per load and front, its runs the rounds' figures (in us)."""
+    rows = []
+    for (load_name, name), runs in rounds.items():
+        u, s, n, err = totals[(load_name, name)]
+        per = "token" if "stream" in load_name else "request"
+        rows.append({
+            "engine": "front", "path": load_name, "gib": 0, "front": name,
+            "checkout": str(args.compare.resolve() if name == "compare" else ROOT),
+            "unit": f"us of front CPU (user+system) per {per}",
+            "runs_s": [round(x, 2) for x in runs], "median_s": round(statistics.median(runs), 2),
+            "pooled": round(1e6 * (u + s) / n, 2), "user": round(1e6 * u / n, 2),
+            "system": round(1e6 * s / n, 2), "errors": int(err), "machine": "cpu-vm",
+            "command": " ".join(["python", *sys.argv])})
+    out = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                       "load_average": os.getloadavg()},
+           "seconds": args.seconds, "rounds": args.rounds, "gap_s": args.gap, "rows": rows}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(out, indent=1) + "\n")
 
 
 def main() -> int:
@@ -205,6 +252,7 @@ def main() -> int:
     p.add_argument("--gap", type=float, default=0.002, help="seconds between engine events")
     p.add_argument("--compare", type=Path, help="another checkout whose front runs beside")
     p.add_argument("--floor", action="store_true", help="also a byte pump: the hop's floor")
+    p.add_argument("--json", type=Path, help="also write the rows, each round's figure in them")
     asyncio.run(measure(p.parse_args()))
     return 0
 

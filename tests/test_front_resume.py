@@ -27,8 +27,10 @@ def _frame(obj: dict[str, Any]) -> bytes:
 
 
 def engine_stream(chat: bool, pieces: list[tuple[int, str]], prompt: list[int],
-                  finish: str = "length", rid: str = "x-1", usage: bool = False) -> list[bytes]:
-    """Events as the reference engine (and vLLM) write them with return_token_ids."""
+                  finish: str = "length", rid: str = "x-1", usage: bool = False,
+                  held: dict[str, Any] | None = None) -> list[bytes]:
+    """Events as the reference engine (and vLLM) write them with return_token_ids; `held`:
+    the chat delta of a token whose text is held back, when not `{"content": ""}`."""
     env = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
            "created": 7, "model": "m"}
     out = []
@@ -39,7 +41,8 @@ def engine_stream(chat: bool, pieces: list[tuple[int, str]], prompt: list[int],
     for i, (tid, text) in enumerate(pieces):
         fin = finish if i == len(pieces) - 1 else None
         if chat:
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": None,
+            delta = held if held is not None and not text else {"content": text}
+            choice = {"index": 0, "delta": delta, "logprobs": None,
                       "finish_reason": fin, "stop_reason": None, "token_ids": [tid]}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": fin,
@@ -70,14 +73,15 @@ def client_view(data: bytes, chat: bool) -> tuple[str, list[dict[str, Any]]]:
 
 
 def run_cut(endpoint: str, body: dict[str, Any], cut: int,
-            every: list[tuple[int, str]] = PIECES) -> tuple[str, list[dict[str, Any]], Tracker]:
+            every: list[tuple[int, str]] = PIECES,
+            held: dict[str, Any] | None = None) -> tuple[str, list[dict[str, Any]], Tracker]:
     """Feed the first `cut` events, lose the engine, continue; what does the client get?"""
     chat = endpoint == CHAT
     limit = body.get("max_tokens", 16)
     pieces = every[:limit]
     finish = "length" if len(pieces) == limit else "stop"
     t = Tracker(Plan.of(endpoint, body))
-    events = engine_stream(chat, pieces, PROMPT, finish, usage=True)
+    events = engine_stream(chat, pieces, PROMPT, finish, usage=True, held=held)
     sent = b""
     for ev in events[:cut]:
         sent += t.feed(ev)
@@ -91,7 +95,7 @@ def run_cut(endpoint: str, body: dict[str, Any], cut: int,
     path, cont = t.continuation()
     if not t.started:
         assert (path, cont) == (endpoint, Plan.of(endpoint, body).first_body())
-        return run_cut(endpoint, body, len(events) + 1, every)
+        return run_cut(endpoint, body, len(events) + 1, every, held)
     assert path == COMPLETIONS
     n = len(t.out_ids)
     assert cont["prompt"] == PROMPT + [tid for tid, _ in every[:n]]
@@ -164,6 +168,25 @@ def test_a_cut_inside_a_character_continues_from_the_last_whole_one(
         ids = [i for o in objs for c in o.get("choices") or [] for i in c.get("token_ids") or []]
         assert ids == ([tid for tid, _ in SPLIT] if client_ids else []), cut
         assert objs[-2]["usage"]["completion_tokens"] == 12, cut
+
+
+@pytest.mark.parametrize("held", [{}, {"content": None}], ids=["empty", "null"])
+@pytest.mark.parametrize("client_ids", [False, True])
+def test_a_chat_delta_with_no_text_at_all_holds_its_ids_like_an_empty_one(
+        held: dict[str, Any], client_ids: bool) -> None:
+    # vLLM's chat layer sends `"delta": {}` (and the ids, asked for) for a token whose text
+    # its parser holds back: no empty string in the bytes, and still no text sent.
+    body = {"model": "m", "max_tokens": 12, "stream": True, "return_token_ids": client_ids,
+            "messages": [{"role": "user", "content": "hi"}]}
+    for cut in range(0, 15):
+        text, objs, t = run_cut(CHAT, body, cut, SPLIT, held)
+        assert text == "".join(x for _, x in SPLIT), cut
+        ids = [i for o in objs for c in o.get("choices") or [] for i in c.get("token_ids") or []]
+        assert ids == ([tid for tid, _ in SPLIT] if client_ids else []), cut
+    t = Tracker(Plan.of(CHAT, body))
+    for ev in engine_stream(True, SPLIT, PROMPT, held=held)[:5]:  # 'Caf', -, 'é ', -
+        t.feed(ev)
+    assert t.out_ids == [50, 51, 52]
 
 
 def test_ids_of_a_split_character_reach_the_client_with_its_text() -> None:
@@ -372,5 +395,8 @@ def test_any_chunking_gives_the_same_client_bytes(endpoint: str, client_ids: boo
     assert fed([whole]) == by_event
     assert fed([whole[i:i + 7] for i in range(0, len(whole), 7)]) == by_event
     assert fed([events[0], b"".join(events[1:4]), *events[4:]]) == by_event
+    crlf = whole.replace(b"\n", b"\r\n")
+    assert fed([e.replace(b"\n", b"\r\n") for e in events]) == by_event
+    assert fed([crlf[i:i + 7] for i in range(0, len(crlf), 7)]) == by_event
     # Bytes after [DONE] are never forwarded.
     assert fed([whole + events[1]]) == by_event

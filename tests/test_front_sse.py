@@ -39,6 +39,21 @@ def test_crlf_and_cr_line_ends_even_split_between_reads() -> None:
     assert _events([STREAM.replace(b"\n", b"\r")]) == _events([STREAM])
 
 
+def test_a_read_of_one_whole_line_event_is_taken_as_it_is_only_with_nothing_pending() -> None:
+    event = b'data: {"id":"a","choices":[{"text":"he"}]}\n\n'
+    p = SSEParser()
+    assert p.whole(event)
+    assert not p.whole(event + event) and not p.whole(event[:-1])
+    assert not p.whole(event.replace(b"\n", b"\r\n")) and not p.whole(b": hi\n\n")
+    assert not p.whole(event.replace(b"{", b"{\r", 1))  # a CR ends a line too
+    assert not p.whole(event.replace(b'"he"', b'\n"he"'))  # two lines
+    assert p.frames(event[:9]) == [] and not p.whole(event)  # a half event is pending
+    assert p.frames(event[9:]) == [event] and p.whole(event)
+    assert p.frames(b"data: [DONE]\r") == [] and p.pending == b"data: [DONE]\n"
+    assert p.frames(b"\r") == [b"data: [DONE]\n\n"] and not p.whole(event)  # a LF may follow
+    assert p.frames(b"\n") == [] and p.whole(event)
+
+
 def test_multiline_data_event_and_named_event() -> None:
     p = SSEParser()
     (ev,) = p.feed(b"event: x\ndata: one\ndata:two\nid: 3\n\n")

@@ -15,6 +15,14 @@ Sink = Callable[[bytes], bool]
 _MAX_HEAD = 64 * 1024
 
 
+def _chunk_size(line: bytes) -> int:
+    """A chunk's size line: hex digits, then perhaps extensions (';name=value'), ignored."""
+    try:
+        return int(line, 16)  # the common line, parsed without splitting it first
+    except ValueError:
+        return int(line.split(b";", 1)[0], 16)
+
+
 class EngineStream(asyncio.Protocol):
     """An HTTP/1.1 exchange with the engine on a Unix connection of its own.
 
@@ -245,7 +253,7 @@ class EngineStream(asyncio.Protocol):
                 return True
         else:
             try:
-                size = int(line.split(b";", 1)[0], 16)
+                size = _chunk_size(line)
             except ValueError:
                 self._fail(f"bad chunk size from the engine: {line[:50]!r}")
                 return True

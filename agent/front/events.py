@@ -6,7 +6,7 @@ import json
 import re
 from typing import Any
 
-from agent.front.sse import event_of
+from agent.front.sse import event_of, is_plain
 
 # The id lists the front asked for, cut out of an event's bytes without decoding the JSON
 # again: a '"' right after '{' or ',' cannot be inside a JSON string (it would be escaped).
@@ -14,28 +14,31 @@ _ID_KEYS = re.compile(
     rb',\s*"(?:prompt_)?token_ids"\s*:\s*(?:null|\[[^\]]*\])'
     rb'|"(?:prompt_)?token_ids"\s*:\s*(?:null|\[[^\]]*\])\s*,?')
 # An event's ids, finish reason and text, read from its bytes (same structural argument:
-# the key's quote follows '{' or ',' directly); a text's first byte after its opening quote
-# tells whether it is empty.
-_DELTA_IDS = re.compile(rb'"token_ids"\s*:\s*\[([^\]]*)\]')
-_FINISH = re.compile(rb'"finish_reason"\s*:\s*(?:null|"([^"\\]*)")')
-_TEXT = re.compile(rb'"text"\s*:\s*"(.)', re.S)
-_CONTENT = re.compile(rb'"content"\s*:\s*"(.)', re.S)
+# each pattern is matched from the '{' or ',' before its key's quote, so it matches a key of
+# an object only); a text's first byte after its opening quote tells whether it is empty.
+_DELTA_IDS = re.compile(rb'[,{]\s*"token_ids"\s*:\s*\[([^\]]*)\]')
+_FINISH = re.compile(rb'[,{]\s*"finish_reason"\s*:\s*(?:null|"([^"\\]*)")')
+_TEXT = re.compile(rb'[,{]\s*"text"\s*:\s*"(.)', re.S)
+_CONTENT = re.compile(rb'[,{]\s*"content"\s*:\s*"(.)', re.S)
+_SPACE = frozenset(b" \t\r\n")
+_COMMA = ord(",")
 
 
 def _key(pattern: re.Pattern[bytes], key: bytes, raw: bytes) -> re.Match[bytes] | None:
-    """`pattern` matched at the last `key` in `raw`, if that is a key of an object."""
+    """`pattern` matched at the last `key` in `raw`, from the byte before it that is not
+    white space: None unless that is the '{' or ',' before a key of an object."""
     i = raw.rfind(key)
     if i <= 0:
         return None
     k = i - 1
-    while k > 0 and raw[k] in b" \t\r\n":
+    while k > 0 and raw[k] in _SPACE:
         k -= 1
-    return pattern.match(raw, i) if raw[k] in b",{" else None
+    return pattern.match(raw, k)
 
 
 def strip_ids(raw: bytes) -> bytes:
     """`raw` without the token id lists the front added to the request."""
-    return _ID_KEYS.sub(b"", raw) if b"token_ids" in raw else raw
+    return _ID_KEYS.sub(b"", raw) if raw.find(b"token_ids") >= 0 else raw
 
 
 def delta_has_text(delta: Any) -> bool:
@@ -85,20 +88,17 @@ class EngineEvent:
 
 class Tokens:
     """The first choice of one event, as the sent offset counts it: its token ids, its
-    finish reason, whether it brings text (a token whose text the engine holds back, inside
-    a UTF-8 character, brings none), and where its id list is in the event's bytes when it
-    was read there (`span`, to cut it out)."""
+    finish reason, whether it is `textless` (it neither ends the answer nor brings text: a
+    token whose text the engine holds back, inside a UTF-8 character, brings none, and its
+    ids wait for a later event's text), and where its id list is in the event's bytes when
+    it was read there (`span`, from the ',' or '{' before the key to the list's end)."""
 
-    __slots__ = ("finish", "has_text", "ids", "span")
+    __slots__ = ("finish", "ids", "span", "textless")
 
     def __init__(self, ids: list[int], finish: str | None, has_text: bool,
                  span: tuple[int, int] | None = None) -> None:
-        self.ids, self.finish, self.has_text, self.span = ids, finish, has_text, span
-
-    @property
-    def textless(self) -> bool:
-        """Its ids wait for the text of a later event (it neither brings text nor ends)."""
-        return not self.finish and not self.has_text
+        self.ids, self.finish, self.span = ids, finish, span
+        self.textless = not finish and not has_text
 
 
 def tokens_of(ev: EngineEvent, chat: bool) -> Tokens | None:
@@ -122,11 +122,6 @@ def tokens_of(ev: EngineEvent, chat: bool) -> Tokens | None:
     return Tokens(list(choice.get("token_ids") or ()), choice.get("finish_reason"), has_text)
 
 
-def is_plain(raw: bytes) -> bool:
-    """Whether an event is one `data: {...}` line (nearly every event is)."""
-    return raw.startswith(b"data: {") and raw.find(b"\n", 6) == len(raw) - 2
-
-
 def plain_tokens(raw: bytes, chat: bool) -> Tokens | None:
     """The tokens read off a one-line event's bytes (`is_plain`); None when its shape
     does not tell them all (an error, no id list, a chat delta whose content is not a
@@ -134,7 +129,9 @@ def plain_tokens(raw: bytes, chat: bool) -> Tokens | None:
 
     JSON writes a quote inside a string escaped, so `""` is in the bytes only where a
     string is empty: without one, a completion's text is not the empty string."""
-    if b'"error"' in raw:
+    # find, not `in`: `bytes in bytes` first tries the needle as an integer and formats
+    # the TypeError it clears, which costs more than the search (CPython 3.11).
+    if raw.find(b'"error"') >= 0:
         return None
     ids = _key(_DELTA_IDS, b'"token_ids"', raw)
     fin = _key(_FINISH, b'"finish_reason"', raw)
@@ -145,7 +142,7 @@ def plain_tokens(raw: bytes, chat: bool) -> Tokens | None:
         if content is None or content.group(1) == b'"':
             return None
         has_text = True
-    elif b'""' in raw:
+    elif raw.find(b'""') >= 0:
         text = _key(_TEXT, b'"text"', raw)
         if text is None:
             return None
@@ -154,6 +151,10 @@ def plain_tokens(raw: bytes, chat: bool) -> Tokens | None:
         has_text = True
     got = ids.group(1)
     finish = fin.group(1)
-    return Tokens(list(map(int, got.split(b","))) if got.strip() else [],
-                  None if finish is None else finish.decode(), has_text,
-                  (ids.start(), ids.end()))
+    # One id an event is the rule while tokens stream: int() alone is half of map and list.
+    return Tokens([int(got)] if got.isdigit() else _ids(got),
+                  None if finish is None else finish.decode(), has_text, ids.span())
+
+
+def _ids(listed: bytes) -> list[int]:
+    return list(map(int, listed.split(b","))) if listed.strip() else []

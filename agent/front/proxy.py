@@ -34,7 +34,7 @@ from agent.holder.kvledger import (
     RESUME_HEADER,
     KeptKVOutcome,
 )
-from agent.metrics import Metrics
+from agent.metrics import Children, Metrics
 from agent.supervisor.gate import EngineGate, Ready
 from agent.tls import LiveTls
 
@@ -126,6 +126,9 @@ class Front:
         self._engine_metrics_path = engine_metrics_path
         self.gate = gate
         self.metrics = metrics
+        # Looked up per request: each label child once (metrics.Children).
+        self._answered = Children(metrics.front_requests)
+        self._first_token_hist = Children(metrics.front_first_token)
         self.holding = Holding(gate, config.queue, metrics)
         self.upstream = Upstream()
         # Before a snapshot the pooled connections go: CRIU cannot dump half of a connection.
@@ -230,7 +233,7 @@ class Front:
 
     def _refused(self, request: web.Request) -> None:
         """A request without a valid API key: counted, never logged with its header."""
-        self.metrics.front_requests.labels(endpoint=_endpoint(request.path), code="401").inc()
+        self._answered(_endpoint(request.path), 401).inc()
 
     # --- the front's own endpoints ---------------------------------------------------------
     async def _health(self, request: web.Request) -> web.Response:
@@ -283,7 +286,7 @@ class Front:
         if ready.recovery > self._first_stream_of:
             self._first_stream_of = ready.recovery
             phase = "after_recovery"
-        hist = self.metrics.front_first_token.labels(path=ready.path, phase=phase)
+        hist = self._first_token_hist(ready.path, phase)
         sent = time.monotonic()
         return lambda: hist.observe(time.monotonic() - sent)
 
@@ -300,7 +303,7 @@ class Front:
                 self.metrics.front_failed.labels(reason=FrontFailure.CLIENT_GONE).inc()
                 log.info("request %s: client went away", rid)
             raise
-        self.metrics.front_requests.labels(endpoint=endpoint, code=str(resp.status)).inc()
+        self._answered(endpoint, resp.status).inc()
         return resp
 
     async def _serve(self, request: web.Request, rid: str) -> web.StreamResponse:

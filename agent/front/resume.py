@@ -8,12 +8,11 @@ from typing import Any
 from agent.front.events import (
     EngineEvent,
     Tokens,
-    is_plain,
     plain_tokens,
     strip_ids,
     tokens_of,
 )
-from agent.front.sse import DONE_FRAME, SSEParser, data_frame
+from agent.front.sse import DONE_FRAME, SSEParser, data_frame, is_plain
 from agent.refusal import Refusal, RefusalCode
 
 COMPLETIONS = "/v1/completions"
@@ -29,6 +28,7 @@ _CARRIED_FROM_CHAT = (
     "spaces_between_special_tokens", "logit_bias", "allowed_token_ids", "bad_words", "user",
     "priority",
 )
+_COMMA = ord(",")
 # Keys the front takes over (stop strings) or that make no sense on a continuation.
 _DROPPED_ON_RESUME = ("stop", "include_stop_str_in_output", "stream_options", "echo", "suffix",
                       "prompt_logprobs")
@@ -217,6 +217,7 @@ class Tracker:
 
     def __init__(self, plan: Plan, dead_marker: bytes | None = None) -> None:
         self.plan = plan
+        self._chat = plan.endpoint == CHAT
         # Text of an error event by which the engine says it died (vLLM's EngineDeadError):
         # such an event ends the attempt like a lost connection, and is not sent.
         self._dead_marker = dead_marker
@@ -257,20 +258,24 @@ class Tracker:
 
     def feed(self, chunk: bytes) -> bytes:
         """Client bytes for a chunk of engine bytes."""
+        if self._parser.whole(chunk):
+            # The common read while tokens stream: one whole event, no split and no join.
+            return b"" if self.done or self.engine_dead else self._one(chunk, plain=True)
         out: list[bytes] = []
-        chat = self.plan.endpoint == CHAT
         for raw in self._parser.frames(chunk):
             if self.done or self.engine_dead:
                 break
-            if self._quick and is_plain(raw):
-                # The common event of a first attempt: its bytes go on, less the front's ids.
-                tokens = plain_tokens(raw, chat)
-                if tokens is not None:
-                    out.append(self._forward(raw, tokens))
-                    continue
-            out.append(self._event(EngineEvent(raw)))
-        # One event per read is the rule while tokens stream: no join for it.
-        return out[0] if len(out) == 1 else b"".join(out)
+            out.append(self._one(raw, is_plain(raw)))
+        return b"".join(out)
+
+    def _one(self, raw: bytes, plain: bool) -> bytes:
+        """Client bytes for one event (`plain`: one `data:` line, see sse.is_plain)."""
+        if self._quick and plain:
+            # The common event of a first attempt: its bytes go on, less the front's ids.
+            tokens = plain_tokens(raw, self._chat)
+            if tokens is not None:
+                return self._forward(raw, tokens)
+        return self._event(EngineEvent(raw))
 
     def _count(self, ids: list[int], textless: bool) -> list[int]:
         """Record an event's ids; the ids it delivers to the client (see the class doc)."""
@@ -374,10 +379,8 @@ class Tracker:
         if tokens.span is not None:
             # Cut ', "token_ids": [...]' out where it is the only id list (no prompt's ids).
             start, end = tokens.span
-            head = raw[:start].rstrip()
-            if head.endswith(b",") and b"token_ids" not in head \
-                    and raw.find(b"token_ids", end) < 0:
-                return head[:-1] + raw[end:]
+            if raw[start] == _COMMA and raw.count(b"token_ids") == 1:
+                return raw[:start] + raw[end:]
         return strip_ids(raw)
 
     def _scanned(self, obj: dict[str, Any], tokens: Tokens, chat: bool) -> bytes:

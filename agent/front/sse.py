@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 DONE = b"[DONE]"
 DONE_FRAME = b"data: [DONE]\n\n"
+_LF = ord("\n")
 
 
 class Event(NamedTuple):
@@ -40,6 +41,13 @@ class SSEParser:
         self._buf = b""
         self._skip_lf = False
 
+    def whole(self, chunk: bytes) -> bool:
+        """Whether `chunk` is, with nothing pending before it, one whole one-line event
+        (`is_plain`): the common read of a streaming answer, which `frames` would return
+        as it came (one search for a line end instead of two, and no list)."""
+        return (not self._buf and not self._skip_lf and is_plain(chunk)
+                and chunk[-1] == _LF and chunk.find(b"\r") < 0)
+
     @property
     def pending(self) -> bytes:
         """Bytes of an event not yet complete."""
@@ -53,7 +61,7 @@ class SSEParser:
         if self._skip_lf and chunk.startswith(b"\n"):
             chunk = chunk[1:]  # the second half of a CRLF split across two reads
         self._skip_lf = False
-        if b"\r" in chunk:
+        if chunk.find(b"\r") >= 0:  # not `in`: see events.plain_tokens
             # Rare (the servers we front write LF): normalise line ends to LF as they come.
             self._skip_lf = chunk.endswith(b"\r")
             chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
@@ -71,6 +79,11 @@ class SSEParser:
             end = buf.find(b"\n\n", start)
         self._buf = buf[start:]
         return frames
+
+
+def is_plain(raw: bytes) -> bool:
+    """Whether a frame is one `data: {...}` line (nearly every event is)."""
+    return raw.startswith(b"data: {") and raw.find(b"\n", 6) == len(raw) - 2
 
 
 def event_of(raw: bytes) -> Event:
