@@ -1,4 +1,5 @@
-"""Atomic, private file writes: a reader sees the old file or the whole new one."""
+"""Atomic, private file writes (a reader sees the old file or the whole new one), and reads of
+files only we may have written."""
 
 from __future__ import annotations
 
@@ -57,3 +58,27 @@ def private_dir(path: Path) -> Path:
     if st.st_mode & 0o077:
         os.chmod(path, 0o700)
     return path
+
+
+def read_owned(path: Path, what: str, limit: int | None = None) -> bytes | None:
+    """The bytes of `path` (None when there is none), read only when the file is ours (or
+    root's) and nobody else may write it: whoever can write such a file decides what the
+    agent does with it. ModelError naming `what` otherwise, or past `limit` bytes."""
+    from agent.errors import ModelError
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ModelError(f"{path}: cannot open {what}: {e.strerror}") from e
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if st.st_uid not in (os.geteuid(), 0) or st.st_mode & 0o022:
+            raise ModelError(f"{path}: owned by uid {st.st_uid} with mode "
+                             f"{st.st_mode & 0o777:o}; it must be ours and not writable by "
+                             "others: remove it (Pitstop writes a new one)")
+        data = f.read() if limit is None else f.read(limit + 1)
+    if limit is not None and len(data) > limit:
+        raise ModelError(f"{path}: more than {limit} bytes: not {what}")
+    return data

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from agent.errors import ModelError
-from agent.fsutil import write_private
+from agent.fsutil import read_owned, write_private
 
 # Beside the holder's socket (its per-GPU directory), one file per held region: the engine
 # that laid the region out (vLLM's plugin) knows it; the agent's recipe maker reads it.
@@ -69,20 +68,9 @@ def read_layout(directory: Path, region: str) -> ParamLayout | None:
     """`region`'s layout, None when none was written; ModelError when it is not one, or
     another region's, or not ours (whoever writes it steers where bytes are looked for)."""
     path = layout_file(directory, region)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
+    data = read_owned(path, "a parameter layout", MAX_LAYOUT_BYTES)
+    if data is None:
         return None
-    except OSError as e:
-        raise ModelError(f"{path}: {e.strerror}") from e
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if st.st_uid not in (os.geteuid(), 0) or st.st_mode & 0o022:
-            raise ModelError(f"{path}: owned by uid {st.st_uid} with mode "
-                             f"{st.st_mode & 0o777:o}; remove it (the engine writes a new one)")
-        data = f.read(MAX_LAYOUT_BYTES + 1)
-    if len(data) > MAX_LAYOUT_BYTES:
-        raise ModelError(f"{path}: more than {MAX_LAYOUT_BYTES} bytes")
     layout = ParamLayout.from_json(data)
     if layout.region != region:
         raise ModelError(f"{path}: the layout of {layout.region}, not of {region}")

@@ -12,7 +12,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agent.errors import ModelError
-from agent.fsutil import write_private
+from agent.fsutil import read_owned, write_private
 from agent.holder.casts import Cast
 from agent.weights import FileDigest, WeightsDigester, is_model_file, manifest_digest, stat_key
 
@@ -370,20 +370,9 @@ def write_plan(directory: Path, plan: RefillPlan) -> Path:
 def load_plan(directory: Path) -> RefillPlan | None:
     """The plan in `directory`, or None when there is none; ModelError when unreadable."""
     path = Path(directory) / PLAN_NAME
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
+    data = read_owned(path, "the refill plan")
+    if data is None:
         return None
-    except OSError as e:
-        raise ModelError(f"{path}: cannot open the refill plan: {e.strerror}") from e
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        # Whoever can write the plan decides what the holder loads as these weights.
-        if st.st_uid not in (os.geteuid(), 0) or st.st_mode & 0o022:
-            raise ModelError(f"{path}: owned by uid {st.st_uid} with mode "
-                             f"{st.st_mode & 0o777:o}; it must be ours and not writable by "
-                             "others: remove it (the agent writes a new one)")
-        data = f.read()
     try:
         plan = RefillPlan.model_validate_json(data)
     except ValidationError as e:
