@@ -69,8 +69,13 @@ def plugin_engine_env(a: argparse.Namespace, where: Path) -> tuple[dict[str, str
     env = engine_env(a)
     features = read_features(a.python, {**os.environ, **env})
     plugin = install_plugin(a, where)
-    env["PYTHONPATH"] = os.pathsep.join([str(plugin), *([str(a.site)] if a.site else [])])
+    env["PYTHONPATH"] = plugin_pythonpath(a, plugin)
     return env, features
+
+
+def plugin_pythonpath(a: argparse.Namespace, plugin: Path) -> str:
+    """vLLM's PYTHONPATH with the Pitstop plugin (installed in `plugin`) first."""
+    return os.pathsep.join([str(plugin), *([str(a.site)] if a.site else [])])
 
 
 @dataclass

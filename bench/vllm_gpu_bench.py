@@ -89,6 +89,7 @@ from vllm_bench_kit import (  # noqa: E402
     kill_breakdown,
     kill_to_answer,
     kill_tree,
+    plugin_pythonpath,
     set_subreaper,
     stamp_records,
     start_peaks,
@@ -302,7 +303,7 @@ def holder_phase(run: Run) -> None:
     gpu = gpu_id(a.device)
     hdir = d / "holder-dir"
     env = dict(run.cfg["engine"]["env"])
-    env["PYTHONPATH"] = os.pathsep.join([str(plugin), *([str(a.site)] if a.site else [])])
+    env["PYTHONPATH"] = plugin_pythonpath(a, plugin)
     snaps = run.wants("hybrid") or run.wants("refill")
     cfg = agent_cfg(d, run.cfg, engine={"env": env},
                     holder={"enabled": True, "dir": str(hdir), "gpu": gpu},

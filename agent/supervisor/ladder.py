@@ -44,14 +44,13 @@ class Attempt:
         finally:
             self.stages[name] = self.stages.get(name, 0.0) + time.monotonic() - t0
 
-    def fall(self, path: str, kind: Fall, refusal: Refusal) -> Fallthrough:
+    def fall(self, path: str, kind: Fall, refusal: Refusal) -> None:
         """Pass over rung `path` for `refusal`: logged (a rung that cannot apply, as when
         there is no snapshot yet, is routine; one that broke is not) and kept."""
         fall = Fallthrough(path, kind, refusal)
         level = logging.INFO if kind is Fall.SKIPPED else logging.WARNING
         log.log(level, "ladder: %s (%s)", fall, refusal.code)
         self.fallthroughs.append(fall)
-        return fall
 
 
 @dataclass(frozen=True)
