@@ -54,7 +54,7 @@ from gpu_recovery_bench import (
     starts,
     stop_holder,
 )
-from vllm_bench_kit import add_vllm_args
+from vllm_bench_kit import add_model_args, add_vllm_args, model_kind
 
 IO_URING = Path("/proc/sys/kernel/io_uring_disabled")
 
@@ -137,7 +137,8 @@ def rows(result: dict, gib: float, command: str, engine: str) -> list[dict]:
             "fell_to": [r["path"] for r in result.get(path, []) if r.get("path") != want],
             **({"node_ready_s": [r["node_ready_s"] for r in recs if "node_ready_s" in r]}
                if path != "cold" else {}),
-            **({"vllm_version": result.get("vllm_version")} if engine == "vllm" else {}),
+            **({"vllm_version": result.get("vllm_version"), **result["model_kind"]}
+               if engine == "vllm" else {}),
             **({"pull_s": [p["seconds"] for p in pulls],
                 "pulled_bytes": [p["bytes"] for p in pulls],
                 "download_mb_per_s": [round(r, 1) for r in rates],
@@ -165,6 +166,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script")
     ap.add_argument("--engine", choices=["reference", "vllm"], default="reference")
     add_vllm_args(ap)
+    add_model_args(ap)
     return ap.parse_args()
 
 
@@ -208,6 +210,7 @@ def engine_of(a: argparse.Namespace, work: Path, result: dict) -> dict:
         model = model_dir(a)
         env, features = plugin_engine_env(a, work)
         result["vllm"], result["vllm_version"] = features.describe(), features.version
+        result["model_kind"] = model_kind(a)
         engine = {"kind": "vllm", "python": a.python, "served_model_name": "bench", "env": env,
                   "args": engine_args(model, a, False)}
     else:

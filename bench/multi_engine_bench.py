@@ -56,7 +56,7 @@ from gpu_recovery_bench import (  # noqa: E402
     start_holder,
     stop_holder,
 )
-from vllm_bench_kit import add_vllm_args  # noqa: E402
+from vllm_bench_kit import add_model_args, add_vllm_args  # noqa: E402
 
 ENGINES = ("a", "b")
 IO_URING = Path("/proc/sys/kernel/io_uring_disabled")
@@ -258,6 +258,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--models", type=Path, default=Path("/dev/shm/pitstop-models"))
     ap.add_argument("--work", type=Path, default=Path("/root/pitstop-multi-bench"))
     add_vllm_args(ap)
+    add_model_args(ap)
     return ap.parse_args()
 
 

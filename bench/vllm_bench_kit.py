@@ -42,6 +42,38 @@ def add_vllm_args(ap: argparse.ArgumentParser) -> None:
                     help="more environment for every vLLM process (repeatable)")
 
 
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """Which model `pitstop make-model` makes, and how vLLM quantizes it."""
+    ap.add_argument("--arch", default="llama", choices=["llama", "qwen3-moe"],
+                    help="the model's architecture (make-model --arch)")
+    ap.add_argument("--quant", default="none", choices=["none", "fp8", "fp8-ct", "w8a8-int8"],
+                    help="a checkpoint pre-quantized so (make-model --quant)")
+    ap.add_argument("--quantization", default=None,
+                    help="vLLM's --quantization, on a checkpoint in the model's dtype (fp8)")
+
+
+def model_kind(a: argparse.Namespace) -> dict[str, str]:
+    """The row keys that say which model: `architecture`, and `quantization` as vLLM serves it
+    (`none`; `fp8`: vLLM quantizes a bf16 checkpoint at load; `fp8-checkpoint`,
+    `fp8-ct-checkpoint`, `w8a8-int8-checkpoint`: the checkpoint is stored so)."""
+    quant = a.quantization or (f"{a.quant}-checkpoint" if a.quant != "none" else "none")
+    return {"architecture": a.arch, "quantization": quant}
+
+
+def model_tag(a: argparse.Namespace) -> str:
+    """`--gib` and the model's kind, as a file or folder name: `8gib`, `8gib-qwen3-moe`,
+    `8gib-llama-fp8`."""
+    kind = model_kind(a)
+    if kind == {"architecture": "llama", "quantization": "none"}:
+        return f"{a.gib:g}gib"
+    return f"{a.gib:g}gib-{kind['architecture']}" + (
+        "" if kind["quantization"] == "none" else f"-{kind['quantization']}")
+
+
+def make_model_argv(a: argparse.Namespace) -> list[str]:
+    return ["--target-gib", str(a.gib), "--arch", a.arch, "--quant", a.quant]
+
+
 def engine_env(a: argparse.Namespace) -> dict[str, str]:
     env = {"VLLM_SERVER_DEV_MODE": "1"}  # /sleep and /wake_up
     if a.site:
@@ -326,7 +358,9 @@ def summarize(path: str, recs: list[dict], ctx: dict, time_key: str = "duration_
     return {"engine": "vllm", "path": path, "gib": ctx["gib"], "runs_s": runs,
             "median_s": round(statistics.median(runs), 3), "machine": where, "host": host,
             "command": commands_of(ok, ctx["command"]), "vllm_version": ctx.get("vllm_version"),
-            "model": ctx.get("model"), "kill_to_answer_s": k2a,
+            "model": ctx.get("model"),
+            **{k: ctx[k] for k in ("architecture", "quantization") if k in ctx},
+            "kill_to_answer_s": k2a,
             "kill_to_answer_median_s": round(statistics.median(k2a), 3) if k2a else None,
             "same_answer": [r.get("same_answer") for r in ok if "same_answer" in r],
             "stages_median_s": {k: round(statistics.median(v), 3) for k, v in stages.items()},

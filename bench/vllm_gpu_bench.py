@@ -36,6 +36,10 @@ Every recovery is timed twice: the agent's own figure (decision to restart -> ve
 canary, `runs_s`) and the client's (`kill_to_answer_s`: SIGKILL of the API server -> the
 next request through the front that completes; its answer must equal the one before), and
 between them `kill_breakdown` (vllm_bench_kit.py) says where the client's seconds went.
+`--arch qwen3-moe` (a mixture of experts), `--quant fp8|fp8-ct|w8a8-int8` (a checkpoint
+pre-quantized so) and `--quantization fp8` (vLLM quantizes a bf16 checkpoint at load) choose
+the model; each row says which in `architecture` and `quantization`, and the file's name too
+(`vllm-gpu-8gib-qwen3-moe.json`, `vllm-gpu-8gib-llama-fp8-ct-checkpoint.json`).
 OUT/vllm-gpu-<gib>gib.json is written after every phase, so a run cut short keeps what it
 measured; phases of an earlier run into the same OUT are kept (run --paths subsets one after
 the other, each under its own --budget-s, to fit a caller's time limit). A phase or a run
@@ -78,6 +82,7 @@ from gpu_recovery_bench import (  # noqa: E402
 )
 from vllm_bench_kit import (  # noqa: E402
     Budget,
+    add_model_args,
     add_vllm_args,
     answer,
     engine_call,
@@ -89,6 +94,9 @@ from vllm_bench_kit import (  # noqa: E402
     kill_breakdown,
     kill_to_answer,
     kill_tree,
+    make_model_argv,
+    model_kind,
+    model_tag,
     plugin_pythonpath,
     set_subreaper,
     stamp_records,
@@ -142,7 +150,7 @@ class Run:
 
     def save(self) -> None:
         ctx = {"gib": self.result["gib"], "command": self.command, "model": self.result["model"],
-               "vllm_version": self.result.get("vllm_version")}
+               "vllm_version": self.result.get("vllm_version"), **model_kind(self.a)}
         r = self.result
         stamp_records(r, self.command)
         rows = [*start_peaks(r, ctx)]
@@ -184,15 +192,16 @@ def engine_args(model: Path, a: argparse.Namespace, sleep_mode: bool) -> list[st
     c = json.loads((model / "config.json").read_text())
     # vLLM refuses a --max-model-len above the model's max_position_embeddings.
     max_len = min(a.max_len, c["max_position_embeddings"])
+    quant = ["--quantization", a.quantization] if a.quantization else []
     if a.device == "cpu":
         return ["--gpu-memory-utilization", "0.1", "--enforce-eager", "--max-model-len",
-                str(min(max_len, 512))]
+                str(min(max_len, 512)), *quant]
     # The KV pool by size, not as a fraction of the GPU: every image holds a pool of the
     # same size at every model size. vLLM still checks at start that this fraction of the
     # GPU is free; 0.6 leaves room for a CUDA context a killed engine has not given back.
     return ["--max-model-len", str(max_len), "--kv-cache-memory-bytes",
             str(int(a.kv_gib * (1 << 30))), "--gpu-memory-utilization", "0.6",
-            "--max-num-seqs", "16", *(["--enable-sleep-mode"] if sleep_mode else [])]
+            "--max-num-seqs", "16", *(["--enable-sleep-mode"] if sleep_mode else []), *quant]
 
 
 def agent_cfg(run_dir: Path, base: dict, **over: dict) -> dict:
@@ -428,7 +437,7 @@ def vllm_snapshot_phase(run: Run) -> None:
     a, r = run.a, run.result
     d = run.work / "vllm-snapshot"
     d.mkdir(parents=True, exist_ok=True)
-    repo = f"pitstop/bench-{a.gib:g}gib"
+    repo = f"pitstop/bench-{model_tag(a)}"
     rev, hf_env = hf_cache(run.model, d / "hf", repo)
     cfg = agent_cfg(d, run.cfg, engine={"env": {**run.cfg["engine"]["env"], **hf_env}},
                     snapshots={"enabled": True, "backend": "vllm"},
@@ -566,15 +575,15 @@ def phase_estimate(run: Run, phase: str) -> float:
 
 def model_dir(a: argparse.Namespace) -> Path:
     if a.device == "cpu":
-        spec = spec_for("tiny", seed=0)
+        spec = spec_for("tiny", seed=0, arch=a.arch, quant=a.quant)
         key = hashlib.sha256(json.dumps(record_for(spec), sort_keys=True).encode())
         d = REPO / ".cache" / "models" / f"tiny-{key.hexdigest()[:16]}"
         make_model(d, spec)
         return d
-    d = a.models / f"{a.gib:g}"
+    d = a.models / f"{a.gib:g}-{a.arch}-{a.quant}"
     # make-model leaves a complete model alone; a warm machine reuses the last call's.
-    subprocess.run([sys.executable, "-m", "agent", "make-model", str(d), "--target-gib",
-                    str(a.gib)], cwd=REPO, check=True,
+    subprocess.run([sys.executable, "-m", "agent", "make-model", str(d), *make_model_argv(a)],
+                   cwd=REPO, check=True,
                    env={**os.environ, "PITSTOP_MODELGEN_DEVICE": a.device})
     return d
 
@@ -614,6 +623,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--kv-gib", type=float, default=2.0, help="the KV pool, in GiB")
     ap.add_argument("--max-len", type=int, default=2048)
     add_vllm_args(ap)
+    add_model_args(ap)
     ap.add_argument("--criu", type=Path, default=os.environ.get("PITSTOP_CRIU"))
     ap.add_argument("--cuda-checkpoint", type=Path, default=None,
                     help="NVIDIA's cuda-checkpoint binary (vLLM's snapshots run it)")
@@ -646,7 +656,7 @@ def prepare(a: argparse.Namespace) -> Run:
     a.out.mkdir(parents=True, exist_ok=True)
     if a.cuda_checkpoint:  # vLLM's snapshots run it by name
         os.environ["PATH"] = f"{a.cuda_checkpoint.resolve().parent}:{os.environ['PATH']}"
-    tag = f"{a.gib:g}gib" if a.device != "cpu" else "tiny"
+    tag = model_tag(a) if a.device != "cpu" else model_tag(a).replace(f"{a.gib:g}gib", "tiny")
     t0 = time.monotonic()
     model = model_dir(a)
     out_json = a.out / f"vllm-gpu-{tag}.json"
