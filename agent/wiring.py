@@ -27,7 +27,7 @@ from agent.front.auth import take_env_key
 from agent.fsutil import private_dir
 from agent.gpu_health import GpuWatch
 from agent.holder.client import HolderClient
-from agent.holder.plans import RefillPlans
+from agent.holder.plans import RefillPlans, recipe_limit_s
 from agent.identity import Identity, gpu_selector
 from agent.metrics import EngineLabel, Metrics, NodeInfo, new_registry
 from agent.metrics_endpoint import MetricsEndpoint
@@ -36,7 +36,7 @@ from agent.signals import Reloader, Signals
 from agent.status_view import StatusBoard
 from agent.store import SnapshotStore
 from agent.supervisor.canary import CanaryBook
-from agent.supervisor.capture import RECIPE_WAIT_S, Capture
+from agent.supervisor.capture import Capture
 from agent.supervisor.gate import EngineGate
 from agent.supervisor.gpu import GpuGuard
 from agent.supervisor.ownership import EngineLedger, Tether
@@ -281,7 +281,8 @@ class Agent:
             self.capture = Capture(
                 host.snapshotter, self.store, self.adapter, config.engine_socket, self.gate,
                 self.metrics, self.identity, config.snapshots.quiet_timeout_s,
-                on_published=self.remote.published, refill_recipe=self._refill_recipe)
+                on_published=self.remote.published, refill_recipe=self._refill_recipe,
+                recipe_wait_s=self._recipe_wait_s)
             capture_failure = self.capture.last_failure
         self.full = FullRestore(
             snapshotter=host.snapshotter, unavailable=host.no_snapshots, adapter=self.adapter,
@@ -402,19 +403,27 @@ class Agent:
                 asyncio.to_thread(self.refill.remember, digest))
             self._keep(self._remembering)
 
+    def _recipe_wait_s(self) -> float:
+        """The longest a snapshot waits for the refill recipe still being made after a start
+        (the first snapshot follows the first start at once): as long as the recipe of these
+        weights may take, by their size."""
+        weights = self.reader.last_weights
+        return recipe_limit_s(sum(f.size for f in weights.files) if weights else 0)
+
     async def _refill_recipe(self) -> dict | None:
         """The refill recipe of the held weights, for a hybrid image to carry: once the plan
-        being written after the last start is (RECIPE_WAIT_S at most)."""
+        being written after the last start is (_recipe_wait_s at most)."""
         digest = self._weights_digest()
         if not (self.config.holder.enabled and digest):
             return None
         task = self._remembering
         if task is not None and not task.done():
+            wait = self._recipe_wait_s()
             try:
-                await asyncio.wait_for(asyncio.shield(task), RECIPE_WAIT_S)
+                await asyncio.wait_for(asyncio.shield(task), wait)
             except TimeoutError:
                 log.warning("the snapshot carries no refill recipe: the refill plan was still "
-                            "being made after %.0fs", RECIPE_WAIT_S)
+                            "being made after %.0fs", wait)
                 return None
             except Exception:  # noqa: BLE001 - remember() logged it; the snapshot goes on
                 return None

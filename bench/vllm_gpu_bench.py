@@ -670,13 +670,14 @@ def prepare(a: argparse.Namespace) -> Run:
                   model=model.name, vllm=features.describe(), vllm_version=features.version,
                   engine_env=env, started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     log(f"model {model}: {weights / 1e9:.2f} GB; vLLM {features.describe()}")
-    work = a.work / tag
+    # Short: the holder's socket lies a GPU UUID further down, within a Unix socket's 107 bytes.
+    work = a.work / hashlib.sha256(tag.encode()).hexdigest()[:8]
     for name in PHASES:  # this run's phases start clean; an earlier size's go for disk
         if any(p in a.paths for p in PHASES[name]):
             shutil.rmtree(work / name, ignore_errors=True)
     if a.work.exists():
         for old in a.work.iterdir():
-            if old.name != tag:
+            if old.name != work.name:
                 shutil.rmtree(old, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python3", "bench/vllm_gpu_bench.py", *sys.argv[1:]])

@@ -529,3 +529,12 @@ def test_a_set_attached_by_digest_reattaches_the_same_weights_loaded_into_a_new_
         by_digest.close()
         strict.close()
         assert second.stop() == 0
+
+
+def test_a_holder_directory_too_long_for_a_unix_socket_is_refused_by_name(tmp_path):
+    deep = tmp_path / ("d" * 100)
+    out = subprocess.run([sys.executable, "-m", "agent", "holder", "--gpu", "cpu", "--dir",
+                          str(deep)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr
+    assert "at most 107" in out.stderr and "holder.dir" in out.stderr

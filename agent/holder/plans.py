@@ -45,6 +45,12 @@ def load_timeout(nbytes: int) -> float:
     return max(MIN_TIMEOUT_S, nbytes / SLOWEST_RATE)
 
 
+def recipe_limit_s(nbytes: int) -> float:
+    """How long making the refill recipe of `nbytes` held may take (it reads the held set
+    and the files once each, and hashes both); its process is stopped then."""
+    return load_timeout(3 * nbytes)
+
+
 class RefillPlans:
     """Writes and checks the refill plan in a holder's directory (`refill.json`), so that a
     holder that restarts empty (or after a reboot) loads the weights by itself.
@@ -167,7 +173,7 @@ class RefillPlans:
         try:
             done = self._run([sys.executable, "-m", "agent.holder.recipe", "--socket",
                               str(socket), "--digest", files.digest, "--model", str(self._model)],
-                             timeout_s=load_timeout(3 * held_bytes), check=False)
+                             timeout_s=recipe_limit_s(held_bytes), check=False)
         except CommandError as e:
             return Refusal(RefusalCode.NO_REFILL_RECIPE, f"the recipe was not made: {e}")
         try:

@@ -28,6 +28,7 @@ log = logging.getLogger("pitstop.holder")
 EXIT_STOPPED = 0
 EXIT_INVARIANT = 70   # EX_SOFTWARE: its books broke; held memory was dropped on purpose
 EXIT_GPU_FAULT = 74   # EX_IOERR: the GPU faulted; held memory is not to be trusted
+SUN_PATH_MAX = 107    # sockaddr_un: 108 bytes, a NUL at the end
 
 
 @dataclass(eq=False)
@@ -116,6 +117,12 @@ class HolderServer:
         # We hold the lock, so a socket file left here belongs to a dead holder.
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+        # sockaddr_un's sun_path is 108 bytes, the last one its terminating NUL.
+        if len(os.fsencode(self.path)) > SUN_PATH_MAX:
+            raise HolderError(f"the holder's socket {self.path} is {len(os.fsencode(self.path))}"
+                              f" bytes long; a Unix socket's path takes at most {SUN_PATH_MAX}:"
+                              " give the holder a shorter directory (holder.dir, or"
+                              " `pitstop holder --dir`)")
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         old = os.umask(0o177)
         try:

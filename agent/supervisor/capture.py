@@ -24,11 +24,6 @@ from agent.supervisor.gate import EngineGate
 
 log = logging.getLogger("pitstop.capture")
 
-# The longest a capture waits for the refill recipe still being made after a start (the
-# first snapshot follows the first start at once); past it the image carries none.
-RECIPE_WAIT_S = 180.0
-
-
 class _DumpFailed(SnapshotError):
     """The checkpoint itself failed (not the quiet wait, not the engine's detach)."""
 
@@ -118,7 +113,8 @@ class Capture:
                  identity: Callable[[], Identity], quiet_timeout_s: float,
                  control_timeout_s: float = 60.0,
                  on_published: Callable[[SnapshotInfo], None] = lambda info: None,
-                 refill_recipe: Callable[[], Awaitable[dict | None]] | None = None) -> None:
+                 refill_recipe: Callable[[], Awaitable[dict | None]] | None = None,
+                 recipe_wait_s: Callable[[], float] = lambda: 0.0) -> None:
         self._backend = backend
         # Publishes into it, pruned to its retention after each publish.
         self._store = store
@@ -135,6 +131,7 @@ class Capture:
         # The recipe a hybrid image carries, so that a node that never held the weights
         # refills them from its model files (the holder's refill plan, once it is written).
         self._refill_recipe = refill_recipe
+        self._recipe_wait_s = recipe_wait_s
         # The kind the engine's last detach made this capture take: a snapshot refused
         # before its detach (requests still in flight) is counted under it.
         self.kind: SnapshotKind = "full"
@@ -156,7 +153,7 @@ class Capture:
         the engine's detach and resume, the backend's create (and the seal with it)."""
         return (self.quiet_timeout_s + 2 * self._adapter.control_limit_s
                 + self._backend.create_limit_s
-                + (RECIPE_WAIT_S if self._refill_recipe is not None else 0.0))
+                + (self._recipe_wait_s() if self._refill_recipe is not None else 0.0))
 
     async def take(self, engine: EngineProcess, canary: CanaryRecord) -> CaptureResult:
         """A `hybrid` snapshot when the engine's weights live in the holder, else `full`.
