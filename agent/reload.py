@@ -89,6 +89,7 @@ POLICY: dict[str, tuple[Apply, str]] = {
     "snapshots.drift_check_interval_s": (Apply.LIVE, "the next drift check (0 stops them)"),
     "snapshots.verify": (Apply.LIVE, "the next restore"),
     "snapshots.criu": (Apply.RESTART, "CRIU is located and its version recorded at start"),
+    "snapshots.standby": (Apply.RESTART, "the standby rung is built, or left out, at start"),
     "snapshots.keep": (Apply.LIVE, "the next prune (after the next capture)"),
     "snapshots.disk_budget_gib": (Apply.LIVE, "the next prune (after the next capture)"),
     "snapshots.quarantine_keep": (Apply.LIVE, "the next quarantine or prune"),
