@@ -89,7 +89,6 @@ POLICY: dict[str, tuple[Apply, str]] = {
     "snapshots.drift_check_interval_s": (Apply.LIVE, "the next drift check (0 stops them)"),
     "snapshots.verify": (Apply.LIVE, "the next restore"),
     "snapshots.criu": (Apply.RESTART, "CRIU is located and its version recorded at start"),
-    "snapshots.standby": (Apply.RESTART, "the standby rung is built, or left out, at start"),
     "snapshots.keep": (Apply.LIVE, "the next prune (after the next capture)"),
     "snapshots.disk_budget_gib": (Apply.LIVE, "the next prune (after the next capture)"),
     "snapshots.quarantine_keep": (Apply.LIVE, "the next quarantine or prune"),
@@ -97,6 +96,7 @@ POLICY: dict[str, tuple[Apply, str]] = {
     "snapshots.remote": (Apply.LIVE, "the next ladder walk (pull) or capture (push)"),
     "snapshots.publish": (Apply.LIVE, "the next capture"),
     "snapshots.pull_timeout_s": (Apply.LIVE, "the next pull"),
+    "snapshots.standby": (Apply.RESTART, "the standby rung is built, or left out, at start"),
     "holder.enabled": (Apply.LIVE, "the next ladder walk"),
     "holder.refill": (Apply.LIVE, "the next ladder walk"),
     "holder.dir": (Apply.RESTART, "the serving engine and its hybrid snapshots map the "

@@ -35,18 +35,28 @@ def _standbys(agent_pid: int) -> list[int]:
     return found
 
 
-def _armed(a: RunningAgent) -> int:
-    """The armed standby's init, once its restore is done (the log says so)."""
-    wait_for(lambda: _standby_ready(a), "the standby armed", timeout=120)
-    [init] = _standbys(a.proc.pid)
-    return init
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
 
 
-def _standby_ready(a: RunningAgent) -> bool:
-    log = a.log()
-    armed = log.rfind("standby armed from snapshot")
-    used = max(log.rfind("standby of snapshot"), log.rfind("torn down"))
-    return armed > used and len(_standbys(a.proc.pid)) == 1
+def _armed(a: RunningAgent) -> tuple[int, int]:
+    """(the standby's init on the host, PID 1 of its namespace) once the agent logged it
+    armed; a standby that was continued is the serving engine, not a standby."""
+    found: list[tuple[int, int]] = []
+
+    def ready() -> bool:
+        log = a.log()
+        for init in set(_standbys(a.proc.pid)) - {a.status().get("engine_pid")}:
+            for ns_init in _children(init):
+                if any(f"(root PID {root}, stopped)" in log for root in _children(ns_init)):
+                    found.append((init, ns_init))
+                    return True
+        return False
+    wait_for(ready, "the standby armed", timeout=120)
+    return found[0]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +80,7 @@ def standby(tmp_path_factory, tiny_model):
 def test_a_sigkill_is_answered_by_continuing_the_standby(standby):
     a = standby
     before = complete(a)
-    init = _armed(a)
+    init, _ = _armed(a)
     restarts = a.status()["restarts"]
     os.kill(a.status()["engine_pid"], signal.SIGKILL)
     st = a.wait_recovered(restarts + 1)
@@ -89,7 +99,7 @@ def test_a_crash_before_the_next_standby_is_armed_takes_the_hybrid_rung(standby)
     before = complete(a)
     # The engine serving now may be the standby continued: what follows it is restored in
     # the background; here it is gone before the crash.
-    init = _armed(a)
+    init, _ = _armed(a)
     os.kill(init, signal.SIGKILL)
     wait_for(lambda: "standby: the standby (PID" in a.log(), "the standby's death noticed")
     restarts = a.status()["restarts"]
@@ -105,8 +115,7 @@ def test_a_crash_before_the_next_standby_is_armed_takes_the_hybrid_rung(standby)
 def test_a_standby_that_cannot_resume_falls_through_to_hybrid(standby, tmp_path):
     a = standby
     before = complete(a)
-    init = _armed(a)
-    [ns_init] = [int(p) for p in Path(f"/proc/{init}/task/{init}/children").read_text().split()]
+    _, ns_init = _armed(a)
     # The holder's socket hidden in the standby's mount namespace only: its resume cannot
     # map the held weights; the live engine and the hybrid rung still reach the holder.
     holder_dir = Path(a.config["holder"]["dir"])
