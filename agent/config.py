@@ -198,6 +198,9 @@ class SnapshotsConfig(_Strict):
     # The longest a pull may take (listing, download, verification) before the start gives
     # up on it and goes on down the ladder.
     pull_timeout_s: float = Field(900.0, gt=0)
+    # Keep a stopped copy of the engine restored from the newest hybrid snapshot, beside the
+    # live one in its own namespaces: a crash is answered by continuing it (the standby rung).
+    standby: bool = False
 
 
     @field_validator("remote")

@@ -33,7 +33,8 @@ FIRST_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 
                        60.0)
 
 # Every rung a ladder may hold (agent/supervisor/paths/*: each class's `name`), fastest first.
-RECOVERY_PATHS = ("vllm-snapshot", "hybrid", "refill", "full", "warm", "vllm-preload", "cold")
+RECOVERY_PATHS = ("vllm-snapshot", "standby", "hybrid", "refill", "full", "warm", "vllm-preload",
+                  "cold")
 RESULTS = ("success", "failure")
 # What makes the supervisor walk the ladder, and the failures it did not ask for.
 RECOVERY_CAUSES = tuple(c.value for c in Cause)

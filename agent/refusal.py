@@ -64,6 +64,12 @@ class RefusalCode(StrEnum):
     WEIGHTS_OUTSIDE_HOLDER = "weights_outside_holder"
     # The holder's regions are not those the hybrid snapshot was taken with.
     HELD_STALE = "held_stale"
+    # The standby rung (agent/supervisor/paths/standby.py): none is armed (snapshots.standby
+    # off, no hybrid snapshot yet, still restoring, or it died), it was restored from
+    # another snapshot than the newest usable one, or continuing it or its resume failed.
+    STANDBY_NOT_ARMED = "standby_not_armed"
+    STANDBY_STALE = "standby_stale"
+    STANDBY_FAILED = "standby_failed"
     # The refill rung (agent/supervisor/paths/refill.py): the holder holds the weights
     # already (the hybrid rung's case), no refill plan for them, the files changed since the
     # plan was made, or the plan's regions are not the image's.

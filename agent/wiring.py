@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 from agent import proc
 from agent.access import Access, read_access
 from agent.checkpoint import build_snapshotter, build_store
+from agent.checkpoint.backend import SnapshotInfo
 from agent.checkpoint.snapshotter import Snapshotter
 from agent.checkpoint.source import SnapshotSource
 from agent.config import Config, HealthConfig
@@ -44,6 +45,7 @@ from agent.supervisor.paths.cold import ColdStart
 from agent.supervisor.paths.holder import HolderLink, HybridRestore, WarmStart
 from agent.supervisor.paths.refill import RefillRestore
 from agent.supervisor.paths.restore import FullRestore, resume_timeout_s
+from agent.supervisor.paths.standby import StandbyRestore
 from agent.supervisor.paths.vllm import VllmHost, vllm_rungs
 from agent.supervisor.remote import RemoteSnapshots
 from agent.supervisor.status import AgentStatus, HolderFacts, NewestSnapshot, StatusFile
@@ -281,7 +283,7 @@ class Agent:
             self.capture = Capture(
                 host.snapshotter, self.store, self.adapter, config.engine_socket, self.gate,
                 self.metrics, self.identity, config.snapshots.quiet_timeout_s,
-                on_published=self.remote.published, refill_recipe=self._refill_recipe,
+                on_published=self._published, refill_recipe=self._refill_recipe,
                 recipe_wait_s=self._recipe_wait_s)
             capture_failure = self.capture.last_failure
         self.full = FullRestore(
@@ -292,6 +294,14 @@ class Agent:
         # The refill restores with a hybrid rung of its own (its refusals are its own).
         self.refill = RefillRestore(self._hybrid(config, capture_failure), self.holder,
                                     self.plans, on_refilled=self.metrics.refilled)
+        # A standby beside the live engine (snapshots.standby): restored from the hybrid
+        # rung's snapshot, with that rung's checks.
+        self.standby: StandbyRestore | None = None
+        if config.snapshots.standby and host.snapshotter is not None:
+            self.standby = StandbyRestore(
+                self._hybrid(config, capture_failure), snapshotter=host.snapshotter,
+                adapter=self.adapter, socket=config.engine_socket,
+                timeout_s=resume_timeout_s(config))
         self.vllm_first, self.vllm_warm = vllm_rungs(
             config, self.adapter, host.vllm, self.identity, host.criu_path, self.store,
             self.metrics)
@@ -304,7 +314,8 @@ class Agent:
             capture_failure=capture_failure)
 
     def _ladder(self, config: Config) -> list:
-        return [*self.vllm_first, self.hybrid, self.refill, self.full,
+        standby = [self.standby] if self.standby is not None else []
+        return [*self.vllm_first, *standby, self.hybrid, self.refill, self.full,
                 WarmStart(self.adapter, self.holder),
                 *self.vllm_warm, ColdStart(self.adapter, extra_args=self._cold_args)]
 
@@ -322,7 +333,7 @@ class Agent:
         self.config = config
         parts: list[Reconfigurable | None] = [
             self.reader, self.holder, self.store, self.snapshotter, self.capture, self.remote,
-            self.full, self.hybrid, self.refill, *self.vllm_first, self.watcher]
+            self.full, self.hybrid, self.refill, self.standby, *self.vllm_first, self.watcher]
         for part in parts:
             if part is not None:
                 part.reconfigure(config)
@@ -393,7 +404,16 @@ class Agent:
         self.status.engine_distribution = self.engine_identity.engine_distribution or ""
         self.status.engine_version = self.engine_identity.engine_version
 
+    def _published(self, info: SnapshotInfo) -> None:
+        assert self.remote is not None
+        self.remote.published(info)
+        if self.standby is not None:
+            self.standby.arm_soon()  # the standby of the snapshot it replaces is torn down
+
     def _on_ready(self) -> None:
+        if self.standby is not None:
+            # After a recovery (the standby's own included): the next one, in the background.
+            self.standby.arm_soon()
         if self.watcher is not None and self.engine_identity is not None:
             self.watcher.rebase(self.engine_identity)
         digest = self._weights_digest()
@@ -540,6 +560,8 @@ class Agent:
             await self.supervisor.run()
             self.ledger.clear()  # the supervisor stopped the engine: nothing left to kill
         finally:
+            if self.standby is not None:
+                await self.standby.close()
             for d in [*duties, self._watching]:
                 if d is not None:
                     d.cancel()

@@ -1,6 +1,7 @@
-"""Real vLLM (CPU build) under the real agent: cold start, full and hybrid restore, side by side.
+"""Real vLLM (CPU build) under the real agent: cold start, full, hybrid and standby, side by side.
 
-    python bench/vllm_recovery_bench.py [--runs 5] [--size tiny|small] [--paths full,hybrid,cold]
+    python bench/vllm_recovery_bench.py [--runs 5] [--size tiny|small]
+        [--paths full,hybrid,standby,cold]
         [--engine vllm|reference] [--out bench/results/DATE-vllm-recovery-cpu.json]
 
 One run of the script measures the paths on the same machine, minutes apart. For `full` the
@@ -8,7 +9,9 @@ agent runs with snapshots on: it cold-starts vLLM, takes its after-serving snaps
 then the API server is SIGKILLed --runs times, each recovery a full restore of that image.
 For `hybrid` the same, with a holder (memfd backend) and the Pitstop plugin installed for
 vLLM (in a folder of its own, on PYTHONPATH): the weights live in the holder, the image
-leaves them out, each recovery is a hybrid restore. For `cold` the agent runs with
+leaves them out, each recovery is a hybrid restore. For `standby` the hybrid setup with
+snapshots.standby on: before each kill the bench waits for the standby the agent restores
+in the background, and each recovery continues it. For `cold` the agent runs with
 snapshots off and each recovery is a cold start. `--engine reference` runs the same series
 with the reference engine on the CPU instead of vLLM.
 
@@ -62,7 +65,7 @@ def cached_model(size: str) -> Path:
 
 
 def config(state: Path, model: Path, snapshots: bool, holder: Path | None = None,
-           plugin: Path | None = None, engine: str = "vllm") -> dict:
+           plugin: Path | None = None, engine: str = "vllm", standby: bool = False) -> dict:
     if engine == "vllm":
         eng = {"kind": "vllm", "model": str(model), "python": str(VLLM_PYTHON),
                "served_model_name": "bench", "args": CPU_ARGS, "stop_timeout_s": 20,
@@ -83,7 +86,8 @@ def config(state: Path, model: Path, snapshots: bool, holder: Path | None = None
         # second and later recoveries would wait 0.2, 0.4, 0.8 s before the decision, a
         # crash loop's pause that says nothing of one crash.
         "restart": {"backoff_initial_s": 0, "backoff_max_s": 1.0, "crash_loop_limit": 1000},
-        "snapshots": {"enabled": snapshots, "regenerate": "after-serving"},
+        "snapshots": {"enabled": snapshots, "regenerate": "after-serving",
+                      "standby": standby},
     }
 
 
@@ -133,6 +137,8 @@ def kill_series(agent: Agent, runs: int, want: str) -> dict[str, list]:
                             "same_answer": [], "client_tries": [], "steady_answer_s": []}
     log_path = agent.path.parent / "agent.log"
     for n in range(1, runs + 1):
+        if want == "standby":
+            wait_armed(log_path, n)
         st = agent.status()
         client = kill_to_answer(st["front"], "bench", st["engine_pid"])
         st = agent.wait(lambda s, n=n: s.get("restarts") == n and s.get("state") == "ready",
@@ -155,6 +161,16 @@ def kill_series(agent: Agent, runs: int, want: str) -> dict[str, list]:
         log(f"{want} {n}: {rec['duration_s']:.2f} s by the agent, kill to answer "
             f"{client['kill_to_answer_s']} s ({parts}) {rec['stages']}")
     return out
+
+
+def wait_armed(log_path: Path, n: int) -> None:
+    """Until the agent logged its `n`-th standby armed: one after the first snapshot, one
+    more after each recovery (restored in the background once the engine serves)."""
+    deadline = time.monotonic() + BOOT_S
+    while log_path.read_text(errors="replace").count("standby armed from snapshot") < n:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no standby armed for kill {n} within {BOOT_S} s")
+        time.sleep(0.05)
 
 
 def row(path: str, gib: float, r: dict, command: str, engine: str,
@@ -184,8 +200,8 @@ def series(work: Path, name: str, model: Path, runs: int, want: str, snapshots: 
            holder: Path | None = None, plugin: Path | None = None,
            engine: str = "vllm") -> dict:
     """One agent, its first start (and snapshot), then `runs` SIGKILLs recovered by `want`."""
-    agent = Agent(config(work / f"state-{name}", model, snapshots, holder, plugin, engine),
-                  work)
+    agent = Agent(config(work / f"state-{name}", model, snapshots, holder, plugin, engine,
+                         standby=want == "standby"), work)
     try:
         if snapshots:
             st = agent.wait(lambda s: s.get("state") == "ready"
@@ -255,16 +271,17 @@ def main() -> None:
             if path in ("full", "cold"):
                 results[path] = series(work, path, model, args.runs, path, path == "full",
                                        engine=args.engine)
-            elif path == "hybrid":
+            elif path in ("hybrid", "standby"):
                 holder = start_holder(work)
-                results[path] = series(work, path, model, args.runs, "hybrid", True,
+                results[path] = series(work, path, model, args.runs, path, True,
                                        holder=work / "holder", plugin=plugin_for(work, vllm),
                                        engine=args.engine)
                 holder.terminate()
                 holder.wait(30)
                 holder = None
             else:
-                raise SystemExit(f"--paths: unknown path {path!r}; choose full, hybrid, cold")
+                raise SystemExit(f"--paths: unknown path {path!r}; choose full, hybrid, "
+                                 "standby, cold")
             load.append(os.getloadavg()[0])
     finally:
         if holder is not None:

@@ -266,6 +266,15 @@ class Snapshotter:
             timings["cuda_restore"] = timings.get("cuda_restore", 0.0) + t.first_s
             timings["cuda_unlock"] = timings.get("cuda_unlock", 0.0) + t.second_s
 
+    def restore_log(self, name: str) -> Path:
+        """A restore's log path, its directory made (a standby's restore)."""
+        return self._log(name, self.restore_log_dir)
+
+    def resume_cuda(self, pids: tuple[int, ...], timings: dict[str, float],
+                    pairs: tuple[GpuPair, ...] = ()) -> None:
+        """CUDA restore + unlock of each PID of a tree restored elsewhere (a standby)."""
+        self._resume(pids, timings, pairs=pairs)
+
     def restore(self, manifest: Manifest, image: Path | None = None, *,
                 gpu_uuid: str | None = None) -> RestoredProcess:
         """Restore a snapshot `select` chose (from `image`, by default its directory in the

@@ -75,9 +75,11 @@ class EngineProcess:
             self._log_task = asyncio.ensure_future(self._forward_log(stdout))
 
     @classmethod
-    def spawn(cls, spec: LaunchSpec, health_path: str | None = None) -> EngineProcess:
+    def spawn(cls, spec: LaunchSpec, health_path: str | None = None,
+              pass_fds: tuple[int, ...] = ()) -> EngineProcess:
         """Start the engine from the calling thread, which must live as long as the agent
-        (the event loop's): the engine is SIGKILLed when that thread exits."""
+        (the event loop's): the engine is SIGKILLed when that thread exits. `pass_fds` stay
+        open in it (a standby's report pipe)."""
         env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
         # The wrapper execs the engine, so a missing program would only show as its exit
         # status: name it here, as Popen would have.
@@ -89,7 +91,7 @@ class EngineProcess:
                 p = subprocess.Popen(
                     proc.with_deathsig(list(spec.argv)), env=env, stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                    close_fds=True)
+                    close_fds=True, pass_fds=pass_fds)
                 proc.own(p.pid)
         except OSError as e:
             raise EngineError(f"cannot start the engine {spec.argv[0]!r}: {e.strerror}") from e

@@ -62,6 +62,15 @@ class SnapshotRestore:
         # `pitstop_snapshot_stale`; () once one is chosen.
         self.stale_reasons: tuple[RefusalCode, ...] = ()
 
+    def choose(self) -> Prepared[Manifest] | Refusal:
+        """The snapshot this rung would restore now, its checks run (the standby, which
+        restores it ahead, asks); blocking: run it in a worker thread."""
+        return self._choose()
+
+    def host_gpu_uuid(self) -> str | None:
+        """This host's GPU, as the identity the rung checks snapshots against reads it."""
+        return self._identity().gpu_uuid
+
     def _choose(self) -> Prepared[Manifest] | Refusal:
         """The newest usable snapshot, or why there is none; blocking (hashes files): run it
         in a worker thread."""

@@ -1,0 +1,212 @@
+"""The standby rung: a stopped copy of the engine, restored before the crash, continued."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.checkpoint import standby as sb
+from agent.checkpoint.snapshotter import Snapshotter
+from agent.config import Config
+from agent.engines.base import EngineAdapter, LaunchSpec
+from agent.engines.probe import EngineProbe
+from agent.errors import EngineError, SnapshotError, StartPathError
+from agent.refusal import Refusal, RefusalCode
+from agent.store import Manifest
+from agent.supervisor.engine import EngineProcess
+from agent.supervisor.ladder import Attempt, Prepared
+from agent.supervisor.paths.holder import HybridRestore
+from agent.supervisor.paths.restore import resume_timeout_s
+
+log = logging.getLogger("pitstop.standby")
+
+
+@dataclass
+class Armed:
+    """A standby: the image it was restored from, the process that made its namespaces
+    (its exit is the standby's), and the host PID of its restored root, stopped."""
+
+    manifest: Manifest
+    init: EngineProcess
+    root: int
+
+
+class StandbyRestore:
+    """Continue a copy of the engine that was restored, stopped, from the newest hybrid
+    snapshot while the engine it copies still served (agent/checkpoint/nsinit.py: its own
+    PID and mount namespaces, so nothing of it clashes with the live engine); then the same
+    resume as the hybrid rung (the held weights mapped again) and the canary.
+
+    Example::
+
+        standby = StandbyRestore(hybrid, snapshotter=snap, adapter=adapter, socket=sock,
+                                 timeout_s=resume_timeout_s(config))
+        standby.arm_soon()   # after each ready engine and each published snapshot
+        await standby.close()  # when the agent stops
+    """
+
+    name = "standby"
+    reuses_held_memory = True
+
+    def __init__(self, hybrid: HybridRestore, *, snapshotter: Snapshotter | None,
+                 adapter: EngineAdapter, socket: Path, timeout_s: float) -> None:
+        # Its checks are the hybrid rung's: the same snapshot, holder and identity.
+        self._hybrid = hybrid
+        self._snap = snapshotter
+        self._adapter = adapter
+        self._socket = Path(socket)
+        self.timeout_s = timeout_s
+        self.armed: Armed | None = None
+        # Why there is none ("" while one is armed or being restored).
+        self.why_none = "no hybrid snapshot restored as a standby yet"
+        self._arming: asyncio.Task[None] | None = None
+
+    def reconfigure(self, config: Config) -> None:
+        """health.timeout_s, as a reload left it: the next resume's limit."""
+        self.timeout_s = resume_timeout_s(config)
+
+    # --- arming ---------------------------------------------------------------------------
+    def arm_soon(self) -> None:
+        """Restore a standby from the newest usable hybrid snapshot in the background, unless
+        one of it is armed already (the previous one is torn down first)."""
+        if self._snap is None or (self._arming is not None and not self._arming.done()):
+            return
+        self._arming = asyncio.ensure_future(self._arm())
+
+    async def _arm(self) -> None:
+        chosen = await asyncio.to_thread(self._hybrid.choose)
+        if isinstance(chosen, Refusal):
+            self.why_none = f"no standby: {chosen.detail}"
+            await self.disarm(self.why_none)
+            return
+        m = chosen.plan
+        if self.armed is not None and self.armed.manifest.id == m.id:
+            return
+        await self.disarm(f"snapshot {m.id} replaces it")
+        refused = sb.refusal(m)
+        if refused is not None:
+            self.why_none = refused
+            log.warning("standby: %s", refused)
+            return
+        self.why_none = f"the standby of snapshot {m.id} is being restored"
+        try:
+            self.armed = await self._restore(m)
+        except (OSError, SnapshotError, EngineError) as e:
+            self.why_none = f"the standby of snapshot {m.id} could not be restored: {e}"
+            log.error("standby: %s", self.why_none)
+            return
+        self.why_none = ""
+        self.armed.init.exited.add_done_callback(lambda _f, a=self.armed: self._died(a))
+        log.info("standby armed from snapshot %s (root PID %d, stopped)", m.id, self.armed.root)
+
+    async def _restore(self, m: Manifest) -> Armed:
+        assert self._snap is not None
+        r, w = os.pipe()
+        try:
+            # On the event loop's thread, as every engine: it dies with that thread.
+            init = EngineProcess.spawn(
+                LaunchSpec(sb.init_argv(self._snap, m, self._socket, w)), pass_fds=(w,))
+        except BaseException:
+            os.close(r)
+            raise
+        finally:
+            os.close(w)
+        try:
+            await asyncio.to_thread(sb.read_report, r, self._snap.restore_limit_s)
+            root = await asyncio.to_thread(sb.ns_root, init.pid)
+        except BaseException:
+            await init.kill()
+            await init.close()
+            raise
+        return Armed(m, init, root)
+
+    def _died(self, armed: Armed) -> None:
+        if self.armed is armed:
+            self.armed = None
+            self.why_none = f"the standby (PID {armed.init.pid}) died: {armed.init.exited.result()}"
+            log.warning("standby: %s", self.why_none)
+
+    async def disarm(self, why: str) -> None:
+        """Tear the standby down (its snapshot was replaced, the agent stops)."""
+        armed, self.armed = self.armed, None
+        if armed is not None:
+            log.info("standby of snapshot %s torn down: %s", armed.manifest.id, why)
+            await armed.init.kill()
+            await armed.init.close()
+
+    async def close(self) -> None:
+        if self._arming is not None:
+            self._arming.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._arming
+        await self.disarm("the agent stops")
+
+    # --- the rung -------------------------------------------------------------------------
+    async def prepare(self, attempt: Attempt) -> Prepared[Armed] | Refusal:
+        armed = self.armed
+        if armed is None or not armed.init.alive:
+            return Refusal(RefusalCode.STANDBY_NOT_ARMED, self.why_none or "no standby armed")
+        # The hybrid rung's checks, now: the snapshot still the newest usable one of this
+        # host's identity, the holder holding the regions it was taken against.
+        chosen = await asyncio.to_thread(self._hybrid.choose)
+        if isinstance(chosen, Refusal):
+            return chosen
+        if chosen.plan.id != armed.manifest.id:
+            self.arm_soon()
+            return Refusal(RefusalCode.STANDBY_STALE,
+                           f"the standby is of snapshot {armed.manifest.id}, the newest usable "
+                           f"hybrid snapshot is {chosen.plan.id}")
+        return Prepared(self.name, armed, canary=chosen.canary, stages=chosen.stages)
+
+    def start_limit_s(self, prepared: Prepared[Armed]) -> float:
+        return self.timeout_s + self._adapter.control_limit_s
+
+    async def start(self, attempt: Attempt, prepared: Prepared[Armed]) -> EngineProcess:
+        armed = prepared.plan
+        # Taken: whatever happens next, it is no longer a standby.
+        if self.armed is armed:
+            self.armed = None
+        self.why_none = "the standby was used; the next one is restored once an engine serves"
+        assert self._snap is not None
+        try:
+            with attempt.stage("standby_continue"):
+                timings = await asyncio.to_thread(
+                    sb.continue_standby, self._snap, armed.manifest, armed.root,
+                    gpu_uuid=self._hybrid.host_gpu_uuid())
+            self._point_socket(armed.root)
+            with attempt.stage("resume"):
+                async with EngineProbe(self._socket, timeout=self.timeout_s) as probe:
+                    await self._adapter.resume(probe)
+        except (OSError, SnapshotError, EngineError) as e:
+            await armed.init.kill()
+            await armed.init.close()
+            raise StartPathError(Refusal(RefusalCode.STANDBY_FAILED,
+                                         f"the standby of snapshot {armed.manifest.id} "
+                                         f"did not come up: {e}")) from e
+        for stage, secs in timings.items():
+            if stage != "standby_continue":
+                attempt.stages[stage] = attempt.stages.get(stage, 0.0) + secs
+        log.info("standby of snapshot %s continued as PID %d", armed.manifest.id, armed.root)
+        return armed.init
+
+    def _point_socket(self, root: int) -> None:
+        """The engine's socket path, where the front and the probes connect, made a link into
+        the standby's mount namespace (the kernel resolves it, so sun_path's 108 bytes hold
+        the link, not the long path): the dead engine's socket file is replaced at once."""
+        link = self._socket.with_name(f".{self._socket.name}.standby")
+        with contextlib.suppress(FileNotFoundError):
+            link.unlink()
+        os.symlink(f"/proc/{root}/root{self._socket}", link)
+        os.replace(link, self._socket)
+
+    async def after_verified(self, engine: EngineProcess, prepared: Prepared[Armed]) -> None:
+        return None
+
+    async def failed(self, prepared: Prepared[Armed], reason: str) -> None:
+        # Not the snapshot's failure alone (the copy sat stopped a while): the hybrid rung
+        # restores it next, and sets it aside if it fails there too.
+        log.error("standby of snapshot %s failed: %s", prepared.plan.manifest.id, reason)

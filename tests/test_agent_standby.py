@@ -1,0 +1,131 @@
+"""The standby rung through the real agent, real CRIU and the reference engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.agentproc import RunningAgent, agent_config, complete, fallthroughs
+from tests.holder_proc import Holder, wait_for
+from tests.snapshot_helpers import criu_present  # noqa: F401 - autouse: CRIU is required
+
+pytestmark = pytest.mark.integration
+
+NSINIT = "agent.checkpoint.nsinit"
+
+
+def _standbys(agent_pid: int) -> list[int]:
+    """The standby's init processes under the agent (`python -m agent.checkpoint.nsinit`)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        # The deathsig wrapper execs it: its parent is the agent.
+        if ppid == agent_pid and NSINIT.encode() in cmd:
+            found.append(int(d.name))
+    return found
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _armed(a: RunningAgent) -> tuple[int, int]:
+    """(the standby's init on the host, PID 1 of its namespace) once the agent logged it
+    armed; a standby that was continued is the serving engine, not a standby."""
+    found: list[tuple[int, int]] = []
+
+    def ready() -> bool:
+        log = a.log()
+        for init in set(_standbys(a.proc.pid)) - {a.status().get("engine_pid")}:
+            for ns_init in _children(init):
+                if any(f"(root PID {root}, stopped)" in log for root in _children(ns_init)):
+                    found.append((init, ns_init))
+                    return True
+        return False
+    wait_for(ready, "the standby armed", timeout=120)
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def standby(tmp_path_factory, tiny_model):
+    """A cpu-backend holder and an agent with snapshots.standby on, its first hybrid
+    snapshot published and a standby armed from it; one for the module."""
+    tmp = tmp_path_factory.mktemp("standby")
+    holder = Holder(tmp / "holder")
+    a = RunningAgent(tmp, agent_config(
+        tmp, tiny_model, holder={"enabled": True, "dir": str(tmp / "holder"), "gpu": "cpu"},
+        snapshots={"standby": True}))
+    try:
+        a.wait_ready()
+        a.wait_for(lambda s: "published" in s.get("reason", ""), 120, "the first snapshot")
+        yield a
+    finally:
+        a.stop()
+        holder.stop()
+
+
+def test_a_sigkill_is_answered_by_continuing_the_standby(standby):
+    a = standby
+    before = complete(a)
+    init, _ = _armed(a)
+    restarts = a.status()["restarts"]
+    os.kill(a.status()["engine_pid"], signal.SIGKILL)
+    st = a.wait_recovered(restarts + 1)
+    rec = st["last_recovery"]
+    assert rec["path"] == "standby", (rec, a.log_tail(3000))
+    # No restore after the crash: the copy was restored before it, and only continued.
+    assert "criu_restore" not in rec["stages"] and "standby_continue" in rec["stages"], rec
+    assert "verify" in rec["stages"] and "resume" in rec["stages"], rec
+    assert st["engine_pid"] == init
+    assert complete(a) == before
+    assert "held weights re-attached at the same addresses" in a.log()
+
+
+def test_a_crash_before_the_next_standby_is_armed_takes_the_hybrid_rung(standby):
+    a = standby
+    before = complete(a)
+    # The engine serving now may be the standby continued: what follows it is restored in
+    # the background; here it is gone before the crash.
+    init, _ = _armed(a)
+    os.kill(init, signal.SIGKILL)
+    wait_for(lambda: "standby: the standby (PID" in a.log(), "the standby's death noticed")
+    restarts = a.status()["restarts"]
+    os.kill(a.status()["engine_pid"], signal.SIGKILL)
+    st = a.wait_recovered(restarts + 1)
+    rec = st["last_recovery"]
+    assert rec["path"] == "hybrid", (rec, a.log_tail(3000))
+    codes = {(f["path"], f["kind"]): f["refusal"]["code"] for f in rec["fallthroughs"]}
+    assert codes == {("standby", "skipped"): "standby_not_armed"}, fallthroughs(rec)
+    assert complete(a) == before
+
+
+def test_a_standby_that_cannot_resume_falls_through_to_hybrid(standby, tmp_path):
+    a = standby
+    before = complete(a)
+    _, ns_init = _armed(a)
+    # The holder's socket hidden in the standby's mount namespace only: its resume cannot
+    # map the held weights; the live engine and the hybrid rung still reach the holder.
+    holder_dir = Path(a.config["holder"]["dir"])
+    subprocess.run(["nsenter", "-t", str(ns_init), "-m", "mount", "-t", "tmpfs", "tmpfs",
+                    str(holder_dir)], check=True)
+    restarts = a.status()["restarts"]
+    os.kill(a.status()["engine_pid"], signal.SIGKILL)
+    st = a.wait_recovered(restarts + 1)
+    rec = st["last_recovery"]
+    assert rec["path"] == "hybrid", (rec, a.log_tail(3000))
+    codes = {(f["path"], f["kind"]): f["refusal"]["code"] for f in rec["fallthroughs"]}
+    assert codes == {("standby", "start_failed"): "standby_failed"}, fallthroughs(rec)
+    assert complete(a) == before
