@@ -6,8 +6,9 @@ CACHE ?= .cache
 MODEL ?= $(HOME)/.cache/pitstop/tiny-llama
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: run test lint venv vllm model criu criu-bundle criu-cuda-plugin clean prometheus docs-images rootfs \
-	rootfs-trixie ansible ansible-hosts bench-front
+.PHONY: run test setup setup-python setup-system lint venv vllm model criu criu-bundle criu-cuda-plugin \
+	clean prometheus docs-images rootfs rootfs-trixie ansible ansible-hosts ansible-roots wheelhouse \
+	bench-front
 
 venv: $(VENV)/.installed
 
@@ -77,9 +78,13 @@ rootfs-trixie:
 # 13's criu 4.1 comes from the distribution, as on a real host. Plus a wheelhouse of the
 # agent and its dependencies: the containers have no network, as hosts behind a mirror.
 ANSIBLE_HOST_PACKAGES := python3-apt,python3-venv,python3-pip,dpkg-dev
-ansible-hosts: ansible
+ansible-hosts: ansible ansible-roots wheelhouse
+
+ansible-roots:
 	scripts/make-rootfs.sh bookworm $(CACHE)/rootfs/ansible-bookworm $(ANSIBLE_HOST_PACKAGES)
 	scripts/make-rootfs.sh trixie $(CACHE)/rootfs/ansible-trixie $(ANSIBLE_HOST_PACKAGES),criu
+
+wheelhouse:
 	scripts/ansible-wheelhouse.sh $(CACHE)/ansible-wheelhouse
 
 # promtool and the Prometheus server, from Debian's package: the rule and alert tests.
@@ -92,7 +97,20 @@ docs-images: venv prometheus model
 	$(BIN)/pip install -q -e '.[docs]'
 	$(BIN)/python scripts/render_dashboards.py --soak --minutes 3.5 --model $(MODEL) --out docs/img
 
-test: venv criu prometheus vllm rootfs ansible-hosts
+# What the tests need, in two lanes that run at once (about half the time of one after the
+# other on a clean machine: each lane waits on downloads much of its time). Within a lane one
+# step at a time: two pips at once race on their shared cache (pypa/pip#12361), and apt's lock
+# refuses a second apt-get rather than waiting for it.
+setup:
+	$(MAKE) -j2 setup-python setup-system
+
+setup-python:
+	$(MAKE) -j1 venv vllm ansible wheelhouse
+
+setup-system:
+	$(MAKE) -j1 criu prometheus rootfs ansible-roots
+
+test: setup
 	$(BIN)/ruff check agent tests bench scripts
 	$(BIN)/python -m pytest -q -ra
 

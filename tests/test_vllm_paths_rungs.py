@@ -113,12 +113,19 @@ def _backend(tmp: Path, py: Path, criu: Path | None = None, run=commands.run,
 
 
 def _take(tmp: Path, py: Path, argv: tuple[str, ...] | None = None, host: Identity | None = None,
-          **identity: object) -> Manifest:
-    """A vLLM snapshot published in the store the way `pitstop vllm-snapshot create` does."""
-    backend, store = _backend(tmp, py)
+          rung: VllmSnapshotRestore | None = None, **identity: object) -> Manifest:
+    """A vLLM snapshot published in the store the way `pitstop vllm-snapshot create` does; by
+    `rung`'s backend when given, as an agent's one backend takes what its rung restores (its
+    reading of the artifact then serves the rung: each other reading costs vLLM's import)."""
+    own, store = _backend(tmp, py)
+    backend = rung._vllm if rung is not None else own
+    runner = backend._run
     backend._run = FakeCreate(argv or backend.expected_argv(), **identity)
     store.open()
-    return take(store, backend, CreateRequest("vllm"), host or _host()).manifest
+    try:
+        return take(store, backend, CreateRequest("vllm"), host or _host()).manifest
+    finally:
+        backend._run = runner
 
 
 def store_ids(tmp: Path) -> list[str]:
@@ -127,9 +134,13 @@ def store_ids(tmp: Path) -> list[str]:
 
 def _snapshot_rung(tmp: Path, py: Path, host: Identity, features=lambda: CUDA_VLLM,
                    has_gpu=lambda: True, criu: Path | None = None,
-                   metrics: Metrics | None = None) -> VllmSnapshotRestore:
+                   metrics: Metrics | None = None,
+                   backend: VllmSnapshotBackend | None = None) -> VllmSnapshotRestore:
+    """The rung on a backend of its own, or on `backend` (another rung's, to share its
+    readings of the store's artifacts)."""
     cfg = vllm_config(tmp, python=py, snapshots={"backend": "vllm"}, vllm={"snapshot": SNAP})
-    backend, store = _backend(tmp, py, criu)
+    own, store = _backend(tmp, py, criu)
+    backend = backend or own
     return VllmSnapshotRestore(backend, store, socket=cfg.engine_socket, identity=lambda: host,
                                features=features, has_gpu=has_gpu,
                                metrics=metrics or Metrics(new_registry(), lambda: None))
@@ -183,8 +194,8 @@ def test_snapshot_rung_names_every_identity_difference_then_restores_a_match(
     good = rung._vllm.expected_argv()
     # The older one was taken on this host, with other engine arguments; the newer elsewhere.
     older = _take(tmp_path, py, (*good[:-1], "--max-model-len", "64", "--enable-sleep-mode"),
-                  host=_host(kernel="6.19.1", gpu_uuid="GPU-2"))
-    newer = _take(tmp_path, py, good)
+                  host=_host(kernel="6.19.1", gpu_uuid="GPU-2"), rung=rung)
+    newer = _take(tmp_path, py, good, rung=rung)
     refusal = _refusal(rung)
     assert refusal.code is RefusalCode.NO_USABLE_SNAPSHOT
     reason = refusal.detail
@@ -197,7 +208,7 @@ def test_snapshot_rung_names_every_identity_difference_then_restores_a_match(
                            "engine.served_model_name changed)")
     assert rung.stale_reasons == (RefusalCode.STALE,)
 
-    matching = _snapshot_rung(tmp_path, py, _host(), criu=criu_path)
+    matching = _snapshot_rung(tmp_path, py, _host(), criu=criu_path, backend=rung._vllm)
     prepared = _prepare(matching)
     assert isinstance(prepared, Prepared) and prepared.plan.id == newer.id
     # Neither stale one was quarantined: another host or configuration may use it.
@@ -233,7 +244,7 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
 def test_a_reload_of_engine_args_makes_the_snapshot_taken_with_the_old_ones_stale(
         tmp_path: Path, py: Path) -> None:
     rung = _snapshot_rung(tmp_path, py, _host(), criu=criu().path)
-    _take(tmp_path, py)
+    _take(tmp_path, py, rung=rung)
     assert isinstance(_prepare(rung), Prepared)
     cfg = vllm_config(tmp_path, python=py, engine={"args": ["--seed", "7"]},
                       snapshots={"backend": "vllm"}, vllm={"snapshot": SNAP})
@@ -307,9 +318,9 @@ def test_a_restored_engine_is_adopted_and_reached_through_engine_socket(
 
 
 def test_a_bad_snapshot_is_set_aside_in_the_stores_quarantine(tmp_path: Path, py: Path) -> None:
-    m = _take(tmp_path, py)
     registry = new_registry()
     rung = _snapshot_rung(tmp_path, py, _host(), metrics=Metrics(registry, lambda: None))
+    m = _take(tmp_path, py, rung=rung)
     prepared = _prepare(rung)
     assert isinstance(prepared, Prepared)
     asyncio.run(rung.failed(prepared, "canary: answered differently", RefusalCode.CANARY))

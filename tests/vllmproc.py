@@ -19,8 +19,12 @@ from agent.engines.vllm.adapter import VllmAdapter
 REPO = Path(__file__).resolve().parent.parent
 # Where scripts/install-vllm.sh (make vllm) puts vLLM; PITSTOP_VLLM_PYTHON points elsewhere.
 VLLM_PYTHON = Path(os.environ.get("PITSTOP_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
-# On CPU the "GPU" fraction is a fraction of RAM, and eager mode skips compiling.
-CPU_ARGS = ["--gpu-memory-utilization", "0.1", "--enforce-eager", "--max-model-len", "512"]
+# On CPU the "GPU" fraction is a fraction of RAM, and eager mode skips compiling. The KV pool
+# is given in bytes: from the fraction it came to 1.7 GiB of zeros on a 24 GiB machine, which
+# every full image dumped, hashed, copied and restored; 64 MiB holds over 60,000 tokens of the
+# tests' models (max-model-len 512). VLLM_CPU_KVCACHE_SPACE in an engine's env overrides it.
+CPU_ARGS = ["--gpu-memory-utilization", "0.1", "--enforce-eager", "--max-model-len", "512",
+            "--kv-cache-memory-bytes", str(64 << 20)]
 BOOT_TIMEOUT_S = 300.0
 
 
