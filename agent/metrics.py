@@ -87,6 +87,8 @@ class StatusView:
     recovery_gpu_peak_bytes: tuple[tuple[str, int], ...] = ()
     # Whether the engine's GPU is usable as NVML last saw it; None without a GPU watch.
     gpu_usable: bool | None = None
+    # Whether a standby is armed; None with snapshots.standby off.
+    standby_armed: bool | None = None
 
 
 class Metrics:
@@ -315,6 +317,13 @@ class StatusCollector(Collector):
         for reason in s.stale_reasons:
             stale.add_metric([reason], 1.0)
         yield stale
+        standby = GaugeMetricFamily(
+            "pitstop_standby_armed",
+            "1 while a stopped copy of the engine waits to answer the next crash; no sample "
+            "with snapshots.standby off.")
+        if s.standby_armed is not None:
+            standby.add_metric([], 1.0 if s.standby_armed else 0.0)
+        yield standby
 
     @staticmethod
     def _holder_and_gpu(s: StatusView) -> Iterable[Metric]:

@@ -84,7 +84,8 @@ class StatusBoard:
             holder_up=holder.up if holder else None,
             holder_bytes=holder.bytes_held if holder else None,
             recovery_gpu_peak_bytes=tuple(sorted(s.gpu_peak_bytes.items())),
-            gpu_usable=s.gpu != Verdict.UNUSABLE.value if self._gpu_watched() else None)
+            gpu_usable=s.gpu != Verdict.UNUSABLE.value if self._gpu_watched() else None,
+            standby_armed=s.standby.armed if s.standby is not None else None)
 
     def _read(self) -> tuple[NewestSnapshot | None, bool, HolderFacts | None]:
         """(newest snapshot, whether the store could be read, holder): in a worker thread."""

@@ -56,6 +56,7 @@ from agent.watchdog import pet_watchdog
 
 if TYPE_CHECKING:
     from agent.front.proxy import Front
+    from agent.supervisor.status import StandbyFacts
 
 log = logging.getLogger("pitstop")
 
@@ -301,7 +302,8 @@ class Agent:
             self.standby = StandbyRestore(
                 self._hybrid(config, capture_failure), snapshotter=host.snapshotter,
                 adapter=self.adapter, socket=config.engine_socket,
-                timeout_s=resume_timeout_s(config))
+                timeout_s=resume_timeout_s(config), on_change=self._standby_changed)
+            self.status.standby = self.standby.facts()
         self.vllm_first, self.vllm_warm = vllm_rungs(
             config, self.adapter, host.vllm, self.identity, host.criu_path, self.store,
             self.metrics)
@@ -497,6 +499,10 @@ class Agent:
                         engine_version=ident.engine_version,
                         weights_digest=ident.weights_digest or "",
                         gpu_name=ident.gpu_name or "", model=self.config.engine.model_name)
+
+    def _standby_changed(self, facts: StandbyFacts) -> None:
+        self.status.standby = facts
+        self._changed()
 
     def _changed(self) -> None:
         self.board.changed()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agentproc import RunningAgent, agent_config, complete, fallthroughs
+from tests.agentproc import RunningAgent, agent_config, complete, fallthroughs, snapshot_list
 from tests.holder_proc import Holder, wait_for
 from tests.snapshot_helpers import criu_present  # noqa: F401 - autouse: CRIU is required
 
@@ -81,6 +81,12 @@ def test_a_sigkill_is_answered_by_continuing_the_standby(standby):
     a = standby
     before = complete(a)
     init, _ = _armed(a)
+    # An operator sees it armed, of the snapshot just published.
+    facts = a.wait_for(lambda s: (s.get("standby") or {}).get("armed"), 30,
+                       "the status saying the standby is armed")["standby"]
+    assert facts["snapshot"] in {x["id"] for x in snapshot_list(a)}, facts
+    assert facts["why_none"] == "", facts
+    assert a.metric("pitstop_standby_armed") == 1.0
     restarts = a.status()["restarts"]
     os.kill(a.status()["engine_pid"], signal.SIGKILL)
     st = a.wait_recovered(restarts + 1)

@@ -83,6 +83,16 @@ class HolderFacts:
 
 
 @dataclass(frozen=True)
+class StandbyFacts:
+    """The standby (snapshots.standby): armed or not, of which snapshot, and why none."""
+
+    armed: bool
+    snapshot: str = ""
+    # Why none is armed ("" while one is).
+    why_none: str = ""
+
+
+@dataclass(frozen=True)
 class PortAccess:
     """How a public port is protected; never a key, a password or a hash."""
 
@@ -132,6 +142,8 @@ class AgentStatus:
     # how it ended (`result`: ok or a refusal code) and why, bytes and seconds.
     last_pull: Transfer | None = None
     last_push: Transfer | None = None
+    # The standby, with snapshots.standby on; None while it is off.
+    standby: StandbyFacts | None = None
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from agent.supervisor.engine import EngineProcess
 from agent.supervisor.ladder import Attempt, Prepared
 from agent.supervisor.paths.holder import HybridRestore
 from agent.supervisor.paths.restore import resume_timeout_s
+from agent.supervisor.status import StandbyFacts
 
 log = logging.getLogger("pitstop.standby")
 
@@ -53,7 +55,8 @@ class StandbyRestore:
     reuses_held_memory = True
 
     def __init__(self, hybrid: HybridRestore, *, snapshotter: Snapshotter | None,
-                 adapter: EngineAdapter, socket: Path, timeout_s: float) -> None:
+                 adapter: EngineAdapter, socket: Path, timeout_s: float,
+                 on_change: Callable[[StandbyFacts], None] = lambda _f: None) -> None:
         # Its checks are the hybrid rung's: the same snapshot, holder and identity.
         self._hybrid = hybrid
         self._snap = snapshotter
@@ -64,6 +67,17 @@ class StandbyRestore:
         # Why there is none ("" while one is armed or being restored).
         self.why_none = "no hybrid snapshot restored as a standby yet"
         self._arming: asyncio.Task[None] | None = None
+        # Told whenever the standby is armed, used, torn down or dies (status, metrics).
+        self._on_change = on_change
+
+    def facts(self) -> StandbyFacts:
+        armed = self.armed
+        return StandbyFacts(armed=armed is not None,
+                            snapshot=armed.manifest.id if armed is not None else "",
+                            why_none=self.why_none if armed is None else "")
+
+    def _tell(self) -> None:
+        self._on_change(self.facts())
 
     def reconfigure(self, config: Config) -> None:
         """health.timeout_s, as a reload left it: the next resume's limit."""
@@ -75,7 +89,13 @@ class StandbyRestore:
         one of it is armed already (the previous one is torn down first)."""
         if self._snap is None or (self._arming is not None and not self._arming.done()):
             return
-        self._arming = asyncio.ensure_future(self._arm())
+        self._arming = asyncio.ensure_future(self._arm_and_tell())
+
+    async def _arm_and_tell(self) -> None:
+        try:
+            await self._arm()
+        finally:
+            self._tell()
 
     async def _arm(self) -> None:
         chosen = await asyncio.to_thread(self._hybrid.choose)
@@ -129,12 +149,15 @@ class StandbyRestore:
             self.armed = None
             self.why_none = f"the standby (PID {armed.init.pid}) died: {armed.init.exited.result()}"
             log.warning("standby: %s", self.why_none)
+            self._tell()
 
     async def disarm(self, why: str) -> None:
         """Tear the standby down (its snapshot was replaced, the agent stops)."""
         armed, self.armed = self.armed, None
         if armed is not None:
             log.info("standby of snapshot %s torn down: %s", armed.manifest.id, why)
+            self.why_none = f"torn down: {why}"
+            self._tell()
             await armed.init.kill()
             await armed.init.close()
 
@@ -171,6 +194,7 @@ class StandbyRestore:
         if self.armed is armed:
             self.armed = None
         self.why_none = "the standby was used; the next one is restored once an engine serves"
+        self._tell()
         assert self._snap is not None
         try:
             with attempt.stage("standby_continue"):
