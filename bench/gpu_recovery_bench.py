@@ -20,6 +20,13 @@ the full path is skipped and the result says why.
 The run also measures the host's pinned host-to-device copy rate (torch, `--h2d-gib` of
 pinned memory to the GPU, best of 5): the refill row gives its weight load in GB/s against it.
 
+`--paths standby` (not in the default five) adds, after the hybrid kills, an agent with
+`snapshots.standby` over the same holder and store: before each of --runs kills it waits
+for `pitstop status` to say a standby is armed, and each recovery continues it.
+
+Each kill is timed twice: by the agent (`runs_s`: its decision to the verified canary)
+and by a client (`kill_to_answer_s`: SIGKILL -> the next answer through the front, which
+must equal the one before; `kill_breakdown_median_s` says where those seconds went).
 After every recovery one streamed request goes through the agent's front, then
 --steady-requests more: the front's own `pitstop_front_time_to_first_token_seconds`
 (scraped from the agent's /metrics before and after) gives the first request's time to
@@ -169,16 +176,58 @@ def first_tokens(agent: Agent, steady: int) -> dict:
             "first_token_steady_s": mean("steady")}
 
 
+def served_model(agent: Agent) -> str:
+    with urllib.request.urlopen(f"http://{agent.status()['front']}/v1/models", timeout=30) as r:
+        return json.loads(r.read())["data"][0]["id"]
+
+
 def recover(agent: Agent, n: int, steady: int) -> dict:
-    pid = agent.status()["engine_pid"]
-    os.kill(pid, signal.SIGKILL)
+    """SIGKILL the engine; its recovery as the agent timed it, and as a client did (the kill
+    to the next answer through the front, vllm_bench_kit.kill_to_answer)."""
+    from vllm_bench_kit import kill_breakdown, kill_to_answer
+
+    st = agent.status()
+    client = kill_to_answer(st["front"], served_model(agent), st["engine_pid"])
     st = agent.wait(lambda s: s.get("restarts") == n and s.get("state") == "ready", 900,
                     f"recovery {n}")
-    rec = {**st["last_recovery"], **first_tokens(agent, steady)}
+    rec = {**st["last_recovery"], **client,
+           "kill_breakdown": kill_breakdown(st["last_recovery"], client),
+           **first_tokens(agent, steady)}
     log(f"recovery {n}: {rec['path']} in {rec['duration_s']:.2f}s {rec['stages']}; peak GPU "
         f"memory {rec.get('gpu_peak_bytes')}; first token after it "
         f"{rec.get('first_token_after_recovery_s')} s, steady {rec.get('first_token_steady_s')} s")
     return rec
+
+
+def standby_kills(hcfg: dict, work: Path, runs: int) -> list[dict]:
+    """An agent with snapshots.standby over the holder the hybrid runs used (its store has
+    their snapshot): before each of `runs` SIGKILLs it waits for the standby armed, and each
+    recovery is timed by the agent and by a client (SIGKILL -> the next answer through the
+    front), with where the client's seconds went."""
+    from vllm_bench_kit import kill_breakdown, kill_to_answer
+
+    cfg = {**hcfg, "snapshots": {**hcfg["snapshots"], "enabled": True, "standby": True}}
+    agent = Agent(cfg, work)
+    out = []
+    try:
+        agent.wait(lambda s: s.get("state") == "ready", 900, "first start (standby)")
+        model = served_model(agent)
+        for n in range(1, runs + 1):
+            st = agent.wait(lambda s: (s.get("standby") or {}).get("armed"), 900,
+                            f"the standby armed before kill {n}")
+            done = st.get("restarts", 0) + 1
+            client = kill_to_answer(st["front"], model, st["engine_pid"])
+            st = agent.wait(lambda s, k=done: s.get("restarts", 0) >= k
+                            and s.get("state") == "ready", 900, f"standby recovery {n}")
+            rec = {**st["last_recovery"], **client,
+                   "kill_breakdown": kill_breakdown(st["last_recovery"], client)}
+            log(f"standby kill {n}: {rec['path']} in {rec['duration_s']:.3f}s by the agent, "
+                f"{client['kill_to_answer_s']} s kill to answer, same answer "
+                f"{client['same_answer']}; {rec['stages']}")
+            out.append(rec)
+    finally:
+        agent.stop()
+    return out
 
 
 def machine() -> tuple[str, str]:
@@ -252,7 +301,23 @@ def refill_figures(recs: list[dict], weights_bytes: int, h2d: float | None) -> d
             "load_vs_pinned": round(gbps / h2d, 3) if h2d else None}
 
 
-PATHS = ("cold", "warm", "full", "refill", "hybrid")
+# The five the bench was made for (its default), and the standby (issue 34) beside them.
+PATHS = ("cold", "warm", "full", "refill", "hybrid", "standby")
+DEFAULT_PATHS = PATHS[:5]
+
+
+def client_figures(recs: list[dict]) -> dict:
+    """What a client saw of the recoveries that were timed from outside: SIGKILL -> the
+    next answer through the front, whether it was the answer before, and where the seconds
+    went (median of each part)."""
+    k2a = [r["kill_to_answer_s"] for r in recs if r.get("kill_to_answer_s") is not None]
+    if not k2a:
+        return {}
+    parts = [r["kill_breakdown"] for r in recs if r.get("kill_breakdown")]
+    return {"kill_to_answer_s": k2a, "kill_to_answer_median_s": statistics.median(k2a),
+            "same_answer": [r.get("same_answer") for r in recs],
+            "kill_breakdown_median_s": {k: round(statistics.median(p[k] for p in parts), 4)
+                                        for k in (parts[0] if parts else {})}}
 
 
 def rows(result: dict, gib: float, command: str) -> list[dict]:
@@ -288,6 +353,9 @@ def rows(result: dict, gib: float, command: str) -> list[dict]:
             "first_token_steady_median_s": statistics.median(steady) if steady else None,
             "stages_median_s": stage_medians(recs),
             "canary_method": result.get("canary_method"),
+            **client_figures(recs),
+            **({"fell_to": [r["path"] for r in recs if r.get("path") != "standby"]}
+               if path == "standby" else {}),
             **({"fell_to": fell_to, **refill_figures(recs, result["weights_bytes"],
                                                      result.get("pinned_h2d_gbps"))}
                if path == "refill" else {}),
@@ -469,7 +537,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/root/pitstop-bench"))
     ap.add_argument("--snapshot-dir", type=Path, default=None,
                     help="default: on disk under --work")
-    ap.add_argument("--paths", default=",".join(PATHS))
+    ap.add_argument("--paths", default=",".join(DEFAULT_PATHS),
+                    help=f"any of {', '.join(PATHS)}")
     ap.add_argument("--h2d-gib", type=float, default=4.0,
                     help="GiB of pinned memory copied to the GPU to measure the host's rate")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script")
@@ -506,7 +575,9 @@ def main() -> None:
         "snapshots": {"drift_check_interval_s": 0, "quiet_timeout_s": 60},
         # Every kill here is the bench's own: hybrid and refill together are 2 x --runs of
         # them within a minute, which the default limit (5 in 300 s) calls a crash loop.
-        "restart": {"crash_loop_limit": 1000},
+        # Nor is a second kill a crash loop's: no backoff before its recovery (the agent's
+        # default waits 0.5 s, doubling, before the second restart in its window).
+        "restart": {"crash_loop_limit": 1000, "backoff_initial_s": 0},
     }
     if a.snapshot_dir:
         shutil.rmtree(a.snapshot_dir, ignore_errors=True)
@@ -527,7 +598,7 @@ def main() -> None:
 
     # The holder's paths first: hybrid is the one this bench is for, and a run cut short
     # keeps it.
-    if {"hybrid", "refill", "warm"} & set(paths):
+    if {"hybrid", "refill", "warm", "standby"} & set(paths):
         gpu = gpu_id(a.device)
         holder_dir = work / "holder"
         holder = start_holder(gpu, holder_dir, work)
@@ -564,6 +635,9 @@ def main() -> None:
                 save(result, a, tag, finished=False)
             finally:
                 agent.stop()
+            if "standby" in paths:
+                result["standby"] = standby_kills(hcfg, work, a.runs)
+                save(result, a, tag, finished=False)
             if "warm" in paths:
                 result["warm"] = starts(hcfg, work, a.runs, "warm start", a.steady_requests)
         finally:
