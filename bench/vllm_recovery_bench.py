@@ -138,7 +138,8 @@ def kill_series(agent: Agent, runs: int, want: str) -> dict[str, list]:
     log_path = agent.path.parent / "agent.log"
     for n in range(1, runs + 1):
         if want == "standby":
-            wait_armed(log_path, n)
+            agent.wait(lambda s: (s.get("standby") or {}).get("armed"), BOOT_S,
+                       f"the standby armed before kill {n}")
         st = agent.status()
         client = kill_to_answer(st["front"], "bench", st["engine_pid"])
         st = agent.wait(lambda s, n=n: s.get("restarts") == n and s.get("state") == "ready",
@@ -161,16 +162,6 @@ def kill_series(agent: Agent, runs: int, want: str) -> dict[str, list]:
         log(f"{want} {n}: {rec['duration_s']:.2f} s by the agent, kill to answer "
             f"{client['kill_to_answer_s']} s ({parts}) {rec['stages']}")
     return out
-
-
-def wait_armed(log_path: Path, n: int) -> None:
-    """Until the agent logged its `n`-th standby armed: one after the first snapshot, one
-    more after each recovery (restored in the background once the engine serves)."""
-    deadline = time.monotonic() + BOOT_S
-    while log_path.read_text(errors="replace").count("standby armed from snapshot") < n:
-        if time.monotonic() > deadline:
-            raise SystemExit(f"no standby armed for kill {n} within {BOOT_S} s")
-        time.sleep(0.05)
 
 
 def row(path: str, gib: float, r: dict, command: str, engine: str,
