@@ -199,6 +199,55 @@ def recover(agent: Agent, n: int, steady: int) -> dict:
     return rec
 
 
+def standby_tree(agent_pid: int, engine_pid: int | None) -> list[int]:
+    """Every process of the armed standby: the agent's `agent.checkpoint.nsinit` child that
+    is not the serving engine's, and all under it."""
+    from agent.checkpoint.xcomp import process_tree
+
+    for pid in process_tree(agent_pid)[1:]:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"agent.checkpoint.nsinit" in cmd and pid != engine_pid:
+            return process_tree(pid)
+    return []
+
+
+def standby_costs(agent: Agent, idle_s: float = 5.0) -> dict:
+    """What the armed standby costs while it waits: host memory (the sum of its processes'
+    PSS), CPU seconds over `idle_s`, and GPU memory (nvidia-smi's compute processes that
+    are its own; none while its CUDA state stays checkpointed)."""
+    st = agent.status()
+    pids = standby_tree(agent.p.pid, st.get("engine_pid"))
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def cpu() -> float:
+        total = 0
+        for pid in pids:
+            try:
+                f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += int(f[11]) + int(f[12])
+            except (OSError, IndexError, ValueError):
+                continue
+        return total / tick
+
+    pss = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    pss += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    c0 = cpu()
+    time.sleep(idle_s)
+    gpu = {p: m for p, m in gpu_apps().items() if int(p) in pids}
+    return {"processes": len(pids), "host_pss_bytes": pss,
+            "cpu_s_idle": round(cpu() - c0, 3), "idle_s": idle_s,
+            "gpu_mib": sum(gpu.values())}
+
+
 def standby_kills(hcfg: dict, work: Path, runs: int) -> list[dict]:
     """An agent with snapshots.standby over the holder the hybrid runs used (its store has
     their snapshot): before each of `runs` SIGKILLs it waits for the standby armed, and each
@@ -215,12 +264,17 @@ def standby_kills(hcfg: dict, work: Path, runs: int) -> list[dict]:
         for n in range(1, runs + 1):
             st = agent.wait(lambda s: (s.get("standby") or {}).get("armed"), 900,
                             f"the standby armed before kill {n}")
+            # Re-armed this long after the engine it follows was ready (none before kill 1).
+            rearm = round(time.time() - out[-1]["at"], 3) if out else None
+            costs = standby_costs(agent)
             done = st.get("restarts", 0) + 1
             client = kill_to_answer(st["front"], model, st["engine_pid"])
             st = agent.wait(lambda s, k=done: s.get("restarts", 0) >= k
                             and s.get("state") == "ready", 900, f"standby recovery {n}")
             rec = {**st["last_recovery"], **client,
-                   "kill_breakdown": kill_breakdown(st["last_recovery"], client)}
+                   "kill_breakdown": kill_breakdown(st["last_recovery"], client),
+                   "standby_costs": costs, "rearmed_after_s": rearm}
+            log(f"standby costs {costs}, re-armed after {rearm} s")
             log(f"standby kill {n}: {rec['path']} in {rec['duration_s']:.3f}s by the agent, "
                 f"{client['kill_to_answer_s']} s kill to answer, same answer "
                 f"{client['same_answer']}; {rec['stages']}")
@@ -354,7 +408,10 @@ def rows(result: dict, gib: float, command: str) -> list[dict]:
             "stages_median_s": stage_medians(recs),
             "canary_method": result.get("canary_method"),
             **client_figures(recs),
-            **({"fell_to": [r["path"] for r in recs if r.get("path") != "standby"]}
+            **({"fell_to": [r["path"] for r in recs if r.get("path") != "standby"],
+                "standby_costs": [r.get("standby_costs") for r in recs],
+                "rearmed_after_s": [r["rearmed_after_s"] for r in recs
+                                    if r.get("rearmed_after_s") is not None]}
                if path == "standby" else {}),
             **({"fell_to": fell_to, **refill_figures(recs, result["weights_bytes"],
                                                      result.get("pinned_h2d_gbps"))}
