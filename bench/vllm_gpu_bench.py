@@ -11,13 +11,17 @@ On the GPU host, from the repository root, with a CUDA vLLM (0.33) importable fr
 One model of --gib GiB (`pitstop make-model --target-gib`, in /dev/shm), the real agent
 (`pitstop run`, engine.kind vllm) in phases, each a fresh agent:
 
-- **holder** (paths hybrid, refill, warm): a holder (`pitstop holder`, cuda backend) and the
-  Pitstop plugin for vLLM's interpreter. The first start loads the weights into the holder
-  (its peak GPU memory is recorded: `first-start-holder`), a hybrid snapshot is taken, then
+- **holder** (paths hybrid, refill, standby, warm): a holder (`pitstop holder`, cuda
+  backend) and the Pitstop plugin for vLLM's interpreter. The first start loads the weights
+  into the holder (its peak GPU memory is recorded: `first-start-holder`), a hybrid
+  snapshot is taken, then
   --runs SIGKILLs of the API server come back through `hybrid`; once the agent has written
   its copy of the held set (the refill plan), --runs times the holder is restarted empty
-  and the API server killed: `refill`; then the snapshots are deleted and --warm-runs kills
-  come back through `warm` (a fresh vLLM attaching the held weights).
+  and the API server killed: `refill`; with `standby`, an agent with `snapshots.standby`
+  over the same holder and store restores that image, and --runs kills (each once `pitstop
+  status` says a standby is armed) come back through `standby`; then the snapshots are
+  deleted and --warm-runs kills come back through `warm` (a fresh vLLM attaching the held
+  weights).
 - **pitstop** (paths cold, full, sleep): no holder. The first start is a plain one (its peak
   GPU memory: `first-start-plain`); with `full` a snapshot is taken and --runs kills come
   back through `full`; the snapshots deleted, one more kill comes back through `cold`; then
@@ -114,11 +118,11 @@ BOOT_S = 900
 MODEL_NAME = "bench"
 # Where the held set's copy and the refill plan appear (agent/holder/weightplan.py).
 PLAN_NAME = "refill.json"
-PATHS = ("hybrid", "refill", "warm", "cold", "full", "sleep", "vllm-snapshot",
+PATHS = ("hybrid", "refill", "standby", "warm", "cold", "full", "sleep", "vllm-snapshot",
          "vllm-snapshot-manual", "vllm-preload")
 CUDA_ONLY = ("sleep", "vllm-snapshot", "vllm-snapshot-manual", "vllm-preload")
 PHASES = {  # in the order they run: the holder's rungs first, the ones this bench is for
-    "holder": ("hybrid", "refill", "warm"),
+    "holder": ("hybrid", "refill", "standby", "warm"),
     "pitstop": ("cold", "full", "sleep"),
     "vllm-snapshot": ("vllm-snapshot", "vllm-snapshot-manual"),
     "vllm-preload": ("vllm-preload",),
@@ -154,7 +158,7 @@ class Run:
         r = self.result
         stamp_records(r, self.command)
         rows = [*start_peaks(r, ctx)]
-        for path in ("hybrid", "refill", "warm", "full", "cold", "vllm-snapshot",
+        for path in ("hybrid", "refill", "standby", "warm", "full", "cold", "vllm-snapshot",
                      "vllm-preload"):
             key = path.replace("-", "_")
             # A rung's first start (no kill before it, so no client figure) is one of its
@@ -167,7 +171,8 @@ class Run:
                               time_key="wake_to_answer_s"))
         for row in rows:
             snap = r.get({"full": "snapshot", "hybrid": "hybrid_snapshot",
-                          "refill": "hybrid_snapshot"}.get(row["path"], "")) if row else None
+                          "refill": "hybrid_snapshot", "standby": "hybrid_snapshot"}.get(
+                              row["path"], "")) if row else None
             if row and snap:
                 row["image_bytes"] = snap.get("image_bytes")
         r["rows"] = [x for x in rows if x]
@@ -313,7 +318,7 @@ def holder_phase(run: Run) -> None:
     hdir = d / "holder-dir"
     env = dict(run.cfg["engine"]["env"])
     env["PYTHONPATH"] = plugin_pythonpath(a, plugin)
-    snaps = run.wants("hybrid") or run.wants("refill")
+    snaps = run.wants("hybrid") or run.wants("refill") or run.wants("standby")
     cfg = agent_cfg(d, run.cfg, engine={"env": env},
                     holder={"enabled": True, "dir": str(hdir), "gpu": gpu},
                     snapshots={"enabled": snaps})
@@ -329,6 +334,8 @@ def holder_phase(run: Run) -> None:
                 hybrid_and_refill(run, agent, holder, gpu, hdir, d)
         finally:
             agent.stop()
+        if run.wants("standby") and r.get("hybrid_snapshot", {}).get("kind") == "hybrid":
+            standby_series(run, cfg, d)
         if run.wants("warm"):
             # A fresh agent with snapshots off: every start is a warm one (the holder holds
             # the weights), its first included.
@@ -342,6 +349,23 @@ def holder_phase(run: Run) -> None:
         stop_holder(holder[0])
         # The copy is as large as the weights: the full image needs the disk next.
         shutil.rmtree(hdir / gpu / "copies", ignore_errors=True)
+
+
+def standby_series(run: Run, cfg: dict, d: Path) -> None:
+    """An agent with snapshots.standby over the same holder and store: its first start
+    restores the hybrid image, a standby of it is armed, and each kill (once `pitstop
+    status` says one is armed again) is answered by continuing it."""
+    agent = Agent({**cfg, "snapshots": {**cfg["snapshots"], "standby": True}}, d)
+    try:
+        run.result["standby_start"] = first_start(agent, "first start (standby)", None)
+
+        def armed() -> None:
+            agent.wait(lambda s: (s.get("standby") or {}).get("armed"), BOOT_S,
+                       "the standby armed")
+
+        series(run, agent, "standby", "standby", run.a.runs, 30 + start_estimate(run), armed)
+    finally:
+        agent.stop()
 
 
 def hybrid_and_refill(run: Run, agent: Agent, holder: list[subprocess.Popen], gpu: str,
