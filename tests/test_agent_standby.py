@@ -42,7 +42,7 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def _armed(a: RunningAgent) -> tuple[int, int]:
+def _armed(a: RunningAgent, timeout: float = 120) -> tuple[int, int]:
     """(the standby's init on the host, PID 1 of its namespace) once the agent logged it
     armed; a standby that was continued is the serving engine, not a standby."""
     found: list[tuple[int, int]] = []
@@ -55,7 +55,7 @@ def _armed(a: RunningAgent) -> tuple[int, int]:
                     found.append((init, ns_init))
                     return True
         return False
-    wait_for(ready, "the standby armed", timeout=120)
+    wait_for(ready, "the standby armed", timeout=timeout)
     return found[0]
 
 

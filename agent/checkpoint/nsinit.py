@@ -1,17 +1,21 @@
-"""The standby's init: a hybrid image restored, stopped, in fresh PID and mount namespaces."""
+"""The standby's init: a hybrid image restored, stopped, in fresh PID, mount and net namespaces."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import ctypes
+import fcntl
 import json
 import os
 import signal
+import socket
 import stat
+import struct
 import sys
 from pathlib import Path
 
+from agent.checkpoint import outside
 from agent.checkpoint.criu import CriuBackend
 from agent.checkpoint.criu_locate import CriuBinary
 from agent.errors import SnapshotError
@@ -20,14 +24,21 @@ from agent.errors import SnapshotError
 # never inside the agent. The live engine owns the image's PIDs and its socket's path, so
 # the copy is restored where neither clashes: a new PID namespace (CRIU gives each process
 # its dumped PID there) and a new mount namespace whose socket directory is a private
-# tmpfs (the restored listening socket binds there, not over the live one's file).
+# tmpfs (the restored listening socket binds there, not over the live one's file). vLLM's
+# tree also keeps shared memory files in /dev/shm, which the live engine goes on writing
+# (a private /dev/shm holds the image's copies), and listens on and connects to loopback
+# TCP ports the live engine holds (a new network namespace has its own loopback).
 CLONE_NEWNS = 0x00020000
 CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
 MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
 MS_BIND = 0x1000
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 PR_SET_PDEATHSIG = 1
+# <linux/sockios.h>, <net/if.h>: struct ifreq is the name (16 bytes) then a short of flags.
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+IFREQ = struct.Struct("16sh14x")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -43,13 +54,13 @@ def _mount(src: str, target: str, fstype: str | None, flags: int, data: str = ""
                        flags, data.encode() or None), f"mount {src} on {target}")
 
 
-def hide_sockets(sockets: list[Path]) -> None:
-    """A private tmpfs over each directory the tree binds a socket in, everything else in
-    it bound back (the holder's socket, which the engine's resume connects to, may live
-    beside the engine's)."""
+def hide(paths: list[Path]) -> None:
+    """A private tmpfs over each directory of `paths` (where the tree binds a socket, or
+    keeps a shared memory file), everything else in it bound back (the holder's socket,
+    which the engine's resume connects to, may live beside the engine's)."""
     by_dir: dict[Path, set[str]] = {}
-    for sock in sockets:
-        by_dir.setdefault(sock.parent, set()).add(sock.name)
+    for path in paths:
+        by_dir.setdefault(path.parent, set()).add(path.name)
     for d in sorted(by_dir, key=lambda p: len(p.parts)):
         _hide(d, by_dir[d])
 
@@ -57,7 +68,10 @@ def hide_sockets(sockets: list[Path]) -> None:
 def _hide(d: Path, names: set[str]) -> None:
     old = os.open(d, os.O_PATH | os.O_DIRECTORY)
     entries = [e for e in os.listdir(f"/proc/self/fd/{old}") if e not in names]
-    _mount("tmpfs", str(d), "tmpfs", MS_NOSUID | MS_NODEV, "mode=0700")
+    st = os.fstat(old)
+    # Owned and open as the directory it covers (/dev/shm and /tmp are 1777).
+    _mount("tmpfs", str(d), "tmpfs", MS_NOSUID | MS_NODEV,
+           f"mode={stat.S_IMODE(st.st_mode):o},uid={st.st_uid},gid={st.st_gid}")
     for name in entries:
         src = f"/proc/self/fd/{old}/{name}"
         with contextlib.suppress(FileNotFoundError):
@@ -67,6 +81,24 @@ def _hide(d: Path, names: set[str]) -> None:
                 (d / name).touch()
             _mount(src, str(d / name), None, MS_BIND | MS_REC)
     os.close(old)
+
+
+def loopback_up() -> None:
+    """`lo` up in this (new) network namespace: the tree's 127.0.0.1 sockets bind there."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        name, flags = IFREQ.unpack(fcntl.ioctl(s, SIOCGIFFLAGS, IFREQ.pack(b"lo", 0)))
+        fcntl.ioctl(s, SIOCSIFFLAGS, IFREQ.pack(name, flags | IFF_UP))
+
+
+def _prepare(args: argparse.Namespace) -> None:
+    """The namespaces made ready for the image: loopback up, socket and shm directories
+    private, the image's shm files (and CRIU's link_remap files) put back in the private one."""
+    loopback_up()
+    shm_dir = Path(args.shm_dir)
+    hide([Path(p) for p in args.socket] + [shm_dir / n for n in args.shm])
+    # Only this namespace sees them (and CRIU consumes the link_remap ones): nothing to
+    # lock against the host's other restores, nothing to remove if CRIU fails.
+    outside.put_back(Path(args.image), tuple(args.shm), (), shm_dir)
 
 
 def _restore(args: argparse.Namespace) -> int:
@@ -87,7 +119,7 @@ def _init(args: argparse.Namespace, report: int) -> None:
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     root = 0
     try:
-        hide_sockets([Path(p) for p in args.socket])
+        _prepare(args)
         root = _restore(args)
         msg = {"pid": root}
     except (OSError, SnapshotError) as e:
@@ -115,11 +147,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log", required=True)
     p.add_argument("--socket", action="append", default=[],
                    help="a path the tree binds a Unix socket at (repeated)")
+    p.add_argument("--shm", action="append", default=[],
+                   help="a shared memory file the image saved (repeated)")
+    p.add_argument("--shm-dir", default=str(outside.SHM_DIR))
     p.add_argument("--report-fd", type=int, required=True)
     p.add_argument("--flag", action="append", default=[])
     p.add_argument("--pipe", action="append", default=[], help="pipe:[INODE] of its stdout")
     args = p.parse_args(argv)
-    _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWPID), "unshare(CLONE_NEWNS|CLONE_NEWPID)")
+    _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET),
+           "unshare(CLONE_NEWNS|CLONE_NEWPID|CLONE_NEWNET)")
     # Nothing mounted here may reach the host's mount table.
     _mount("none", "/", None, MS_REC | MS_PRIVATE)
     child = os.fork()

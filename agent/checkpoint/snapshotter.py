@@ -134,6 +134,11 @@ class Snapshotter:
             self.cuda.lock_timeout_ms = config.snapshots.cuda_lock_timeout_ms
 
     @property
+    def shm_dir(self) -> Path:
+        """Where the trees it dumps keep their shared memory files (/dev/shm)."""
+        return self._shm
+
+    @property
     def create_limit_s(self) -> float:
         # CRIU's own limit, and as long again for what has none around it: the CUDA
         # checkpoint and restore of each process, the zero-page rewrite, the seal's hashing.

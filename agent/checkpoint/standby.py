@@ -21,21 +21,9 @@ from agent.store import Manifest
 REPORT_LIMIT = 1 << 16
 
 
-def refusal(manifest: Manifest) -> str | None:
-    """Why this image cannot be restored beside its live engine (None: it can). Shared
-    memory files the tree keeps in /dev/shm are put back on restore where the live engine
-    uses them now: a second copy would write over them. (The socket paths it binds are
-    hidden from it by the standby's init, agent/checkpoint/nsinit.py.)"""
-    shm = manifest.process.shm_files
-    if shm:
-        return (f"snapshot {manifest.id} keeps shared memory files outside its tree "
-                f"({', '.join(shm)}), which the live engine uses: no standby can be restored "
-                "beside it")
-    return None
-
-
 def init_argv(snap: Snapshotter, manifest: Manifest, socket: Path, report_fd: int) -> list[str]:
-    """The command that restores `manifest` stopped, in new namespaces (agent.checkpoint.nsinit)."""
+    """The command that restores `manifest` stopped, in new namespaces (agent.checkpoint.nsinit):
+    the paths its sockets bind and its shared memory files are private to the copy there."""
     # Made (and pruned) here: the init sees the directories that exist when it starts.
     log = snap.restore_log(f"{manifest.id}-standby-{int(time.time() * 1000)}.log")
     argv = [sys.executable, "-m", "agent.checkpoint.nsinit", "--criu", str(snap.criu.binary.path),
@@ -47,6 +35,10 @@ def init_argv(snap: Snapshotter, manifest: Manifest, socket: Path, report_fd: in
         argv += [f"--flag={f}"]
     for pipe in sorted(set(manifest.process.inherited_pipes.values())):
         argv += ["--pipe", pipe]
+    # Put back by the init into its private shm dir, from the image.
+    argv += ["--shm-dir", str(snap.shm_dir)]
+    for name in manifest.process.shm_files:
+        argv += ["--shm", name]
     return argv
 
 

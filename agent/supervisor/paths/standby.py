@@ -40,7 +40,7 @@ class Armed:
 class StandbyRestore:
     """Continue a copy of the engine that was restored, stopped, from the newest hybrid
     snapshot while the engine it copies still served (agent/checkpoint/nsinit.py: its own
-    PID and mount namespaces, so nothing of it clashes with the live engine); then the same
+    PID, mount and network namespaces, so nothing of it clashes with the live engine); then the same
     resume as the hybrid rung (the held weights mapped again) and the canary.
 
     Example::
@@ -107,11 +107,6 @@ class StandbyRestore:
         if self.armed is not None and self.armed.manifest.id == m.id:
             return
         await self.disarm(f"snapshot {m.id} replaces it")
-        refused = sb.refusal(m)
-        if refused is not None:
-            self.why_none = refused
-            log.warning("standby: %s", refused)
-            return
         self.why_none = f"the standby of snapshot {m.id} is being restored"
         try:
             self.armed = await self._restore(m)
