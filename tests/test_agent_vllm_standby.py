@@ -67,6 +67,11 @@ def test_a_sigkill_of_vllms_api_server_is_answered_by_continuing_the_standby(nod
     live = a.status()["engine_pid"]
     for kind in ("net", "mnt", "pid_for_children"):
         assert _ns(ns_init, kind) != _ns(live, kind), kind
+    theirs = f"/proc/{ns_init}/root/dev/shm"
+    assert os.stat(theirs).st_dev != os.stat("/dev/shm").st_dev
+    assert any(n.startswith("psm_") for n in os.listdir(theirs)), os.listdir(theirs)
+    # ... and the live engine, its ring buffers not written over, still answers.
+    assert _greedy(client) == before
     restarts = a.status()["restarts"]
     t0 = time.monotonic()
     os.kill(live, signal.SIGKILL)
