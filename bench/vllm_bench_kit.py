@@ -243,9 +243,27 @@ def first_answer(addr: str, model: str, since: float, limit_s: float = ANSWER_LI
             tries.append(n)
 
 
+def serving_pid(engine_pid: int, proc: Path = Path("/proc")) -> int:
+    """The engine's own root process for the agent's `engine_pid`: itself, or, for an engine
+    continued from a standby, the restored root two levels under the standby's init (its
+    namespace's PID 1 between them). A crash is that process dying; SIGKILL of the init
+    ends the engine too, but the engine may answer once more before its namespace goes."""
+    pid = engine_pid
+    try:
+        if b"agent.checkpoint.nsinit" in (proc / str(pid) / "cmdline").read_bytes():
+            for _ in range(2):
+                pid = int((proc / str(pid) / "task" / str(pid) / "children").read_text()
+                          .split()[0])
+    except (OSError, IndexError, ValueError):
+        return engine_pid
+    return pid
+
+
 def kill_to_answer(front: str, model: str, pid: int) -> dict:
-    """SIGKILL `pid` (the API server) and time the next request through `front` that
-    completes, as a client sees the recovery; the answer must be the one before the kill."""
+    """SIGKILL the engine of the agent's `pid` (its API server: serving_pid) and time the
+    next request through `front` that completes, as a client sees the recovery; the answer
+    must be the one before the kill."""
+    pid = serving_pid(pid)
     before = answer(front, model)
     # One more, timed: what an answer takes with nothing to recover (part of the figure).
     t = time.monotonic()
