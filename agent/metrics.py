@@ -317,20 +317,13 @@ class StatusCollector(Collector):
         for reason in s.stale_reasons:
             stale.add_metric([reason], 1.0)
         yield stale
-        standby = GaugeMetricFamily(
-            "pitstop_standby_armed",
-            "1 while a stopped copy of the engine waits to answer the next crash; no sample "
-            "with snapshots.standby off.")
-        if s.standby_armed is not None:
-            standby.add_metric([], 1.0 if s.standby_armed else 0.0)
-        yield standby
+        yield _flag("pitstop_standby_armed",
+                    "1 while a stopped copy of the engine waits to answer the next crash; no "
+                    "sample with snapshots.standby off.", s.standby_armed)
 
     @staticmethod
     def _holder_and_gpu(s: StatusView) -> Iterable[Metric]:
-        hu = GaugeMetricFamily("pitstop_holder_up", "1 when the GPU memory holder answers.")
-        if s.holder_up is not None:
-            hu.add_metric([], 1.0 if s.holder_up else 0.0)
-        yield hu
+        yield _flag("pitstop_holder_up", "1 when the GPU memory holder answers.", s.holder_up)
         hb = GaugeMetricFamily(
             "pitstop_holder_bytes", "Bytes of model memory held outside the engine.")
         if s.holder_bytes is not None:
@@ -343,13 +336,9 @@ class StatusCollector(Collector):
         for path, value in s.recovery_gpu_peak_bytes:
             peak.add_metric([path], float(value))
         yield peak
-        gu = GaugeMetricFamily(
-            "pitstop_gpu_usable",
-            "1 while NVML reports the engine's GPU usable, 0 once it is lost or needs a reset; "
-            "no sample without a GPU.")
-        if s.gpu_usable is not None:
-            gu.add_metric([], 1.0 if s.gpu_usable else 0.0)
-        yield gu
+        yield _flag("pitstop_gpu_usable",
+                    "1 while NVML reports the engine's GPU usable, 0 once it is lost or needs a "
+                    "reset; no sample without a GPU.", s.gpu_usable)
 
     @staticmethod
     def _front(s: StatusView) -> Iterable[Metric]:
@@ -361,6 +350,14 @@ class StatusCollector(Collector):
             "pitstop_front_inflight_requests", "Requests the front is forwarding right now.")
         inf.add_metric([], float(s.front_inflight))
         yield inf
+
+
+def _flag(name: str, documentation: str, value: bool | None) -> GaugeMetricFamily:
+    """A 0/1 gauge; without a sample while its value is not known here (None)."""
+    g = GaugeMetricFamily(name, documentation)
+    if value is not None:
+        g.add_metric([], 1.0 if value else 0.0)
+    return g
 
 
 M = TypeVar("M", bound=MetricWrapperBase)

@@ -59,6 +59,18 @@ def _armed(a: RunningAgent, timeout: float = 120) -> tuple[int, int]:
     return found[0]
 
 
+def kill_and_expect_hybrid(a: RunningAgent, standby_fell: tuple[str, str]) -> dict:
+    """SIGKILL the engine; the recovery must be the hybrid rung's, the standby passed over
+    (and nothing else) as `standby_fell` says: (how, refusal code). The recovery."""
+    restarts = a.status()["restarts"]
+    os.kill(a.status()["engine_pid"], signal.SIGKILL)
+    rec = a.wait_recovered(restarts + 1)["last_recovery"]
+    assert rec["path"] == "hybrid", (rec, a.log_tail(3000))
+    codes = {(f["path"], f["kind"]): f["refusal"]["code"] for f in rec["fallthroughs"]}
+    assert codes == {("standby", standby_fell[0]): standby_fell[1]}, fallthroughs(rec)
+    return rec
+
+
 @pytest.fixture(scope="module")
 def standby(tmp_path_factory, tiny_model):
     """A cpu-backend holder and an agent with snapshots.standby on, its first hybrid
@@ -108,13 +120,7 @@ def test_a_crash_before_the_next_standby_is_armed_takes_the_hybrid_rung(standby)
     init, _ = _armed(a)
     os.kill(init, signal.SIGKILL)
     wait_for(lambda: "standby: the standby (PID" in a.log(), "the standby's death noticed")
-    restarts = a.status()["restarts"]
-    os.kill(a.status()["engine_pid"], signal.SIGKILL)
-    st = a.wait_recovered(restarts + 1)
-    rec = st["last_recovery"]
-    assert rec["path"] == "hybrid", (rec, a.log_tail(3000))
-    codes = {(f["path"], f["kind"]): f["refusal"]["code"] for f in rec["fallthroughs"]}
-    assert codes == {("standby", "skipped"): "standby_not_armed"}, fallthroughs(rec)
+    kill_and_expect_hybrid(a, ("skipped", "standby_not_armed"))
     assert complete(a) == before
 
 
@@ -127,11 +133,5 @@ def test_a_standby_that_cannot_resume_falls_through_to_hybrid(standby, tmp_path)
     holder_dir = Path(a.config["holder"]["dir"])
     subprocess.run(["nsenter", "-t", str(ns_init), "-m", "mount", "-t", "tmpfs", "tmpfs",
                     str(holder_dir)], check=True)
-    restarts = a.status()["restarts"]
-    os.kill(a.status()["engine_pid"], signal.SIGKILL)
-    st = a.wait_recovered(restarts + 1)
-    rec = st["last_recovery"]
-    assert rec["path"] == "hybrid", (rec, a.log_tail(3000))
-    codes = {(f["path"], f["kind"]): f["refusal"]["code"] for f in rec["fallthroughs"]}
-    assert codes == {("standby", "start_failed"): "standby_failed"}, fallthroughs(rec)
+    kill_and_expect_hybrid(a, ("start_failed", "standby_failed"))
     assert complete(a) == before
