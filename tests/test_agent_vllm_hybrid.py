@@ -34,6 +34,7 @@ from agent.holder.weightplan import PLAN_NAME, PlanSource, load_plan
 from tests.agentproc import REPO, RunningAgent, Traffic, agent_config, fallthroughs
 from tests.conftest import cached_model
 from tests.holder_proc import Holder, wait_for
+from tests.test_agent_standby import _armed
 from tests.test_agent_vllm import (
     BOOT_S,
     _engine_core,
@@ -289,6 +290,49 @@ def test_the_dev_endpoints_the_plugin_needs_are_not_reachable_through_the_front(
             r = c.post(url + path, json={"method": support.RPC_DETACH})
             assert r.status_code == 404, (path, r.status_code, r.text[:200])
     assert node.engine_rpc(support.RPC_STATE)["held"]["attached"]
+
+
+def _ns(pid: int, kind: str) -> str:
+    return os.readlink(f"/proc/{pid}/ns/{kind}")
+
+
+def test_with_snapshots_standby_a_sigkill_is_answered_by_continuing_a_copy_made_before_it(
+        node: HybridNode):
+    # The same node with the standby on (a key read at start): its first start restores the
+    # hybrid image the last test published, and a copy of it is restored, stopped, beside it.
+    node.agent.stop(timeout=60)
+    a = node.agent = RunningAgent(node.agent.tmp, {
+        **node.agent.config, "snapshots": {**node.agent.config["snapshots"], "standby": True}})
+    a.wait_ready(timeout=BOOT_S)
+    client = openai.OpenAI(base_url=a.front_url, api_key="none", timeout=BOOT_S, max_retries=0)
+    before = _greedy(client)
+    assert before == node.first_answer
+    init, ns_init = _armed(a, timeout=BOOT_S)
+    # The copy has its own loopback (vLLM's workers listen on 127.0.0.1 ports the live
+    # engine holds) and its own /dev/shm (the live engine's ring buffers stay its own).
+    live = a.status()["engine_pid"]
+    for kind in ("net", "mnt", "pid_for_children"):
+        assert _ns(ns_init, kind) != _ns(live, kind), kind
+    theirs = f"/proc/{ns_init}/root/dev/shm"
+    assert os.stat(theirs).st_dev != os.stat("/dev/shm").st_dev
+    assert any(n.startswith("psm_") for n in os.listdir(theirs)), os.listdir(theirs)
+    # ... and the live engine, its ring buffers not written over, still answers.
+    assert _greedy(client) == before
+    restarts = a.status()["restarts"]
+    os.kill(live, signal.SIGKILL)
+    st = a.wait_recovered(restarts + 1, timeout=BOOT_S)
+    rec = st["last_recovery"]
+    assert (rec["path"], rec["result"]) == ("standby", "success"), (rec, a.log_tail(3000))
+    assert rec["fallthroughs"] == [], rec
+    # No restore after the crash: the copy was restored before it, and only continued.
+    assert "criu_restore" not in rec["stages"], rec
+    assert {"standby_continue", "resume", "verify"} <= set(rec["stages"]), rec
+    assert st["engine_pid"] == init
+    # The weights re-attached from the holder, through the engine's socket (now a link
+    # into the copy's mount namespace), and the same greedy answer through the front.
+    assert node.engine_rpc(support.RPC_STATE)["held"]["attached"]
+    assert _greedy(client) == before
+    client.close()
 
 
 def test_a_full_image_of_the_same_model_is_larger_by_the_weights_and_the_kv_pool(
