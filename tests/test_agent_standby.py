@@ -112,6 +112,19 @@ def test_a_sigkill_is_answered_by_continuing_the_standby(standby):
     assert "held weights re-attached at the same addresses" in a.log()
 
 
+def test_a_snapshot_of_an_engine_continued_from_the_standby_fails_and_it_serves_on(standby):
+    a = standby
+    # The engine serving now came from the standby (the test above): it lives in the
+    # standby's namespaces, which CRIU does not dump; the snapshot it had stays the one.
+    assert a.status()["last_recovery"]["path"] == "standby"
+    before, snapshots = complete(a), {x["id"] for x in snapshot_list(a)}
+    done = a.pitstop("snapshot", "create")
+    assert done.returncode != 0, (done.stdout, done.stderr)
+    assert {x["id"] for x in snapshot_list(a)} == snapshots
+    assert a.wait_for(lambda s: s.get("state") == "ready", 60, "serving again")
+    assert complete(a) == before
+
+
 def test_a_crash_before_the_next_standby_is_armed_takes_the_hybrid_rung(standby):
     a = standby
     before = complete(a)
