@@ -92,6 +92,10 @@ class Agent:
             time.sleep(0.05)
         raise SystemExit(f"timed out waiting for {what}: {self.status()}")
 
+    def wait_standby_armed(self, timeout: float, what: str) -> dict:
+        """Until `pitstop status` says a standby is armed (snapshots.standby)."""
+        return self.wait(lambda s: (s.get("standby") or {}).get("armed"), timeout, what)
+
     def stop(self) -> None:
         self.p.send_signal(signal.SIGTERM)
         try:
@@ -181,9 +185,10 @@ def served_model(agent: Agent) -> str:
         return json.loads(r.read())["data"][0]["id"]
 
 
-def recover(agent: Agent, n: int, steady: int) -> dict:
+def recover(agent: Agent, n: int, steady: int | None) -> dict:
     """SIGKILL the engine; its recovery as the agent timed it, and as a client did (the kill
-    to the next answer through the front, vllm_bench_kit.kill_to_answer)."""
+    to the next answer through the front, vllm_bench_kit.kill_to_answer); then, unless
+    `steady` is None, the first-token figures (first_tokens)."""
     from vllm_bench_kit import kill_breakdown, kill_to_answer
 
     st = agent.status()
@@ -192,9 +197,10 @@ def recover(agent: Agent, n: int, steady: int) -> dict:
                     f"recovery {n}")
     rec = {**st["last_recovery"], **client,
            "kill_breakdown": kill_breakdown(st["last_recovery"], client),
-           **first_tokens(agent, steady)}
-    log(f"recovery {n}: {rec['path']} in {rec['duration_s']:.2f}s {rec['stages']}; peak GPU "
-        f"memory {rec.get('gpu_peak_bytes')}; first token after it "
+           **(first_tokens(agent, steady) if steady is not None else {})}
+    log(f"recovery {n}: {rec['path']} in {rec['duration_s']:.2f}s {rec['stages']}; "
+        f"{client['kill_to_answer_s']} s kill to answer, same answer {client['same_answer']}; "
+        f"peak GPU memory {rec.get('gpu_peak_bytes')}; first token after it "
         f"{rec.get('first_token_after_recovery_s')} s, steady {rec.get('first_token_steady_s')} s")
     return rec
 
@@ -250,35 +256,23 @@ def standby_costs(agent: Agent, idle_s: float = 5.0) -> dict:
 
 def standby_kills(hcfg: dict, work: Path, runs: int) -> list[dict]:
     """An agent with snapshots.standby over the holder the hybrid runs used (its store has
-    their snapshot): before each of `runs` SIGKILLs it waits for the standby armed, and each
-    recovery is timed by the agent and by a client (SIGKILL -> the next answer through the
-    front), with where the client's seconds went."""
-    from vllm_bench_kit import kill_breakdown, kill_to_answer
-
+    their snapshot): before each of `runs` SIGKILLs it waits for the standby armed, says
+    what the standby costs and how soon it was re-armed, and each recovery is timed as
+    `recover` times the others (no first-token requests after it: they would delay the
+    bench's look at the next standby, and so the re-arm time it reads)."""
     cfg = {**hcfg, "snapshots": {**hcfg["snapshots"], "enabled": True, "standby": True}}
     agent = Agent(cfg, work)
-    out = []
+    out: list[dict] = []
     try:
         agent.wait(lambda s: s.get("state") == "ready", 900, "first start (standby)")
-        model = served_model(agent)
         for n in range(1, runs + 1):
-            st = agent.wait(lambda s: (s.get("standby") or {}).get("armed"), 900,
-                            f"the standby armed before kill {n}")
+            agent.wait_standby_armed(900, f"the standby armed before kill {n}")
             # Re-armed this long after the engine it follows was ready (none before kill 1).
             rearm = round(time.time() - out[-1]["at"], 3) if out else None
             costs = standby_costs(agent)
-            done = st.get("restarts", 0) + 1
-            client = kill_to_answer(st["front"], model, st["engine_pid"])
-            st = agent.wait(lambda s, k=done: s.get("restarts", 0) >= k
-                            and s.get("state") == "ready", 900, f"standby recovery {n}")
-            rec = {**st["last_recovery"], **client,
-                   "kill_breakdown": kill_breakdown(st["last_recovery"], client),
-                   "standby_costs": costs, "rearmed_after_s": rearm}
             log(f"standby costs {costs}, re-armed after {rearm} s")
-            log(f"standby kill {n}: {rec['path']} in {rec['duration_s']:.3f}s by the agent, "
-                f"{client['kill_to_answer_s']} s kill to answer, same answer "
-                f"{client['same_answer']}; {rec['stages']}")
-            out.append(rec)
+            out.append({**recover(agent, n, None), "standby_costs": costs,
+                        "rearmed_after_s": rearm})
     finally:
         agent.stop()
     return out

@@ -248,15 +248,15 @@ def serving_pid(engine_pid: int, proc: Path = Path("/proc")) -> int:
     continued from a standby, the restored root two levels under the standby's init (its
     namespace's PID 1 between them). A crash is that process dying; SIGKILL of the init
     ends the engine too, but the engine may answer once more before its namespace goes."""
-    pid = engine_pid
+    from agent.checkpoint.standby import ns_root
+    from agent.errors import SnapshotError
+
     try:
-        if b"agent.checkpoint.nsinit" in (proc / str(pid) / "cmdline").read_bytes():
-            for _ in range(2):
-                pid = int((proc / str(pid) / "task" / str(pid) / "children").read_text()
-                          .split()[0])
-    except (OSError, IndexError, ValueError):
-        return engine_pid
-    return pid
+        if b"agent.checkpoint.nsinit" in (proc / str(engine_pid) / "cmdline").read_bytes():
+            return ns_root(engine_pid, proc)
+    except (OSError, SnapshotError):
+        pass
+    return engine_pid
 
 
 def kill_to_answer(front: str, model: str, pid: int) -> dict:

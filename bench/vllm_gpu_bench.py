@@ -235,7 +235,7 @@ def kill(agent: Agent, want: str) -> dict:
 
 
 def series(run: Run, agent: Agent, key: str, want: str, runs: int, each_s: float,
-           before: Callable[[], None] | None = None) -> None:
+           before: Callable[[], object] | None = None) -> None:
     """`runs` kills that should come back through `want`, into result[key]; stops at the
     first that does not, or when the next would not fit the budget."""
     recs = run.result[key] = []
@@ -358,12 +358,8 @@ def standby_series(run: Run, cfg: dict, d: Path) -> None:
     agent = Agent({**cfg, "snapshots": {**cfg["snapshots"], "standby": True}}, d)
     try:
         run.result["standby_start"] = first_start(agent, "first start (standby)", None)
-
-        def armed() -> None:
-            agent.wait(lambda s: (s.get("standby") or {}).get("armed"), BOOT_S,
-                       "the standby armed")
-
-        series(run, agent, "standby", "standby", run.a.runs, 30 + start_estimate(run), armed)
+        series(run, agent, "standby", "standby", run.a.runs, 30 + start_estimate(run),
+               lambda: agent.wait_standby_armed(BOOT_S, "the standby armed"))
     finally:
         agent.stop()
 

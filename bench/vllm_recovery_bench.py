@@ -138,8 +138,7 @@ def kill_series(agent: Agent, runs: int, want: str) -> dict[str, list]:
     log_path = agent.path.parent / "agent.log"
     for n in range(1, runs + 1):
         if want == "standby":
-            agent.wait(lambda s: (s.get("standby") or {}).get("armed"), BOOT_S,
-                       f"the standby armed before kill {n}")
+            agent.wait_standby_armed(BOOT_S, f"the standby armed before kill {n}")
         st = agent.status()
         client = kill_to_answer(st["front"], "bench", st["engine_pid"])
         st = agent.wait(lambda s, n=n: s.get("restarts") == n and s.get("state") == "ready",
