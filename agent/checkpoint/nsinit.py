@@ -101,6 +101,12 @@ def _prepare(args: argparse.Namespace) -> None:
     outside.put_back(Path(args.image), tuple(args.shm), (), shm_dir)
 
 
+def _exit_code(status: int) -> int:
+    """A child's wait status as our own exit status: its code, or 128 + the signal."""
+    code = os.waitstatus_to_exitcode(status)
+    return code if code >= 0 else 128 - code
+
+
 def _restore(args: argparse.Namespace) -> int:
     """CRIU restores the image as our child, stopped; its PID in this namespace."""
     criu = CriuBackend(CriuBinary(Path(args.criu), "", "standby"))
@@ -136,8 +142,7 @@ def _init(args: argparse.Namespace, report: int) -> None:
         except ChildProcessError:
             os._exit(1)
         if pid == root:
-            code = os.waitstatus_to_exitcode(status)
-            os._exit(code if code >= 0 else 128 - code)
+            os._exit(_exit_code(status))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -168,8 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     while True:
         with contextlib.suppress(InterruptedError):
             _, status = os.waitpid(child, 0)
-            code = os.waitstatus_to_exitcode(status)
-            sys.exit(code if code >= 0 else 128 - code)
+            sys.exit(_exit_code(status))
 
 
 if __name__ == "__main__":

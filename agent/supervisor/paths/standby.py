@@ -67,6 +67,9 @@ class StandbyRestore:
         # Why there is none ("" while one is armed or being restored).
         self.why_none = "no hybrid snapshot restored as a standby yet"
         self._arming: asyncio.Task[None] | None = None
+        # Asked to arm while arming: a snapshot published meanwhile may be newer than the one
+        # being restored, so the newest is looked for again once this arming ends.
+        self._again = False
         # Told whenever the standby is armed, used, torn down or dies (status, metrics).
         self._on_change = on_change
 
@@ -87,13 +90,19 @@ class StandbyRestore:
     def arm_soon(self) -> None:
         """Restore a standby from the newest usable hybrid snapshot in the background, unless
         one of it is armed already (the previous one is torn down first)."""
-        if self._snap is None or (self._arming is not None and not self._arming.done()):
+        if self._snap is None:
+            return
+        if self._arming is not None and not self._arming.done():
+            self._again = True
             return
         self._arming = asyncio.ensure_future(self._arm_and_tell())
 
     async def _arm_and_tell(self) -> None:
         try:
-            await self._arm()
+            self._again = True
+            while self._again:
+                self._again = False
+                await self._arm()
         finally:
             self._tell()
 
