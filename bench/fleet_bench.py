@@ -149,6 +149,18 @@ def rows(result: dict, gib: float, command: str, engine: str) -> list[dict]:
                                     for k in sorted({k for r in recs for k in r["stages"]})}}
                if pulls else {}),
         })
+    # Each seed's first start is a cold start of the same model in the same run (the hybrid
+    # seed's also loads the weights into the holder): the figure a pulling node is set against.
+    for seed in ("seed_hybrid", "seed_full"):
+        first = (result.get(seed) or {}).get("first_start") or {}
+        if first.get("result") == "success":
+            out.append({
+                "engine": engine, "path": f"{seed.replace('_', '-')}-first-start", "gib": gib,
+                "runs_s": [first["duration_s"]], "median_s": first["duration_s"],
+                "machine": where, "host": host, "command": command, "started_as": first["path"],
+                **({"vllm_version": result.get("vllm_version"), **result["model_kind"]}
+                   if engine == "vllm" else {}),
+            })
     return out
 
 

@@ -54,6 +54,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
+# The kill helpers import the agent (a standby's root); on a GPU host it is not installed.
+sys.path.insert(0, str(REPO))
 
 
 def log(*a: object) -> None:

@@ -80,6 +80,7 @@ from gpu_recovery_bench import (  # noqa: E402
     manifest,
     restart_holder,
     snapshots,
+    standby_costs,
     start_holder,
     stop_holder,
     stop_process,
@@ -175,6 +176,8 @@ class Run:
                               row["path"], "")) if row else None
             if row and snap:
                 row["image_bytes"] = snap.get("image_bytes")
+            if row and row["path"] == "standby" and r.get("standby_costs"):
+                row["standby_costs"] = r["standby_costs"]
         r["rows"] = [x for x in rows if x]
         self.out_json.write_text(json.dumps(r, indent=1) + "\n")
         for name in ("holder", "pitstop", "vllm-snapshot", "vllm-preload"):
@@ -356,10 +359,20 @@ def standby_series(run: Run, cfg: dict, d: Path) -> None:
     restores the hybrid image, a standby of it is armed, and each kill (once `pitstop
     status` says one is armed again) is answered by continuing it."""
     agent = Agent({**cfg, "snapshots": {**cfg["snapshots"], "standby": True}}, d)
+    costs = run.result["standby_costs"] = []
+
+    def armed() -> None:
+        # What the armed standby costs while it waits (host PSS, idle CPU, GPU memory),
+        # and how long after the last recovery it was armed again (None before kill 1).
+        agent.wait_standby_armed(BOOT_S, "the standby armed")
+        last = run.result.get("standby") or []
+        rearm = round(time.time() - last[-1]["at"], 3) if last else None
+        costs.append({**standby_costs(agent), "rearmed_after_s": rearm})
+        log(f"standby costs {costs[-1]}")
+
     try:
         run.result["standby_start"] = first_start(agent, "first start (standby)", None)
-        series(run, agent, "standby", "standby", run.a.runs, 30 + start_estimate(run),
-               lambda: agent.wait_standby_armed(BOOT_S, "the standby armed"))
+        series(run, agent, "standby", "standby", run.a.runs, 30 + start_estimate(run), armed)
     finally:
         agent.stop()
 
