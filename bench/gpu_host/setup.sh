@@ -1,0 +1,30 @@
+#!/bin/bash
+# On the GPU host, once the kit (pack.sh's folder) is at $KIT and every part of the vLLM
+# bundle (bundle.sh) with its SHA256SUMS is in $PARTS; run from the checkout's root. Joins
+# the parts into $SITE, installs the kit's wheels into $KIT/site, copies the checkout to
+# $REPO (the runs read it from there while later calls replace the working tree), disables
+# io_uring (CRIU cannot dump it; vLLM's API server sets it up) and checks the imports.
+set -euo pipefail
+KIT=${KIT:-/tmp/gpu} PARTS=${PARTS:-/tmp/parts} SITE=${SITE:-/tmp/vsite} REPO=${REPO:-/root/repo}
+t0=$(date +%s)
+(cd "$PARTS" && sha256sum -c --quiet SHA256SUMS)
+mkdir -p "$SITE"
+if command -v zstd >/dev/null; then
+  cat "$PARTS"/site.tar.zst.part* | zstd -d -q -c | tar -C "$SITE" -xf -
+else  # no zstd on the host: the kit's zstandard wheel decodes
+  python3 -m pip install -q --no-index --no-deps --target "$KIT/zs-site" "$KIT"/zs/*.whl
+  cat "$PARTS"/site.tar.zst.part* | PYTHONPATH="$KIT/zs-site" python3 -c \
+    "import sys, zstandard; zstandard.ZstdDecompressor().copy_stream(sys.stdin.buffer, sys.stdout.buffer)" \
+    | tar -C "$SITE" -xf -
+fi
+rm -f "$PARTS"/site.tar.zst.part*
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$KIT/site" "$KIT"/whl/*
+chmod +x "$KIT"/cc/cuda-checkpoint
+sysctl -qw kernel.io_uring_disabled=2
+rm -rf "$REPO" && mkdir -p "$REPO" && cp -a . "$REPO/"
+source "$KIT/run/env.sh"
+(cd "$REPO" && $PY -c "import agent, boto3, moto, sdnotify, vllm, torch
+print('imports ok: vllm', vllm.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())")
+"$KIT/criu/bin/criu" --version | head -n1
+nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
+echo "setup took $(( $(date +%s) - t0 )) s"
