@@ -202,6 +202,8 @@ class Metrics:
             "to the commit: creating the regions, then every read and copy (GB/s: rate of the "
             "bytes counter over rate of this histogram's sum).",
             buckets=STAGE_BUCKETS, registry=registry)
+        # (snapshot id, reason) already counted in pitstop_snapshots_rejected_total.
+        self._rejected: set[tuple[str, str]] = set()
         self._initialise_known_labels()
         if status is not None:
             self.read_status(status)
@@ -218,6 +220,15 @@ class Metrics:
         self.recovery_duration.labels(path=path, result=result).observe(seconds)
         for stage, secs in stages.items():
             self.recovery_stage_duration.labels(path=path, stage=stage).observe(secs)
+
+    def rejected(self, snapshot_id: str, reason: str) -> None:
+        """Snapshot `snapshot_id` refused for `reason`: counted once. Every walk of the
+        ladder, both rungs that restore a kind (hybrid, refill) and the standby pass a stale
+        snapshot over again; counting each pass would grow the counter with the crashes, not
+        with the snapshots refused."""
+        if (snapshot_id, reason) not in self._rejected:
+            self._rejected.add((snapshot_id, reason))
+            self.snapshots_rejected.labels(reason=reason).inc()
 
     def refilled(self, nbytes: int, seconds: float) -> None:
         """The holder loaded `nbytes` of weights in `seconds` for the refill rung."""

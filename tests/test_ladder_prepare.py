@@ -203,6 +203,29 @@ def test_refused_snapshots_are_counted_by_their_code(tmp_path: Path) -> None:
     assert store.ids() == ["20260101T000000Z-full-000000", stale.id]
 
 
+def test_a_stale_snapshot_passed_over_by_every_walk_and_rung_is_counted_once(
+        tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "snaps")
+    store.open(clean=True)
+    publish(store, ident=IDENT.model_copy(update={"kernel": "5.15.0"}))
+    registry = new_registry()
+    metrics = Metrics(registry, lambda: None)  # type: ignore[arg-type]
+    rung, _ = _full(store, metrics)
+    twin, _ = _full(store, metrics)  # another rung of the same kind, as refill is to hybrid
+    for _walk in range(3):
+        for r in (rung, twin):
+            refusal = asyncio.run(r.prepare(Attempt("crash")))
+            assert isinstance(refusal, Refusal), refusal
+            assert refusal.code is RefusalCode.NO_USABLE_SNAPSHOT
+    assert registry.get_sample_value("pitstop_snapshots_rejected_total",
+                                     {"reason": "stale"}) == 1.0
+    # A second stale snapshot is a second refusal.
+    publish(store, minutes=1, ident=IDENT.model_copy(update={"kernel": "5.16.0"}))
+    asyncio.run(rung.prepare(Attempt("crash")))
+    assert registry.get_sample_value("pitstop_snapshots_rejected_total",
+                                     {"reason": "stale"}) == 2.0
+
+
 def test_a_snapshot_of_the_other_kind_is_neither_refused_nor_stale(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path / "snaps")
     store.open(clean=True)

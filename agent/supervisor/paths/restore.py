@@ -39,7 +39,8 @@ def resume_timeout_s(config: Config) -> float:
 class SnapshotRestore:
     """What every restore rung does the same way, whatever the checkpoint backend: choose
     the newest snapshot of its kind through the store (identity, checksums, the backend's
-    own check), count each refusal in pitstop_snapshots_rejected_total by its code, and move
+    own check), count each snapshot refused in pitstop_snapshots_rejected_total by its code
+(once, however many walks pass it over), and move
     a corrupt or failed snapshot to the store's one quarantine."""
 
     name: str
@@ -92,7 +93,7 @@ class SnapshotRestore:
         refused = [s for s in selection.skipped if s.refusal.code is not RefusalCode.WRONG_KIND]
         for s in refused:
             log.warning("snapshot %s refused (%s): %s", s.id, s.refusal.code, s.refusal.detail)
-            self._metrics.snapshots_rejected.labels(reason=s.refusal.code.value).inc()
+            self._metrics.rejected(s.id, s.refusal.code.value)
             if s.corrupt:
                 self._quarantine(s.id, s.refusal.detail, s.refusal.code)
         m = selection.chosen
@@ -120,7 +121,7 @@ class SnapshotRestore:
         # Off the loop: a rename and fsyncs on a disk a dump may be filling, then the
         # quarantine pruned to its retention, which can delete images of many GB.
         await asyncio.to_thread(self._quarantine, prepared.plan.id, reason, code)
-        self._metrics.snapshots_rejected.labels(reason=code.value).inc()
+        self._metrics.rejected(prepared.plan.id, code.value)
 
     def _quarantine(self, snapshot_id: str, reason: str, code: RefusalCode) -> None:
         assert self._store is not None
