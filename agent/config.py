@@ -201,6 +201,10 @@ class SnapshotsConfig(_Strict):
     # Keep a stopped copy of the engine restored from the newest hybrid snapshot, beside the
     # live one in its own namespaces: a crash is answered by continuing it (the standby rung).
     standby: bool = False
+    # Wake each standby as soon as it is restored (its processes run, idle, and their CUDA
+    # state is restored onto the GPU, locked) instead of at the crash, which then costs no
+    # CUDA restore; the price is the engine's own GPU memory while it waits.
+    standby_woken: bool = False
 
 
     @field_validator("remote")
@@ -411,6 +415,9 @@ class Config(_Strict):
                     "snapshots.backend: vllm needs vllm.snapshot.model and vllm.snapshot.revision "
                     "(`vllm snapshot create` wants a Hugging Face repo id and its 40-character "
                     "commit, not a local directory)")
+        if self.snapshots.standby_woken and not self.snapshots.standby:
+            raise ValueError("snapshots.standby_woken: true needs snapshots.standby: true (it "
+                             "says when the standby is woken: ahead of the crash or at it)")
         if self.snapshots.publish and self.snapshots.remote is None:
             raise ValueError("snapshots.publish: true needs snapshots.remote, the "
                              "s3://bucket/prefix to push to")

@@ -97,6 +97,7 @@ POLICY: dict[str, tuple[Apply, str]] = {
     "snapshots.publish": (Apply.LIVE, "the next capture"),
     "snapshots.pull_timeout_s": (Apply.LIVE, "the next pull"),
     "snapshots.standby": (Apply.RESTART, "the standby rung is built, or left out, at start"),
+    "snapshots.standby_woken": (Apply.RESTART, "the standby rung is built at start"),
     "holder.enabled": (Apply.LIVE, "the next ladder walk"),
     "holder.refill": (Apply.LIVE, "the next ladder walk"),
     "holder.dir": (Apply.RESTART, "the serving engine and its hybrid snapshots map the "

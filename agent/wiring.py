@@ -302,7 +302,8 @@ class Agent:
             self.standby = StandbyRestore(
                 self._hybrid(config, capture_failure), snapshotter=host.snapshotter,
                 adapter=self.adapter, socket=config.engine_socket,
-                timeout_s=resume_timeout_s(config), on_change=self._standby_changed)
+                timeout_s=resume_timeout_s(config), wake_ahead=config.snapshots.standby_woken,
+                on_change=self._standby_changed)
             self.status.standby = self.standby.facts()
         self.vllm_first, self.vllm_warm = vllm_rungs(
             config, self.adapter, host.vllm, self.identity, host.criu_path, self.store,

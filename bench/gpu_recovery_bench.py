@@ -22,7 +22,9 @@ pinned memory to the GPU, best of 5): the refill row gives its weight load in GB
 
 `--paths standby` (not in the default five) adds, after the hybrid kills, an agent with
 `snapshots.standby` over the same holder and store: before each of --runs kills it waits
-for `pitstop status` to say a standby is armed, and each recovery continues it.
+for `pitstop status` to say a standby is armed, and each recovery continues it;
+`--paths standby-woken` the same with `snapshots.standby_woken` (the copy woken, its CUDA
+state on the GPU and locked, before the crash).
 
 Each kill is timed twice: by the agent (`runs_s`: its decision to the verified canary)
 and by a client (`kill_to_answer_s`: SIGKILL -> the next answer through the front, which
@@ -256,13 +258,14 @@ def standby_costs(agent: Agent, idle_s: float = 5.0) -> dict:
             "gpu_mib": sum(gpu.values())}
 
 
-def standby_kills(hcfg: dict, work: Path, runs: int) -> list[dict]:
+def standby_kills(hcfg: dict, work: Path, runs: int, woken: bool = False) -> list[dict]:
     """An agent with snapshots.standby over the holder the hybrid runs used (its store has
     their snapshot): before each of `runs` SIGKILLs it waits for the standby armed, says
     what the standby costs and how soon it was re-armed, and each recovery is timed as
     `recover` times the others (no first-token requests after it: they would delay the
     bench's look at the next standby, and so the re-arm time it reads)."""
-    cfg = {**hcfg, "snapshots": {**hcfg["snapshots"], "enabled": True, "standby": True}}
+    cfg = {**hcfg, "snapshots": {**hcfg["snapshots"], "enabled": True, "standby": True,
+                                 "standby_woken": woken}}
     agent = Agent(cfg, work)
     out: list[dict] = []
     try:
@@ -352,7 +355,7 @@ def refill_figures(recs: list[dict], weights_bytes: int, h2d: float | None) -> d
 
 
 # The five the bench was made for (its default), and the standby (issue 34) beside them.
-PATHS = ("cold", "warm", "full", "refill", "hybrid", "standby")
+PATHS = ("cold", "warm", "full", "refill", "hybrid", "standby", "standby-woken")
 DEFAULT_PATHS = PATHS[:5]
 
 
@@ -408,7 +411,7 @@ def rows(result: dict, gib: float, command: str) -> list[dict]:
                 "standby_costs": [r.get("standby_costs") for r in recs],
                 "rearmed_after_s": [r["rearmed_after_s"] for r in recs
                                     if r.get("rearmed_after_s") is not None]}
-               if path == "standby" else {}),
+               if path.startswith("standby") else {}),
             **({"fell_to": fell_to, **refill_figures(recs, result["weights_bytes"],
                                                      result.get("pinned_h2d_gbps"))}
                if path == "refill" else {}),
@@ -651,7 +654,7 @@ def main() -> None:
 
     # The holder's paths first: hybrid is the one this bench is for, and a run cut short
     # keeps it.
-    if {"hybrid", "refill", "warm", "standby"} & set(paths):
+    if {"hybrid", "refill", "warm", "standby", "standby-woken"} & set(paths):
         gpu = gpu_id(a.device)
         holder_dir = work / "holder"
         holder = start_holder(gpu, holder_dir, work)
@@ -688,9 +691,10 @@ def main() -> None:
                 save(result, a, tag, finished=False)
             finally:
                 agent.stop()
-            if "standby" in paths:
-                result["standby"] = standby_kills(hcfg, work, a.runs)
-                save(result, a, tag, finished=False)
+            for path in ("standby", "standby-woken"):
+                if path in paths:  # woken: snapshots.standby_woken, the copy run ahead
+                    result[path] = standby_kills(hcfg, work, a.runs, path == "standby-woken")
+                    save(result, a, tag, finished=False)
             if "warm" in paths:
                 result["warm"] = starts(hcfg, work, a.runs, "warm start", a.steady_requests)
         finally:

@@ -358,12 +358,13 @@ def commands_of(recs: list[dict], default: str) -> str | list[str]:
     return seen[0] if len(seen) == 1 else seen
 
 
-def summarize(path: str, recs: list[dict], ctx: dict, time_key: str = "duration_s"
-              ) -> dict | None:
-    """One result row for `path` from its runs (those that took this path and succeeded):
-    the agent's own figure (`time_key`) and, beside it, the client's kill_to_answer_s."""
+def summarize(path: str, recs: list[dict], ctx: dict, time_key: str = "duration_s",
+              rung: str | None = None) -> dict | None:
+    """One result row for `path` from its runs (those that took the rung `rung`, by default
+    `path`, and succeeded): the agent's own figure (`time_key`) and, beside it, the client's
+    kill_to_answer_s."""
     ok = [r for r in recs if r.get("result", "success") == "success" and
-          r.get("path", path) == path and r.get(time_key) is not None]
+          r.get("path", rung or path) == (rung or path) and r.get(time_key) is not None]
     if not ok:
         return None
     runs = [r[time_key] for r in ok]

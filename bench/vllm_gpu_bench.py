@@ -119,11 +119,11 @@ BOOT_S = 900
 MODEL_NAME = "bench"
 # Where the held set's copy and the refill plan appear (agent/holder/weightplan.py).
 PLAN_NAME = "refill.json"
-PATHS = ("hybrid", "refill", "standby", "warm", "cold", "full", "sleep", "vllm-snapshot",
-         "vllm-snapshot-manual", "vllm-preload")
+PATHS = ("hybrid", "refill", "standby", "standby-woken", "warm", "cold", "full", "sleep",
+         "vllm-snapshot", "vllm-snapshot-manual", "vllm-preload")
 CUDA_ONLY = ("sleep", "vllm-snapshot", "vllm-snapshot-manual", "vllm-preload")
 PHASES = {  # in the order they run: the holder's rungs first, the ones this bench is for
-    "holder": ("hybrid", "refill", "standby", "warm"),
+    "holder": ("hybrid", "refill", "standby", "standby-woken", "warm"),
     "pitstop": ("cold", "full", "sleep"),
     "vllm-snapshot": ("vllm-snapshot", "vllm-snapshot-manual"),
     "vllm-preload": ("vllm-preload",),
@@ -159,25 +159,28 @@ class Run:
         r = self.result
         stamp_records(r, self.command)
         rows = [*start_peaks(r, ctx)]
-        for path in ("hybrid", "refill", "standby", "warm", "full", "cold", "vllm-snapshot",
-                     "vllm-preload"):
+        for path in ("hybrid", "refill", "standby", "standby-woken", "warm", "full", "cold",
+                     "vllm-snapshot", "vllm-preload"):
             key = path.replace("-", "_")
             # A rung's first start (no kill before it, so no client figure) is one of its
             # runs too, when it took that rung.
             first = [x for x in [r.get(f"{key}_first")] if x]
-            rows.append(summarize(path, [*first, *r.get(key, [])], ctx))
+            rows.append(summarize(path, [*first, *r.get(key, [])], ctx,
+                                  rung=path.removesuffix("-woken")))
         rows.append(summarize("vllm-snapshot-manual", r.get("vllm_snapshot_manual", []), ctx,
                               time_key="restore_to_answer_s"))
         rows.append(summarize("sleep-wake", r.get("sleep", []), ctx,
                               time_key="wake_to_answer_s"))
         for row in rows:
             snap = r.get({"full": "snapshot", "hybrid": "hybrid_snapshot",
-                          "refill": "hybrid_snapshot", "standby": "hybrid_snapshot"}.get(
+                          "refill": "hybrid_snapshot", "standby": "hybrid_snapshot",
+                          "standby-woken": "hybrid_snapshot"}.get(
                               row["path"], "")) if row else None
             if row and snap:
                 row["image_bytes"] = snap.get("image_bytes")
-            if row and row["path"] == "standby" and r.get("standby_costs"):
-                row["standby_costs"] = r["standby_costs"]
+            costs = r.get(f"{row['path'].replace('-', '_')}_costs") if row else None
+            if row and row["path"].startswith("standby") and costs:
+                row["standby_costs"] = costs
         r["rows"] = [x for x in rows if x]
         self.out_json.write_text(json.dumps(r, indent=1) + "\n")
         for name in ("holder", "pitstop", "vllm-snapshot", "vllm-preload"):
@@ -321,7 +324,7 @@ def holder_phase(run: Run) -> None:
     hdir = d / "holder-dir"
     env = dict(run.cfg["engine"]["env"])
     env["PYTHONPATH"] = plugin_pythonpath(a, plugin)
-    snaps = run.wants("hybrid") or run.wants("refill") or run.wants("standby")
+    snaps = any(run.wants(p) for p in ("hybrid", "refill", "standby", "standby-woken"))
     cfg = agent_cfg(d, run.cfg, engine={"env": env},
                     holder={"enabled": True, "dir": str(hdir), "gpu": gpu},
                     snapshots={"enabled": snaps})
@@ -337,8 +340,9 @@ def holder_phase(run: Run) -> None:
                 hybrid_and_refill(run, agent, holder, gpu, hdir, d)
         finally:
             agent.stop()
-        if run.wants("standby") and r.get("hybrid_snapshot", {}).get("kind") == "hybrid":
-            standby_series(run, cfg, d)
+        for path in ("standby", "standby-woken"):
+            if run.wants(path) and r.get("hybrid_snapshot", {}).get("kind") == "hybrid":
+                standby_series(run, cfg, d, path)
         if run.wants("warm"):
             # A fresh agent with snapshots off: every start is a warm one (the holder holds
             # the weights), its first included.
@@ -354,25 +358,28 @@ def holder_phase(run: Run) -> None:
         shutil.rmtree(hdir / gpu / "copies", ignore_errors=True)
 
 
-def standby_series(run: Run, cfg: dict, d: Path) -> None:
+def standby_series(run: Run, cfg: dict, d: Path, path: str) -> None:
     """An agent with snapshots.standby over the same holder and store: its first start
     restores the hybrid image, a standby of it is armed, and each kill (once `pitstop
-    status` says one is armed again) is answered by continuing it."""
-    agent = Agent({**cfg, "snapshots": {**cfg["snapshots"], "standby": True}}, d)
-    costs = run.result["standby_costs"] = []
+    status` says one is armed again) is answered by continuing it; `standby-woken`: with
+    snapshots.standby_woken (the copy woken, its CUDA state on the GPU, before the crash)."""
+    key = path.replace("-", "_")
+    agent = Agent({**cfg, "snapshots": {**cfg["snapshots"], "standby": True,
+                                        "standby_woken": path == "standby-woken"}}, d)
+    costs = run.result[f"{key}_costs"] = []
 
     def armed() -> None:
         # What the armed standby costs while it waits (host PSS, idle CPU, GPU memory),
         # and how long after the last recovery it was armed again (None before kill 1).
         agent.wait_standby_armed(BOOT_S, "the standby armed")
-        last = run.result.get("standby") or []
+        last = run.result.get(key) or []
         rearm = round(time.time() - last[-1]["at"], 3) if last else None
         costs.append({**standby_costs(agent), "rearmed_after_s": rearm})
         log(f"standby costs {costs[-1]}")
 
     try:
-        run.result["standby_start"] = first_start(agent, "first start (standby)", None)
-        series(run, agent, "standby", "standby", run.a.runs, 30 + start_estimate(run), armed)
+        run.result[f"{key}_start"] = first_start(agent, f"first start ({path})", None)
+        series(run, agent, key, "standby", run.a.runs, 30 + start_estimate(run), armed)
     finally:
         agent.stop()
 

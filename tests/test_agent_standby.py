@@ -42,16 +42,22 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def _armed(a: RunningAgent, timeout: float = 120) -> tuple[int, int]:
+def _run_state(pid: int) -> str:
+    """R, S, T (stopped), ... from /proc/PID/stat."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def _armed(a: RunningAgent, timeout: float = 120, how: str = "stopped") -> tuple[int, int]:
     """(the standby's init on the host, PID 1 of its namespace) once the agent logged it
-    armed; a standby that was continued is the serving engine, not a standby."""
+    armed (`how`: stopped, or woken); a standby that was continued is the serving engine,
+    not a standby."""
     found: list[tuple[int, int]] = []
 
     def ready() -> bool:
         log = a.log()
         for init in set(_standbys(a.proc.pid)) - {a.status().get("engine_pid")}:
             for ns_init in _children(init):
-                if any(f"(root PID {root}, stopped)" in log for root in _children(ns_init)):
+                if any(f"(root PID {root}, {how}" in log for root in _children(ns_init)):
                     found.append((init, ns_init))
                     return True
         return False
@@ -110,6 +116,33 @@ def test_a_sigkill_is_answered_by_continuing_the_standby(standby):
     assert st["engine_pid"] == init
     assert complete(a) == before
     assert "held weights re-attached at the same addresses" in a.log()
+
+
+def test_a_woken_standby_runs_before_the_crash_and_answers_it(tmp_path, tiny_model):
+    holder = Holder(tmp_path / "holder")
+    a = RunningAgent(tmp_path, agent_config(
+        tmp_path, tiny_model, holder={"enabled": True, "dir": str(tmp_path / "holder"),
+                                      "gpu": "cpu"},
+        snapshots={"standby": True, "standby_woken": True}))
+    try:
+        a.wait_ready()
+        before = complete(a)
+        init, ns_init = _armed(a, how="woken")
+        # Woken ahead: its processes run (idle) before any crash, none of them stopped.
+        copy = [p for root in _children(ns_init) for p in [root, *_children(root)]]
+        assert copy and all(_run_state(p) != "T" for p in copy), [
+            (p, _run_state(p)) for p in copy]
+        restarts = a.status()["restarts"]
+        os.kill(a.status()["engine_pid"], signal.SIGKILL)
+        st = a.wait_recovered(restarts + 1)
+        rec = st["last_recovery"]
+        assert rec["path"] == "standby", (rec, a.log_tail(3000))
+        assert "criu_restore" not in rec["stages"] and "verify" in rec["stages"], rec
+        assert st["engine_pid"] == init
+        assert complete(a) == before
+    finally:
+        a.stop()
+        holder.stop()
 
 
 def test_a_snapshot_of_an_engine_continued_from_the_standby_fails_and_it_serves_on(standby):

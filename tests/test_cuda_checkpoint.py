@@ -86,3 +86,44 @@ def test_the_same_gpu_or_no_gpu_needs_no_pairs():
 def test_a_uuid_that_is_not_one_is_named():
     with pytest.raises(SnapshotError, match="'GPU-xyz' is not a GPU UUID"):
         uuid_bytes("GPU-xyz")
+
+
+def stateful_driver(log: list[str]) -> SimpleNamespace:
+    """A stand-in that keeps one process's state as the driver does: checkpointed ->
+    (restore) locked -> (unlock) running; a restore of a process not checkpointed fails."""
+    state = ["CHECKPOINTED"]
+
+    def restore(pid, args):
+        log.append("restore")
+        if state[0] != "CHECKPOINTED":
+            return (CUresult.CUDA_ERROR_ILLEGAL_STATE,)
+        state[0] = "LOCKED"
+        return (CUresult.CUDA_SUCCESS,)
+
+    def unlock(pid, args):
+        log.append("unlock")
+        state[0] = "RUNNING"
+        return (CUresult.CUDA_SUCCESS,)
+
+    return SimpleNamespace(
+        CUresult=CUresult, CUcheckpointRestoreArgs=SimpleNamespace,
+        CUcheckpointUnlockArgs=SimpleNamespace,
+        cuCheckpointProcessGetState=lambda pid: (
+            CUresult.CUDA_SUCCESS, SimpleNamespace(name=f"CU_PROCESS_STATE_{state[0]}")),
+        cuCheckpointProcessRestore=restore, cuCheckpointProcessUnlock=unlock)
+
+
+def test_a_standby_woken_ahead_is_restored_locked_and_only_unlocked_at_the_crash():
+    log: list[str] = []
+    cc = CudaCheckpoint(driver=stateful_driver(log))
+    cc.restore(7)  # ahead of the crash: on the GPU again, its CUDA calls held
+    assert cc.state(7) == "locked" and log == ["restore"]
+    cc.resume(7)  # at the crash: nothing to restore twice
+    assert cc.state(7) == "running" and log == ["restore", "unlock"]
+
+
+def test_a_resume_of_a_checkpointed_process_restores_then_unlocks():
+    log: list[str] = []
+    cc = CudaCheckpoint(driver=stateful_driver(log))
+    cc.resume(7)
+    assert cc.state(7) == "running" and log == ["restore", "unlock"]

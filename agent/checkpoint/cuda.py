@@ -180,8 +180,9 @@ class CudaCheckpoint:
             args.gpuPairsCount = len(pairs)
         return args
 
-    def resume(self, pid: int, gpu_pairs: tuple[GpuPair, ...] = ()) -> CudaTimings:
-        """Restore GPU memory from host memory, then unlock: the process runs CUDA again.
+    def restore(self, pid: int, gpu_pairs: tuple[GpuPair, ...] = ()) -> float:
+        """Restore GPU memory from host memory and leave the process locked (its CUDA calls
+        wait for the unlock); nothing to do unless it is checkpointed. Seconds taken.
 
         `gpu_pairs` moves the process from the GPU it was checkpointed on to another of the
         same chip (driver 580+); empty: back onto the same GPU."""
@@ -193,10 +194,17 @@ class CudaCheckpoint:
                 "cuCheckpointProcessRestore" + "".join(f" ({p})" for p in gpu_pairs),
                 pid,
             )
+        return time.monotonic() - t0
+
+    def resume(self, pid: int, gpu_pairs: tuple[GpuPair, ...] = ()) -> CudaTimings:
+        """Restore (unless that was done already: a standby woken ahead), then unlock: the
+        process runs CUDA again."""
+        restored = self.restore(pid, gpu_pairs)
+        cu = self._cu()
         t1 = time.monotonic()
         self._check(
             cu.cuCheckpointProcessUnlock(pid, cu.CUcheckpointUnlockArgs()),
             "cuCheckpointProcessUnlock",
             pid,
         )
-        return CudaTimings(t1 - t0, time.monotonic() - t1)
+        return CudaTimings(restored, time.monotonic() - t1)

@@ -280,6 +280,14 @@ class Snapshotter:
         """CUDA restore + unlock of each PID of a tree restored elsewhere (a standby)."""
         self._resume(pids, timings, pairs=pairs)
 
+    def restore_cuda_locked(self, pids: tuple[int, ...], timings: dict[str, float],
+                            pairs: tuple[GpuPair, ...] = ()) -> None:
+        """CUDA restore of each PID, left locked (a standby woken ahead of the crash: its
+        resume_cuda later only unlocks)."""
+        for p in pids:
+            timings["cuda_restore"] = timings.get("cuda_restore", 0.0) + self._cuda().restore(
+                p, pairs)
+
     def restore(self, manifest: Manifest, image: Path | None = None, *,
                 gpu_uuid: str | None = None) -> RestoredProcess:
         """Restore a snapshot `select` chose (from `image`, by default its directory in the

@@ -85,11 +85,21 @@ def ns_pids(pids: list[int], proc_root: Path = Path("/proc")) -> dict[int, int]:
     return out
 
 
-def continue_standby(snap: Snapshotter, manifest: Manifest, root: int, *,
-                     gpu_uuid: str | None, proc_root: Path = Path("/proc")) -> dict[str, float]:
+def _cuda_pids(manifest: Manifest, pids: list[int], proc_root: Path) -> tuple[int, ...]:
+    """The host PIDs of the image's CUDA processes (the image's PIDs are the namespace's)."""
+    hosts = ns_pids(pids, proc_root)
+    missing = [p for p in manifest.process.cuda_pids if p not in hosts]
+    if missing:
+        raise SnapshotError(f"standby: CUDA processes {missing} of snapshot {manifest.id} "
+                            "are not in its restored tree")
+    return tuple(hosts[p] for p in manifest.process.cuda_pids)
+
+
+def wake_standby(snap: Snapshotter, manifest: Manifest, root: int, *, gpu_uuid: str | None,
+                 proc_root: Path = Path("/proc")) -> dict[str, float]:
     """Let the stopped tree under `root` (a host PID) run: the AMX permission asked for
-    again where the CPU has it, SIGCONT, then each CUDA process's state restored (the
-    image's PIDs are the namespace's: mapped to the host's). Blocking; the stage timings."""
+    again where the CPU has it, SIGCONT, then each CUDA process's state restored onto the GPU
+    and left locked (its CUDA calls wait for the unlock). Blocking; the stage timings."""
     timings: dict[str, float] = {}
     t0 = time.monotonic()
     pids = process_tree(root, proc_root)
@@ -98,11 +108,19 @@ def continue_standby(snap: Snapshotter, manifest: Manifest, root: int, *,
     continue_tree(pids)
     timings["standby_continue"] = time.monotonic() - t0
     if manifest.process.cuda_pids:
-        hosts = ns_pids(pids, proc_root)
-        missing = [p for p in manifest.process.cuda_pids if p not in hosts]
-        if missing:
-            raise SnapshotError(f"standby: CUDA processes {missing} of snapshot {manifest.id} "
-                                "are not in its restored tree")
-        pairs = gpu_pairs(manifest.identity.gpu_uuid, gpu_uuid)
-        snap.resume_cuda(tuple(hosts[p] for p in manifest.process.cuda_pids), timings, pairs)
+        snap.restore_cuda_locked(_cuda_pids(manifest, pids, proc_root), timings,
+                                 gpu_pairs(manifest.identity.gpu_uuid, gpu_uuid))
+    return timings
+
+
+def continue_standby(snap: Snapshotter, manifest: Manifest, root: int, *,
+                     gpu_uuid: str | None, woken: bool = False,
+                     proc_root: Path = Path("/proc")) -> dict[str, float]:
+    """Let the standby under `root` serve: woken now unless it was (`woken`), then each CUDA
+    process unlocked (and restored first, if it was not). Blocking; the stage timings."""
+    timings = {} if woken else wake_standby(snap, manifest, root, gpu_uuid=gpu_uuid,
+                                            proc_root=proc_root)
+    if manifest.process.cuda_pids:
+        pids = _cuda_pids(manifest, process_tree(root, proc_root), proc_root)
+        snap.resume_cuda(pids, timings, gpu_pairs(manifest.identity.gpu_uuid, gpu_uuid))
     return timings

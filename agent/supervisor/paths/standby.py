@@ -30,11 +30,13 @@ log = logging.getLogger("pitstop.standby")
 @dataclass
 class Armed:
     """A standby: the image it was restored from, the process that made its namespaces
-    (its exit is the standby's), and the host PID of its restored root, stopped."""
+    (its exit is the standby's), the host PID of its restored root, and whether it was woken
+    ahead of the crash (running, its CUDA state on the GPU and locked) or waits stopped."""
 
     manifest: Manifest
     init: EngineProcess
     root: int
+    woken: bool = False
 
 
 class StandbyRestore:
@@ -46,7 +48,8 @@ class StandbyRestore:
     Example::
 
         standby = StandbyRestore(hybrid, snapshotter=snap, adapter=adapter, socket=sock,
-                                 timeout_s=resume_timeout_s(config))
+                                 timeout_s=resume_timeout_s(config),
+                                 wake_ahead=config.snapshots.standby_woken)
         standby.arm_soon()   # after each ready engine and each published snapshot
         await standby.close()  # when the agent stops
     """
@@ -56,6 +59,7 @@ class StandbyRestore:
 
     def __init__(self, hybrid: HybridRestore, *, snapshotter: Snapshotter | None,
                  adapter: EngineAdapter, socket: Path, timeout_s: float,
+                 wake_ahead: bool = False,
                  on_change: Callable[[StandbyFacts], None] = lambda _f: None) -> None:
         # Its checks are the hybrid rung's: the same snapshot, holder and identity.
         self._hybrid = hybrid
@@ -63,6 +67,9 @@ class StandbyRestore:
         self._adapter = adapter
         self._socket = Path(socket)
         self.timeout_s = timeout_s
+        # snapshots.standby_woken: each standby is woken as soon as it is restored (it then
+        # holds its CUDA state on the GPU while it waits), so a crash costs no CUDA restore.
+        self._wake_ahead = wake_ahead
         self.armed: Armed | None = None
         # Why there is none ("" while one is armed or being restored).
         self.why_none = "no hybrid snapshot restored as a standby yet"
@@ -125,7 +132,8 @@ class StandbyRestore:
             return
         self.why_none = ""
         self.armed.init.exited.add_done_callback(lambda _f, a=self.armed: self._died(a))
-        log.info("standby armed from snapshot %s (root PID %d, stopped)", m.id, self.armed.root)
+        log.info("standby armed from snapshot %s (root PID %d, %s)", m.id, self.armed.root,
+                 "woken, CUDA locked" if self.armed.woken else "stopped")
 
     async def _restore(self, m: Manifest) -> Armed:
         assert self._snap is not None
@@ -142,11 +150,16 @@ class StandbyRestore:
         try:
             await asyncio.to_thread(sb.read_report, r, self._snap.restore_limit_s)
             root = await asyncio.to_thread(sb.ns_root, init.pid)
+            if self._wake_ahead:
+                woke = await asyncio.to_thread(sb.wake_standby, self._snap, m, root,
+                                               gpu_uuid=self._hybrid.host_gpu_uuid())
+                log.info("standby of snapshot %s woken ahead: %s", m.id,
+                         ", ".join(f"{k} {v:.3f}s" for k, v in sorted(woke.items())))
         except BaseException:
             await init.kill()
             await init.close()
             raise
-        return Armed(m, init, root)
+        return Armed(m, init, root, woken=self._wake_ahead)
 
     def _died(self, armed: Armed) -> None:
         if self.armed is armed:
@@ -204,7 +217,7 @@ class StandbyRestore:
             with attempt.stage("standby_continue"):
                 timings = await asyncio.to_thread(
                     sb.continue_standby, self._snap, armed.manifest, armed.root,
-                    gpu_uuid=self._hybrid.host_gpu_uuid())
+                    gpu_uuid=self._hybrid.host_gpu_uuid(), woken=armed.woken)
             self._point_socket(armed.root)
             with attempt.stage("resume"):
                 async with EngineProbe(self._socket, timeout=self.timeout_s) as probe:
