@@ -77,6 +77,20 @@ def kill_and_expect_hybrid(a: RunningAgent, standby_fell: tuple[str, str]) -> di
     return rec
 
 
+def kill_and_expect_standby(a: RunningAgent, init: int) -> dict:
+    """SIGKILL the engine; the recovery must be the standby's, with no restore after the
+    crash (the copy was restored before it), and the engine now its init's. The recovery."""
+    restarts = a.status()["restarts"]
+    os.kill(a.status()["engine_pid"], signal.SIGKILL)
+    st = a.wait_recovered(restarts + 1)
+    rec = st["last_recovery"]
+    assert rec["path"] == "standby", (rec, a.log_tail(3000))
+    assert "criu_restore" not in rec["stages"], rec
+    assert "verify" in rec["stages"] and "resume" in rec["stages"], rec
+    assert st["engine_pid"] == init
+    return rec
+
+
 @pytest.fixture(scope="module")
 def standby(tmp_path_factory, tiny_model):
     """A cpu-backend holder and an agent with snapshots.standby on, its first hybrid
@@ -105,15 +119,9 @@ def test_a_sigkill_is_answered_by_continuing_the_standby(standby):
     assert facts["snapshot"] in {x["id"] for x in snapshot_list(a)}, facts
     assert facts["why_none"] == "", facts
     assert a.metric("pitstop_standby_armed") == 1.0
-    restarts = a.status()["restarts"]
-    os.kill(a.status()["engine_pid"], signal.SIGKILL)
-    st = a.wait_recovered(restarts + 1)
-    rec = st["last_recovery"]
-    assert rec["path"] == "standby", (rec, a.log_tail(3000))
-    # No restore after the crash: the copy was restored before it, and only continued.
-    assert "criu_restore" not in rec["stages"] and "standby_continue" in rec["stages"], rec
-    assert "verify" in rec["stages"] and "resume" in rec["stages"], rec
-    assert st["engine_pid"] == init
+    rec = kill_and_expect_standby(a, init)
+    # Only continued: no restore after the crash.
+    assert "standby_continue" in rec["stages"], rec
     assert complete(a) == before
     assert "held weights re-attached at the same addresses" in a.log()
 
@@ -132,13 +140,7 @@ def test_a_woken_standby_runs_before_the_crash_and_answers_it(tmp_path, tiny_mod
         copy = [p for root in _children(ns_init) for p in [root, *_children(root)]]
         assert copy and all(_run_state(p) != "T" for p in copy), [
             (p, _run_state(p)) for p in copy]
-        restarts = a.status()["restarts"]
-        os.kill(a.status()["engine_pid"], signal.SIGKILL)
-        st = a.wait_recovered(restarts + 1)
-        rec = st["last_recovery"]
-        assert rec["path"] == "standby", (rec, a.log_tail(3000))
-        assert "criu_restore" not in rec["stages"] and "verify" in rec["stages"], rec
-        assert st["engine_pid"] == init
+        kill_and_expect_standby(a, init)
         assert complete(a) == before
     finally:
         a.stop()
