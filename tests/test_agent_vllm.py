@@ -67,6 +67,55 @@ def _session_pids(sid: int) -> list[int]:
     return out
 
 
+def _shm_files(pid: int, shm: str = "/dev/shm") -> dict[str, tuple[int, int]]:
+    """The files in `shm` that the engine tree of `pid` (its descendants and its session: a
+    standby's processes are its init's children, in sessions of their own) maps, under any
+    name (a semaphore's mapping names a file since unlinked), each as (device, inode)."""
+    mapped = set()
+    for member in {pid, *proc.descendants(pid), *_session_pids(pid)}:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{member}/maps").read_text().splitlines():
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].startswith("/dev/shm/"):
+                    major, minor = (int(x, 16) for x in parts[3].split(":"))
+                    mapped.add((os.makedev(major, minor), int(parts[4])))
+    found = {}
+    for entry in os.scandir(shm):
+        st = entry.stat(follow_symlinks=False)
+        if (st.st_dev, st.st_ino) in mapped:
+            found[entry.name] = (st.st_dev, st.st_ino)
+    return found
+
+
+SWEPT = r"removed (\d+) shared-memory files \((\d+) bytes\) engine {pid} left in /dev/shm"
+
+
+def _sweeps(agent: RunningAgent, pid: int) -> int:
+    """How often the agent has removed what a dead tree rooted at `pid` left in /dev/shm."""
+    return len(re.findall(SWEPT.format(pid=pid), agent.log()))
+
+
+def _swept(agent: RunningAgent, pid: int, dead: dict[str, tuple[int, int]],
+           sweeps: int) -> None:
+    """The agent has removed every file in /dev/shm of the dead tree rooted at `pid` (`dead`,
+    as `_shm_files` saw them), once the next engine was ready, and said so; `sweeps` is
+    `_sweeps` before the tree was killed (a restored tree has its PID again)."""
+    deadline = time.monotonic() + BOOT_S
+    while _sweeps(agent, pid) == sweeps:
+        assert time.monotonic() < deadline, f"no sweep after engine {pid}: {agent.log_tail()}"
+        time.sleep(0.2)
+    left = {}
+    for name, ident in dead.items():
+        with contextlib.suppress(FileNotFoundError):
+            st = os.lstat(f"/dev/shm/{name}")
+            if (st.st_dev, st.st_ino) == ident:
+                left[name] = ident
+    assert not left, f"the dead tree's shared memory is still there: {sorted(left)}"
+    said = re.findall(SWEPT.format(pid=pid), agent.log())[-1]
+    print(f"\nremoved {said[0]} files ({int(said[1]) / 1e6:.1f} MB) of engine {pid}",
+          file=sys.stderr)
+
+
 class VllmAgent(RunningAgent):
     """A RunningAgent that remembers every engine it saw, to check that none is left over."""
 
@@ -367,6 +416,7 @@ def test_sigkill_of_the_api_server_mid_stream_is_restored_and_the_stream_finishe
         agent: VllmAgent, client: openai.OpenAI):
     pid = agent.engine_pid()
     whole = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=LONG, temperature=0)
+    dead, sweeps = _shm_files(pid), _sweeps(agent, pid)
     # The stream's connection to the engine dies with the API server; the front holds the
     # client and continues the answer on the restored engine from the last token sent.
     stream = _Stream(agent, client, lambda: os.kill(pid, signal.SIGKILL))
@@ -376,6 +426,12 @@ def test_sigkill_of_the_api_server_mid_stream_is_restored_and_the_stream_finishe
     text, finish, usage = stream.result()
     assert (finish, usage) == ("length", LONG), stream
     assert text == whole.choices[0].text, (text, whole.choices[0].text)
+    # The restore put the image's copies of the ring buffers back under the dead tree's
+    # names: the sweep of what the dead tree left keeps those, and the engine answers.
+    _swept(agent, pid, dead, sweeps)
+    live = _shm_files(pid)
+    assert any(name.startswith("psm_") for name in set(dead) & set(live)), (dead, live)
+    assert _greedy(client) == agent.cold_answer
 
 
 class _Stream:
@@ -504,10 +560,20 @@ def test_a_corrupt_image_is_quarantined_and_vllm_cold_starts(agent: VllmAgent,
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([b[0] ^ 0xFF]))
     n = agent.status()["restarts"] + 1
-    os.kill(agent.engine_pid(), signal.SIGKILL)
+    pid = agent.engine_pid()
+    # vLLM's ring buffers and semaphores: its resource tracker dies with the tree and leaves
+    # them behind; the agent removes them once the next engine is ready.
+    dead, sweeps = _shm_files(pid), _sweeps(agent, pid)
+    assert any(name.startswith("psm_") for name in dead), dead
+    os.kill(pid, signal.SIGKILL)
     st = agent.wait_recovered(n, timeout=BOOT_S)
     rec = st["last_recovery"]
     assert (rec["path"], rec["result"]) == ("cold", "success"), rec
+    _swept(agent, pid, dead, sweeps)
+    # The cold-started tree's own, under names of their own, are there.
+    live = _shm_files(st["engine_pid"])
+    assert any(name.startswith("psm_") for name in live) and not set(live) & set(dead), \
+        (dead, live)
     full = [f for f in fallthroughs(rec) if f.startswith("full skipped")]
     assert full and snap["id"] in full[0] and "sha256" in full[0], rec
     # Set aside with its reason, never tried again.

@@ -40,7 +40,10 @@ from tests.test_agent_vllm import (
     _engine_core,
     _manifest,
     _prerequisites,
+    _shm_files,
     _snapshots,
+    _sweeps,
+    _swept,
     io_uring_off,  # noqa: F401 - a module fixture, used by name
 )
 from tests.vllmproc import CPU_ARGS, VLLM_PYTHON
@@ -319,10 +322,16 @@ def test_with_snapshots_standby_a_sigkill_is_answered_by_continuing_a_copy_made_
     # ... and the live engine, its ring buffers not written over, still answers.
     assert _greedy(client) == before
     restarts = a.status()["restarts"]
+    dead, sweeps = _shm_files(live), _sweeps(a, live)
     os.kill(live, signal.SIGKILL)
     st = a.wait_recovered(restarts + 1, timeout=BOOT_S)
     rec = st["last_recovery"]
     assert (rec["path"], rec["result"]) == ("standby", "success"), (rec, a.log_tail(3000))
+    # The copy maps files of the same names in its own /dev/shm: the dead tree's, in the
+    # host's, are removed all the same.
+    _swept(a, live, dead, sweeps)
+    copy = _shm_files(init, theirs)
+    assert any(n.startswith("psm_") for n in set(dead) & set(copy)), (dead, copy)
     assert rec["fallthroughs"] == [], rec
     # No restore after the crash: the copy was restored before it, and only continued.
     assert "criu_restore" not in rec["stages"], rec

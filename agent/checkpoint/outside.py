@@ -1,4 +1,4 @@
-"""What a dumped tree keeps outside itself (shared memory files, socket paths): saved, put back."""
+"""What a tree keeps outside itself (shared memory files, socket paths): saved, put back, swept."""
 
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ PREFIX = "outside."
 # CRIU's name for the link it makes to an open but deleted file (--link-remap).
 REMAP = "link_remap."
 _DELETED = " (deleted)"
+
+# A file as the kernel knows it, (st_dev, st_ino): a name in the shm dir may name another file
+# later (a restore writes its own copy under the name a dead tree used).
+FileId = tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,74 @@ def survey(pids: tuple[int, ...], proc_root: Path = Path("/proc"),
                 if len(f) >= 8 and int(f[6]) in inodes and f[7].startswith("/"):
                     paths.add(f[7])
     return Survey(tuple(sorted(shm)), tuple(sorted(paths)))
+
+
+def shared_files(pids: tuple[int, ...], proc_root: Path = Path("/proc"),
+                 shm_dir: Path = SHM_DIR) -> dict[FileId, str]:
+    """The files directly in `shm_dir` that the tree `pids` maps shared and writable, each
+    with its name there: vLLM's ring buffers and semaphores. A file the tree only reads (a
+    model copied into /dev/shm) is never one.
+
+    The name is "" for a file mapped only under a name since unlinked: glibc's sem_open maps
+    a semaphore under a temporary name, links the file under `sem.<name>`, then unlinks the
+    temporary one (the mapping says "(deleted)"); a process that opened it by name maps the
+    name, which then wins."""
+    found: dict[FileId, str] = {}
+    top = f"{shm_dir}/"
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in (proc_root / str(pid) / "maps").read_text().splitlines():
+                parts = line.split(maxsplit=5)
+                if len(parts) < 6 or parts[1][1] != "w" or parts[1][3] != "s":
+                    continue
+                path = parts[5].strip()
+                name = path.removesuffix(_DELETED)[len(top):]
+                if not path.startswith(top) or "/" in name:
+                    continue
+                major, minor = (int(x, 16) for x in parts[3].split(":"))
+                ident = (os.makedev(major, minor), int(parts[4]))
+                if not found.get(ident):
+                    found[ident] = "" if path.endswith(_DELETED) else name
+    return found
+
+
+@dataclass(frozen=True)
+class Swept:
+    """What `sweep` removed: the names, and the memory they held (their allocated blocks:
+    vLLM's ring buffers are mostly holes)."""
+
+    names: tuple[str, ...]
+    bytes: int
+
+
+def sweep(dead: dict[FileId, str], live: dict[FileId, str], shm_dir: Path = SHM_DIR) -> Swept:
+    """Unlink each plain file directly in `shm_dir` that is one of `dead` (the files of a tree
+    that is gone, from `shared_files`) and not one of `live` (the tree serving now).
+
+    By identity first: a restore puts its own copies back under the dead tree's names (new
+    files, kept), and a semaphore's file is mapped under a name it no longer has. Then by
+    name, where the tree mapped one: a file system that hands a freed inode number to a new
+    file (tmpfs does not) cannot make another file look like the dead one. Holds
+    `remap_window`, which `put_back` holds too: no file is replaced between its check and its
+    unlink. A file gone already is no error."""
+    doomed = {ident: name for ident, name in dead.items() if ident not in live}
+    if not doomed:
+        return Swept((), 0)
+    names: list[str] = []
+    size = 0
+    with remap_window(shm_dir):
+        for name in sorted(_names(shm_dir)):
+            try:
+                st = os.lstat(shm_dir / name)
+                if not stat.S_ISREG(st.st_mode) or name == REMAP_LOCK \
+                        or doomed.get((st.st_dev, st.st_ino)) not in ("", name):
+                    continue
+                os.unlink(shm_dir / name)
+            except FileNotFoundError:
+                continue
+            names.append(name)
+            size += st.st_blocks * 512
+    return Swept(tuple(names), size)
 
 
 def post_dump_script(script: Path, survey: Survey, image_dir: Path,
@@ -232,7 +304,9 @@ def _held_by(proc: Path, inodes: set[int]) -> set[tuple[int, int]]:
 
 # Every agent on the host takes it around a dump and around a restore (put back, CRIU,
 # cleanup): CRIU names its links to deleted files after the file's id in the image, so two
-# vLLM trees dumped or restored at once on one host would use the same link_remap.N.
+# vLLM trees dumped or restored at once on one host would use the same link_remap.N. A sweep
+# of a dead tree's files takes it too: no put_back replaces a file between the sweep's check
+# of it and its unlink.
 REMAP_LOCK = ".pitstop-link-remap.lock"
 
 

@@ -25,6 +25,7 @@ from agent.supervisor.gate import EngineGate
 from agent.supervisor.gpu import GpuGuard, ruled_out, unusable
 from agent.supervisor.heartbeat import BEAT_S, Heartbeat
 from agent.supervisor.ladder import Attempt, Prepared, Puller, StartPath, StopRequested
+from agent.supervisor.shm import ShmLeftovers
 from agent.supervisor.states import Event, State, next_state
 from agent.supervisor.status import AgentStatus, Recovery
 from agent.supervisor.verify import Verifier
@@ -54,6 +55,7 @@ class Supervisor:
                  gpu: GpuGuard | None = None,
                  on_engine: Callable[[int], None] = lambda pid: None,
                  pull: Puller | None = None,
+                 shm: ShmLeftovers | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.adapter = adapter
@@ -74,6 +76,8 @@ class Supervisor:
         # now, the next one must know which tree to kill.
         self._on_engine = on_engine
         self._pull = pull
+        # What a killed tree left in /dev/shm, removed after the next engine is ready.
+        self.shm = shm if shm is not None else ShmLeftovers()
         self._clock = clock
         self.state = State.STOPPED
         self.engine: EngineProcess | None = None
@@ -351,6 +355,8 @@ class Supervisor:
         log.info("engine %d ready via %s in %.2fs (cause %s; stages %s)", self.engine.pid, path,
                  duration, attempt.cause,
                  ", ".join(f"{k} {v:.2f}s" for k, v in attempt.stages.items()))
+        # After the gate opened: the survey and the sweep run while the engine serves.
+        self.shm.ready(self.engine.pid)
 
     def _record(self, path: str, result: str, attempt: Attempt, duration: float) -> None:
         self.metrics.recovered(path, result, attempt.cause, duration, attempt.stages)

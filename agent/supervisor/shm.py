@@ -1,0 +1,80 @@
+"""A dead engine tree's shared-memory files, removed once the next engine is ready."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from agent import proc
+from agent.checkpoint import outside
+from agent.checkpoint.outside import FileId
+from agent.errors import SnapshotError
+
+log = logging.getLogger("pitstop.supervisor")
+
+# The shared-memory files of the engine tree rooted at a PID, each with its name or ""
+# (outside.shared_files).
+Survey = Callable[[int], Mapping[FileId, str]]
+
+
+def tree_survey(shm_dir: Path = outside.SHM_DIR, proc_root: Path = Path("/proc")) -> Survey:
+    """The survey of a live tree from /proc: its root and every descendant."""
+    def survey(pid: int) -> dict[FileId, str]:
+        pids = (pid, *proc.descendants(pid, proc_root))
+        return outside.shared_files(pids, proc_root, shm_dir)
+    return survey
+
+
+class ShmLeftovers:
+    """Knows the shared-memory files of the engine tree that serves; once the next engine is
+    ready, removes those of the tree before it that the new one does not use.
+
+    vLLM's resource tracker unlinks its ring buffers (`psm_*`) and semaphores (`sem.*`) when
+    vLLM stops, but it dies with a killed tree (a crash, a hang): each file then stays in
+    /dev/shm, in RAM, with nobody to remove it. Every rung's engine becomes ready through
+    `Supervisor._ready`, which calls `ready`; the surveys and the sweep run in worker
+    threads, after the new engine serves, so a recovery never waits for them. Not known, so
+    left: the files of a tree that never became ready (a restore that failed after putting
+    its image's copies back) and of one that died with the agent.
+
+    Example::
+
+        shm = ShmLeftovers()
+        shm.ready(engine.pid)   # after each engine is verified; the one before it is gone
+    """
+
+    def __init__(self, shm_dir: Path = outside.SHM_DIR, survey: Survey | None = None) -> None:
+        self._shm = shm_dir
+        self._survey = survey if survey is not None else tree_survey(shm_dir)
+        # The tree serving now, and its files: None before the first engine is ready.
+        self._serving: tuple[int, dict[FileId, str]] | None = None
+        self._last: asyncio.Task[None] | None = None
+
+    def ready(self, pid: int) -> None:
+        """Engine `pid` serves: survey it, then sweep what the tree before it left."""
+        self._last = asyncio.ensure_future(self._after_ready(pid, self._last))
+
+    async def settled(self) -> None:
+        """Until the work of the last `ready` is done."""
+        if self._last is not None:
+            await asyncio.wait([self._last])
+
+    async def _after_ready(self, pid: int, before: asyncio.Task[None] | None) -> None:
+        if before is not None:
+            # In the order the engines became ready: the tree before is the one surveyed last.
+            await asyncio.wait([before])
+        live = dict(await asyncio.to_thread(self._survey, pid))
+        dead, self._serving = self._serving, (pid, live)
+        if dead is None or not dead[1]:
+            return
+        try:
+            swept = await asyncio.to_thread(outside.sweep, dead[1], live, self._shm)
+        except (OSError, SnapshotError) as e:
+            log.warning("could not remove the shared-memory files engine %d left in %s: %s",
+                        dead[0], self._shm, e)
+            return
+        log.info("removed %d shared-memory files (%d bytes) engine %d left in %s%s",
+                 len(swept.names), swept.bytes, dead[0], self._shm,
+                 f": {', '.join(swept.names)}" if swept.names else "")

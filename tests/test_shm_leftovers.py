@@ -1,0 +1,247 @@
+"""A killed engine tree's shared-memory files go once the next engine is ready; the new tree's,
+and anything no tree had, stay. A shm directory of the test's own, surveys faked by PID (and
+once the real one, of real processes, from /proc)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from agent.checkpoint import outside
+from agent.checkpoint.outside import FileId
+from agent.config import parse_config
+from agent.engines import build_adapter
+from agent.metrics import Metrics, StatusView, new_registry
+from agent.supervisor.canary import CanaryBook
+from agent.supervisor.gate import EngineGate
+from agent.supervisor.paths.cold import ColdStart
+from agent.supervisor.shm import ShmLeftovers, tree_survey
+from agent.supervisor.status import AgentStatus
+from agent.supervisor.supervisor import Supervisor
+from agent.systemd import Notifier
+from tests.agentproc import agent_config
+from tests.frontkit import socket_dir
+
+
+def _file(shm: Path, name: str, data: bytes = b"x" * 4096) -> FileId:
+    (shm / name).write_bytes(data)
+    st = os.stat(shm / name)
+    return st.st_dev, st.st_ino
+
+
+class Trees:
+    """The fake survey: the files each engine tree (by PID) maps, as the test set them."""
+
+    def __init__(self) -> None:
+        self.files: dict[int, dict[FileId, str]] = {}
+        self.on_loop: list[bool] = []
+
+    def __call__(self, pid: int) -> dict[FileId, str]:
+        try:
+            asyncio.get_running_loop()
+            self.on_loop.append(True)
+        except RuntimeError:
+            self.on_loop.append(False)
+        return self.files.get(pid, {})
+
+
+def test_a_dead_trees_files_go_once_the_next_engine_is_ready_and_no_other_file_does(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    caplog.set_level(logging.INFO, logger="pitstop.supervisor")
+    trees = Trees()
+    ring, gone = _file(tmp_path, "psm_dead"), _file(tmp_path, "psm_gone")
+    # As glibc's sem_open leaves it: mapped under a temporary name since unlinked, the file
+    # linked under the semaphore's own name.
+    sem = _file(tmp_path, "sem.tmp")
+    os.link(tmp_path / "sem.tmp", tmp_path / "sem.mp-dead")
+    os.unlink(tmp_path / "sem.tmp")
+    _file(tmp_path, "model.safetensors")  # no tree's: stays
+    trees.files[100] = {ring: "psm_dead", gone: "psm_gone", sem: ""}
+    trees.files[200] = {_file(tmp_path, "psm_new"): "psm_new"}
+
+    async def main() -> None:
+        shm = ShmLeftovers(tmp_path, survey=trees)
+        shm.ready(100)
+        # Nothing ran yet: `ready` returns before its survey, which never holds up the engine.
+        assert trees.on_loop == []
+        await shm.settled()
+        assert (tmp_path / "psm_dead").exists()  # the first engine: no tree before it
+        os.unlink(tmp_path / "psm_gone")  # removed by vLLM already: no error
+        shm.ready(200)
+        await shm.settled()
+
+    asyncio.run(main())
+    assert sorted(os.listdir(tmp_path)) == [outside.REMAP_LOCK, "model.safetensors", "psm_new"]
+    assert trees.on_loop == [False, False]  # both surveys in worker threads
+    assert ("removed 2 shared-memory files (8192 bytes) engine 100 left in "
+            f"{tmp_path}: psm_dead, sem.mp-dead") in caplog.text
+
+
+def test_a_restore_that_puts_its_copies_under_the_dead_trees_names_keeps_them(tmp_path: Path):
+    trees = Trees()
+    trees.files[100] = {_file(tmp_path, "psm_image", b"dead"): "psm_image"}
+    # What put_back does before the restore: the image's copy written, renamed over the name.
+    copy = _file(tmp_path, ".copy", b"image")
+    os.replace(tmp_path / ".copy", tmp_path / "psm_image")
+    trees.files[200] = {copy: "psm_image"}
+
+    async def main() -> None:
+        shm = ShmLeftovers(tmp_path, survey=trees)
+        shm.ready(100)
+        shm.ready(200)  # before the first one's survey ran: the two run in order
+        await shm.settled()
+
+    asyncio.run(main())
+    assert (tmp_path / "psm_image").read_bytes() == b"image"
+
+
+def test_a_file_under_another_name_than_the_dead_tree_mapped_is_not_its_file(tmp_path: Path):
+    # A file system that reuses a freed inode number at once (the test's; tmpfs counts up)
+    # gives a new file the dead one's identity: the name the tree mapped tells them apart.
+    other = _file(tmp_path, "psm_someone_elses")
+    assert outside.sweep({other: "psm_dead"}, {}, tmp_path).names == ()
+    assert (tmp_path / "psm_someone_elses").exists()
+
+
+def test_engines_ready_one_after_another_each_sweep_the_tree_before_them(tmp_path: Path):
+    trees = Trees()
+    for pid in (1, 2, 3):
+        trees.files[pid] = {_file(tmp_path, f"psm_{pid}"): f"psm_{pid}"}
+
+    async def main() -> None:
+        shm = ShmLeftovers(tmp_path, survey=trees)
+        for pid in (1, 2, 3):
+            shm.ready(pid)
+        await shm.settled()
+
+    asyncio.run(main())
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("psm_")) == ["psm_3"]
+
+
+def test_a_sweep_waits_for_a_restore_that_puts_files_back_on_this_host(tmp_path: Path):
+    """The sweep and put_back take one lock: no restore's copy is replaced between the sweep's
+    check of a name and its unlink."""
+    dead = {_file(tmp_path, "psm_dead"): "psm_dead"}
+    holder = ("import fcntl, os, sys\n"
+              "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+              "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+              "print('locked', flush=True)\nsys.stdin.readline()\n")
+    p = subprocess.Popen([sys.executable, "-c", holder, str(tmp_path / outside.REMAP_LOCK)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "locked\n"
+        done: list[outside.Swept] = []
+        t = threading.Thread(target=lambda: done.append(outside.sweep(dead, {},
+                                                                      tmp_path)))
+        t.start()
+        time.sleep(0.3)
+        assert not done and (tmp_path / "psm_dead").exists()
+        assert p.stdin is not None
+        p.stdin.write("\n")
+        p.stdin.flush()
+        t.join(30)
+    finally:
+        p.kill()
+        p.wait()
+    assert done and done[0].names == ("psm_dead",)
+
+
+# A root that maps what vLLM's processes map, and a child of it that maps a file of its own.
+MAPPER = """
+import mmap, os, subprocess, sys
+shm, role, me = sys.argv[1:4]
+def mapped(name, shared=True, write=True):
+    fd = os.open(os.path.join(shm, name), os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 4096)
+    m = mmap.mmap(fd, 4096, mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE,
+                  mmap.PROT_READ | (mmap.PROT_WRITE if write else 0))
+    os.close(fd)
+    return m
+if role == "child":
+    keep = [mapped("psm_child")]
+else:
+    keep = [mapped("psm_root"), mapped("sem.tmp"), mapped("model", write=False),
+            mapped("private", shared=False), mapped("sub/psm_deeper")]
+    os.link(os.path.join(shm, "sem.tmp"), os.path.join(shm, "sem.mp-x"))
+    os.unlink(os.path.join(shm, "sem.tmp"))
+    kid = subprocess.Popen([sys.executable, "-c", me, shm, "child", me], stdout=subprocess.PIPE)
+    kid.stdout.readline()
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_the_survey_finds_the_files_a_tree_maps_shared_and_writable_in_the_shm_dir(
+        tmp_path: Path):
+    (tmp_path / "sub").mkdir()
+    p = subprocess.Popen([sys.executable, "-c", MAPPER, str(tmp_path), "root", MAPPER],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        found = tree_survey(tmp_path)(p.pid)
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+    def ident(name: str) -> FileId:
+        st = os.stat(tmp_path / name)
+        return st.st_dev, st.st_ino
+
+    # The root's, its child's and the semaphore's (under its linked name); not the file it
+    # only reads, nor its private mapping, nor one in a directory below.
+    assert found == {ident("psm_root"): "psm_root", ident("psm_child"): "psm_child",
+                     ident("sem.mp-x"): ""}, found
+
+
+@pytest.mark.integration
+def test_the_supervisor_sweeps_after_each_ready_engine(tiny_model: Path, tmp_path: Path):
+    """The real supervisor and reference engine: a crash, then a cold start."""
+    made: dict[int, FileId] = {}
+
+    def survey(pid: int) -> dict[FileId, str]:
+        # As vLLM makes them: a ring buffer per tree, under a name of its own.
+        made.setdefault(pid, _file(tmp_path, f"psm_{pid}"))
+        return {made[pid]: f"psm_{pid}"}
+
+    asyncio.run(_crash_then_cold(tiny_model, ShmLeftovers(tmp_path, survey=survey)))
+    [first, second] = made
+    assert not (tmp_path / f"psm_{first}").exists()
+    assert (tmp_path / f"psm_{second}").exists()
+
+
+async def _crash_then_cold(tiny_model: Path, shm: ShmLeftovers) -> None:
+    d = socket_dir()
+    cfg = parse_config(agent_config(d, tiny_model), "test")
+    adapter = build_adapter(cfg)
+    status = AgentStatus()
+    metrics = Metrics(new_registry(), lambda: StatusView("", False, None, (), None))  # type: ignore[arg-type]
+    sup = Supervisor(
+        config=cfg, adapter=adapter, gate=EngineGate(), metrics=metrics, notifier=Notifier({}),
+        status=status, canaries=CanaryBook(d / "canary.json"), paths=[ColdStart(adapter)],
+        shm=shm)
+    run = asyncio.ensure_future(sup.run())
+    loop = asyncio.get_running_loop()
+    try:
+        for restarts in (0, 1):
+            deadline = loop.time() + 120
+            while not (status.state == "ready" and status.restarts == restarts):
+                assert not run.done(), f"the supervisor ended: {run.exception()!r}"
+                assert loop.time() < deadline, f"not ready: {status}"
+                await asyncio.sleep(0.05)
+            await shm.settled()
+            if restarts == 0:
+                assert status.engine_pid is not None
+                os.kill(status.engine_pid, signal.SIGKILL)
+    finally:
+        sup.request_stop()
+        await asyncio.wait_for(run, 60)
