@@ -34,7 +34,7 @@ from agent.holder.weightplan import PLAN_NAME, PlanSource, load_plan
 from tests.agentproc import REPO, RunningAgent, Traffic, agent_config, fallthroughs
 from tests.conftest import cached_model
 from tests.holder_proc import Holder, wait_for
-from tests.test_agent_standby import _armed
+from tests.test_agent_standby import _armed, _children, _run_state
 from tests.test_agent_vllm import (
     BOOT_S,
     _engine_core,
@@ -339,6 +339,33 @@ def test_with_snapshots_standby_a_sigkill_is_answered_by_continuing_a_copy_made_
     assert st["engine_pid"] == init
     # The weights re-attached from the holder, through the engine's socket (now a link
     # into the copy's mount namespace), and the same greedy answer through the front.
+    assert node.engine_rpc(support.RPC_STATE)["held"]["attached"]
+    assert _greedy(client) == before
+    client.close()
+
+
+def test_a_standby_woken_ahead_runs_vllm_before_the_crash_and_answers_it(node: HybridNode):
+    # snapshots.standby_woken: the copy is continued as soon as it is restored (on a GPU its
+    # CUDA state is restored too, locked); vLLM's processes then idle in their namespaces.
+    node.agent.stop(timeout=60)
+    a = node.agent = RunningAgent(node.agent.tmp, {
+        **node.agent.config, "snapshots": {**node.agent.config["snapshots"], "standby": True,
+                                           "standby_woken": True}})
+    a.wait_ready(timeout=BOOT_S)
+    client = openai.OpenAI(base_url=a.front_url, api_key="none", timeout=BOOT_S, max_retries=0)
+    before = _greedy(client)
+    init, ns_init = _armed(a, timeout=BOOT_S, how="woken")
+    copy = [p for root in _children(ns_init) for p in [root, *_children(root)]]
+    assert len(copy) >= 2 and all(_run_state(p) != "T" for p in copy), [
+        (p, _run_state(p)) for p in copy]
+    # Running beside it, the copy takes nothing from the live engine.
+    assert _greedy(client) == before
+    restarts = a.status()["restarts"]
+    os.kill(a.status()["engine_pid"], signal.SIGKILL)
+    st = a.wait_recovered(restarts + 1, timeout=BOOT_S)
+    rec = st["last_recovery"]
+    assert (rec["path"], rec["result"]) == ("standby", "success"), (rec, a.log_tail(3000))
+    assert "criu_restore" not in rec["stages"] and st["engine_pid"] == init, rec
     assert node.engine_rpc(support.RPC_STATE)["held"]["attached"]
     assert _greedy(client) == before
     client.close()
