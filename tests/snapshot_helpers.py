@@ -165,3 +165,21 @@ def subreaper() -> Iterator[None]:
     yield
     proc.reap_orphans()
     ctypes.CDLL(None).prctl(proc.PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+
+
+@contextlib.contextmanager
+def lock_held_elsewhere(path: Path) -> Iterator[None]:
+    """Another process holds an exclusive flock on `path` (as another engine's dump or
+    restore holds the link_remap lock) until the block ends."""
+    holder = ("import fcntl, os, sys\n"
+              "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+              "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+              "print('locked', flush=True)\nsys.stdin.readline()\n")
+    p = subprocess.Popen([sys.executable, "-c", holder, str(path)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "locked\n"
+        yield
+    finally:
+        p.kill()
+        p.wait(timeout=30)

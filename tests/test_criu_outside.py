@@ -26,6 +26,7 @@ from tests.snapshot_helpers import (
     capture,
     identity,
     kill_and_reap,
+    lock_held_elsewhere,
     snapshotter,
     subreaper,  # noqa: F401 - autouse: this process reaps restored trees
 )
@@ -160,21 +161,14 @@ def test_a_dump_or_restore_holds_the_hosts_link_remap_names_alone(tmp_path: Path
 def test_the_wait_for_another_engines_dump_or_restore_is_measured(tmp_path: Path):
     """Two engines restored at once on one host: the second one's wait for the link_remap lock
     is its own restore stage (remap_wait), not time no stage accounts for."""
-    holder = ("import fcntl, os, sys\n"
-              "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
-              "fcntl.flock(fd, fcntl.LOCK_EX)\n"
-              "print('locked', flush=True)\nsys.stdin.readline()\n")
-    p = subprocess.Popen([sys.executable, "-c", holder, str(tmp_path / outside.REMAP_LOCK)],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     waited: list[float] = []
 
     def take() -> None:
         with outside.remap_window(tmp_path) as waited_s:
             waited.append(waited_s)
 
-    try:
-        assert p.stdout is not None and p.stdout.readline().strip() == "locked"
-        t = threading.Thread(target=take)
+    t = threading.Thread(target=take)
+    with lock_held_elsewhere(tmp_path / outside.REMAP_LOCK):
         t.start()
         # Blocked for certain (the kernel lists a waiter with "->"), then 0.3 s more.
         end = time.monotonic() + 30
@@ -182,9 +176,5 @@ def test_the_wait_for_another_engines_dump_or_restore_is_measured(tmp_path: Path
             assert time.monotonic() < end, "the lock was never waited for"
             time.sleep(0.01)
         time.sleep(0.3)
-    finally:
-        assert p.stdin is not None
-        p.stdin.close()
-        p.wait(timeout=30)
     t.join(timeout=30)
     assert waited and waited[0] >= 0.3

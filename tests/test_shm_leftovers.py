@@ -30,6 +30,7 @@ from agent.supervisor.supervisor import Supervisor
 from agent.systemd import Notifier
 from tests.agentproc import agent_config
 from tests.frontkit import socket_dir
+from tests.snapshot_helpers import lock_held_elsewhere
 
 
 def _file(shm: Path, name: str, data: bytes = b"x" * 4096) -> FileId:
@@ -131,27 +132,13 @@ def test_a_sweep_waits_for_a_restore_that_puts_files_back_on_this_host(tmp_path:
     """The sweep and put_back take one lock: no restore's copy is replaced between the sweep's
     check of a name and its unlink."""
     dead = {_file(tmp_path, "psm_dead"): "psm_dead"}
-    holder = ("import fcntl, os, sys\n"
-              "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
-              "fcntl.flock(fd, fcntl.LOCK_EX)\n"
-              "print('locked', flush=True)\nsys.stdin.readline()\n")
-    p = subprocess.Popen([sys.executable, "-c", holder, str(tmp_path / outside.REMAP_LOCK)],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout is not None and p.stdout.readline() == "locked\n"
-        done: list[outside.Swept] = []
-        t = threading.Thread(target=lambda: done.append(outside.sweep(dead, {},
-                                                                      tmp_path)))
+    done: list[outside.Swept] = []
+    t = threading.Thread(target=lambda: done.append(outside.sweep(dead, {}, tmp_path)))
+    with lock_held_elsewhere(tmp_path / outside.REMAP_LOCK):
         t.start()
         time.sleep(0.3)
         assert not done and (tmp_path / "psm_dead").exists()
-        assert p.stdin is not None
-        p.stdin.write("\n")
-        p.stdin.flush()
-        t.join(30)
-    finally:
-        p.kill()
-        p.wait()
+    t.join(30)
     assert done and done[0].names == ("psm_dead",)
 
 
