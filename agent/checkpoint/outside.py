@@ -47,6 +47,19 @@ def _linked(path: str) -> str | None:
     return None if path.endswith(_DELETED) else path
 
 
+def _shm_maps(maps: Path, top: str) -> Iterator[tuple[str, str, str, str]]:
+    """(permissions, device, inode, path) of each mapping in the `maps` file of a file
+    directly in the shm dir `top` (its path may end in " (deleted)"); none if it is gone."""
+    with contextlib.suppress(OSError):
+        for line in maps.read_text().splitlines():
+            parts = line.split(maxsplit=5)
+            if len(parts) < 6:
+                continue
+            path = parts[5].strip()
+            if path.startswith(top) and "/" not in path.removesuffix(_DELETED)[len(top):]:
+                yield parts[1], parts[3], parts[4], path
+
+
 def survey(pids: tuple[int, ...], proc_root: Path = Path("/proc"),
            shm_dir: Path = SHM_DIR) -> Survey:
     """What the tree `pids` uses outside itself, read from /proc (maps, fds, net/unix)."""
@@ -55,12 +68,9 @@ def survey(pids: tuple[int, ...], proc_root: Path = Path("/proc"),
     top = f"{shm_dir}/"
     for pid in pids:
         base = proc_root / str(pid)
-        with contextlib.suppress(OSError):
-            for line in (base / "maps").read_text().splitlines():
-                parts = line.split(maxsplit=5)
-                name = _linked(parts[5].strip()) if len(parts) == 6 else None
-                if name and name.startswith(top) and "/" not in name[len(top):]:
-                    shm.add(name[len(top):])
+        for _perms, _dev, _ino, path in _shm_maps(base / "maps", top):
+            if (name := _linked(path)) is not None:
+                shm.add(name[len(top):])
         with contextlib.suppress(OSError):
             for fd in os.listdir(base / "fd"):
                 with contextlib.suppress(OSError):
@@ -94,19 +104,13 @@ def shared_files(pids: tuple[int, ...], proc_root: Path = Path("/proc"),
     found: dict[FileId, str] = {}
     top = f"{shm_dir}/"
     for pid in pids:
-        with contextlib.suppress(OSError):
-            for line in (proc_root / str(pid) / "maps").read_text().splitlines():
-                parts = line.split(maxsplit=5)
-                if len(parts) < 6 or parts[1][1] != "w" or parts[1][3] != "s":
-                    continue
-                path = parts[5].strip()
-                name = path.removesuffix(_DELETED)[len(top):]
-                if not path.startswith(top) or "/" in name:
-                    continue
-                major, minor = (int(x, 16) for x in parts[3].split(":"))
-                ident = (os.makedev(major, minor), int(parts[4]))
-                if not found.get(ident):
-                    found[ident] = "" if path.endswith(_DELETED) else name
+        for perms, dev, ino, path in _shm_maps(proc_root / str(pid) / "maps", top):
+            if perms[1] != "w" or perms[3] != "s":
+                continue
+            major, minor = (int(x, 16) for x in dev.split(":"))
+            ident = (os.makedev(major, minor), int(ino))
+            if not found.get(ident):
+                found[ident] = "" if path.endswith(_DELETED) else path[len(top):]
     return found
 
 
