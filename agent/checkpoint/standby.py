@@ -95,18 +95,24 @@ def _cuda_pids(manifest: Manifest, pids: list[int], proc_root: Path) -> tuple[in
     return tuple(hosts[p] for p in manifest.process.cuda_pids)
 
 
-def wake_standby(snap: Snapshotter, manifest: Manifest, root: int, *, gpu_uuid: str | None,
-                 proc_root: Path = Path("/proc")) -> dict[str, float]:
-    """Let the stopped tree under `root` (a host PID) run: the AMX permission asked for
-    again where the CPU has it, SIGCONT, then each CUDA process's state restored onto the GPU
-    and left locked (its CUDA calls wait for the unlock). Blocking; the stage timings."""
-    timings: dict[str, float] = {}
+def _continue(snap: Snapshotter, root: int, proc_root: Path) -> tuple[list[int], float]:
+    """The stopped tree under `root` (a host PID) let run: the AMX permission asked for
+    again where the CPU has it, then SIGCONT. Its PIDs, and the seconds it took."""
     t0 = time.monotonic()
     pids = process_tree(root, proc_root)
     if snap.regrant.active(proc_root):
         regrant_tree(pids, proc_root)
     continue_tree(pids)
-    timings["standby_continue"] = time.monotonic() - t0
+    return pids, time.monotonic() - t0
+
+
+def wake_standby(snap: Snapshotter, manifest: Manifest, root: int, *, gpu_uuid: str | None,
+                 proc_root: Path = Path("/proc")) -> dict[str, float]:
+    """Let the stopped tree under `root` run, then each CUDA process's state restored onto
+    the GPU and left locked (its CUDA calls wait for the unlock). Blocking; the stage
+    timings."""
+    pids, secs = _continue(snap, root, proc_root)
+    timings = {"standby_continue": secs}
     if manifest.process.cuda_pids:
         snap.restore_cuda_locked(_cuda_pids(manifest, pids, proc_root), timings,
                                  gpu_pairs(manifest.identity.gpu_uuid, gpu_uuid))
@@ -116,11 +122,14 @@ def wake_standby(snap: Snapshotter, manifest: Manifest, root: int, *, gpu_uuid: 
 def continue_standby(snap: Snapshotter, manifest: Manifest, root: int, *,
                      gpu_uuid: str | None, woken: bool = False,
                      proc_root: Path = Path("/proc")) -> dict[str, float]:
-    """Let the standby under `root` serve: woken now unless it was (`woken`), then each CUDA
-    process unlocked (and restored first, if it was not). Blocking; the stage timings."""
-    timings = {} if woken else wake_standby(snap, manifest, root, gpu_uuid=gpu_uuid,
-                                            proc_root=proc_root)
+    """Let the standby under `root` serve: let run now unless it was woken (`woken`), then
+    each CUDA process restored (unless it was) and unlocked. Blocking; the stage timings."""
+    if woken:
+        pids, timings = process_tree(root, proc_root), {}
+    else:
+        pids, secs = _continue(snap, root, proc_root)
+        timings = {"standby_continue": secs}
     if manifest.process.cuda_pids:
-        pids = _cuda_pids(manifest, process_tree(root, proc_root), proc_root)
-        snap.resume_cuda(pids, timings, gpu_pairs(manifest.identity.gpu_uuid, gpu_uuid))
+        snap.resume_cuda(_cuda_pids(manifest, pids, proc_root), timings,
+                         gpu_pairs(manifest.identity.gpu_uuid, gpu_uuid))
     return timings
