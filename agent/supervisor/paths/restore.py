@@ -40,8 +40,8 @@ class SnapshotRestore:
     """What every restore rung does the same way, whatever the checkpoint backend: choose
     the newest snapshot of its kind through the store (identity, checksums, the backend's
     own check), count each snapshot refused in pitstop_snapshots_rejected_total by its code
-(once, however many walks pass it over), and move
-    a corrupt or failed snapshot to the store's one quarantine."""
+    (once, however many walks pass it over), and move a corrupt or failed snapshot to the
+    store's one quarantine."""
 
     name: str
     kind: SnapshotKind
