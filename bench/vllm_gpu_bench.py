@@ -112,6 +112,8 @@ from vllm_bench_kit import (  # noqa: E402
 )
 
 from agent.engines.vllm.cli import VllmFeatures, read_features  # noqa: E402
+from agent.errors import HolderError  # noqa: E402
+from agent.holder.client import HolderClient  # noqa: E402
 from agent.modelgen import make_model, record_for, spec_for  # noqa: E402
 
 IO_URING = Path("/proc/sys/kernel/io_uring_disabled")
@@ -155,7 +157,8 @@ class Run:
 
     def save(self) -> None:
         ctx = {"gib": self.result["gib"], "command": self.command, "model": self.result["model"],
-               "vllm_version": self.result.get("vllm_version"), **model_kind(self.a)}
+               "vllm_version": self.result.get("vllm_version"),
+               "held_bytes": self.result.get("held_bytes"), **model_kind(self.a)}
         r = self.result
         stamp_records(r, self.command)
         rows = [*start_peaks(r, ctx)]
@@ -292,6 +295,17 @@ def first_start(agent: Agent, what: str, baseline: int | None) -> dict:
     return rec
 
 
+def held_bytes(hdir: Path, gpu: str) -> int | None:
+    """What the holder holds once the engine is ready: the tensors vLLM serves from, so an
+    FP8 model holds about half of its bf16 checkpoint's bytes (--gib is the bf16 size)."""
+    try:
+        with HolderClient.for_gpu(hdir, gpu, timeout=5.0) as h:
+            return h.stats().bytes_committed
+    except (HolderError, OSError) as e:
+        log(f"held bytes not read: {e}")
+        return None
+
+
 def start_estimate(run: Run) -> float:
     """Seconds one engine start takes: the first start this run measured, else a guess."""
     for key in ("first_start_plain", "first_start_holder"):
@@ -335,6 +349,7 @@ def holder_phase(run: Run) -> None:
         try:
             r["first_start_holder"] = first_start(agent, "first start over the holder",
                                                   baseline)
+            r["held_bytes"] = held_bytes(hdir, gpu)
             run.save()
             if snaps:
                 hybrid_and_refill(run, agent, holder, gpu, hdir, d)
