@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from enum import StrEnum
 from types import ModuleType
@@ -316,6 +316,24 @@ class GpuWatch:
         if self._handle is None:
             raise SourceUnavailable(f"GPU {self.selector!r} is lost")
         return int(self._nv.nvmlDeviceGetMemoryInfo(self._handle).used)
+
+    def room_for(self, pids: Collection[int]) -> bool:
+        """Whether the GPU's memory free now could hold again all that processes `pids` use
+        on it (NVML's figure per compute process): False when NVML gives none of them, or a
+        figure it cannot read (as in a container that hides the host's PIDs)."""
+        if self._handle is None:
+            return False
+        nv = self._nv
+        try:
+            procs = nv.nvmlDeviceGetComputeRunningProcesses(self._handle)
+            free = int(nv.nvmlDeviceGetMemoryInfo(self._handle).free)
+        except nv.NVMLError as e:
+            log.info("GPU memory per process not read (%s): a standby waits for a dead tree", e)
+            return False
+        used = [p.usedGpuMemory for p in procs if p.pid in pids]
+        if not used or any(u is None for u in used):
+            return False
+        return free >= sum(int(u) for u in used)
 
     def _ecc_count(self) -> int | None:
         nv = self._nv

@@ -18,6 +18,7 @@ from agent.checkpoint import build_snapshotter, build_store
 from agent.checkpoint.backend import SnapshotInfo
 from agent.checkpoint.snapshotter import Snapshotter
 from agent.checkpoint.source import SnapshotSource
+from agent.checkpoint.xcomp import process_tree
 from agent.config import Config, HealthConfig
 from agent.control import ControlServer
 from agent.drift import Difference, describe
@@ -230,7 +231,7 @@ class Agent:
             canaries=CanaryBook(config.paths.state_dir / "canary.json"),
             capture=self.capture, on_change=self._changed,
             before_start=self._before_start, on_ready=self._on_ready, gpu=self.gpu,
-            on_engine=self.ledger.record, pull=self.remote)
+            on_engine=self.ledger.record, pull=self.remote, beside=self.standby)
         self.board = StatusBoard(
             self.status, node=self._node_info, stale=self._stale_reasons,
             gpu_watched=self._gpu_watched, front_counts=self._front_counts,
@@ -303,7 +304,7 @@ class Agent:
                 self._hybrid(config, capture_failure), snapshotter=host.snapshotter,
                 adapter=self.adapter, socket=config.engine_socket,
                 timeout_s=resume_timeout_s(config), wake_ahead=config.snapshots.standby_woken,
-                on_change=self._standby_changed)
+                apart=self._standby_apart, on_change=self._standby_changed)
             self.status.standby = self.standby.facts()
         self.vllm_first, self.vllm_warm = vllm_rungs(
             config, self.adapter, host.vllm, self.identity, host.criu_path, self.store,
@@ -500,6 +501,21 @@ class Agent:
                         engine_version=ident.engine_version,
                         weights_digest=ident.weights_digest or "",
                         gpu_name=ident.gpu_name or "", model=self.config.engine.model_name)
+
+    def _standby_apart(self) -> bool:
+        """Whether a standby just armed could serve beside the dead tree of the engine now
+        serving (asked off the loop). It needs none of that tree's PIDs, sockets or files;
+        on a GPU it needs room: the memory free now must hold again all that the engine's
+        processes use there (its CUDA context, graphs and KV pool, by NVML), or its KV pool's
+        wake could fail until the dead engine's memory is given back. A KV pool kept in the
+        holder is claimed by one process at a time: never beside."""
+        if self.adapter.kv_claimed_in_holder():
+            return False
+        watch = self.gpu.watch
+        if watch is None:
+            return self.config.engine.device == "cpu"
+        pid = self.status.engine_pid
+        return pid is not None and watch.room_for(set(process_tree(pid)))
 
     def _standby_changed(self, facts: StandbyFacts) -> None:
         self.status.standby = facts

@@ -35,6 +35,8 @@ class FakeGpu:
     remap_failure: bool = False
     recovery_action: int | None = 0  # None: a driver without the field
     memory_used: int = 1 << 30
+    # pid -> bytes it uses (None: "not available", as NVML says in a container)
+    processes: dict[int, int | None] = field(default_factory=dict)
     lost: bool = False
     registered: list[int] = field(default_factory=list)
     events: queue.Queue = field(default_factory=queue.Queue)
@@ -127,6 +129,11 @@ class FakeNvml(SimpleNamespace):
         return [SimpleNamespace(fieldId=i, nvmlReturn=0 if action is not None else
                                 pynvml.NVML_ERROR_NOT_SUPPORTED,
                                 value=SimpleNamespace(uiVal=action or 0)) for i in ids]
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: str) -> list[SimpleNamespace]:
+        self._alive()
+        return [SimpleNamespace(pid=pid, usedGpuMemory=used)
+                for pid, used in self.gpu.processes.items()]
 
     def nvmlDeviceGetMemoryInfo(self, handle: str) -> SimpleNamespace:
         self._alive()

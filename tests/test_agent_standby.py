@@ -124,6 +124,9 @@ def test_a_sigkill_is_answered_by_continuing_the_standby(standby):
     assert "standby_continue" in rec["stages"], rec
     assert complete(a) == before
     assert "held weights re-attached at the same addresses" in a.log()
+    # The reference engine keeps its KV pool in the holder, claimed by one process at a
+    # time: the standby waited for the dead engine's tree to be gone.
+    assert "torn down while the standby rung is tried" not in a.log()
 
 
 def test_a_woken_standby_runs_before_the_crash_and_answers_it(tmp_path, tiny_model):
@@ -142,6 +145,45 @@ def test_a_woken_standby_runs_before_the_crash_and_answers_it(tmp_path, tiny_mod
             (p, _run_state(p)) for p in copy]
         kill_and_expect_standby(a, init)
         assert complete(a) == before
+    finally:
+        a.stop()
+        holder.stop()
+
+
+def test_a_standby_apart_from_the_dead_tree_serves_while_it_goes(tmp_path, tiny_model):
+    # The KV pool the engine's own (--no-keep-kv), on a CPU: nothing of the dead engine's
+    # is in the standby's way, so it is tried while the dead tree is torn down.
+    holder = Holder(tmp_path / "holder")
+    a = RunningAgent(tmp_path, agent_config(
+        tmp_path, tiny_model, holder={"enabled": True, "dir": str(tmp_path / "holder"),
+                                      "gpu": "cpu"},
+        engine={"args": ["--no-keep-kv"]}, snapshots={"standby": True, "standby_woken": True}))
+    try:
+        a.wait_ready()
+        before = complete(a)
+        init, _ = _armed(a, how="woken")
+        dead = a.status()["engine_pid"]
+        kill_and_expect_standby(a, init)
+        assert f"engine {dead}: its tree is torn down while the standby rung is tried" in a.log()
+        assert complete(a) == before
+        wait_for(lambda: not Path(f"/proc/{dead}").exists(), "the dead engine reaped")
+
+        # The engine now serving lives in the standby's namespaces; its own root's death is
+        # told by the namespace's init at once (how it ended, not the init's exit status),
+        # and the next standby answers it.
+        ns_init = _children(init)[0]
+        root = _children(ns_init)[0]
+        init2, _ = _armed(a, how="woken")
+        restarts = a.status()["restarts"]
+        os.kill(root, signal.SIGKILL)
+        st = a.wait_recovered(restarts + 1)
+        assert st["last_recovery"]["path"] == "standby", st["last_recovery"]
+        assert st["engine_pid"] == init2
+        assert f"engine {init} killed by SIGKILL" in a.log(), a.log_tail(3000)
+        assert complete(a) == before
+        # Its namespace goes with it: the init and its PID 1 are reaped behind.
+        wait_for(lambda: not Path(f"/proc/{init}").exists()
+                 and not Path(f"/proc/{ns_init}").exists(), "the dead namespace reaped")
     finally:
         a.stop()
         holder.stop()

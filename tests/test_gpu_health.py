@@ -295,3 +295,20 @@ def test_the_last_peak_of_each_path_and_usability_are_exported():
     assert 'pitstop_recovery_gpu_memory_peak_bytes{path="hybrid"} 3.221225472e+09' in text
     assert 'pitstop_recovery_gpu_memory_peak_bytes{path="cold"} 5.36870912e+09' in text
     assert "\npitstop_gpu_usable 0.0" in text
+
+
+def test_room_for_a_tree_is_the_free_memory_against_what_its_processes_use(watch, nvml):
+    # 80 GiB in all, 1 GiB in use: 79 GiB free.
+    nvml.gpu.processes = {100: 2 << 30, 101: 60 << 30, 200: 5 << 30}
+    assert watch.room_for({100}) is True
+    assert watch.room_for({100, 101}) is True      # 62 GiB fit in 79
+    nvml.gpu.memory_used = 30 << 30                  # 50 GiB free
+    assert watch.room_for({100, 101}) is False
+    assert watch.room_for({100, 200}) is True
+    # None of them on the GPU (or hidden by a PID namespace): not known, so no room.
+    assert watch.room_for({300}) is False
+    # A figure NVML cannot read ("not available" in a container): no room either.
+    nvml.gpu.processes = {100: None}
+    assert watch.room_for({100}) is False
+    nvml.fall_off_the_bus()
+    assert watch.room_for({100}) is False

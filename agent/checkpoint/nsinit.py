@@ -101,6 +101,13 @@ def _prepare(args: argparse.Namespace) -> None:
     outside.put_back(Path(args.image), tuple(args.shm), (), shm_dir)
 
 
+def _exit_report(status: int) -> dict[str, int]:
+    """How the engine's root ended, for the agent: {"exit_code": N} or {"exit_signal": N}."""
+    if os.WIFSIGNALED(status):
+        return {"exit_signal": os.WTERMSIG(status)}
+    return {"exit_code": os.WEXITSTATUS(status)}
+
+
 def _exit_code(status: int) -> int:
     """A child's wait status as our own exit status: its code, or 128 + the signal."""
     code = os.waitstatus_to_exitcode(status)
@@ -121,7 +128,8 @@ def _restore(args: argparse.Namespace) -> int:
 
 def _init(args: argparse.Namespace, report: int) -> None:
     """PID 1 of the new namespace: restore, report, then reap until the engine's root
-    exits, and exit as it did (the namespace and whatever is left in it die with us)."""
+    exits, report how, and exit as it did (the namespace and whatever is left in it die with
+    us; the agent, told at once, need not wait for that)."""
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     root = 0
     try:
@@ -131,7 +139,6 @@ def _init(args: argparse.Namespace, report: int) -> None:
     except (OSError, SnapshotError) as e:
         msg = {"error": str(e)}
     os.write(report, (json.dumps(msg) + "\n").encode())
-    os.close(report)
     if not root:
         os._exit(1)
     # A stop asked of us is the engine's to act on (SIGTERM drains it).
@@ -142,6 +149,8 @@ def _init(args: argparse.Namespace, report: int) -> None:
         except ChildProcessError:
             os._exit(1)
         if pid == root:
+            with contextlib.suppress(OSError):  # the agent may be gone: exit all the same
+                os.write(report, (json.dumps(_exit_report(status)) + "\n").encode())
             os._exit(_exit_code(status))
 
 

@@ -43,18 +43,20 @@ def init_argv(snap: Snapshotter, manifest: Manifest, socket: Path, report_fd: in
 
 
 def read_report(fd: int, timeout_s: float) -> int:
-    """The restored root's PID in its namespace, once the init reports; blocking."""
+    """The restored root's PID in its namespace, once the init reports; blocking. `fd` stays
+    open, unread past that line: the init tells on it later how the root ended (a second
+    line, agent/supervisor/paths/standby.py reads it)."""
     data = b""
     end = time.monotonic() + timeout_s
-    with contextlib.closing(os.fdopen(fd, "rb", buffering=0)) as f:
-        while not data.endswith(b"\n"):
-            left = end - time.monotonic()
-            if left <= 0 or not select.select([f], [], [], left)[0]:
-                raise SnapshotError(f"the standby's restore did not finish in {timeout_s:g} s")
-            chunk = f.read(REPORT_LIMIT)
-            if not chunk:
-                break
-            data += chunk
+    while not data.endswith(b"\n") and len(data) < REPORT_LIMIT:
+        left = end - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise SnapshotError(f"the standby's restore did not finish in {timeout_s:g} s")
+        # A byte at a time: the next line is not ours to read.
+        chunk = os.read(fd, 1)
+        if not chunk:
+            break
+        data += chunk
     try:
         msg = json.loads(data or b"{}")
     except ValueError as e:

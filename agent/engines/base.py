@@ -83,6 +83,11 @@ class EngineAdapter(Protocol):
         """Whether an exit the agent did not ask for counts as a crash (always, so far)."""
         ...
 
+    def kv_claimed_in_holder(self) -> bool:
+        """Whether the engine keeps its KV pool in the holder, where one process at a time
+        may claim it: a standby then cannot have it until the dead engine is gone."""
+        ...
+
     def holder_refusal(self) -> Refusal | None:
         """Why this engine cannot keep its weights in the holder here; None when it can."""
         ...

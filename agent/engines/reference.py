@@ -78,6 +78,10 @@ class ReferenceAdapter:
     def exit_is_failure(self, returncode: int) -> bool:
         return True
 
+    def kv_claimed_in_holder(self) -> bool:
+        # refengine keeps its KV pool in the holder whenever it has one, unless told not to.
+        return self._config.holder.enabled and "--no-keep-kv" not in self._config.engine.args
+
     def holder_refusal(self) -> Refusal | None:
         return None
 

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from agent import proc
@@ -23,6 +24,8 @@ GROUP_GONE_TIMEOUT_S = 30.0
 # How soon the group is looked at again when all that is left of it are zombies: the kernel
 # hands each to us (the subreaper) as its parent exits, and a reap is due at once.
 ZOMBIES_AGAIN_S = 0.005
+# The most end_with reads of its pipe: one short line.
+READ_LIMIT = 1 << 12
 
 
 def _group_held(root: int) -> list[int]:
@@ -109,8 +112,31 @@ class EngineProcess:
         proc.own(pid)
         return cls(pid, stdout=stdout, health_path=health_path)
 
+    def end_with(self, fd: int, read: Callable[[bytes], Exit | None]) -> None:
+        """Take this engine as dead once `fd` (a pipe whose other end the engine's own root
+        process's reaper holds) says so: `read` makes an Exit of what arrives, or None. The
+        process we started (a namespace's maker) only exits once every process of its
+        namespace is gone; the engine it runs is dead before that. `fd` is ours to close."""
+        loop = asyncio.get_running_loop()
+
+        def ready() -> None:
+            loop.remove_reader(fd)
+            try:
+                data = os.read(fd, READ_LIMIT)
+            except OSError:
+                data = b""
+            finally:
+                os.close(fd)
+            exit = read(data)
+            if exit is not None and not self._exit.done():
+                self.exited_at = time.time()
+                self._exit.set_result(exit)
+
+        loop.add_reader(fd, ready)
+
     def _on_exit(self) -> None:
-        self.exited_at = time.time()
+        if self.exited_at is None:
+            self.exited_at = time.time()
         loop = asyncio.get_running_loop()
         loop.remove_reader(self._pidfd)
         exit = Exit(code=None, signal=None)

@@ -114,6 +114,24 @@ class StartPath(Protocol[T]):
         ...
 
 
+class Beside(Protocol):
+    """A rung that needs nothing of a dead engine's tree (the standby: namespaces of its own,
+    room on the GPU beside the dead engine): the supervisor tries it while that tree is
+    still being torn down, where every other rung waits for the tree to be gone.
+
+    Example::
+
+        if beside.serves_beside_dead():   # asked once the engine is seen dead
+            ...                           # kill the tree, walk the ladder, reap it behind
+    """
+
+    name: str
+
+    def serves_beside_dead(self) -> bool:
+        """Whether it is armed and could serve before the dead tree is gone."""
+        ...
+
+
 class Puller(Protocol):
     """Takes a snapshot from the fleet's store before a walk finds none (agent/supervisor/
     remote.py): blocking work in a thread, for at most `limit_s`."""

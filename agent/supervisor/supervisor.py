@@ -24,7 +24,14 @@ from agent.supervisor.engine import EngineProcess, Exit
 from agent.supervisor.gate import EngineGate
 from agent.supervisor.gpu import GpuGuard, ruled_out, unusable
 from agent.supervisor.heartbeat import BEAT_S, Heartbeat
-from agent.supervisor.ladder import Attempt, Prepared, Puller, StartPath, StopRequested
+from agent.supervisor.ladder import (
+    Attempt,
+    Beside,
+    Prepared,
+    Puller,
+    StartPath,
+    StopRequested,
+)
 from agent.supervisor.shm import ShmLeftovers
 from agent.supervisor.states import Event, State, next_state
 from agent.supervisor.status import AgentStatus, Recovery
@@ -56,6 +63,7 @@ class Supervisor:
                  on_engine: Callable[[int], None] = lambda pid: None,
                  pull: Puller | None = None,
                  shm: ShmLeftovers | None = None,
+                 beside: Beside | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.adapter = adapter
@@ -78,6 +86,10 @@ class Supervisor:
         self._pull = pull
         # What a killed tree left in /dev/shm, removed after the next engine is ready.
         self.shm = shm if shm is not None else ShmLeftovers()
+        # The rung tried while a dead engine's tree is still going (the standby), and the
+        # teardowns of such trees still under way: every other rung, and a stop, wait for them.
+        self._beside = beside
+        self._dying: set[asyncio.Task[None]] = set()
         self._clock = clock
         self.state = State.STOPPED
         self.engine: EngineProcess | None = None
@@ -251,6 +263,8 @@ class Supervisor:
         if ruled is not None:
             self._fall(attempt, path.name, Fall.GPU_FAULT, ruled)
             return None
+        if self._beside is None or path.name != self._beside.name:
+            await self._dead_trees_gone()
         # Off the event loop: choosing a snapshot hashes its files, asking the holder is
         # a socket round trip; health probes and the front keep running meanwhile.
         async with self._heart.working(f"preparing {path.name}", self._step_limit_s):
@@ -505,9 +519,19 @@ class Supervisor:
                         else time.time())
         self.gate.close(reason)
         # The tree is killed at once and torn down while the GPU is read: a restore waits
-        # for both (the tree's PIDs, the GPU's faults), and neither needs the other.
+        # for both (the tree's PIDs, the GPU's faults), and neither needs the other. A
+        # standby needs neither the tree's PIDs nor its memory: it is tried while the tree
+        # goes, and the rungs after it wait for the tree (_try).
+        behind = engine is not None and self._beside is not None \
+            and self._beside.serves_beside_dead()
         with self._lead.span("teardown"):
-            check, _ = await asyncio.gather(self._gpu_check(), self._let_go(engine, stop=False))
+            if behind:
+                assert engine is not None
+                self._tear_down_behind(engine)
+                check = await self._gpu_check()
+            else:
+                check, _ = await asyncio.gather(self._gpu_check(),
+                                                self._let_go(engine, stop=False))
         if check.verdict is not Verdict.HEALTHY:
             # Whatever the engine died of, its GPU faulted: that is the cause worth telling.
             cause = Cause.GPU_FAULT
@@ -517,8 +541,9 @@ class Supervisor:
         self.metrics.engine_failures.labels(cause=cause).inc()
         self.record_failure()
         self._cause = cause
-        log.error("engine failed (%s): %s (its tree gone in %.3fs)", cause, reason,
-                  self._lead.spans["teardown"])
+        log.error("engine failed (%s): %s (%s)", cause, reason,
+                  "its tree torn down behind" if behind
+                  else f"its tree gone in {self._lead.spans['teardown']:.3f}s")
         if check.verdict is Verdict.UNUSABLE:
             self._fire(Event.GPU_FAILED, unusable(check))
             return
@@ -582,6 +607,7 @@ class Supervisor:
         self.gpu.stop_sampling()
         self.notifier.stopping()
         self.gate.close("stopping")
+        await self._dead_trees_gone()
         engine = self.engine
         exit = await self._let_go(engine, stop=True)
         if engine is not None:
@@ -600,7 +626,36 @@ class Supervisor:
             elif not engine.stopping:
                 exit = await engine.kill()
             await engine.close()
+        self._forget_engine()
+        return exit
+
+    def _forget_engine(self) -> None:
         self.engine = None
         self.status.engine_pid = None
         self.status.engine_ready_since = None
-        return exit
+
+    def _tear_down_behind(self, engine: EngineProcess) -> None:
+        """Kill `engine`'s tree now and wait for it in the background (_dead_trees_gone)."""
+        log.info("engine %d: its tree is torn down while the %s rung is tried", engine.pid,
+                 self._beside.name if self._beside is not None else "next")
+        self._forget_engine()
+
+        async def tear_down() -> None:
+            try:
+                await engine.kill()
+            finally:
+                await engine.close()
+
+        task = asyncio.ensure_future(tear_down())
+        self._dying.add(task)
+        task.add_done_callback(self._dying.discard)
+
+    async def _dead_trees_gone(self) -> None:
+        """Until the trees torn down behind a standby's start are gone (their PIDs free,
+        their GPU memory given back): what every other rung, and a stop, need first."""
+        if not self._dying:
+            return
+        async with self._heart.working("waiting for a dead engine's tree", self._stop_limit_s):
+            for res in await asyncio.gather(*self._dying, return_exceptions=True):
+                if isinstance(res, Exception):
+                    log.error("the teardown of a dead engine's tree failed: %s", res)

@@ -129,6 +129,10 @@ class VllmAdapter:
         """Whether this engine runs with the plugin: a holder configured, the plugin fit."""
         return self._config.holder.enabled and self.plugin_refusal() is None
 
+    def kv_claimed_in_holder(self) -> bool:
+        # The plugin holds the weights only; the KV pool is each engine's own GPU memory.
+        return False
+
     def holder_refusal(self) -> Refusal | None:
         why = self.plugin_refusal()
         if why is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from agent.engines.probe import EngineProbe
 from agent.errors import EngineError, SnapshotError, StartPathError
 from agent.refusal import Refusal, RefusalCode
 from agent.store import Manifest
-from agent.supervisor.engine import EngineProcess
+from agent.supervisor.engine import EngineProcess, Exit
 from agent.supervisor.ladder import Attempt, Prepared
 from agent.supervisor.paths.holder import HybridRestore
 from agent.supervisor.paths.restore import resume_timeout_s
@@ -30,13 +31,38 @@ log = logging.getLogger("pitstop.standby")
 @dataclass
 class Armed:
     """A standby: the image it was restored from, the process that made its namespaces
-    (its exit is the standby's), the host PID of its restored root, and whether it was woken
-    ahead of the crash (running, its CUDA state on the GPU and locked) or waits stopped."""
+    (its exit is the standby's), the host PID of its restored root, whether it was woken
+    ahead of the crash (running, its CUDA state on the GPU and locked) or waits stopped,
+    the pipe on which its init tells how the root ended (-1 once handed on), and whether it
+    can serve while a dead engine's tree is still going (`apart`)."""
 
     manifest: Manifest
     init: EngineProcess
     root: int
     woken: bool = False
+    report: int = -1
+    apart: bool = False
+
+    def close_report(self) -> None:
+        if self.report >= 0:
+            os.close(self.report)
+            self.report = -1
+
+
+def exit_of(data: bytes) -> Exit | None:
+    """How the standby's root ended, from its init's last line (agent/checkpoint/nsinit.py);
+    None for anything else (the init itself died: its own exit tells)."""
+    try:
+        msg = json.loads(data or b"{}")
+    except ValueError:
+        return None
+    if not isinstance(msg, dict):
+        return None
+    if "exit_signal" in msg:
+        return Exit(code=None, signal=int(msg["exit_signal"]))
+    if "exit_code" in msg:
+        return Exit(code=int(msg["exit_code"]), signal=None)
+    return None
 
 
 class StandbyRestore:
@@ -60,6 +86,7 @@ class StandbyRestore:
     def __init__(self, hybrid: HybridRestore, *, snapshotter: Snapshotter | None,
                  adapter: EngineAdapter, socket: Path, timeout_s: float,
                  wake_ahead: bool = False,
+                 apart: Callable[[], bool] = lambda: False,
                  on_change: Callable[[StandbyFacts], None] = lambda _f: None) -> None:
         # Its checks are the hybrid rung's: the same snapshot, holder and identity.
         self._hybrid = hybrid
@@ -70,6 +97,9 @@ class StandbyRestore:
         # snapshots.standby_woken: each standby is woken as soon as it is restored (it then
         # holds its CUDA state on the GPU while it waits), so a crash costs no CUDA restore.
         self._wake_ahead = wake_ahead
+        # Asked (off the loop) once a standby is armed, with the engine it follows serving:
+        # whether the standby could serve beside that engine's dead tree (agent/wiring.py).
+        self._apart = apart
         self.armed: Armed | None = None
         # Why there is none ("" while one is armed or being restored).
         self.why_none = "no hybrid snapshot restored as a standby yet"
@@ -155,13 +185,16 @@ class StandbyRestore:
                                                gpu_uuid=self._hybrid.host_gpu_uuid())
                 log.info("standby of snapshot %s woken ahead: %s", m.id,
                          ", ".join(f"{k} {v:.3f}s" for k, v in sorted(woke.items())))
+            apart = await asyncio.to_thread(self._apart)
         except BaseException:
+            os.close(r)
             await init.kill()
             await init.close()
             raise
-        return Armed(m, init, root, woken=self._wake_ahead)
+        return Armed(m, init, root, woken=self._wake_ahead, report=r, apart=apart)
 
     def _died(self, armed: Armed) -> None:
+        armed.close_report()
         if self.armed is armed:
             self.armed = None
             self.why_none = f"the standby (PID {armed.init.pid}) died: {armed.init.exited.result()}"
@@ -175,6 +208,7 @@ class StandbyRestore:
             log.info("standby of snapshot %s torn down: %s", armed.manifest.id, why)
             self.why_none = f"torn down: {why}"
             self._tell()
+            armed.close_report()
             await armed.init.kill()
             await armed.init.close()
 
@@ -186,6 +220,13 @@ class StandbyRestore:
         await self.disarm("the agent stops")
 
     # --- the rung -------------------------------------------------------------------------
+    def serves_beside_dead(self) -> bool:
+        """Whether the armed standby can serve while the dead engine's tree is still going:
+        it needs none of that tree's PIDs, sockets or files (its namespaces are its own),
+        and `apart` said the GPU has room for it beside the dead engine."""
+        armed = self.armed
+        return armed is not None and armed.init.alive and armed.apart
+
     async def prepare(self, attempt: Attempt) -> Prepared[Armed] | Refusal:
         armed = self.armed
         if armed is None or not armed.init.alive:
@@ -223,6 +264,7 @@ class StandbyRestore:
                 async with EngineProbe(self._socket, timeout=self.timeout_s) as probe:
                     await self._adapter.resume(probe)
         except (OSError, SnapshotError, EngineError) as e:
+            armed.close_report()
             await armed.init.kill()
             await armed.init.close()
             raise StartPathError(Refusal(RefusalCode.STANDBY_FAILED,
@@ -232,6 +274,11 @@ class StandbyRestore:
             if stage != "standby_continue":
                 attempt.stages[stage] = attempt.stages.get(stage, 0.0) + secs
         log.info("standby of snapshot %s continued as PID %d", armed.manifest.id, armed.root)
+        if armed.report >= 0:
+            # Its init says at once when the root dies: the engine is dead then, not once
+            # every process of its namespace is gone.
+            armed.init.end_with(armed.report, exit_of)
+            armed.report = -1
         return armed.init
 
     def _point_socket(self, root: int) -> None:
