@@ -513,7 +513,9 @@ class Agent:
             return False
         watch = self.gpu.watch
         if watch is None:
-            return self.config.engine.device == "cpu"
+            # Without a GPU (none in the engine's identity) there is nothing to make room
+            # for; a GPU whose memory NVML does not show gets no standby beside the dead.
+            return self.config.engine.device == "cpu" or self._gpu_uuid() is None
         pid = self.status.engine_pid
         return pid is not None and watch.room_for(set(process_tree(pid)))
 
