@@ -522,12 +522,12 @@ class Supervisor:
         # for both (the tree's PIDs, the GPU's faults), and neither needs the other. A
         # standby needs neither the tree's PIDs nor its memory: it is tried while the tree
         # goes, and the rungs after it wait for the tree (_try).
-        behind = engine is not None and self._beside is not None \
-            and self._beside.serves_beside_dead()
+        beside = self._beside
+        behind = engine is not None and beside is not None and beside.serves_beside_dead()
         with self._lead.span("teardown"):
             if behind:
-                assert engine is not None
-                self._tear_down_behind(engine)
+                assert engine is not None and beside is not None
+                self._tear_down_behind(engine, beside.name)
                 check = await self._gpu_check()
             else:
                 check, _ = await asyncio.gather(self._gpu_check(),
@@ -618,15 +618,19 @@ class Supervisor:
         """Take `engine` down and forget it, the one way every path does: stopped (SIGTERM,
         then SIGKILL after engine.stop_timeout_s) or, with `stop` false, killed at once
         unless the agent is stopping it already; its whole tree is gone on return."""
-        exit = None
-        if engine is not None:
-            if stop:
-                async with self._heart.working("stopping the engine", self._stop_limit_s):
-                    exit = await engine.stop(self.config.engine.stop_timeout_s)
-            elif not engine.stopping:
-                exit = await engine.kill()
-            await engine.close()
+        exit = await self._take_down(engine, stop=stop) if engine is not None else None
         self._forget_engine()
+        return exit
+
+    async def _take_down(self, engine: EngineProcess, *, stop: bool) -> Exit | None:
+        """_let_go's half that waits: the engine stopped or killed, its tree gone."""
+        exit = None
+        if stop:
+            async with self._heart.working("stopping the engine", self._stop_limit_s):
+                exit = await engine.stop(self.config.engine.stop_timeout_s)
+        elif not engine.stopping:
+            exit = await engine.kill()
+        await engine.close()
         return exit
 
     def _forget_engine(self) -> None:
@@ -634,19 +638,12 @@ class Supervisor:
         self.status.engine_pid = None
         self.status.engine_ready_since = None
 
-    def _tear_down_behind(self, engine: EngineProcess) -> None:
-        """Kill `engine`'s tree now and wait for it in the background (_dead_trees_gone)."""
-        log.info("engine %d: its tree is torn down while the %s rung is tried", engine.pid,
-                 self._beside.name if self._beside is not None else "next")
+    def _tear_down_behind(self, engine: EngineProcess, rung: str) -> None:
+        """Forget `engine` now and take its tree down in the background, as _let_go would
+        (_dead_trees_gone waits for it), while `rung` is tried."""
+        log.info("engine %d: its tree is torn down while the %s rung is tried", engine.pid, rung)
         self._forget_engine()
-
-        async def tear_down() -> None:
-            try:
-                await engine.kill()
-            finally:
-                await engine.close()
-
-        task = asyncio.ensure_future(tear_down())
+        task = asyncio.ensure_future(self._take_down(engine, stop=False))
         self._dying.add(task)
         task.add_done_callback(self._dying.discard)
 
