@@ -162,8 +162,10 @@ class StandbyRestore:
             return
         self.why_none = ""
         self.armed.init.exited.add_done_callback(lambda _f, a=self.armed: self._died(a))
-        log.info("standby armed from snapshot %s (root PID %d, %s)", m.id, self.armed.root,
-                 "woken, CUDA locked" if self.armed.woken else "stopped")
+        log.info("standby armed from snapshot %s (root PID %d, %s; %s)", m.id,
+                 self.armed.root, "woken, CUDA locked" if self.armed.woken else "stopped",
+                 "serves beside a dead tree" if self.armed.apart
+                 else "waits for a dead tree to go first")
 
     async def _restore(self, m: Manifest) -> Armed:
         assert self._snap is not None
