@@ -27,6 +27,7 @@ from agent.holder.weightplan import (
     weight_regions,
     write_plan,
 )
+from agent.modelgen import make_model, spec_for
 from agent.weights import WeightsDigester
 from tests.holder_proc import Holder, wait_for
 
@@ -432,3 +433,18 @@ def test_a_cuda_sink_closed_on_another_thread_gives_that_thread_its_context_back
     sink.close()
     assert cu.cuCtxGetCurrent() == (0, 4242)
     assert +cu.live == Counter(), cu.live
+
+
+@pytest.mark.parametrize("quant", ["fp8", "fp8-ct"])
+def test_an_fp8_checkpoint_is_planned_section_by_section_like_any_other(tmp_path, quant):
+    # Its linear weights are F8_E4M3: a plan of the files (and, where vLLM holds them in
+    # another layout, a copy of the held set) must still be made of it.
+    d = tmp_path / "model"
+    make_model(d, spec_for("tiny", quant=quant))
+    files = [WeightFile.read_header(f) for f in sorted(d.glob("*.safetensors"))]
+    assert "F8_E4M3" in {e.dtype for f in files for e in f.tensors.values()}
+    digest = WeightsDigester(None).digest(d)
+    plan = build_plan(d, digest.files, digest.digest)
+    assert [(r.name, r.size) for r in plan.regions] == [
+        (r.name, r.size) for r in weight_regions(digest.digest, files)]
+    assert plan.bytes == sum(f.data_size for f in files)

@@ -21,7 +21,10 @@ from agent.weights import FileDigest, WeightsDigester, is_model_file, manifest_d
 PLAN_NAME = "refill.json"
 PLAN_VERSION = 1
 # safetensors dtype names the holder path maps (torch attribute names for the tenant).
+# FP8 checkpoints (vLLM's fp8 and compressed-tensors formats) store their linear weights
+# as F8_E4M3; E5M2 is the other FP8 type safetensors names.
 DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+          "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
           "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
           "BOOL": "bool"}
 # A safetensors header is a few KB to a few MB; a length past this is not one.
