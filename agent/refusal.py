@@ -92,6 +92,12 @@ class RefusalCode(StrEnum):
     VLLM_INTERNALS_MISSING = "vllm_internals_missing"
     NO_GPU = "no_gpu"
     PRELOAD_DOWN = "preload_down"
+    # vLLM runs several workers (agent/engines/vllm/parallel.py): tensor-parallel ones get
+    # no image rung (hybrid, refill, full, standby, vllm-snapshot) and are not snapshotted,
+    # their weights held per rank for the warm start; pipeline or data parallel get only
+    # the cold start.
+    TENSOR_PARALLEL = "tensor_parallel"
+    PARALLEL_UNSUPPORTED = "parallel_unsupported"
     # Not tried: it would reuse memory that a GPU fault made suspect.
     GPU_FAULT = "gpu_fault"
     # --- a rung that was tried and failed ---------------------------------------------

@@ -18,6 +18,7 @@ from agent.config import Config
 from agent.engines.base import Detached, LaunchSpec
 from agent.engines.vllm.cli import VllmFeatures, read_features
 from agent.engines.vllm.maxlen import check_max_model_len
+from agent.engines.vllm.parallel import Parallel
 from agent.engines.vllm.plugin import probes, support
 from agent.errors import ConfigError, EngineError, IdentityError
 from agent.identity import read_vllm_package
@@ -95,6 +96,8 @@ class VllmAdapter:
                  read: Callable[[str, Mapping[str, str]], VllmFeatures] = read_features) -> None:
         _check_args(config)
         self._config = config
+        # Its workers, as engine.args say (checked above): the held sets, the image rungs.
+        self.parallel = Parallel.of_args(config.engine.args)
         # Asks the engine's interpreter what it has (a subprocess); injectable for tests.
         self._read = read
         # What the last engine said it reads outside held memory (its state, at a detach):
@@ -104,6 +107,7 @@ class VllmAdapter:
     def reconfigure(self, config: Config) -> None:
         _check_args(config)
         old, self._config = self._config.engine, config
+        self.parallel = Parallel.of_args(config.engine.args)
         if (old.python, old.env) != (config.engine.python, config.engine.env):
             # Another interpreter or environment: ask it again (once, at the next use).
             self.__dict__.pop("features", None)
@@ -126,15 +130,23 @@ class VllmAdapter:
                               support.Untested(self._config.vllm.plugin.untested))
 
     def plugin_on(self) -> bool:
-        """Whether this engine runs with the plugin: a holder configured, the plugin fit."""
-        return self._config.holder.enabled and self.plugin_refusal() is None
+        """Whether this engine runs with the plugin: a holder configured, workers it can
+        hold weights for (agent/engines/vllm/parallel.py), the plugin fit."""
+        return (self._config.holder.enabled and self.parallel.unsupported() is None
+                and self.plugin_refusal() is None)
 
     def kv_claimed_in_holder(self) -> bool:
         # The plugin holds the weights only; the KV pool is each engine's own GPU memory.
         return False
 
+    def held_keys(self, digest: str) -> list[str]:
+        return self.parallel.held_keys(digest)
+
+    def image_refusal(self) -> Refusal | None:
+        return self.parallel.image_refusal()
+
     def holder_refusal(self) -> Refusal | None:
-        why = self.plugin_refusal()
+        why = self.parallel.unsupported() or self.plugin_refusal()
         if why is None:
             return self._outside
         return Refusal(why.code, f"vLLM cannot map held weights: {why.detail}")
@@ -323,6 +335,7 @@ def _check_args(config: Config) -> None:
             "holder.enabled and vllm.preload.enabled are both true: each gives vLLM its own "
             "--load-format (Pitstop's holder plugin, vLLM's ipc_cache daemon); choose one "
             "(docs/vllm.md, section 8)")
+    Parallel.of_args(args)  # a size that is not a number of workers: ConfigError
     drain = _shutdown_timeout(args)
     if drain is not None and drain >= config.engine.stop_timeout_s:
         raise ConfigError(

@@ -230,6 +230,9 @@ class StandbyRestore:
         return armed is not None and armed.init.alive and armed.apart
 
     async def prepare(self, attempt: Attempt) -> Prepared[Armed] | Refusal:
+        refused = self._hybrid.image_refusal()
+        if refused is not None:
+            return refused  # nothing is armed either: the hybrid rung refuses its image
         armed = self.armed
         if armed is None or not armed.init.alive:
             return Refusal(RefusalCode.STANDBY_NOT_ARMED, self.why_none or "no standby armed")
