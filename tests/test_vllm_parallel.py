@@ -20,7 +20,7 @@ from agent.supervisor.paths.restore import FullRestore
 from agent.supervisor.paths.standby import StandbyRestore
 from agent.tenant.mapping import HeldSet, HostSpace
 from tests.holder_proc import Holder
-from tests.test_vllm_plugin import CPU, DIGEST, _adapter
+from tests.test_vllm_plugin import CPU, CUDA, DIGEST, _adapter
 
 
 @pytest.mark.parametrize(
@@ -74,6 +74,19 @@ def test_pipeline_or_data_parallel_engines_start_cold_without_the_plugin(
     spec = a.launch_spec()
     assert "--worker-extension-cls" not in spec.argv and support.ENABLE_ENV not in spec.env
     assert a.holder_args(tmp_path / "h.sock", DIGEST) == []
+
+
+def test_on_cuda_a_tensor_parallel_engine_loads_from_disk_until_each_gpus_holder_serves_it(
+    tmp_path: Path,
+):
+    # One holder per GPU, and the agent asks the first GPU's only: the ranks' sets there
+    # would sit on one GPU and be read by the others across it.
+    a = _adapter(tmp_path, CUDA, args=["-tp", "2"])
+    refusal = a.holder_refusal()
+    assert refusal is not None and refusal.code is RefusalCode.TENSOR_PARALLEL
+    assert "in its own GPU's holder is not built yet" in refusal.detail
+    assert not a.plugin_on() and a.holder_args(tmp_path / "h.sock", DIGEST) == []
+    assert _adapter(tmp_path, CUDA).holder_refusal() is None  # one worker: held as before
 
 
 def _commit(holder: Holder, key: str) -> None:

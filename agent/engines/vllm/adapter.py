@@ -132,8 +132,19 @@ class VllmAdapter:
     def plugin_on(self) -> bool:
         """Whether this engine runs with the plugin: a holder configured, workers it can
         hold weights for (agent/engines/vllm/parallel.py), the plugin fit."""
-        return (self._config.holder.enabled and self.parallel.unsupported() is None
-                and self.plugin_refusal() is None)
+        return self._config.holder.enabled and self._unheld() is None
+
+    def _unheld(self) -> Refusal | None:
+        """Why the plugin holds none of this engine's weights here; None when it does."""
+        why = self.parallel.unsupported() or self.plugin_refusal()
+        if why is None and self.parallel.tensor > 1 and self.features.cuda_build:
+            # Each worker's set belongs in its own GPU's holder; the agent talks to the
+            # holder of the engine's first GPU only.
+            return Refusal(RefusalCode.TENSOR_PARALLEL,
+                           f"vLLM runs {self.parallel.tensor} tensor-parallel workers on "
+                           "CUDA: holding each rank's weights in its own GPU's holder is not "
+                           "built yet, so the engine loads them from disk")
+        return why
 
     def kv_claimed_in_holder(self) -> bool:
         # The plugin holds the weights only; the KV pool is each engine's own GPU memory.
@@ -146,7 +157,7 @@ class VllmAdapter:
         return self.parallel.image_refusal()
 
     def holder_refusal(self) -> Refusal | None:
-        why = self.parallel.unsupported() or self.plugin_refusal()
+        why = self._unheld()
         if why is None:
             return self._outside
         return Refusal(why.code, f"vLLM cannot map held weights: {why.detail}")
