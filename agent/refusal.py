@@ -94,8 +94,9 @@ class RefusalCode(StrEnum):
     PRELOAD_DOWN = "preload_down"
     # vLLM runs several workers (agent/engines/vllm/parallel.py): tensor-parallel ones get
     # no image rung (hybrid, refill, full, standby, vllm-snapshot) and are not snapshotted,
-    # their weights held per rank for the warm start; pipeline or data parallel get only
-    # the cold start.
+    # their weights held per rank for the warm start on CPU (on CUDA not held: each rank's
+    # set belongs in its own GPU's holder, not wired yet); pipeline or data parallel get
+    # only the cold start.
     TENSOR_PARALLEL = "tensor_parallel"
     PARALLEL_UNSUPPORTED = "parallel_unsupported"
     # Not tried: it would reuse memory that a GPU fault made suspect.
