@@ -20,5 +20,8 @@ class OneWorker:
     def image_refusal(self) -> Refusal | None:
         return None
 
+    def one_worker_refusal(self, rung: str) -> Refusal | None:
+        return None
+
     def holder_refusal(self) -> Refusal | None:
         return None

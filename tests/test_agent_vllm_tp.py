@@ -1,17 +1,19 @@
 """A tensor-parallel vLLM engine through the real agent: real vLLM (CPU build) with two
-workers (one core each), the Pitstop plugin, a real holder (memfd backend).
+workers (one core each), the Pitstop plugin, real CRIU, a real holder (memfd backend).
 
 One agent for the module and two vLLM boots: the first start, in which each worker loads
-its shard from disk into a held set of its own rank and no snapshot is taken; then, after a
-SIGKILL of the API server, a warm start in which both workers attach their rank's set and
-read nothing from disk, answering as the first start did. Every image rung says by name why
-it cannot serve an engine of several workers.
+its shard from disk into a held set of its own rank, then a hybrid snapshot of the whole
+tree with both sets left out; a SIGKILL of the API server comes back through the hybrid
+restore, each worker attaching its own set again; then, the snapshots deleted, a SIGKILL
+comes back through a warm start in which both workers attach their rank's set and read
+nothing from disk. Every answer is the first start's.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import sys
 import time
@@ -27,8 +29,17 @@ from agent.weights import WeightsDigester
 from tests.agentproc import RunningAgent, agent_config, fallthroughs
 from tests.holder_proc import Holder
 from tests.prereq import require
-from tests.test_agent_vllm import BOOT_S, _prerequisites, _snapshots
-from tests.test_agent_vllm_hybrid import plugin_dir  # noqa: F401 - a module fixture
+from tests.test_agent_vllm import (
+    BOOT_S,
+    _manifest,
+    _prerequisites,
+    _snapshots,
+    io_uring_off,  # noqa: F401 - a module fixture, used by name
+)
+from tests.test_agent_vllm_hybrid import (
+    _published,
+    plugin_dir,  # noqa: F401 - a module fixture
+)
 from tests.vllmproc import CPU_ARGS, VLLM_PYTHON
 
 pytestmark = pytest.mark.integration
@@ -38,7 +49,6 @@ PROMPT = "Once upon a time"
 TP = 2
 # vLLM's CPU build binds each worker's OpenMP threads to cores of its own: one each.
 ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-IMAGE_RUNGS = ("hybrid", "refill", "full")
 
 
 class TpNode:
@@ -64,6 +74,7 @@ def node(
     plugin_dir: Path,  # noqa: F811 - the fixture imported above
     tiny_model: Path,
     tmp_path_factory: pytest.TempPathFactory,
+    io_uring_off: None,  # noqa: F811 - the fixture imported above
 ) -> Iterator[TpNode]:
     _prerequisites()
     require((os.cpu_count() or 1) >= TP, f"{TP} vLLM CPU workers need {TP} cores")
@@ -121,45 +132,67 @@ def _codes(rec: dict) -> dict[str, str]:
     return {f["path"]: f["refusal"]["code"] for f in rec["fallthroughs"]}
 
 
-def test_the_first_start_holds_each_workers_shard_under_its_rank_and_takes_no_snapshot(
+def _rank_keys(node: TpNode) -> list[str]:
+    digest = WeightsDigester(None).digest(node.model).digest
+    return [support.held_key(digest, TP, r) for r in range(TP)]
+
+
+def test_the_first_start_holds_each_workers_shard_under_its_rank_then_a_hybrid_image(
     node: TpNode, client: openai.OpenAI
 ):
     a = node.agent
-    rec = a.status()["last_recovery"]
+    st = _published(a)
+    rec = st["last_recovery"]
     assert (rec["path"], rec["result"]) == ("cold", "success"), rec
     codes = _codes(rec)
-    assert all(codes[r] == "tensor_parallel" for r in IMAGE_RUNGS), fallthroughs(rec)
+    assert codes["refill"] == "tensor_parallel", fallthroughs(rec)
     assert codes["warm"] == "weights_not_held", fallthroughs(rec)
     node.first_answer = _greedy(client)
     states = node.worker_states()
-    assert len(states) == TP, states
-    digest = WeightsDigester(None).digest(node.model).digest
     # Each worker loaded its own shard from disk into a set of its own, every tensor held.
-    assert [s["held"]["digest"] for s in states] == [
-        support.held_key(digest, TP, r) for r in range(TP)
-    ]
+    assert [s["held"]["digest"] for s in states] == _rank_keys(node), states
     assert all(s["source"] == "disk" and s["outside"] == [] for s in states), states
     committed = sorted(r.name.split("/")[0] for r in node.holder.client().list() if r.committed)
-    assert committed == [support.held_key(digest, TP, r) for r in range(TP)], committed
-    # Serving after a cold start with snapshots on: no image of a tree of several workers
-    # is attempted.
-    time.sleep(3)
-    assert _snapshots(a) == [] and a.status()["state"] == "ready"
-    assert "no snapshot of engine" not in a.log(), a.log_tail(3000)
+    assert committed == _rank_keys(node), committed
+    # The image leaves both sets out and records both as what a restore must find held.
+    [snap] = _snapshots(a)
+    assert snap["kind"] == "hybrid", snap
+    held = _manifest(a, snap["id"]).held
+    assert sorted(name.split("/")[0] for name in held) == _rank_keys(node), held
 
 
-def test_after_a_sigkill_both_workers_attach_their_ranks_weights_and_read_nothing_from_disk(
+def test_a_sigkill_comes_back_through_the_hybrid_restore_of_both_workers(
     node: TpNode, client: openai.OpenAI
 ):
     a = node.agent
-    os.kill(a.status()["engine_pid"], signal.SIGKILL)
+    pid = a.status()["engine_pid"]
+    os.kill(pid, signal.SIGKILL)
     st = a.wait_recovered(1, timeout=BOOT_S)
     rec = st["last_recovery"]
+    assert (rec["path"], rec["result"]) == ("hybrid", "success"), (rec, a.log_tail(3000))
+    assert rec["fallthroughs"] == [] and st["engine_pid"] == pid, rec
+    print(
+        f"\nhybrid restore of TP {TP} in {rec['duration_s']:.2f}s, stages {rec['stages']}",
+        file=sys.stderr,
+    )
+    states = node.worker_states()
+    assert all(s["held"]["attached"] for s in states) and len(states) == TP, states
+    assert _greedy(client) == node.first_answer
+
+
+def test_with_no_image_both_workers_attach_their_ranks_weights_and_read_nothing_from_disk(
+    node: TpNode, client: openai.OpenAI
+):
+    a = node.agent
+    snapdir = Path(a.config["paths"]["state_dir"]) / "snapshots"
+    for entry in snapdir.iterdir():
+        if not entry.name.startswith("."):
+            shutil.rmtree(entry)
+    restarts = a.status()["restarts"]
+    os.kill(a.status()["engine_pid"], signal.SIGKILL)
+    st = a.wait_recovered(restarts + 1, timeout=BOOT_S)
+    rec = st["last_recovery"]
     assert (rec["path"], rec["result"]) == ("warm", "success"), (rec, a.log_tail(3000))
-    codes = _codes(rec)
-    assert all(codes[r] == "tensor_parallel" for r in IMAGE_RUNGS), fallthroughs(rec)
-    said = " | ".join(fallthroughs(rec))
-    assert "vLLM runs 2 tensor-parallel workers" in said and "NVIDIA driver 590" in said, said
     print(
         f"\nwarm start of TP {TP} in {rec['duration_s']:.2f}s, stages {rec['stages']}",
         file=sys.stderr,

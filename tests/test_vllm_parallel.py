@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from agent.engines.vllm.adapter import VllmAdapter
+from agent.engines.vllm.cli import VllmFeatures
 from agent.engines.vllm.parallel import Parallel
 from agent.engines.vllm.plugin import support
 from agent.errors import ConfigError, SnapshotError
@@ -100,65 +102,88 @@ def _prepare(rung: object) -> Prepared | Refusal:
     return asyncio.run(rung.prepare(Attempt("test")))  # type: ignore[attr-defined]
 
 
-def test_a_tensor_parallel_engine_skips_every_image_rung_by_name_and_is_not_snapshotted(
+def _rungs(tmp: Path, features: VllmFeatures) -> tuple[VllmAdapter, list, Capture]:
+    """A TP 2 engine's image rungs (no snapshot backend: only what they refuse first
+    counts here) and its capture."""
+    a = _adapter(tmp, features, args=["--tensor-parallel-size", "2"])
+    link = HolderLink(
+        a._config.holder, tmp / "run", gpu=lambda: "cpu", digest=lambda: DIGEST, adapter=a
+    )
+    kw = {
+        "snapshotter": None,
+        "unavailable": "no backend here",
+        "adapter": a,
+        "socket": tmp / "e.sock",
+        "identity": lambda: None,
+        "metrics": None,
+        "timeout_s": 1.0,
+    }
+
+    def hybrid() -> HybridRestore:
+        return HybridRestore(link, **kw)  # type: ignore[arg-type]
+
+    rungs = [
+        FullRestore(**kw),
+        hybrid(),  # type: ignore[arg-type]
+        RefillRestore(hybrid(), link, plans=None),  # type: ignore[arg-type]
+        StandbyRestore(hybrid(), snapshotter=None, adapter=a, socket=tmp / "e.sock", timeout_s=1.0),
+    ]
+    capture = Capture(
+        None,
+        None,
+        a,
+        tmp / "e.sock",
+        None,
+        None,  # type: ignore[arg-type]
+        lambda: None,
+        1.0,
+    )  # type: ignore[arg-type]
+    return a, rungs, capture
+
+
+def _codes(rungs: list) -> dict[str, Refusal]:
+    found = {}
+    for rung in rungs:
+        refusal = _prepare(rung)
+        assert isinstance(refusal, Refusal), (rung.name, refusal)
+        found[rung.name] = refusal
+    return found
+
+
+def test_on_cuda_a_tensor_parallel_engine_skips_every_image_rung_and_is_not_snapshotted(
     tmp_path: Path,
 ):
     holder = Holder(tmp_path / "holder")
     try:
-        a = _adapter(tmp_path, CPU, args=["--tensor-parallel-size", "2"])
-        assert a.holder_refusal() is None and a.plugin_on()  # its weights are held
-        link = HolderLink(
-            a._config.holder, tmp_path / "run", gpu=lambda: "cpu", digest=lambda: DIGEST, adapter=a
-        )
-
-        def hybrid() -> HybridRestore:
-            return HybridRestore(
-                link,
-                snapshotter=None,
-                unavailable="",
-                adapter=a,
-                socket=tmp_path / "e.sock",
-                identity=lambda: None,  # type: ignore
-                metrics=None,
-                timeout_s=1.0,
-            )  # type: ignore[arg-type]
-
-        full = FullRestore(
-            snapshotter=None,
-            unavailable="",
-            adapter=a,
-            socket=tmp_path / "e.sock",
-            identity=lambda: None,  # type: ignore
-            metrics=None,
-            timeout_s=1.0,
-        )  # type: ignore[arg-type]
-        rungs = [
-            full,
-            hybrid(),
-            RefillRestore(hybrid(), link, plans=None),  # type: ignore
-            StandbyRestore(
-                hybrid(), snapshotter=None, adapter=a, socket=tmp_path / "e.sock", timeout_s=1.0
-            ),
-        ]
-        for rung in rungs:
-            refusal = _prepare(rung)
-            assert isinstance(refusal, Refusal), (rung.name, refusal)
-            assert refusal.code is RefusalCode.TENSOR_PARALLEL, (rung.name, refusal)
-            assert "vLLM runs 2 tensor-parallel workers" in refusal.detail
-            assert "NVIDIA driver 590" in refusal.detail
-        capture = Capture(
-            None,
-            None,
-            a,
-            tmp_path / "e.sock",
-            None,
-            None,  # type: ignore
-            lambda: None,
-            1.0,
-        )  # type: ignore[arg-type]
-        assert capture.refusal() == a.image_refusal()
-        with pytest.raises(SnapshotError, match="tensor-parallel workers"):
+        a, rungs, capture = _rungs(tmp_path, CUDA)
+        found = _codes(rungs)
+        assert {r.code for r in found.values()} == {RefusalCode.TENSOR_PARALLEL}, found
+        assert "NVIDIA driver 590" in found["full"].detail
+        assert capture.refusal() == a.image_refusal() == found["full"]
+        with pytest.raises(SnapshotError, match="tensor-parallel workers on CUDA"):
             asyncio.run(capture.take(type("E", (), {"pid": 7})(), None))  # type: ignore
+    finally:
+        holder.stop()
+
+
+def test_on_cpu_a_tensor_parallel_engine_is_imaged_and_restored_by_the_hybrid_rung_only(
+    tmp_path: Path,
+):
+    holder = Holder(tmp_path / "holder")
+    try:
+        a, rungs, capture = _rungs(tmp_path, CPU)
+        assert a.holder_refusal() is None and a.plugin_on()  # its weights are held
+        found = _codes(rungs)
+        # full and hybrid look for a snapshot (this test has no backend); refill and the
+        # standby serve engines of one worker.
+        assert {n: r.code for n, r in found.items()} == {
+            "full": RefusalCode.SNAPSHOTS_UNAVAILABLE,
+            "hybrid": RefusalCode.SNAPSHOTS_UNAVAILABLE,
+            "refill": RefusalCode.TENSOR_PARALLEL,
+            "standby": RefusalCode.TENSOR_PARALLEL,
+        }, found
+        assert "the refill rung serves engines of one worker" in found["refill"].detail
+        assert capture.refusal() is None
     finally:
         holder.stop()
 

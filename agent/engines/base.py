@@ -99,7 +99,13 @@ class EngineAdapter(Protocol):
 
     def image_refusal(self) -> Refusal | None:
         """Why no image of this engine's tree is taken or restored here (it runs several
-        workers); None when images serve it. No I/O: asked on the event loop."""
+        workers where that is not done); None when images serve it. Asked on the event
+        loop too: it must not block (what it reads once, the rungs read first off it)."""
+        ...
+
+    def one_worker_refusal(self, rung: str) -> Refusal | None:
+        """Why `rung`, which serves engines of one worker only (refill, standby), skips
+        this one; None when it runs one worker."""
         ...
 
     def holder_args(self, socket: Path, digest: str) -> list[str]:

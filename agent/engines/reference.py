@@ -91,6 +91,9 @@ class ReferenceAdapter:
     def image_refusal(self) -> Refusal | None:
         return None
 
+    def one_worker_refusal(self, rung: str) -> Refusal | None:
+        return None
+
     def holder_args(self, socket: Path, digest: str) -> list[str]:
         # Its own socket names the kept KV pool: the same for every engine this agent starts,
         # another for each agent of a node that shares the holder (check-config refuses two

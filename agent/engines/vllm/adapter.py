@@ -154,7 +154,16 @@ class VllmAdapter:
         return self.parallel.held_keys(digest)
 
     def image_refusal(self) -> Refusal | None:
-        return self.parallel.image_refusal()
+        if self.parallel.tensor == 1:
+            return self.parallel.image_refusal(cuda=False)  # no need to ask the build
+        try:
+            cuda = self.features.cuda_build
+        except EngineError:
+            cuda = True  # not knowing the build, take no image of several workers
+        return self.parallel.image_refusal(cuda=cuda)
+
+    def one_worker_refusal(self, rung: str) -> Refusal | None:
+        return self.parallel.one_worker_refusal(rung)
 
     def holder_refusal(self) -> Refusal | None:
         why = self._unheld()
@@ -175,32 +184,36 @@ class VllmAdapter:
         # The prefix cache points into KV blocks that a detach may release (CUDA: vLLM's
         # sleep discards the KV pool): a hit after the restore would read garbage.
         await probe.control("/reset_prefix_cache", timeout=CONTROL_LIMIT_S)
-        result = await self._rpc(probe, support.RPC_DETACH)
-        self._outside = outside_refusal(result)
+        results = await self._rpc(probe, support.RPC_DETACH)
+        # Each worker detaches its own rank's set: the image records them all.
+        self._outside = next((o for o in map(outside_refusal, results) if o is not None), None)
         if self._outside is not None:
             log.warning("vLLM's holder rungs are off: %s", self._outside.detail)
-        held = result.get("held") or {}
-        return Detached(freed_bytes=int(result.get("freed_bytes", 0)),
-                        held=held.get("regions") or None)
+        regions: dict[str, dict[str, object]] = {}
+        for result in results:
+            regions.update((result.get("held") or {}).get("regions") or {})
+        return Detached(freed_bytes=sum(int(r.get("freed_bytes", 0)) for r in results),
+                        held=regions or None)
 
     async def resume(self, probe: EngineProbe) -> None:
         if not self.plugin_on():
             return
-        result = await self._rpc(probe, support.RPC_ATTACH)
-        if not result.get("attached") and result.get("held") is not None:
-            raise EngineError(f"vLLM could not map its held weights again: "
-                              f"{result.get('error', 'no reason given')}")
+        for rank, result in enumerate(await self._rpc(probe, support.RPC_ATTACH)):
+            if not result.get("attached") and result.get("held") is not None:
+                raise EngineError(f"vLLM could not map its held weights again (worker "
+                                  f"{rank}): {result.get('error', 'no reason given')}")
 
-    @staticmethod
-    async def _rpc(probe: EngineProbe, method: str) -> dict[str, Any]:
+    async def _rpc(self, probe: EngineProbe, method: str) -> list[dict[str, Any]]:
+        """`method` of the worker extension in every worker: their answers, rank 0 first."""
         answer = await probe.control("/collective_rpc",
                                      {"method": method, "timeout": RPC_TIMEOUT_S},
                                      timeout=CONTROL_LIMIT_S)
         results = answer.get("results") or []
-        if len(results) != 1 or not isinstance(results[0], dict):
+        workers = self.parallel.workers
+        if len(results) != workers or not all(isinstance(r, dict) for r in results):
             raise EngineError(f"vLLM's {method} answered {str(answer)[:300]}; the plugin "
-                              "serves one worker, which answers a JSON object")
-        return results[0]
+                              f"serves {workers} workers, each of which answers a JSON object")
+        return results
 
     def launch_spec(self) -> LaunchSpec:
         eng = self._config.engine

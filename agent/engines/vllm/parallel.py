@@ -59,21 +59,30 @@ class Parallel:
             "and restores engines of one worker; the engine starts cold",
         )
 
-    def image_refusal(self) -> Refusal | None:
-        """Why no image of this engine's tree is taken or restored; None for one worker.
-        No I/O: the supervisor asks on its event loop."""
+    def image_refusal(self, cuda: bool) -> Refusal | None:
+        """Why no image of this engine's tree is taken or restored; None for one worker,
+        and for tensor-parallel workers on CPU (each detaches and attaches its own set)."""
         unsupported = self.unsupported()
         if unsupported is not None:
             return unsupported
-        if self.tensor == 1:
+        if self.tensor == 1 or not cuda:
             return None
         return Refusal(
             RefusalCode.TENSOR_PARALLEL,
-            f"vLLM runs {self.tensor} tensor-parallel workers: Pitstop checkpoints "
-            "and restores engines of one worker (on CUDA a checkpoint of processes "
-            "on several GPUs needs NVIDIA driver 590 or later and is not "
-            "attempted); the ladder falls to the warm start (docs/vllm.md, Tensor "
-            "parallel)",
+            f"vLLM runs {self.tensor} tensor-parallel workers on CUDA: a checkpoint of "
+            "processes on several GPUs needs NVIDIA driver 590 or later and is not "
+            "attempted; the ladder falls to the warm start (docs/vllm.md, Tensor parallel)",
+        )
+
+    def one_worker_refusal(self, rung: str) -> Refusal | None:
+        """Why rung `rung`, which serves engines of one worker only (refill, standby),
+        skips this one; None for one worker."""
+        if self.workers == 1:
+            return None
+        return Refusal(
+            RefusalCode.TENSOR_PARALLEL,
+            f"vLLM runs {self.workers} workers: the {rung} rung serves engines of one "
+            "worker (docs/vllm.md, Tensor parallel)",
         )
 
 

@@ -165,6 +165,10 @@ class FullRestore(SnapshotRestore):
         """Why this engine's images are neither restored nor taken (several workers)."""
         return self._adapter.image_refusal()
 
+    def one_worker_refusal(self, rung: str) -> Refusal | None:
+        """Why `rung` (refill, standby: engines of one worker) skips this engine."""
+        return self._adapter.one_worker_refusal(rung)
+
     def _choose(self) -> Prepared[Manifest] | Refusal:
         refused = self.image_refusal()
         if refused is not None:
