@@ -50,9 +50,10 @@ the other, each under its own --budget-s, to fit a caller's time limit). A phase
 that would not fit --budget-s is skipped, with the reason in `skipped`.
 
 `--tp N` runs vLLM with N tensor-parallel workers (one GPU each; on --device cpu, one core
-each): the rows carry `tp`, the file's name ends in `-tpN`, and Pitstop's image rungs are
-skipped with `tensor_parallel` (docs/vllm.md, "Tensor parallel"): warm and cold are what it
-measures.
+each): the rows carry `tp` and the file's name ends in `-tpN`. On CUDA Pitstop's image rungs
+and its warm start skip such an engine (`tensor_parallel`; docs/vllm.md, "Tensor parallel"),
+so cold and vLLM's own rungs are what it measures there; on --device cpu hybrid, warm and
+cold.
 
 `--device cpu` is a dry run against vLLM's CPU build (.venv-vllm) on the tests' tiny Llama:
 hybrid, refill, warm, full and cold; the rest need CUDA and are skipped with that reason.

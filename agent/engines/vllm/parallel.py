@@ -55,8 +55,8 @@ class Parallel:
         return Refusal(
             RefusalCode.PARALLEL_UNSUPPORTED,
             f"vLLM runs pipeline-parallel size {self.pipeline} and data-parallel "
-            f"size {self.data}: Pitstop holds weights per tensor-parallel rank only, "
-            "and restores engines of one worker; the engine starts cold",
+            f"size {self.data}: Pitstop holds weights and takes images of tensor-parallel "
+            "workers only; the engine starts cold",
         )
 
     def image_refusal(self, cuda: bool) -> Refusal | None:
