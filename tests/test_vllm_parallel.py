@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -20,6 +21,7 @@ from agent.supervisor.paths.holder import HolderLink, HybridRestore, WarmStart
 from agent.supervisor.paths.refill import RefillRestore
 from agent.supervisor.paths.restore import FullRestore
 from agent.supervisor.paths.standby import StandbyRestore
+from agent.supervisor.paths.vllm import VllmSnapshotRestore
 from agent.tenant.mapping import HeldSet, HostSpace
 from tests.holder_proc import Holder
 from tests.test_vllm_plugin import CPU, CUDA, DIGEST, _adapter
@@ -159,6 +161,19 @@ def test_on_cuda_a_tensor_parallel_engine_skips_every_image_rung_and_is_not_snap
         found = _codes(rungs)
         assert {r.code for r in found.values()} == {RefusalCode.TENSOR_PARALLEL}, found
         assert "NVIDIA driver 590" in found["full"].detail
+        # vLLM's own snapshot (`vllm snapshot`) serves engines of one worker.
+        snap = VllmSnapshotRestore(
+            SimpleNamespace(engine_args=("-tp", "2")),
+            None,  # type: ignore
+            socket=tmp_path / "e.sock",
+            identity=lambda: None,  # type: ignore
+            features=lambda: CUDA,
+            has_gpu=lambda: True,
+            metrics=None,
+        )  # type: ignore[arg-type]
+        refusal = _prepare(snap)
+        assert isinstance(refusal, Refusal) and refusal.code is RefusalCode.TENSOR_PARALLEL
+        assert "the vllm-snapshot rung serves engines of one worker" in refusal.detail
         assert capture.refusal() == a.image_refusal() == found["full"]
         with pytest.raises(SnapshotError, match="tensor-parallel workers on CUDA"):
             asyncio.run(capture.take(type("E", (), {"pid": 7})(), None))  # type: ignore

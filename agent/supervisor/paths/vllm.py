@@ -81,8 +81,8 @@ class VllmSnapshotRestore(SnapshotRestore):
 
     def _choose_vllm(self) -> Prepared[Manifest] | Refusal:
         # vLLM's own snapshot serves engines of one worker.
-        unfit = Parallel.of_args(self._vllm.engine_args).image_refusal() or host_unfit(
-            self._features(), self._has_gpu(), "snapshot")
+        unfit = Parallel.of_args(self._vllm.engine_args).one_worker_refusal(self.name) or \
+            host_unfit(self._features(), self._has_gpu(), "snapshot")
         if unfit is not None:
             return unfit
         chosen = self._choose()
