@@ -71,7 +71,7 @@ class Parallel:
             RefusalCode.TENSOR_PARALLEL,
             f"vLLM runs {self.tensor} tensor-parallel workers on CUDA: a checkpoint of "
             "processes on several GPUs needs NVIDIA driver 590 or later and is not "
-            "attempted; the ladder falls to the warm start (docs/vllm.md, Tensor parallel)",
+            "attempted (docs/vllm.md, Tensor parallel)",
         )
 
     def one_worker_refusal(self, rung: str) -> Refusal | None:
