@@ -92,6 +92,13 @@ class RefusalCode(StrEnum):
     VLLM_INTERNALS_MISSING = "vllm_internals_missing"
     NO_GPU = "no_gpu"
     PRELOAD_DOWN = "preload_down"
+    # vLLM runs several workers (agent/engines/vllm/parallel.py). Tensor parallel: on
+    # CUDA no image rung and no snapshot (a multi-GPU checkpoint needs driver 590+), and no
+    # held weights (each rank's set belongs in its own GPU's holder, not wired yet); on CPU
+    # only refill and the standby refuse it (they serve one worker). Pipeline or data
+    # parallel: nothing held, no image; the cold start only.
+    TENSOR_PARALLEL = "tensor_parallel"
+    PARALLEL_UNSUPPORTED = "parallel_unsupported"
     # Not tried: it would reuse memory that a GPU fault made suspect.
     GPU_FAULT = "gpu_fault"
     # --- a rung that was tried and failed ---------------------------------------------

@@ -377,7 +377,7 @@ def summarize(path: str, recs: list[dict], ctx: dict, time_key: str = "duration_
     return {"engine": "vllm", "path": path, "gib": ctx["gib"], "runs_s": runs,
             "median_s": round(statistics.median(runs), 3), "machine": where, "host": host,
             "command": commands_of(ok, ctx["command"]), "vllm_version": ctx.get("vllm_version"),
-            "model": ctx.get("model"),
+            "model": ctx.get("model"), "tp": ctx.get("tp", 1),
             **{k: ctx[k] for k in ("architecture", "quantization", "held_bytes") if k in ctx},
             "kill_to_answer_s": k2a,
             "kill_to_answer_median_s": round(statistics.median(k2a), 3) if k2a else None,

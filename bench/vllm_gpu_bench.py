@@ -49,6 +49,12 @@ measured; phases of an earlier run into the same OUT are kept (run --paths subse
 the other, each under its own --budget-s, to fit a caller's time limit). A phase or a run
 that would not fit --budget-s is skipped, with the reason in `skipped`.
 
+`--tp N` runs vLLM with N tensor-parallel workers (one GPU each; on --device cpu, one core
+each): the rows carry `tp` and the file's name ends in `-tpN`. On CUDA Pitstop's image rungs
+and its warm start skip such an engine (`tensor_parallel`; docs/vllm.md, "Tensor parallel"),
+so cold and vLLM's own rungs are what it measures there; on --device cpu hybrid, warm and
+cold.
+
 `--device cpu` is a dry run against vLLM's CPU build (.venv-vllm) on the tests' tiny Llama:
 hybrid, refill, warm, full and cold; the rest need CUDA and are skipped with that reason.
 """
@@ -158,7 +164,8 @@ class Run:
     def save(self) -> None:
         ctx = {"gib": self.result["gib"], "command": self.command, "model": self.result["model"],
                "vllm_version": self.result.get("vllm_version"),
-               "held_bytes": self.result.get("held_bytes"), **model_kind(self.a)}
+               "held_bytes": self.result.get("held_bytes"), "tp": self.a.tp,
+               **model_kind(self.a)}
         r = self.result
         stamp_records(r, self.command)
         rows = [*start_peaks(r, ctx)]
@@ -207,6 +214,7 @@ def engine_args(model: Path, a: argparse.Namespace, sleep_mode: bool) -> list[st
     # vLLM refuses a --max-model-len above the model's max_position_embeddings.
     max_len = min(a.max_len, c["max_position_embeddings"])
     quant = ["--quantization", a.quantization] if a.quantization else []
+    quant += ["--tensor-parallel-size", str(a.tp)] if a.tp > 1 else []
     if a.device == "cpu":
         return ["--gpu-memory-utilization", "0.1", "--enforce-eager", "--max-model-len",
                 str(min(max_len, 512)), *quant]
@@ -677,6 +685,8 @@ def parse_args() -> argparse.Namespace:
                     help="skip what would not fit in this many seconds")
     ap.add_argument("--kv-gib", type=float, default=2.0, help="the KV pool, in GiB")
     ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument("--tp", type=int, default=1,
+                    help="vLLM's tensor-parallel size (its workers, one GPU each); rows carry it")
     add_vllm_args(ap)
     add_model_args(ap)
     ap.add_argument("--criu", type=Path, default=os.environ.get("PITSTOP_CRIU"))
@@ -712,6 +722,7 @@ def prepare(a: argparse.Namespace) -> Run:
     if a.cuda_checkpoint:  # vLLM's snapshots run it by name
         os.environ["PATH"] = f"{a.cuda_checkpoint.resolve().parent}:{os.environ['PATH']}"
     tag = model_tag(a) if a.device != "cpu" else model_tag(a).replace(f"{a.gib:g}gib", "tiny")
+    tag += f"-tp{a.tp}" if a.tp > 1 else ""
     t0 = time.monotonic()
     model = model_dir(a)
     out_json = a.out / f"vllm-gpu-{tag}.json"
@@ -720,6 +731,9 @@ def prepare(a: argparse.Namespace) -> Run:
     if a.device == "cpu":
         a.gib = round(weights / (1 << 30), 4)
     env = engine_env(a)
+    if a.device == "cpu" and a.tp > 1:
+        # vLLM's CPU build binds each worker's OpenMP threads to cores of its own.
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(a.tp)))
     features = read_features(a.python, {**os.environ, **env})
     result.update(gib=a.gib, weights_bytes=weights, make_model_s=round(time.monotonic() - t0, 2),
                   model=model.name, vllm=features.describe(), vllm_version=features.version,

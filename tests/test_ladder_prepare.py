@@ -32,6 +32,7 @@ from agent.supervisor.status import AgentStatus, Fallthrough, Recovery
 from tests.agentproc import agent_config
 from tests.frontkit import socket_dir
 from tests.loopkit import slow_disk, ticks_while
+from tests.one_worker import OneWorker
 from tests.snapshot_helpers import IDENT, publish
 
 
@@ -63,7 +64,7 @@ class StoreOnly:
 def _full(store: SnapshotStore, metrics: Metrics | None = None,
           identity=lambda: IDENT) -> tuple[FullRestore, StoreOnly]:
     snap = StoreOnly(store)
-    rung = FullRestore(snapshotter=snap, unavailable="", adapter=None,  # type: ignore[arg-type]
+    rung = FullRestore(snapshotter=snap, unavailable="", adapter=OneWorker(),  # type: ignore[arg-type]
                        socket=store.root / "engine.sock", identity=identity,
                        metrics=metrics or Metrics(new_registry(), lambda: None),  # type: ignore
                        timeout_s=5)

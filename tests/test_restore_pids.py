@@ -20,6 +20,7 @@ from agent.refusal import RefusalCode
 from agent.store import Manifest, ProcessTree, SnapshotStore
 from agent.supervisor.ladder import Attempt, Prepared
 from agent.supervisor.paths.restore import FullRestore
+from tests.one_worker import OneWorker
 from tests.snapshot_helpers import CANARY, IDENT, T0, criu
 
 
@@ -41,7 +42,7 @@ def _snapshotter(tmp: Path, wait_s: float, **kw: object) -> Snapshotter:
 
 def _rung(snap: Snapshotter, tmp: Path) -> FullRestore:
     return FullRestore(
-        snapshotter=snap, unavailable="", adapter=None,  # type: ignore[arg-type]
+        snapshotter=snap, unavailable="", adapter=OneWorker(),  # type: ignore[arg-type]
         socket=tmp / "e.sock", identity=lambda: IDENT, timeout_s=10,
         metrics=Metrics(CollectorRegistry(), status=lambda: None),  # type: ignore[arg-type]
     )  # fmt: skip

@@ -40,6 +40,7 @@ from agent.supervisor.paths.vllm import (
     vllm_rungs,
 )
 from agent.supervisor.relay import UnixTcpRelay
+from tests.one_worker import OneWorker
 from tests.snapshot_helpers import criu, publish
 from tests.vllm_paths_kit import REVISION, vllm_config, vllm_python
 
@@ -628,7 +629,7 @@ def test_a_corrupt_vllm_image_and_a_corrupt_criu_image_end_up_in_the_one_quarant
                                      if f.name.startswith("pages-")))
     _flip(root / vllm_m.id / "vllm" / "images" / "pages-1.img")
 
-    full = FullRestore(snapshotter=snap, unavailable="", adapter=None,  # type: ignore[arg-type]
+    full = FullRestore(snapshotter=snap, unavailable="", adapter=OneWorker(),  # type: ignore[arg-type]
                        socket=tmp_path / "e.sock", identity=lambda: ident, metrics=metrics,
                        timeout_s=10)
     # Each rung passes over the other backend's kind, and quarantines its own corrupt one.

@@ -36,6 +36,7 @@ from agent.checkpoint.xcomp import (
     request_amx_self,
 )
 from agent.errors import SnapshotError
+from tests.one_worker import OneWorker
 from tests.prereq import require
 from tests.snapshot_helpers import (
     CANARY,
@@ -302,7 +303,7 @@ def test_a_refused_regrant_fails_the_restore_kills_the_tree_and_the_rung_quarant
     finally:
         t.stop()
     rung = FullRestore(
-        snapshotter=snap, unavailable="", adapter=None,  # type: ignore[arg-type]
+        snapshotter=snap, unavailable="", adapter=OneWorker(),  # type: ignore[arg-type]
         socket=t.sock, identity=lambda: ident, timeout_s=10,
         metrics=Metrics(CollectorRegistry(), status=lambda: None),  # type: ignore[arg-type]
     )  # fmt: skip

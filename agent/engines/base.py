@@ -92,6 +92,22 @@ class EngineAdapter(Protocol):
         """Why this engine cannot keep its weights in the holder here; None when it can."""
         ...
 
+    def held_keys(self, digest: str) -> list[str]:
+        """What the holder keeps this engine's weights of `digest` under: one key for an
+        engine of one worker, one per tensor-parallel rank (each holds its own shard)."""
+        ...
+
+    def image_refusal(self) -> Refusal | None:
+        """Why no image of this engine's tree is taken or restored here (it runs several
+        workers where that is not done); None when images serve it. Asked on the event
+        loop too: it must not block (what it reads once, the rungs read first off it)."""
+        ...
+
+    def one_worker_refusal(self, rung: str) -> Refusal | None:
+        """Why `rung`, which serves engines of one worker only (refill, standby), skips
+        this one; None when it runs one worker."""
+        ...
+
     def holder_args(self, socket: Path, digest: str) -> list[str]:
         """The engine's flags that make it map the weights of `digest` from the holder."""
         ...

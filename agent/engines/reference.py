@@ -85,6 +85,15 @@ class ReferenceAdapter:
     def holder_refusal(self) -> Refusal | None:
         return None
 
+    def held_keys(self, digest: str) -> list[str]:
+        return [digest]  # one process, one held set
+
+    def image_refusal(self) -> Refusal | None:
+        return None
+
+    def one_worker_refusal(self, rung: str) -> Refusal | None:
+        return None
+
     def holder_args(self, socket: Path, digest: str) -> list[str]:
         # Its own socket names the kept KV pool: the same for every engine this agent starts,
         # another for each agent of a node that shares the holder (check-config refuses two

@@ -17,6 +17,7 @@ from agent.engines.probe import EngineProbe
 from agent.errors import EngineError, OpenConnectionsError, SnapshotError
 from agent.identity import Identity
 from agent.metrics import Metrics
+from agent.refusal import Refusal
 from agent.store import SnapshotKind, SnapshotStore
 from agent.supervisor.canary import CanaryRecord
 from agent.supervisor.engine import EngineProcess
@@ -139,6 +140,10 @@ class Capture:
         # it as their reason to skip, and `pitstop status` shows it (snapshot_error).
         self.failure = ""
 
+    def refusal(self) -> Refusal | None:
+        """Why this engine gets no snapshot at all (it runs several workers); no I/O."""
+        return self._adapter.image_refusal()
+
     def last_failure(self) -> str:
         """Why the last attempt to take a snapshot failed; "" when the last one worked."""
         return self.failure
@@ -160,6 +165,9 @@ class Capture:
 
         Raises SnapshotError when no snapshot was published and the engine serves on, and
         ResumeFailed when the engine cannot serve any more (whether or not one was)."""
+        refused = self.refusal()
+        if refused is not None:
+            raise SnapshotError(f"no snapshot of engine {engine.pid}: {refused.detail}")
         t0 = time.monotonic()
         # Before admission pauses: it may wait for the recipe still being made.
         recipe = await self._refill_recipe() if self._refill_recipe is not None else None

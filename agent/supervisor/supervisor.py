@@ -356,7 +356,9 @@ class Supervisor:
         self._serving_path = path
         self.status.engine_ready_since = time.time()
         policy = self.config.snapshots.regenerate
-        if self.capture is not None and path in ("cold", "warm") and policy != "manual":
+        # An engine no image serves (several workers: Capture.refusal) is not snapshotted.
+        if (self.capture is not None and self.capture.refusal() is None
+                and path in ("cold", "warm") and policy != "manual"):
             self._snapshot_wanted = f"{path} start found no usable snapshot"
         if not (self._snapshot_wanted and policy == "before-serving"):
             self.gate.open(self.config.engine_socket, path)

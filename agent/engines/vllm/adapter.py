@@ -18,6 +18,7 @@ from agent.config import Config
 from agent.engines.base import Detached, LaunchSpec
 from agent.engines.vllm.cli import VllmFeatures, read_features
 from agent.engines.vllm.maxlen import check_max_model_len
+from agent.engines.vllm.parallel import Parallel
 from agent.engines.vllm.plugin import probes, support
 from agent.errors import ConfigError, EngineError, IdentityError
 from agent.identity import read_vllm_package
@@ -95,6 +96,8 @@ class VllmAdapter:
                  read: Callable[[str, Mapping[str, str]], VllmFeatures] = read_features) -> None:
         _check_args(config)
         self._config = config
+        # Its workers, as engine.args say (checked above): the held sets, the image rungs.
+        self.parallel = Parallel.of_args(config.engine.args)
         # Asks the engine's interpreter what it has (a subprocess); injectable for tests.
         self._read = read
         # What the last engine said it reads outside held memory (its state, at a detach):
@@ -104,6 +107,7 @@ class VllmAdapter:
     def reconfigure(self, config: Config) -> None:
         _check_args(config)
         old, self._config = self._config.engine, config
+        self.parallel = Parallel.of_args(config.engine.args)
         if (old.python, old.env) != (config.engine.python, config.engine.env):
             # Another interpreter or environment: ask it again (once, at the next use).
             self.__dict__.pop("features", None)
@@ -126,15 +130,43 @@ class VllmAdapter:
                               support.Untested(self._config.vllm.plugin.untested))
 
     def plugin_on(self) -> bool:
-        """Whether this engine runs with the plugin: a holder configured, the plugin fit."""
-        return self._config.holder.enabled and self.plugin_refusal() is None
+        """Whether this engine runs with the plugin: a holder configured, workers it can
+        hold weights for (agent/engines/vllm/parallel.py), the plugin fit."""
+        return self._config.holder.enabled and self._unheld() is None
+
+    def _unheld(self) -> Refusal | None:
+        """Why the plugin holds none of this engine's weights here; None when it does."""
+        why = self.parallel.unsupported() or self.plugin_refusal()
+        if why is None and self.parallel.tensor > 1 and self.features.cuda_build:
+            # Each worker's set belongs in its own GPU's holder; the agent talks to the
+            # holder of the engine's first GPU only.
+            return Refusal(RefusalCode.TENSOR_PARALLEL,
+                           f"vLLM runs {self.parallel.tensor} tensor-parallel workers on "
+                           "CUDA: holding each rank's weights in its own GPU's holder is not "
+                           "built yet, so the engine loads them from disk")
+        return why
 
     def kv_claimed_in_holder(self) -> bool:
         # The plugin holds the weights only; the KV pool is each engine's own GPU memory.
         return False
 
+    def held_keys(self, digest: str) -> list[str]:
+        return self.parallel.held_keys(digest)
+
+    def image_refusal(self) -> Refusal | None:
+        if self.parallel.tensor == 1:
+            return self.parallel.image_refusal(cuda=False)  # no need to ask the build
+        try:
+            cuda = self.features.cuda_build
+        except EngineError:
+            cuda = True  # not knowing the build, take no image of several workers
+        return self.parallel.image_refusal(cuda=cuda)
+
+    def one_worker_refusal(self, rung: str) -> Refusal | None:
+        return self.parallel.one_worker_refusal(rung)
+
     def holder_refusal(self) -> Refusal | None:
-        why = self.plugin_refusal()
+        why = self._unheld()
         if why is None:
             return self._outside
         return Refusal(why.code, f"vLLM cannot map held weights: {why.detail}")
@@ -152,32 +184,36 @@ class VllmAdapter:
         # The prefix cache points into KV blocks that a detach may release (CUDA: vLLM's
         # sleep discards the KV pool): a hit after the restore would read garbage.
         await probe.control("/reset_prefix_cache", timeout=CONTROL_LIMIT_S)
-        result = await self._rpc(probe, support.RPC_DETACH)
-        self._outside = outside_refusal(result)
+        results = await self._rpc(probe, support.RPC_DETACH)
+        # Each worker detaches its own rank's set: the image records them all.
+        self._outside = next((o for o in map(outside_refusal, results) if o is not None), None)
         if self._outside is not None:
             log.warning("vLLM's holder rungs are off: %s", self._outside.detail)
-        held = result.get("held") or {}
-        return Detached(freed_bytes=int(result.get("freed_bytes", 0)),
-                        held=held.get("regions") or None)
+        regions: dict[str, dict[str, object]] = {}
+        for result in results:
+            regions.update((result.get("held") or {}).get("regions") or {})
+        return Detached(freed_bytes=sum(int(r.get("freed_bytes", 0)) for r in results),
+                        held=regions or None)
 
     async def resume(self, probe: EngineProbe) -> None:
         if not self.plugin_on():
             return
-        result = await self._rpc(probe, support.RPC_ATTACH)
-        if not result.get("attached") and result.get("held") is not None:
-            raise EngineError(f"vLLM could not map its held weights again: "
-                              f"{result.get('error', 'no reason given')}")
+        for rank, result in enumerate(await self._rpc(probe, support.RPC_ATTACH)):
+            if not result.get("attached") and result.get("held") is not None:
+                raise EngineError(f"vLLM could not map its held weights again (worker "
+                                  f"{rank}): {result.get('error', 'no reason given')}")
 
-    @staticmethod
-    async def _rpc(probe: EngineProbe, method: str) -> dict[str, Any]:
+    async def _rpc(self, probe: EngineProbe, method: str) -> list[dict[str, Any]]:
+        """`method` of the worker extension in every worker: their answers, rank 0 first."""
         answer = await probe.control("/collective_rpc",
                                      {"method": method, "timeout": RPC_TIMEOUT_S},
                                      timeout=CONTROL_LIMIT_S)
         results = answer.get("results") or []
-        if len(results) != 1 or not isinstance(results[0], dict):
+        workers = self.parallel.workers
+        if len(results) != workers or not all(isinstance(r, dict) for r in results):
             raise EngineError(f"vLLM's {method} answered {str(answer)[:300]}; the plugin "
-                              "serves one worker, which answers a JSON object")
-        return results[0]
+                              f"serves {workers} workers, each of which answers a JSON object")
+        return results
 
     def launch_spec(self) -> LaunchSpec:
         eng = self._config.engine
@@ -323,6 +359,7 @@ def _check_args(config: Config) -> None:
             "holder.enabled and vllm.preload.enabled are both true: each gives vLLM its own "
             "--load-format (Pitstop's holder plugin, vLLM's ipc_cache daemon); choose one "
             "(docs/vllm.md, section 8)")
+    Parallel.of_args(args)  # a size that is not a number of workers: ConfigError
     drain = _shutdown_timeout(args)
     if drain is not None and drain >= config.engine.stop_timeout_s:
         raise ConfigError(

@@ -98,8 +98,11 @@ class HolderLink:
         return f"the holder dropped its {d.regions} regions ({d.bytes / 2**30:.2f} GiB)"
 
     def holds_weights(self) -> bool:
+        """Whether the holder holds every set of this start's weights: one, or one per
+        tensor-parallel rank (each rank's loader attaches its own)."""
+        keys = self._adapter.held_keys(str(self._digest()))
         with HolderClient(self.path) as c:
-            return c.has_committed(str(self._digest()))
+            return all(c.has_committed(k) for k in keys)
 
     def stale_reason(self, held: dict) -> str | None:
         with HolderClient(self.path) as c:

@@ -73,7 +73,8 @@ class RefillRestore:
 
     def _choose(self) -> Prepared[RefillWork] | Refusal:
         link = self._link
-        refusal = link.unavailable()
+        refusal = (link.unavailable() or self._hybrid.image_refusal()
+                   or self._hybrid.one_worker_refusal(self.name))
         if refusal is not None:
             return refusal
         if not link.config.refill:

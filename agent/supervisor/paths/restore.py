@@ -161,6 +161,20 @@ class FullRestore(SnapshotRestore):
         # Reading the identity and verifying every chunk of a multi-GB image take seconds.
         return await asyncio.to_thread(self._choose)
 
+    def image_refusal(self) -> Refusal | None:
+        """Why this engine's images are neither restored nor taken (several workers)."""
+        return self._adapter.image_refusal()
+
+    def one_worker_refusal(self, rung: str) -> Refusal | None:
+        """Why `rung` (refill, standby: engines of one worker) skips this engine."""
+        return self._adapter.one_worker_refusal(rung)
+
+    def _choose(self) -> Prepared[Manifest] | Refusal:
+        refused = self.image_refusal()
+        if refused is not None:
+            return refused
+        return super()._choose()
+
     def start_limit_s(self, prepared: Prepared[Manifest]) -> float:
         # The backend's restore, then the engine's resume.
         backend = self._backend.restore_limit_s if self._backend is not None else 0.0

@@ -143,8 +143,13 @@ class StandbyRestore:
         finally:
             self._tell()
 
+    def _refused(self) -> Refusal | None:
+        """Why no standby serves this engine (its workers), whatever snapshot there is."""
+        return self._hybrid.image_refusal() or self._hybrid.one_worker_refusal(self.name)
+
     async def _arm(self) -> None:
-        chosen = await asyncio.to_thread(self._hybrid.choose)
+        chosen = await asyncio.to_thread(
+            lambda: self._refused() or self._hybrid.choose())
         if isinstance(chosen, Refusal):
             self.why_none = f"no standby: {chosen.detail}"
             await self.disarm(self.why_none)
@@ -230,6 +235,9 @@ class StandbyRestore:
         return armed is not None and armed.init.alive and armed.apart
 
     async def prepare(self, attempt: Attempt) -> Prepared[Armed] | Refusal:
+        refused = self._refused()
+        if refused is not None:
+            return refused  # nothing is armed either
         armed = self.armed
         if armed is None or not armed.init.alive:
             return Refusal(RefusalCode.STANDBY_NOT_ARMED, self.why_none or "no standby armed")

@@ -17,6 +17,7 @@ from agent import proc
 from agent.config import Config
 from agent.engines.base import EngineAdapter
 from agent.engines.vllm.cli import VllmFeatures, host_unfit
+from agent.engines.vllm.parallel import Parallel
 from agent.engines.vllm.preload import PreloadLink
 from agent.engines.vllm.snapshot import VllmSnapshotBackend
 from agent.errors import EngineError, StartPathError, VllmSnapshotError
@@ -79,7 +80,9 @@ class VllmSnapshotRestore(SnapshotRestore):
         return await asyncio.to_thread(self._choose_vllm)
 
     def _choose_vllm(self) -> Prepared[Manifest] | Refusal:
-        unfit = host_unfit(self._features(), self._has_gpu(), "snapshot")
+        # vLLM's own snapshot serves engines of one worker.
+        unfit = Parallel.of_args(self._vllm.engine_args).one_worker_refusal(self.name) or \
+            host_unfit(self._features(), self._has_gpu(), "snapshot")
         if unfit is not None:
             return unfit
         chosen = self._choose()

@@ -30,7 +30,7 @@ from agent.engines.vllm.plugin.held import (
     specs_of,
 )
 from agent.engines.vllm.plugin.optional import already_processed
-from agent.engines.vllm.plugin.support import DIGEST_KEY, SOCKET_KEY
+from agent.engines.vllm.plugin.support import DIGEST_KEY, SOCKET_KEY, held_key
 
 # Under vLLM's logger: its handlers print it with the process name, like its own lines.
 log = logging.getLogger("vllm.pitstop")
@@ -57,7 +57,10 @@ class PitstopModelLoader(BaseModelLoader):
         extra = dict(load_config.model_loader_extra_config or {})
         try:
             self.socket = Path(str(extra.pop(SOCKET_KEY)))
-            self.digest = str(extra.pop(DIGEST_KEY))
+            # The weights' digest; `digest` is what this worker's set is held under (its
+            # rank's key: set at load_model).
+            self.model_digest = str(extra.pop(DIGEST_KEY))
+            self.digest = self.model_digest
         except KeyError as e:
             raise ValueError(f"--load-format pitstop needs --model-loader-extra-config with "
                              f"{SOCKET_KEY!r} and {DIGEST_KEY!r}; {e.args[0]!r} is missing "
@@ -83,17 +86,21 @@ class PitstopModelLoader(BaseModelLoader):
         # attaches it) is on the device outside this process's budget, as vLLM's own IPC
         # loader counts its daemon's weights; without it the KV pool would be sized as if
         # that memory were free.
-        return held_bytes(self.socket, self.digest)
+        return held_bytes(self.socket, _rank_key(self.model_digest, vllm_config))
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig,
                    prefix: str = "") -> nn.Module:
         import vllm
 
         par = vllm_config.parallel_config
-        if par.world_size > 1:
-            # One held set per digest, and CUDA checkpoint covers one GPU per process.
-            raise ValueError(f"--load-format pitstop serves one worker; this engine has "
-                             f"{par.world_size} (tensor/pipeline parallel)")
+        if par.pipeline_parallel_size > 1 or par.data_parallel_size > 1:
+            # The agent never asks for it then (agent/engines/vllm/parallel.py).
+            raise ValueError(f"--load-format pitstop holds weights per tensor-parallel rank; "
+                             f"this engine has pipeline-parallel size "
+                             f"{par.pipeline_parallel_size} and data-parallel size "
+                             f"{par.data_parallel_size}")
+        # Each tensor-parallel worker holds its own shard, under a key of its own.
+        self.digest = _rank_key(self.model_digest, vllm_config)
         load_device = vllm_config.load_config.device or vllm_config.device_config.device
         device = torch.device(load_device)
         t0 = time.monotonic()
@@ -235,6 +242,17 @@ class PitstopModelLoader(BaseModelLoader):
             held.close()
             raise
         return held
+
+
+def _rank_key(digest: str, vllm_config: VllmConfig) -> str:
+    """What this worker's weights are held under (support.held_key): `digest` itself for
+    one worker, one key per rank of a tensor-parallel engine."""
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if tp == 1:
+        return digest
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return held_key(digest, tp, get_tensor_model_parallel_rank())
 
 
 def _space_factory(device: torch.device) -> Any:

@@ -23,6 +23,21 @@ RPC_DETACH = "pitstop_detach"
 RPC_ATTACH = "pitstop_attach"
 RPC_STATE = "pitstop_state"
 
+
+def held_key(digest: str, tensor_parallel: int, rank: int) -> str:
+    """What the holder keeps one worker's weights under: the digest itself for an engine
+    of one worker, `<digest>+tp<N>.rank<r>` for rank r of N tensor-parallel workers (each
+    holds its own shard, so each has a set of its own).
+
+    Example::
+
+        held_key("sha256-ab", 1, 0)  # 'sha256-ab'
+        held_key("sha256-ab", 2, 1)  # 'sha256-ab+tp2.rank1'
+    """
+    if tensor_parallel == 1:
+        return digest
+    return f"{digest}+tp{tensor_parallel}.rank{rank}"
+
 # The one table: for each build (torch with CUDA or not), the vLLM series the plugin was
 # tested against, each with the release it was tested at. Any other release goes through
 # the policy below (`fit_of`), and every release through the probes of the internals the
