@@ -17,8 +17,8 @@ def main() -> None:
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError:
-        print(json.dumps({"driver": False, "missing": [], "cuda_version": "",
-                          "note": "no NVIDIA driver (libcuda.so.1) on this host: nothing to check"}))
+        note = "no NVIDIA driver (libcuda.so.1) on this host: nothing to check"
+        print(json.dumps({"driver": False, "missing": [], "cuda_version": "", "note": note}))
         return
     version = ctypes.c_int(0)
     lib.cuDriverGetVersion(ctypes.byref(version))
