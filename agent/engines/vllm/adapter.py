@@ -137,13 +137,8 @@ class VllmAdapter:
     def _unheld(self) -> Refusal | None:
         """Why the plugin holds none of this engine's weights here; None when it does."""
         why = self.parallel.unsupported() or self.plugin_refusal()
-        if why is None and self.parallel.tensor > 1 and self.features.cuda_build:
-            # Each worker's set belongs in its own GPU's holder; the agent talks to the
-            # holder of the engine's first GPU only.
-            return Refusal(RefusalCode.TENSOR_PARALLEL,
-                           f"vLLM runs {self.parallel.tensor} tensor-parallel workers on "
-                           "CUDA: holding each rank's weights in its own GPU's holder is not "
-                           "built yet, so the engine loads them from disk")
+        if why is None and self.parallel.tensor > 1:
+            return self.parallel.held_refusal(cuda=self.features.cuda_build)
         return why
 
     def kv_claimed_in_holder(self) -> bool:

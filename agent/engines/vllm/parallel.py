@@ -59,6 +59,20 @@ class Parallel:
             "workers only; the engine starts cold",
         )
 
+    def held_refusal(self, cuda: bool) -> Refusal | None:
+        """Why Pitstop's plugin holds none of this engine's weights: pipeline or data
+        parallelism, or tensor-parallel workers on CUDA (each rank's set belongs in its own
+        GPU's holder; the agent talks to the holder of the engine's first GPU only)."""
+        unsupported = self.unsupported()
+        if unsupported is not None or self.tensor == 1 or not cuda:
+            return unsupported
+        return Refusal(
+            RefusalCode.TENSOR_PARALLEL,
+            f"vLLM runs {self.tensor} tensor-parallel workers on CUDA: holding each "
+            "rank's weights in its own GPU's holder is not built yet, so the engine loads "
+            "them from disk",
+        )
+
     def image_refusal(self, cuda: bool) -> Refusal | None:
         """Why no image of this engine's tree is taken or restored; None for one worker,
         and for tensor-parallel workers on CPU (each detaches and attaches its own set)."""
