@@ -326,13 +326,17 @@ def start_estimate(run: Run) -> float:
 # --- the phases ------------------------------------------------------------------------------
 
 
-def wait_copy_plan(plan: Path, limit_s: float) -> float | None:
-    """Seconds until the agent's copy of the held set and its plan are there."""
+def wait_refill_plan(plan: Path, limit_s: float) -> tuple[float, str] | None:
+    """Seconds until the agent's refill plan of the held set is there, and what it loads
+    from: a recipe of the model files (a dense model: vLLM's parameters are the files'
+    tensors, cut or fused) or a copy of the held set (written once: what no recipe
+    rebuilds)."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < limit_s:
         with contextlib.suppress(OSError, ValueError):
-            if json.loads(plan.read_text()).get("source") == "copy":
-                return round(time.monotonic() - t0, 2)
+            source = json.loads(plan.read_text()).get("source")
+            if source in ("recipe", "copy"):
+                return round(time.monotonic() - t0, 2), source
         time.sleep(0.5)
     return None
 
@@ -419,17 +423,17 @@ def hybrid_and_refill(run: Run, agent: Agent, holder: list[subprocess.Popen], gp
         series(run, agent, "hybrid", "hybrid", run.a.runs, 30 + start_estimate(run))
     if not run.wants("refill"):
         return
-    # The agent writes its copy of the held set (vLLM's parameters are not the files'
-    # bytes) once the engine is ready: the refill plan names it.
-    waited = wait_copy_plan(hdir / gpu / PLAN_NAME, limit_s=max(120.0, r["gib"] * 20))
-    r["copy_plan_wait_s"] = waited
+    # The agent writes the refill plan of the held set (vLLM's parameters are not the
+    # files' layout: a recipe of the files' tensors, else a copy) once the engine is ready.
+    waited = wait_refill_plan(hdir / gpu / PLAN_NAME, limit_s=max(120.0, r["gib"] * 20))
     if waited is None:
-        r.setdefault("skipped", {})["refill"] = "no copy of the held set was written"
+        r.setdefault("skipped", {})["refill"] = "no refill plan of the held set was written"
         return
+    r["refill_plan_wait_s"], r["refill_plan_source"] = waited
 
     def empty() -> None:
         # The holder restarted empty (as after its crash or a reboot), then the API server
-        # is killed: the refill rung loads the copy, then restores.
+        # is killed: the refill rung loads the plan, then restores.
         holder[0] = restart_holder(holder[0], gpu, hdir, d)
 
     series(run, agent, "refill", "refill", run.a.runs, 60 + r["gib"] * 5, empty)
