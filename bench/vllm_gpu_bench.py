@@ -165,7 +165,7 @@ class Run:
         ctx = {"gib": self.result["gib"], "command": self.command, "model": self.result["model"],
                "vllm_version": self.result.get("vllm_version"),
                "held_bytes": self.result.get("held_bytes"), "tp": self.a.tp,
-               **model_kind(self.a)}
+               **({"eager": True} if self.a.eager else {}), **model_kind(self.a)}
         r = self.result
         stamp_records(r, self.command)
         rows = [*start_peaks(r, ctx)]
@@ -215,6 +215,7 @@ def engine_args(model: Path, a: argparse.Namespace, sleep_mode: bool) -> list[st
     max_len = min(a.max_len, c["max_position_embeddings"])
     quant = ["--quantization", a.quantization] if a.quantization else []
     quant += ["--tensor-parallel-size", str(a.tp)] if a.tp > 1 else []
+    quant += ["--enforce-eager"] if a.eager and a.device != "cpu" else []
     if a.device == "cpu":
         return ["--gpu-memory-utilization", "0.1", "--enforce-eager", "--max-model-len",
                 str(min(max_len, 512)), *quant]
@@ -691,6 +692,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--tp", type=int, default=1,
                     help="vLLM's tensor-parallel size (its workers, one GPU each); rows carry it")
+    ap.add_argument("--eager", action="store_true",
+                    help="vLLM's --enforce-eager (no torch.compile, no CUDA graphs): a warm "
+                         "start then runs every kernel's Python again, with no compiled "
+                         "graph from an earlier start to stand in for it; rows carry it")
     add_vllm_args(ap)
     add_model_args(ap)
     ap.add_argument("--criu", type=Path, default=os.environ.get("PITSTOP_CRIU"))
@@ -727,6 +732,7 @@ def prepare(a: argparse.Namespace) -> Run:
         os.environ["PATH"] = f"{a.cuda_checkpoint.resolve().parent}:{os.environ['PATH']}"
     tag = model_tag(a) if a.device != "cpu" else model_tag(a).replace(f"{a.gib:g}gib", "tiny")
     tag += f"-tp{a.tp}" if a.tp > 1 else ""
+    tag += "-eager" if a.eager else ""
     t0 = time.monotonic()
     model = model_dir(a)
     out_json = a.out / f"vllm-gpu-{tag}.json"
