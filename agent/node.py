@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import combinations
 from pathlib import Path
 
+from agent import engineargs
 from agent.config import Config, load_config
 from agent.errors import ConfigError
 
@@ -20,7 +21,6 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 # vLLM's own default share of each GPU it uses (its --gpu-memory-utilization).
 VLLM_DEFAULT_GPU_SHARE = 0.9
 GPU_SHARE_FLAG = "--gpu-memory-utilization"
-_TP_FLAGS = ("--tensor-parallel-size", "-tp")
 # Hosts a listener on which takes the port on every address.
 _ANY = {"", "0.0.0.0", "::", "[::]", "*"}
 
@@ -144,15 +144,6 @@ class GpuClaim:
     share: float
 
 
-def _flag_value(args: Sequence[str], flags: Iterable[str]) -> str | None:
-    flags = tuple(flags)
-    for i, arg in enumerate(args):
-        name, eq, value = arg.partition("=")
-        if name in flags:
-            return value if eq else (args[i + 1] if i + 1 < len(args) else None)
-    return None
-
-
 def gpu_claim(cfg: Config) -> GpuClaim | None:
     """What the engine takes of its GPUs, or None when it runs on CPU or declares no share.
 
@@ -163,7 +154,7 @@ def gpu_claim(cfg: Config) -> GpuClaim | None:
     if cfg.engine.device == "cpu":
         return None
     args = cfg.engine.args
-    raw = _flag_value(args, [GPU_SHARE_FLAG])
+    raw = engineargs.flag_value(args, [GPU_SHARE_FLAG])
     if raw is None:
         if cfg.engine.kind != "vllm":
             return None
@@ -174,8 +165,7 @@ def gpu_claim(cfg: Config) -> GpuClaim | None:
         except ValueError:
             raise ConfigError(f"engine.args: {GPU_SHARE_FLAG} {raw!r} is not a number (a "
                               "fraction of each GPU's memory, e.g. 0.45)") from None
-    tp_raw = _flag_value(args, _TP_FLAGS) or "1"
-    tp = int(tp_raw) if tp_raw.isdigit() and int(tp_raw) > 0 else 1
+    tp = engineargs.workers(args, engineargs.TENSOR_PARALLEL)
     visible = cfg.engine.env.get("CUDA_VISIBLE_DEVICES")
     names = [g.strip() for g in visible.split(",")] if visible is not None else []
     gpus = tuple(names[:tp]) if visible is not None else tuple(str(i) for i in range(tp))

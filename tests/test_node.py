@@ -137,6 +137,21 @@ def test_a_tensor_parallel_engine_claims_its_first_gpus(tmp_path: Path) -> None:
     assert "share GPU 1 and claim 1.10" in str(c)
 
 
+def test_a_tensor_parallel_size_in_any_of_vllms_spellings_claims_as_many_gpus(
+        tmp_path: Path) -> None:
+    d = tmp_path / "engines"
+    for name, tp in (("eq", ["-tp=3"]), ("under", ["--tensor_parallel_size", "3"])):
+        f = _engine(d, name, front=0, gpus="0,1,2,3", args=[*tp, "--gpu-memory-utilization",
+                                                             "0.4"])
+        assert gpu_claim(load_engine(f).config).gpus == ("0", "1", "2")
+
+
+def test_a_tensor_parallel_size_that_is_not_a_number_is_named(tmp_path: Path) -> None:
+    f = _engine(tmp_path / "engines", "a", front=8001, args=["-tp", "two"])
+    with pytest.raises(ConfigError, match="--tensor-parallel-size 'two' is not a number"):
+        gpu_claim(load_engine(f).config)
+
+
 def test_gpus_named_both_ways_on_one_node_are_refused(tmp_path: Path) -> None:
     d = tmp_path / "engines"
     _engine(d, "a", front=8001, gpus="0")

@@ -5,16 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from agent import engineargs
 from agent.engines.vllm.plugin.support import held_key
-from agent.errors import ConfigError
 from agent.refusal import Refusal, RefusalCode
 
-# vLLM's flags for each size, long and short (`--x N` and `--x=N` both; vLLM reads
-# `--tensor_parallel_size` as `--tensor-parallel-size` too).
 FLAGS: dict[str, tuple[str, ...]] = {
-    "tensor": ("--tensor-parallel-size", "-tp"),
-    "pipeline": ("--pipeline-parallel-size", "-pp"),
-    "data": ("--data-parallel-size", "-dp"),
+    "tensor": engineargs.TENSOR_PARALLEL,
+    "pipeline": engineargs.PIPELINE_PARALLEL,
+    "data": engineargs.DATA_PARALLEL,
 }
 
 
@@ -37,7 +35,7 @@ class Parallel:
     def of_args(cls, args: Sequence[str]) -> Parallel:
         """The sizes `args` (engine.args) give vLLM; ConfigError for one that is not a
         positive whole number."""
-        return cls(**{size: _size(args, flags) for size, flags in FLAGS.items()})
+        return cls(**{size: engineargs.workers(args, flags) for size, flags in FLAGS.items()})
 
     @property
     def workers(self) -> int:
@@ -98,21 +96,3 @@ class Parallel:
             f"vLLM runs {self.workers} workers: the {rung} rung serves engines of one "
             "worker (docs/vllm.md, Tensor parallel)",
         )
-
-
-def _size(args: Sequence[str], flags: tuple[str, ...]) -> int:
-    raw: str | None = None
-    for i, arg in enumerate(args):
-        name, eq, value = arg.partition("=")
-        if name.startswith("--"):
-            name = "--" + name[2:].replace("_", "-")
-        if name in flags:
-            raw = value if eq else (args[i + 1] if i + 1 < len(args) else "")
-    if raw is None:
-        return 1
-    if not raw.isdigit() or int(raw) < 1:
-        raise ConfigError(
-            f"engine.args: {flags[0]} {raw!r} is not a number of workers (a "
-            "whole number, 1 or more)"
-        )
-    return int(raw)
