@@ -47,7 +47,10 @@ def test_forty_mixed_failures_under_load_cost_no_request_and_no_snapshot(tmp_pat
     s = asyncio.run(asyncio.wait_for(soak(), 420))
     assert s["failures_injected"] == FAILURES
     assert s["injections_not_recovered"] == 0
-    assert s["requests_sent"] > 10 * FAILURES
+    # The clients ran across the whole soak: about 10 requests a failure on an idle 2-core
+    # machine, 9.5 on a busy one; a stall of the load (no request through a recovery) would
+    # leave far fewer. Not a speed check: the bound leaves room for slower machines.
+    assert s["requests_sent"] > 3 * FAILURES
     assert (s["requests_failed"], s["requests_wrong"]) == (0, 0), s["failure_samples"]
     assert s["good_snapshots_lost"] == 0, s["lost"]
     assert s["bad_snapshots_restored"] == 0, s["bad_restored"]
