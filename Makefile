@@ -110,9 +110,13 @@ setup-python:
 setup-system:
 	$(MAKE) -j1 criu prometheus rootfs ansible-roots
 
+# --durations: every log names the slowest tests, so that a slow one is seen when it lands.
+# The tests start hundreds of Python processes from this checkout (agents, engines, CLIs):
+# they keep their bytecode (in __pycache__, ignored by git) even where the environment sets
+# PYTHONDONTWRITEBYTECODE, instead of compiling the agent again in every process.
 test: setup
 	$(BIN)/ruff check agent tests bench scripts
-	$(BIN)/python -m pytest -q -ra
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -ra --durations=25
 
 # The front against direct engine access, then a chaos run (engine SIGKILLed every 20 s);
 # writes bench/results/<date>-front-cpu.md. FRONT_BENCH_ARGS to change durations.

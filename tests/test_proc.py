@@ -104,9 +104,12 @@ def test_an_exited_session_leaders_pid_stays_taken_until_its_group_is_gone():
         # Gone and reaped, yet its ID is the group and session of the member left.
         assert proc.ids_in_use([leader.pid]) == {leader.pid: member}
         os.kill(member, signal.SIGKILL)
-        deadline = time.time() + 10
-        while time.time() < deadline and proc.ids_in_use([leader.pid]):
+        # Dead, not yet reaped: the member is a zombie (this subreaper's child, unwaited).
+        deadline = time.monotonic() + 10
+        while (st := proc.stat(member)) is not None and st.state != "Z":
+            assert time.monotonic() < deadline, "the member did not die"
             time.sleep(0.02)
+        assert st is not None, "reaped by someone else"
         # A zombie still holds it: only the reap frees the ID.
         assert proc.ids_in_use([leader.pid]) == {leader.pid: member}, "freed before reaped"
         proc.reap_orphans()
