@@ -66,3 +66,49 @@ def test_a_tensor_outside_the_region_or_without_bytes_is_listed():
     with torch.device("meta"):
         m.lin.register_buffer("empty", torch.ones(2))
     assert post.outside(m, raw.data_ptr(), layout.size) == ["late", "lin.empty"]
+
+
+class PaddingKernel:
+    """Like vLLM 0.33's CutlassFP8ScaledMMLinearKernel: its post-processing pads the weight
+    and keeps the width before the padding, which every call reads."""
+
+    def __init__(self) -> None:
+        self.logical_output_size: int | None = None
+        self.backend = "cutlass"
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.logical_output_size = layer.weight.shape[1]
+        layer.weight = nn.Parameter(nn.functional.pad(layer.weight.data, (0, 4)),
+                                    requires_grad=False)
+
+
+class Method:
+    def __init__(self) -> None:
+        self.fp8_linear = PaddingKernel()
+
+
+class Quantized(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Module()
+        self.lin.weight = nn.Parameter(torch.randn(8, 12), requires_grad=False)
+        self.lin.quant_method = Method()
+
+
+def test_a_warm_start_gets_back_the_kernel_values_only_the_first_starts_processing_set():
+    m = Quantized()
+    m.lin.quant_method.fp8_linear.process_weights_after_loading(m.lin)
+    layout = post.Layout.of(m)
+    raw = torch.zeros(layout.size, dtype=torch.uint8)
+    post.move(m, raw, layout)
+    with torch.device("meta"):
+        fresh = Quantized()
+    read = post.Layout.read(raw)
+    post.register(fresh, raw, read)
+    kernel = fresh.lin.quant_method.fp8_linear
+    assert kernel.logical_output_size is None  # what a start from processed weights leaves
+    kernel.backend = "rebuilt"  # what the warm start's own processing set again is kept
+    assert post.fill_kernel_state(fresh, read.kernels) == [
+        "lin.quant_method.fp8_linear.logical_output_size"]
+    assert (kernel.logical_output_size, kernel.backend) == (12, "rebuilt")
+    assert fresh.lin.weight.shape == (8, 16)

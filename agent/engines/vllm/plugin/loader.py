@@ -169,10 +169,15 @@ class PitstopModelLoader(BaseModelLoader):
         if held is not None:
             try:
                 raw = held.raw()
-                post.register(meta, raw, post.Layout.read(raw))
+                layout = post.Layout.read(raw)
+                post.register(meta, raw, layout)
                 _keep_weights_in_place(meta, device)
                 with already_processed(True):
                     process_weights_after_loading(meta, model_config, device)
+                filled = post.fill_kernel_state(meta, layout.kernels)
+                if filled:
+                    log.info("warm start: %d kernel values the first start's post-processing "
+                             "set were given back (%s)", len(filled), ", ".join(filled[:3]))
                 left = post.materialize(meta, device)
                 if left:
                     log.warning("warm start: %d tensors were not in the held set: %s",

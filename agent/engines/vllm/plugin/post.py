@@ -6,8 +6,8 @@ import hashlib
 import json
 import logging
 import struct
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 # Under vLLM's logger: its handlers print it with the process name, like its own lines.
@@ -17,6 +17,8 @@ log = logging.getLogger("vllm.pitstop")
 ALIGN = 256
 # The region starts with the layout: its length (8 bytes, little-endian), then JSON.
 _LEN = struct.Struct("<Q")
+# A kernel attribute worth carrying from the start that post-processed to a warm start.
+Scalar = int | float | bool | str
 
 
 def named_tensors(model: Any) -> Iterator[tuple[str, str, Any]]:
@@ -61,6 +63,8 @@ class Layout:
     entries: tuple[Entry, ...]
     header: bytes
     size: int
+    # What post-processing set on the layers' kernel objects besides tensors (kernel_state).
+    kernels: Mapping[str, Mapping[str, Scalar]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, model: Any) -> Layout:
@@ -76,20 +80,22 @@ class Layout:
                 sizes.append(st.nbytes())
             entries.append(Entry(name, kind, str(t.dtype).removeprefix("torch."),
                                  tuple(t.shape), tuple(t.stride()), t.storage_offset(), idx))
-        return cls.build(sizes, entries)
+        return cls.build(sizes, entries, kernel_state(model))
 
     @classmethod
-    def build(cls, sizes: list[int], entries: list[Entry]) -> Layout:
+    def build(cls, sizes: list[int], entries: list[Entry],
+              kernels: Mapping[str, Mapping[str, Scalar]] | None = None) -> Layout:
+        kernels = kernels or {}
         body = json.dumps({"storages": sizes, "entries": [
             [e.name, e.kind, e.dtype, list(e.size), list(e.stride), e.offset, e.storage]
-            for e in entries]}, separators=(",", ":")).encode()
+            for e in entries], "kernels": kernels}, separators=(",", ":")).encode()
         header = _LEN.pack(len(body)) + body
         at = _up(len(header))
         storages = []
         for n in sizes:
             storages.append((at, n))
             at = _up(at + n)
-        return cls(tuple(storages), tuple(entries), header, max(at, ALIGN))
+        return cls(tuple(storages), tuple(entries), header, max(at, ALIGN), kernels)
 
     @classmethod
     def read(cls, raw: Any) -> Layout:
@@ -98,7 +104,48 @@ class Layout:
         doc = json.loads(bytes(raw[_LEN.size:_LEN.size + n].cpu().numpy()))
         entries = [Entry(name, kind, dtype, tuple(size), tuple(stride), off, st)
                    for name, kind, dtype, size, stride, off, st in doc["entries"]]
-        return cls.build(list(doc["storages"]), entries)
+        # A set held before kernel state was recorded has none: nothing to fill in.
+        return cls.build(list(doc["storages"]), entries, doc.get("kernels", {}))
+
+
+def _kernels(model: Any) -> Iterator[tuple[str, Any]]:
+    """("layer.quant_method.attribute", kernel object) for every kernel a layer's quantization
+    method keeps (vLLM names their classes ...Kernel: `fp8_linear`, a
+    CutlassFP8ScaledMMLinearKernel, say)."""
+    for mname, m in model.named_modules():
+        qm = getattr(m, "quant_method", None)
+        for attr, obj in (vars(qm).items() if qm is not None and hasattr(qm, "__dict__")
+                          else ()):
+            if type(obj).__name__.endswith("Kernel") and hasattr(obj, "__dict__"):
+                yield f"{mname}.quant_method.{attr}", obj
+
+
+def kernel_state(model: Any) -> dict[str, dict[str, Scalar]]:
+    """The plain values (numbers, flags, strings) each layer's kernel objects hold after
+    post-processing. Some kernels set one there from the weights they transform (vLLM 0.33's
+    CutlassFP8ScaledMMLinearKernel its `logical_output_size`, the width before its padding)
+    and read it on every call; a start from the post-processed weights does not run that
+    transform, so only the start that did can say it."""
+    out: dict[str, dict[str, Scalar]] = {}
+    for name, k in _kernels(model):
+        plain = {a: v for a, v in vars(k).items()
+                 if not a.startswith("_") and isinstance(v, int | float | bool | str)}
+        if plain:
+            out[name] = plain
+    return out
+
+
+def fill_kernel_state(model: Any, kernels: Mapping[str, Mapping[str, Scalar]]) -> list[str]:
+    """Give each kernel object of `model` the values `kernels` recorded that it still lacks
+    (None) after a start from post-processed weights; what vLLM set again itself is kept.
+    The `kernel.attribute` names filled."""
+    filled = []
+    for name, k in _kernels(model):
+        for attr, value in kernels.get(name, {}).items():
+            if hasattr(k, attr) and getattr(k, attr) is None:
+                setattr(k, attr, value)
+                filled.append(f"{name}.{attr}")
+    return filled
 
 
 def _up(n: int) -> int:
