@@ -136,10 +136,9 @@ class VllmAdapter:
 
     def _unheld(self) -> Refusal | None:
         """Why the plugin holds none of this engine's weights here; None when it does."""
-        why = self.parallel.unsupported() or self.plugin_refusal()
-        if why is None and self.parallel.tensor > 1:
-            return self.parallel.held_refusal(cuda=self.features.cuda_build)
-        return why
+        # plugin_refusal read vLLM's features already when it refuses nothing.
+        return self.parallel.unsupported() or self.plugin_refusal() or \
+            self.parallel.held_refusal(cuda=self.features.cuda_build)
 
     def kv_claimed_in_holder(self) -> bool:
         # The plugin holds the weights only; the KV pool is each engine's own GPU memory.
