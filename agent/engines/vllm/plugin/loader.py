@@ -21,7 +21,7 @@ from vllm.model_executor.model_loader.utils import (
 )
 from vllm.utils.torch_utils import set_default_torch_dtype
 
-from agent.engines.vllm.plugin import post, state
+from agent.engines.vllm.plugin import post, registry, state
 from agent.engines.vllm.plugin.held import (
     HeldParams,
     give_back_storage,
@@ -302,20 +302,7 @@ def _rewriting_methods(model: nn.Module) -> list[tuple[str, str, bool]]:
 
 
 def _forgetter(vllm_config: VllmConfig) -> Callable[[], None]:
-    """What takes back the names a model build registers in vLLM's process-wide tables,
-    for a model built twice (on the meta device, then for real).
-
-    Each attention layer registers itself by name as it is built (vLLM refuses a duplicate
-    layer name), and vLLM caches rotary embeddings: the real model would get the meta
-    one's tables, which have no data."""
     from vllm.model_executor.layers import rotary_embedding
 
-    caches = [vllm_config.compilation_config.static_forward_context,
-              getattr(rotary_embedding, "_ROPE_DICT", {})]
-    before = [set(c) for c in caches]
-
-    def forget() -> None:
-        for c, had in zip(caches, before, strict=True):
-            for k in set(c) - had:
-                del c[k]
-    return forget
+    return registry.forgetter(vllm_config.compilation_config,
+                              getattr(rotary_embedding, "_ROPE_DICT", None))
