@@ -59,9 +59,13 @@ class RefusalCode(StrEnum):
     WEIGHTS_NOT_HELD = "weights_not_held"
     NO_HELD_REGIONS = "no_held_regions"
     # The engine reads a parameter or buffer outside held memory (vLLM made it after the
-    # load, or its quantization method cannot start from its own post-processed tensors):
+    # load):
     # an image or a warm start would serve it by accident, so the holder rungs are skipped.
     WEIGHTS_OUTSIDE_HOLDER = "weights_outside_holder"
+    # The held weights are what a quantization method that cannot start from its own
+    # output made (vLLM: online quantization, compressed-tensors, AWQ, GPTQ): hybrid and
+    # refill map them as they are, a warm start would transform them a second time.
+    WEIGHTS_NOT_RESTARTABLE = "weights_not_restartable"
     # The holder's regions are not those the hybrid snapshot was taken with.
     HELD_STALE = "held_stale"
     # The standby rung (agent/supervisor/paths/standby.py): none is armed (snapshots.standby

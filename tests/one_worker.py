@@ -17,6 +17,9 @@ class OneWorker:
     def held_keys(self, digest: str) -> list[str]:
         return [digest]
 
+    def warm_refusal(self, regions: list[str]) -> Refusal | None:
+        return None
+
     def image_refusal(self) -> Refusal | None:
         return None
 

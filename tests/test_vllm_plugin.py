@@ -336,6 +336,44 @@ def test_held_parameters_are_loaded_once_then_attached_at_fixed_addresses(tmp_pa
         holder.stop()
 
 
+@pytest.mark.parametrize(("prefix", "warm"), [(support.POST_REGION, True),
+                                               (support.ONCE_REGION, False)])
+def test_the_warm_rung_attaches_only_weights_a_fresh_vllm_can_start_from(
+        tmp_path: Path, prefix: str, warm: bool):
+    # A quantization method that cannot start from its own output (online FP8,
+    # compressed-tensors, AWQ, GPTQ) has its post-processed weights held under ONCE_REGION:
+    # hybrid and refill map them, a fresh vLLM would quantize them a second time.
+    holder = Holder(tmp_path / "holder")
+    try:
+        a = _adapter(tmp_path, CPU)
+        link = HolderLink(a._config.holder, tmp_path / "run", gpu=lambda: "cpu",
+                          digest=lambda: DIGEST, adapter=a)
+        region = f"{DIGEST}/{prefix}0123456789abcdef"
+        assert support.restartable(region) is warm
+        held = HeldParams.create(holder.sock, DIGEST, region, 1 << 16)
+        held.raw().fill_(7)
+        held.commit()
+        chosen = asyncio.run(WarmStart(a, link).prepare(Attempt("crash")))
+        # The start that comes next (the cold rung's, for a region no start attaches) loads
+        # from disk and holds its own set under the same name: the old one is released.
+        again = HeldParams.create(holder.sock, DIGEST, region, 1 << 16)
+        assert again.source == "disk" and not again.raw().any()
+        again.commit()
+        with holder.client() as c:
+            assert [r.name for r in c.committed_set(DIGEST) or []] == [region]
+        again.close()
+        if warm:
+            assert not isinstance(chosen, Refusal), chosen
+            assert "--load-format" in chosen.plan
+        else:
+            assert isinstance(chosen, Refusal), chosen
+            assert chosen.code is RefusalCode.WEIGHTS_NOT_RESTARTABLE
+            assert region in chosen.detail and "hybrid and refill" in chosen.detail
+        held.close()
+    finally:
+        holder.stop()
+
+
 def test_inside_vllms_interpreter_the_plugin_registers_only_when_enabled_and_fit():
     require(os.access(VLLM_PYTHON, os.X_OK), f"no vLLM interpreter at {VLLM_PYTHON}; run "
             "`make vllm` (scripts/install-vllm.sh)")

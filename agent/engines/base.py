@@ -92,6 +92,11 @@ class EngineAdapter(Protocol):
         """Why this engine cannot keep its weights in the holder here; None when it can."""
         ...
 
+    def warm_refusal(self, regions: list[str]) -> Refusal | None:
+        """Why a fresh engine must not attach the committed held regions named `regions`
+        (the warm rung); None when it may."""
+        ...
+
     def held_keys(self, digest: str) -> list[str]:
         """What the holder keeps this engine's weights of `digest` under: one key for an
         engine of one worker, one per tensor-parallel rank (each holds its own shard)."""

@@ -85,6 +85,9 @@ class ReferenceAdapter:
     def holder_refusal(self) -> Refusal | None:
         return None
 
+    def warm_refusal(self, regions: list[str]) -> Refusal | None:
+        return None  # it holds the files' bytes, which every start maps as they are
+
     def held_keys(self, digest: str) -> list[str]:
         return [digest]  # one process, one held set
 

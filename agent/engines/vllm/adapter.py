@@ -159,6 +159,16 @@ class VllmAdapter:
     def one_worker_refusal(self, rung: str) -> Refusal | None:
         return self.parallel.one_worker_refusal(rung)
 
+    def warm_refusal(self, regions: list[str]) -> Refusal | None:
+        once = [r for r in regions if not support.restartable(r)]
+        if not once:
+            return None
+        return Refusal(RefusalCode.WEIGHTS_NOT_RESTARTABLE,
+                       f"the held weights {once[0]} are what a quantization method that cannot "
+                       "start from its own output made of the checkpoint (vLLM's "
+                       "supports_pre_processed_weights is false): a fresh vLLM would transform "
+                       "them a second time; hybrid and refill map them as they are")
+
     def holder_refusal(self) -> Refusal | None:
         why = self._unheld()
         if why is None:
@@ -265,17 +275,13 @@ class VllmAdapter:
 
 def outside_refusal(state: dict[str, Any]) -> Refusal | None:
     """Why an engine whose plugin state is `state` must not be served from held memory:
-    tensors it reads outside it, or nothing held at all because its quantization method
-    cannot start from post-processed weights; None when it holds everything."""
+    tensors it reads outside it; None when it holds everything."""
     outside = [str(n) for n in state.get("outside") or []]
     if outside:
         return Refusal(RefusalCode.WEIGHTS_OUTSIDE_HOLDER,
                        f"vLLM reads {len(outside)} tensors outside held memory, which an "
                        f"image or a warm start would serve by accident: "
                        f"{', '.join(outside[:5])}")
-    if state.get("refused"):
-        return Refusal(RefusalCode.WEIGHTS_OUTSIDE_HOLDER,
-                       f"vLLM holds no weights in the holder: {state['refused']}")
     return None
 
 

@@ -100,9 +100,19 @@ class HolderLink:
     def holds_weights(self) -> bool:
         """Whether the holder holds every set of this start's weights: one, or one per
         tensor-parallel rank (each rank's loader attaches its own)."""
-        keys = self._adapter.held_keys(str(self._digest()))
+        return self.held_regions() is not None
+
+    def held_regions(self) -> list[str] | None:
+        """The names of the committed regions of every set of this start's weights; None
+        when the holder lacks any of the sets."""
+        names: list[str] = []
         with HolderClient(self.path) as c:
-            return all(c.has_committed(k) for k in keys)
+            for key in self._adapter.held_keys(str(self._digest())):
+                regions = c.committed_set(key)
+                if regions is None:
+                    return None
+                names += [r.name for r in regions]
+        return names
 
     def stale_reason(self, held: dict) -> str | None:
         with HolderClient(self.path) as c:
@@ -127,14 +137,14 @@ class WarmStart(ColdStart):
         if refusal is not None:
             return refusal
         try:
-            held = self._link.holds_weights()
+            held = self._link.held_regions()
         except HolderError as e:
             return Refusal(RefusalCode.HOLDER_DOWN,
                            f"the holder at {self._link.path} cannot tell what it holds: {e}")
-        if not held:
+        if held is None:
             return Refusal(RefusalCode.WEIGHTS_NOT_HELD,
                            "the holder holds no committed weights of this model yet")
-        return Prepared(self.name, tuple(self._link.flags()))
+        return self._adapter.warm_refusal(held) or Prepared(self.name, tuple(self._link.flags()))
 
 
 class HybridRestore(FullRestore):

@@ -21,7 +21,7 @@ from vllm.model_executor.model_loader.utils import (
 )
 from vllm.utils.torch_utils import set_default_torch_dtype
 
-from agent.engines.vllm.plugin import post, registry, state
+from agent.engines.vllm.plugin import post, registry, state, support
 from agent.engines.vllm.plugin.held import (
     HeldParams,
     give_back_storage,
@@ -119,14 +119,16 @@ class PitstopModelLoader(BaseModelLoader):
             else:
                 unfit = [f"{name or '<root>'}: {kind}" for name, kind, fit in methods
                          if not fit]
+                quant = type(vllm_config.quant_config).__name__
+                sig = post.signature(meta, vllm.__version__, quant)
                 if unfit:
                     del meta
                     forget()
-                    return self._load_unheld(vllm_config, model_config, prefix, unfit, t0)
-                quant = type(vllm_config.quant_config).__name__
-                model, held = self._load_post(meta, vllm_config, model_config, prefix,
-                                              device, post.signature(meta, vllm.__version__,
-                                                                     quant), forget)
+                    model, held = self._load_once(vllm_config, model_config, prefix, device,
+                                                  sig, unfit)
+                else:
+                    model, held = self._load_post(meta, vllm_config, model_config, prefix,
+                                                  device, sig, forget)
         space = held.held.space
         if held.layout is not None:
             # Bound by parameter: vLLM's buffers (rotary tables) are made from the config
@@ -164,7 +166,7 @@ class PitstopModelLoader(BaseModelLoader):
         experts): the holder keeps what vLLM made of the checkpoint. A warm start maps
         that and has vLLM only rebuild its Python-side state; a first start loads and
         post-processes as vLLM does, then moves every tensor into held memory."""
-        name = f"{self.digest}/vllm-params-{sig}"
+        name = f"{self.digest}/{support.POST_REGION}{sig}"
         held = HeldParams.attach(self.socket, self.digest, name, _space_factory(device))
         if held is not None:
             try:
@@ -194,6 +196,29 @@ class PitstopModelLoader(BaseModelLoader):
         self._disk.load_weights(model, model_config)
         _keep_weights_in_place(model, device)
         process_weights_after_loading(model, model_config, device)
+        return model, self._move_into_holder(model, name, device)
+
+    def _load_once(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
+                   device: torch.device, sig: str,
+                   unfit: list[str]) -> tuple[nn.Module, HeldParams]:
+        """A model whose quantization methods cannot start from their own output (vLLM's
+        `supports_pre_processed_weights` is false; its weight-cache daemon refuses them
+        too): loaded by vLLM's own loader, online quantization included, then held as the
+        post-processed path holds. The hybrid and refill rungs map those bytes back as they
+        were; no start ever attaches them (the region's name says so, and the agent skips
+        `warm`): each start loads from disk and holds its own, releasing the one before."""
+        log.info("pitstop loader: %d layers' quantization methods cannot start from their own "
+                 "output (%s): held for hybrid and refill restores, never attached by a new "
+                 "start", len(unfit), "; ".join(unfit[:3]))
+        model = self._disk.load_model(vllm_config=vllm_config, model_config=model_config,
+                                      prefix=prefix)
+        return model, self._move_into_holder(model, f"{self.digest}/{support.ONCE_REGION}{sig}",
+                                             device)
+
+    def _move_into_holder(self, model: nn.Module, name: str,
+                          device: torch.device) -> HeldParams:
+        """Every tensor of a loaded, post-processed `model` moved into a new held region
+        `name` (its header lays them out), committed."""
         layout = post.Layout.of(model)
         held = HeldParams.create(self.socket, self.digest, name, layout.size,
                                  _space_factory(device))
@@ -203,21 +228,8 @@ class PitstopModelLoader(BaseModelLoader):
         except BaseException:
             held.close()
             raise
-        return model, held
+        return held
 
-    def _load_unheld(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
-                     unfit: list[str], t0: float) -> nn.Module:
-        """vLLM's own load, nothing held: a quantization method that cannot start from
-        its own post-processed tensors (vLLM's `supports_pre_processed_weights`, which its
-        weight-cache daemon requires too) would transform held bytes a second time."""
-        why = (f"{len(unfit)} layers' quantization methods cannot start from post-processed "
-               f"weights (vLLM's supports_pre_processed_weights is false): "
-               f"{'; '.join(unfit[:3])}")
-        log.warning("pitstop loader: nothing held: %s", why)
-        model = self._disk.load_model(vllm_config=vllm_config, model_config=model_config,
-                                      prefix=prefix)
-        state.set_refused(why, seconds=time.monotonic() - t0)
-        return model
     def _hold(self, model: nn.Module, params: dict[str, Any], model_config: ModelConfig,
               device: torch.device, version: str) -> HeldParams:
         """Make the held set the parameters' storage: attached when the holder has it (a

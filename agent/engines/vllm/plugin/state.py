@@ -34,8 +34,6 @@ class Probed:
 
 _current: Loaded | None = None
 _probed: Probed | None = None
-# Why the loader held nothing (its words), and how long vLLM's own load took then.
-_refused: tuple[str, float] | None = None
 
 
 def set_probed(version: str, fit: str, missing: list[str]) -> None:
@@ -51,15 +49,6 @@ def set_current(held: HeldParams, source: str, seconds: float, outside: list[str
                 check: Callable[[], list[str]] | None = None) -> None:
     global _current
     _current = Loaded(held, source, seconds, outside, check)
-
-
-def set_refused(why: str, seconds: float) -> None:
-    global _refused
-    _refused = (why, seconds)
-
-
-def refused() -> tuple[str, float] | None:
-    return _refused
 
 
 def loaded() -> Loaded | None:

@@ -22,6 +22,25 @@ EXTENSION_CLS = "agent.engines.vllm.plugin.worker.PitstopWorkerExtension"
 RPC_DETACH = "pitstop_detach"
 RPC_ATTACH = "pitstop_attach"
 RPC_STATE = "pitstop_state"
+# What a post-processed model's held region is named, after its key: `<key>/<prefix><sig>`.
+# POST_REGION: its quantization methods start from their own output (vLLM's
+# supports_pre_processed_weights), so a warm start attaches it. ONCE_REGION: they cannot (an
+# online quantization, compressed-tensors, AWQ, GPTQ): the hybrid and refill rungs map the
+# bytes as the start that made them left them, but a fresh vLLM would transform them a
+# second time, so the agent skips `warm` over such a region and a new start makes it again.
+POST_REGION = "vllm-params-"
+ONCE_REGION = "vllm-once-"
+
+
+def restartable(region: str) -> bool:
+    """Whether a fresh vLLM may attach the held region named `region` (the warm rung).
+
+    Example::
+
+        restartable("sha256:ab/vllm-params-0123")  # True
+        restartable("sha256:ab/vllm-once-0123")  # False
+    """
+    return not region.rsplit("/", 1)[-1].startswith(ONCE_REGION)
 
 
 def held_key(digest: str, tensor_parallel: int, rank: int) -> str:

@@ -63,16 +63,14 @@ class PitstopWorkerExtension:
         vllm = dataclasses.asdict(probed) if probed is not None else None
         loaded = state.loaded()
         if loaded is None:
-            refused = state.refused()
-            # Nothing held: vLLM loaded as it does without the plugin, and says why.
-            return {"held": None, "vllm": vllm, "outside": [],
-                    "refused": refused[0] if refused else None}
+            # Nothing held: vLLM loaded as it does without the plugin.
+            return {"held": None, "vllm": vllm, "outside": []}
         held = loaded.held
         # Listed now, not at the load: what the engine made since counts too. Only while
         # attached (a detached set's addresses are reserved, not readable).
         outside = loaded.check() if loaded.check and held.attached else loaded.outside
         return {"source": loaded.source, "load_s": round(loaded.seconds, 3),
-                "outside": outside, "refused": None, "vllm": vllm,
+                "outside": outside, "vllm": vllm,
                 "held": {"digest": held.digest, "attached": held.attached,
                          "bytes": held.nbytes, "base": held.held.space.base,
                          "regions": held.identity}}
