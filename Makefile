@@ -114,9 +114,13 @@ setup-system:
 # The tests start hundreds of Python processes from this checkout (agents, engines, CLIs):
 # they keep their bytecode (in __pycache__, ignored by git) even where the environment sets
 # PYTHONDONTWRITEBYTECODE, instead of compiling the agent again in every process.
+# Two workers (pytest-xdist), one per core: each lane of tests/lanes.py (all the vLLM tests
+# are one) runs on one worker, the longest lanes handed out first, in the order given there.
+TEST_WORKERS ?= 2
 test: setup
 	$(BIN)/ruff check agent tests bench scripts
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -ra --durations=25
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -ra --durations=25 \
+		-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 # The front against direct engine access, then a chaos run (engine SIGKILLed every 20 s);
 # writes bench/results/<date>-front-cpu.md. FRONT_BENCH_ARGS to change durations.

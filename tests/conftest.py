@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 from collections.abc import Iterator
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import agentproc
+from tests import agentproc, lanes
 from tests.holder_proc import Holder
 from tests.refengine_proc import REPO, Engine, run_engine
 
@@ -19,15 +20,47 @@ MODEL_CACHE = REPO / ".cache" / "models"
 def cached_model(size: str = "tiny", seed: int = 0, arch: str = "llama",
                  quant: str = "none") -> Path:
     """A generated model under .cache/models, keyed by everything that determines it;
-    made from scratch when absent (make_model is idempotent and atomic)."""
+    made from scratch when absent (make_model is idempotent and atomic), under a lock: two
+    workers making the same one at once would each rename theirs into place."""
     from agent.modelgen import make_model, record_for, spec_for
 
     spec = spec_for(size, seed=seed, arch=arch, quant=quant)
     key = hashlib.sha256(json.dumps(record_for(spec), sort_keys=True).encode()).hexdigest()[:16]
     kind = "".join(f"-{v}" for v in (arch, quant) if v not in ("llama", "none"))
     directory = MODEL_CACHE / f"{size}{kind}-{key}"
-    make_model(directory, spec)
+    MODEL_CACHE.mkdir(parents=True, exist_ok=True)
+    with open(MODEL_CACHE / f".{directory.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        make_model(directory, spec)
     return directory
+
+
+# --- parallel runs (`make test`: pytest-xdist, each lane on one worker; tests/lanes.py) ---
+_PID_MAX_BEFORE = pytest.StashKey[int | None]()
+
+
+def _parallel_controller(config: pytest.Config) -> bool:
+    workers = getattr(config.option, "numprocesses", None)  # -n; None without pytest-xdist
+    return bool(workers) and not hasattr(config, "workerinput")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if _parallel_controller(config):
+        config.stash[_PID_MAX_BEFORE] = lanes.widen_pid_space()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    lanes.restore_pid_space(config.stash.get(_PID_MAX_BEFORE, None))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if hasattr(config, "workerinput"):
+        lanes.first_lanes_first(items)
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    return lanes.scheduler(config, log)
 
 
 @pytest.fixture(autouse=True)
