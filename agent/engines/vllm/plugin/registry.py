@@ -22,14 +22,12 @@ def forgetter(compilation_config: Any, rope_cache: MutableMapping[Any, Any] | No
     if rope_cache is not None:
         tables.append(rope_cache)
     had = [set(t) for t in tables]
-    lists: list[MutableSequence[Any]] = [
-        x for x in (getattr(compilation_config, "static_all_moe_layers", None),) if x is not None]
-    lengths = [len(x) for x in lists]
+    moe: MutableSequence[Any] = getattr(compilation_config, "static_all_moe_layers", [])
+    moe_before = len(moe)
 
     def forget() -> None:
         for t, keys in zip(tables, had, strict=True):
             for k in set(t) - keys:
                 del t[k]
-        for x, n in zip(lists, lengths, strict=True):
-            del x[n:]
+        del moe[moe_before:]
     return forget
