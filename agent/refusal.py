@@ -59,8 +59,8 @@ class RefusalCode(StrEnum):
     WEIGHTS_NOT_HELD = "weights_not_held"
     NO_HELD_REGIONS = "no_held_regions"
     # The engine reads a parameter or buffer outside held memory (vLLM made it after the
-    # load):
-    # an image or a warm start would serve it by accident, so the holder rungs are skipped.
+    # load): an image or a warm start would serve it by accident, so the holder rungs are
+    # skipped.
     WEIGHTS_OUTSIDE_HOLDER = "weights_outside_holder"
     # The held weights are what a quantization method that cannot start from its own
     # output made (vLLM: online quantization, compressed-tensors, AWQ, GPTQ): hybrid and
