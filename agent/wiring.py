@@ -230,7 +230,8 @@ class Agent:
             gate=self.gate, metrics=self.metrics, notifier=notifier, status=self.status,
             canaries=CanaryBook(config.paths.state_dir / "canary.json"),
             capture=self.capture, on_change=self._changed,
-            before_start=self._before_start, on_ready=self._on_ready, gpu=self.gpu,
+            before_start=self._before_start, on_ready=self._on_ready,
+            status_written=self.status_file.flushed, gpu=self.gpu,
             on_engine=self.ledger.record, pull=self.remote, beside=self.standby)
         self.board = StatusBoard(
             self.status, node=self._node_info, stale=self._stale_reasons,

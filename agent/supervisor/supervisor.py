@@ -59,6 +59,7 @@ class Supervisor:
                  capture: Capture | None = None,
                  before_start: Callable[[], Awaitable[None]] | None = None,
                  on_ready: Callable[[], None] | None = None,
+                 status_written: Callable[[], Awaitable[None]] | None = None,
                  gpu: GpuGuard | None = None,
                  on_engine: Callable[[int], None] = lambda pid: None,
                  pull: Puller | None = None,
@@ -76,6 +77,8 @@ class Supervisor:
         self.capture = capture
         self._before_start = before_start
         self._on_ready = on_ready
+        # READY=1 waits for it: whoever `systemctl restart` returned to reads this recovery.
+        self._status_written = status_written
         self.gpu = gpu if gpu is not None else GpuGuard()
         self._serving_path = ""
         # Set when an NVML event says the GPU is gone while the engine may look healthy.
@@ -228,7 +231,7 @@ class Supervisor:
             except StopRequested:
                 return
             if engine is not None:
-                self._ready(path.name, attempt, self._clock() - t0)
+                await self._ready(path.name, attempt, self._clock() - t0)
                 return
         last_path = self.paths[-1].name if self.paths else "cold"
         self._record(last_path, "failure", attempt, self._clock() - t0)
@@ -348,7 +351,7 @@ class Supervisor:
         attempt.fall(path, kind, refusal)
         self.metrics.ladder_fallthroughs.labels(path=path, reason=kind.value).inc()
 
-    def _ready(self, path: str, attempt: Attempt, duration: float) -> None:
+    async def _ready(self, path: str, attempt: Attempt, duration: float) -> None:
         assert self.engine is not None
         self._record(path, "success", attempt, duration)
         # An engine that reuses no suspect memory serves: those faults are dealt with.
@@ -365,6 +368,8 @@ class Supervisor:
         if self._on_ready is not None:
             self._on_ready()
         self._fire(Event.VERIFIED, f"{path} start in {duration:.2f}s ({attempt.cause})")
+        if not self._announced_ready and self._status_written is not None:
+            await self._status_written()
         if not self._announced_ready:
             self._announced_ready = True
             self.notifier.ready(f"ready: {path} start in {duration:.2f}s")
