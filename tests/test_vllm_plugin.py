@@ -417,6 +417,56 @@ print(json.dumps([out, missing, state.probed().fit, seen]))
     assert "is not a series the Pitstop plugin was tested against" in done.stderr
 
 
+def test_a_warm_start_passes_vllms_own_online_fp8_method_without_quantizing_again():
+    """vLLM's real post-processing over a layer of its online FP8 method whose weight is
+    already the held FP8 output: refused as vLLM refuses it, passed with online_done, the
+    weight untouched, the dynamic-scale stamp set, and the method as declared after."""
+    require(os.access(VLLM_PYTHON, os.X_OK), f"no vLLM interpreter at {VLLM_PYTHON}; run "
+            "`make vllm` (scripts/install-vllm.sh)")
+    probe = """
+import json, types, torch
+from vllm.model_executor.layers.quantization.online.fp8 import (
+    Fp8PerTensorOnlineLinearMethod as Online)
+from vllm.model_executor.model_loader.utils import process_weights_after_loading
+from agent.engines.vllm.plugin.online import online_done
+from agent.engines.vllm.plugin.optional import already_processed
+
+qm = Online.__new__(Online)      # what create_weights set, without a kernel for this CPU
+qm.use_marlin = False
+layer = torch.nn.Module()
+layer.quant_method = qm
+layer.quant_config = types.SimpleNamespace(online_quantization_config=None)
+held = torch.arange(12, dtype=torch.uint8).view(torch.float8_e4m3fn).view(4, 3)
+layer.weight = torch.nn.Parameter(held, requires_grad=False)
+model = torch.nn.Sequential(layer)
+cfg = types.SimpleNamespace(quantization="fp8", word_embeddings_untied_by_checkpoint=True,
+                            hf_config=types.SimpleNamespace(
+    tie_word_embeddings=False))
+out = {}
+with already_processed(True):
+    try:
+        process_weights_after_loading(model, cfg, torch.device("cpu"))
+    except RuntimeError as e:
+        out["plain"] = str(e)
+    with online_done(model) as names:
+        process_weights_after_loading(model, cfg, torch.device("cpu"))
+out["names"] = names
+out["same"] = layer.weight.data_ptr() == held.data_ptr() and layer.weight.dtype == held.dtype
+out["input_scale"] = layer.input_scale
+out["declares_after"] = qm.supports_pre_processed_weights
+print(json.dumps(out))
+"""
+    done = subprocess.run([str(VLLM_PYTHON), "-c", probe], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "Fp8PerTensorOnlineLinearMethod does not support pre-processed weights" in out["plain"]
+    assert out["names"] == ["0"]
+    assert out["same"] is True
+    assert out["input_scale"] is None
+    assert out["declares_after"] is False
+
+
 def test_the_holder_and_vllm_preload_cannot_both_give_vllm_its_loader(tmp_path: Path):
     cfg = parse_config({
         "engine": {"kind": "vllm", "model": str(tmp_path / "llama")},

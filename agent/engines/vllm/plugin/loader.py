@@ -29,6 +29,7 @@ from agent.engines.vllm.plugin.held import (
     params_without_storage,
     specs_of,
 )
+from agent.engines.vllm.plugin.online import ONLINE_RESTARTABLE, online_done
 from agent.engines.vllm.plugin.optional import already_processed
 from agent.engines.vllm.plugin.support import DIGEST_KEY, SOCKET_KEY, held_key
 
@@ -118,7 +119,7 @@ class PitstopModelLoader(BaseModelLoader):
                                                vllm.__version__)
             else:
                 unfit = [f"{name or '<root>'}: {kind}" for name, kind, fit in methods
-                         if not fit]
+                         if not fit and kind not in ONLINE_RESTARTABLE]
                 quant = type(vllm_config.quant_config).__name__
                 sig = post.signature(meta, vllm.__version__, quant)
                 if unfit:
@@ -127,8 +128,9 @@ class PitstopModelLoader(BaseModelLoader):
                     model, held = self._load_once(vllm_config, model_config, prefix, device,
                                                   sig, unfit)
                 else:
+                    online = any(kind in ONLINE_RESTARTABLE for _, kind, _ in methods)
                     model, held = self._load_post(meta, vllm_config, model_config, prefix,
-                                                  device, sig, forget)
+                                                  device, sig, forget, online)
         space = held.held.space
         if held.layout is not None:
             # Bound by parameter: vLLM's buffers (rotary tables) are made from the config
@@ -161,11 +163,12 @@ class PitstopModelLoader(BaseModelLoader):
 
     def _load_post(self, meta: nn.Module, vllm_config: VllmConfig, model_config: ModelConfig,
                    prefix: str, device: torch.device, sig: str,
-                   forget: Callable[[], None]) -> tuple[nn.Module, HeldParams]:
+                   forget: Callable[[], None], online: bool) -> tuple[nn.Module, HeldParams]:
         """A model whose post-processing rewrites its tensors (quantized, mixture of
         experts): the holder keeps what vLLM made of the checkpoint. A warm start maps
         that and has vLLM only rebuild its Python-side state; a first start loads and
-        post-processes as vLLM does, then moves every tensor into held memory."""
+        post-processes as vLLM does (`online`: quantizing layer by layer as it loads,
+        through vLLM's own loader), then moves every tensor into held memory."""
         name = f"{self.digest}/{support.POST_REGION}{sig}"
         held = HeldParams.attach(self.socket, self.digest, name, _space_factory(device))
         if held is not None:
@@ -174,7 +177,7 @@ class PitstopModelLoader(BaseModelLoader):
                 layout = post.Layout.read(raw)
                 post.register(meta, raw, layout)
                 _keep_weights_in_place(meta, device)
-                with already_processed(True):
+                with already_processed(True), online_done(meta):
                     process_weights_after_loading(meta, model_config, device)
                 filled = post.fill_kernel_state(meta, layout.kernels)
                 if filled:
@@ -190,6 +193,10 @@ class PitstopModelLoader(BaseModelLoader):
             return meta, held
         del meta
         forget()
+        if online:
+            model = self._disk.load_model(vllm_config=vllm_config, model_config=model_config,
+                                          prefix=prefix)
+            return model, self._move_into_holder(model, name, device)
         with device:
             model = initialize_model(vllm_config=vllm_config, model_config=model_config,
                                      prefix=prefix)
