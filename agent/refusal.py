@@ -63,7 +63,7 @@ class RefusalCode(StrEnum):
     # skipped.
     WEIGHTS_OUTSIDE_HOLDER = "weights_outside_holder"
     # The held weights are what a quantization method that cannot start from its own
-    # output made (vLLM: online quantization, compressed-tensors, AWQ, GPTQ): hybrid and
+    # output made (vLLM: most online quantizations, compressed-tensors, AWQ, GPTQ): hybrid and
     # refill map them as they are, a warm start would transform them a second time.
     WEIGHTS_NOT_RESTARTABLE = "weights_not_restartable"
     # The holder's regions are not those the hybrid snapshot was taken with.

@@ -24,10 +24,11 @@ RPC_ATTACH = "pitstop_attach"
 RPC_STATE = "pitstop_state"
 # What a post-processed model's held region is named, after its key: `<key>/<prefix><sig>`.
 # POST_REGION: its quantization methods start from their own output (vLLM's
-# supports_pre_processed_weights), so a warm start attaches it. ONCE_REGION: they cannot (an
-# online quantization, compressed-tensors, AWQ, GPTQ): the hybrid and refill rungs map the
-# bytes as the start that made them left them, but a fresh vLLM would transform them a
-# second time, so the agent skips `warm` over such a region and a new start makes it again.
+# supports_pre_processed_weights, or plugin.online.ONLINE_RESTARTABLE), so a warm start
+# attaches it. ONCE_REGION: they cannot (other online quantizations, compressed-tensors,
+# AWQ, GPTQ): the hybrid and refill rungs map the bytes as the start that made them left
+# them, but a fresh vLLM would transform them a second time, so the agent skips `warm` over
+# such a region and a new start makes it again.
 POST_REGION = "vllm-params-"
 ONCE_REGION = "vllm-once-"
 
