@@ -31,6 +31,11 @@ VLLM_MODULES = frozenset(
         "test_vllm_paths_rungs",
     }
 )
+# What a module takes from the vLLM helpers to boot an engine (its CPU flags, the server, the
+# adapter, the interpreter for vLLM's CLI), or, from any module above, anything: a module that
+# takes one belongs in VLLM_MODULES (tests/test_lanes.py holds the two together).
+BOOTS_VLLM = {"tests.vllmproc": frozenset({"CPU_ARGS", "VllmServer", "vllm_adapter"}),
+              "tests.vllm_paths_kit": frozenset({"vllm_python"})}
 # Every other module is a lane of its own: its module-scoped fixtures (an agent, a container
 # fleet) are set up once, on one worker. Handed out first, the longest lanes: neither the
 # vLLM one nor the Ansible fleet's is left to run alone at the end.
