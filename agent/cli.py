@@ -17,6 +17,7 @@ from agent.errors import (
     ModelError,
     PitstopError,
 )
+from agent.modelgen import QUANTIZATIONS
 
 
 def _positive_float(text: str) -> float:
@@ -410,10 +411,11 @@ def _make_model_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--arch", default="llama", choices=["llama", "qwen3-moe"],
                    help="dense Llama, or Qwen3-MoE with 4 experts a layer, 2 per token")
-    m.add_argument("--quant", default="none", choices=["none", "fp8", "fp8-ct", "w8a8-int8"],
+    m.add_argument("--quant", default="none", choices=list(QUANTIZATIONS),
                    help="linear weights pre-quantized: FP8 in vLLM's fp8 format (one scale "
-                        "per tensor) or compressed-tensors (one per output channel), or int8 "
-                        "in compressed-tensors W8A8")
+                        "per tensor) or compressed-tensors (one per output channel), int8 "
+                        "in compressed-tensors W8A8, or 4-bit AWQ (GEMM format, a bf16 "
+                        "model)")
     m.add_argument("--max-position-embeddings", type=int, default=None, metavar="N",
                    help="the longest context the model takes, prompt included (default "
                         "2048; RoPE tables are made for it, no weight changes size)")

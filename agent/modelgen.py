@@ -38,9 +38,18 @@ ARCHITECTURES = ("llama", "qwen3-moe")
 # (e4m3) in one of the two checkpoint formats vLLM loads: its own `fp8` (one scale per
 # tensor, as AutoFP8 writes) or `compressed-tensors` (one scale per output channel, as
 # llm-compressor writes); or to int8 in compressed-tensors W8A8 (one scale per output
-# channel). Activations are quantized dynamically by vLLM in all three.
-QUANTIZATIONS = ("none", "fp8", "fp8-ct", "w8a8-int8")
+# channel). Activations are quantized dynamically by vLLM in all three. Or to 4 bits in
+# AutoAWQ's GEMM format (`awq`: weights only, a scale and a zero point per group of
+# AWQ_GROUP input channels, eight values packed into each int32 in AWQ's order), for which
+# the model is bf16 (vLLM's AWQ takes fp16 or bf16) and its MLP width a whole number of
+# groups.
+QUANTIZATIONS = ("none", "fp8", "fp8-ct", "w8a8-int8", "awq")
 FP8_MAX = 448.0  # the largest float8_e4m3fn
+AWQ_GROUP = 128
+# Which of 8 output channels each 4-bit slot of an AWQ int32 holds, lowest bits first
+# (AutoAWQ's pack order; vLLM undoes it with _REVERSE_AWQ_PACK_ORDER in auto_awq.py).
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+_AWQ_PARTS = ("qweight", "qzeros", "scales")
 # Fields a record leaves out at these values: a dense unquantized model's record (and so its
 # directory's identity) is what it was before the fields existed.
 _NEW_FIELDS = {"arch": "llama", "quant": "none", "num_experts": 0, "num_experts_per_tok": 0,
@@ -96,6 +105,12 @@ class ModelSpec:
             if not linear or self.quant == "none":
                 out.append((name, shape, self.dtype))
                 return
+            if self.quant == "awq":
+                (n, k), base = shape, name.removesuffix("weight")
+                out.extend([(base + "qweight", (k, n // 8), "int32"),
+                            (base + "qzeros", (k // AWQ_GROUP, n // 8), "int32"),
+                            (base + "scales", (k // AWQ_GROUP, n), self.dtype)])
+                return
             out.append((name, shape, "int8" if self.quant == "w8a8-int8" else "float8_e4m3fn"))
             scale = () if self.quant == "fp8" else (shape[0], 1)
             out.append((name + "_scale", scale, "float32"))
@@ -142,6 +157,11 @@ class ModelSpec:
             # vLLM's CPU build has no FP8 MoE kernel without AMX (docs/vllm.md, limits).
             raise ModelError("--quant applies to the llama architecture only; a qwen3-moe "
                              "model is written unquantized")
+        if self.quant == "awq" and (self.dtype not in ("bfloat16", "float16")
+                                    or self.hidden_size % AWQ_GROUP
+                                    or self.intermediate_size % AWQ_GROUP):
+            raise ModelError(f"--quant awq needs a 16-bit model whose hidden and MLP widths "
+                             f"are multiples of {AWQ_GROUP}; spec_for makes one")
         if self.arch == "qwen3-moe" and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ModelError(f"qwen3-moe needs 0 < experts per token <= experts, got "
                              f"{self.num_experts_per_tok} of {self.num_experts}")
@@ -175,6 +195,9 @@ def spec_for(size: str = "tiny", *, target_gib: float | None = None, seed: int =
         # A few experts, each a quarter of the dense MLP: about the dense model's bytes.
         spec = replace(spec, arch=arch, num_experts=4, num_experts_per_tok=2,
                        moe_intermediate_size=-(-spec.intermediate_size // 4 // 32) * 32)
+    if quant == "awq":
+        spec = replace(spec, dtype="bfloat16",
+                       intermediate_size=-(-spec.intermediate_size // AWQ_GROUP) * AWQ_GROUP)
     spec = replace(spec, arch=arch, quant=quant)
     spec.check()
     return spec
@@ -372,6 +395,9 @@ def _config(spec: ModelSpec) -> dict[str, Any]:
 
 
 def _quantization_config(quant: str) -> dict[str, Any]:
+    if quant == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": AWQ_GROUP, "zero_point": True,
+                "version": "gemm", "modules_to_not_convert": None}
     if quant == "fp8":
         return {"quant_method": "fp8", "activation_scheme": "dynamic"}
     kind = "int" if quant == "w8a8-int8" else "float"
@@ -408,6 +434,11 @@ def _tensor(name: str, shape: tuple[int, ...], spec: ModelSpec, dtype_name: str)
 
     if dtype_name in ("float8_e4m3fn", "int8"):
         return _quantized(name, shape, spec)[0]
+    base, _, part = name.rpartition(".")
+    if spec.quant == "awq" and part in _AWQ_PARTS:
+        weight = f"{base}.weight"
+        dense = next(s for n, s in replace(spec, quant="none").tensor_shapes() if n == weight)
+        return _awq(weight, dense, spec)[_AWQ_PARTS.index(part)]
     if name.endswith("weight_scale"):
         weight = name.removesuffix("_scale")
         return _quantized(weight, next(s for n, s, _ in spec.tensors() if n == weight),
@@ -443,9 +474,37 @@ def _quantized(name: str, shape: tuple[int, ...], spec: ModelSpec) -> tuple[Any,
     return q.to(torch.float8_e4m3fn), scale
 
 
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1}
+def _awq(name: str, shape: tuple[int, ...], spec: ModelSpec) -> tuple[Any, Any, Any]:
+    """The weight `name` (out x in) in AWQ's GEMM format: qweight (in x out/8), qzeros
+    (groups x out/8), scales (groups x out), asymmetric 4 bits per group of AWQ_GROUP input
+    channels: (q - zero) * scale is the dense model's weight, rounded."""
+    import torch
+
+    w = _tensor(name, shape, replace(spec, quant="none"), "float32").t()  # in x out
+    k, n = w.shape
+    g = w.reshape(k // AWQ_GROUP, AWQ_GROUP, n)
+    lo, hi = g.amin(dim=1), g.amax(dim=1)
+    scale = ((hi - lo) / 15).clamp(min=1e-8)
+    zero = (-lo / scale).round().clamp(0, 15)
+    q = ((g / scale[:, None]).round() + zero[:, None]).clamp(0, 15).reshape(k, n)
+    return (_awq_pack(q), _awq_pack(zero), scale.to(getattr(torch, spec.dtype)))
+
+
+def _awq_pack(values: Any) -> Any:
+    """4-bit values (rows x out) packed eight to an int32 along the output channels, in
+    AWQ's order."""
+    import torch
+
+    v = values.to(torch.int64).reshape(values.shape[0], -1, 8)
+    packed = sum(v[:, :, ch] << (4 * slot) for slot, ch in enumerate(AWQ_ORDER))
+    # Two's complement of the top bit: int32's range, as AutoAWQ's torch.int32 tensors hold.
+    return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1,
+             "int32": 4}
 _ST_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float8_e4m3fn": "F8_E4M3",
-             "int8": "I8"}
+             "int8": "I8", "int32": "I32"}
 
 
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:

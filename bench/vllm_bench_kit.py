@@ -46,7 +46,9 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     """Which model `pitstop make-model` makes, and how vLLM quantizes it."""
     ap.add_argument("--arch", default="llama", choices=["llama", "qwen3-moe"],
                     help="the model's architecture (make-model --arch)")
-    ap.add_argument("--quant", default="none", choices=["none", "fp8", "fp8-ct", "w8a8-int8"],
+    from agent.modelgen import QUANTIZATIONS
+
+    ap.add_argument("--quant", default="none", choices=list(QUANTIZATIONS),
                     help="a checkpoint pre-quantized so (make-model --quant)")
     ap.add_argument("--quantization", default=None,
                     help="vLLM's --quantization, on a checkpoint in the model's dtype (fp8)")
@@ -55,7 +57,8 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
 def model_kind(a: argparse.Namespace) -> dict[str, str]:
     """The row keys that say which model: `architecture`, and `quantization` as vLLM serves it
     (`none`; `fp8`: vLLM quantizes a bf16 checkpoint at load; `fp8-checkpoint`,
-    `fp8-ct-checkpoint`, `w8a8-int8-checkpoint`: the checkpoint is stored so)."""
+    `fp8-ct-checkpoint`, `w8a8-int8-checkpoint`, `awq-checkpoint`: the checkpoint is stored
+    so)."""
     quant = a.quantization or (f"{a.quant}-checkpoint" if a.quant != "none" else "none")
     return {"architecture": a.arch, "quantization": quant}
 

@@ -40,7 +40,7 @@ Every recovery is timed twice: the agent's own figure (decision to restart -> ve
 canary, `runs_s`) and the client's (`kill_to_answer_s`: SIGKILL of the API server -> the
 next request through the front that completes; its answer must equal the one before), and
 between them `kill_breakdown` (vllm_bench_kit.py) says where the client's seconds went.
-`--arch qwen3-moe` (a mixture of experts), `--quant fp8|fp8-ct|w8a8-int8` (a checkpoint
+`--arch qwen3-moe` (a mixture of experts), `--quant fp8|fp8-ct|w8a8-int8|awq` (a checkpoint
 pre-quantized so) and `--quantization fp8` (vLLM quantizes a bf16 checkpoint at load) choose
 the model; each row says which in `architecture` and `quantization`, and the file's name too
 (`vllm-gpu-8gib-qwen3-moe.json`, `vllm-gpu-8gib-llama-fp8-ct-checkpoint.json`).

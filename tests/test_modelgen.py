@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,47 @@ def test_cli_make_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert main(["make-model", str(d), "--seed", "4"]) == 1
     assert "--force" in capsys.readouterr().err
     assert os.path.isdir(d)
+
+
+# vLLM's own unpacking of an AWQ int32 (vllm/model_executor/layers/quantization/auto_awq.py,
+# _REVERSE_AWQ_PACK_ORDER): output channel m of each eight sits in 4-bit slot REVERSE[m].
+AWQ_REVERSE = [0, 4, 1, 5, 2, 6, 3, 7]
+
+
+def _awq_unpack(packed: torch.Tensor) -> torch.Tensor:
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    u = (packed.unsqueeze(-1) >> shifts) & 15
+    return u[:, :, AWQ_REVERSE].reshape(packed.shape[0], -1)
+
+
+def test_an_awq_checkpoint_unpacks_as_vllm_reads_it_to_the_dense_weight(tmp_path: Path) -> None:
+    spec = spec_for("tiny", quant="awq")
+    assert spec.dtype == "bfloat16" and spec.intermediate_size % 128 == 0
+    d = tmp_path / "awq"
+    make_model(d, spec)
+    config = json.loads((d / "config.json").read_text())["quantization_config"]
+    assert config == {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                      "version": "gemm", "modules_to_not_convert": None}
+    dense = tmp_path / "dense"
+    make_model(dense, replace(spec, quant="none"))  # the same model, its weights unquantized
+    base = "model.layers.1.mlp.down_proj"
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+        assert f"{base}.weight" not in names and f"{base}.qweight" in names
+        qweight, qzeros = f.get_tensor(f"{base}.qweight"), f.get_tensor(f"{base}.qzeros")
+        scales = f.get_tensor(f"{base}.scales").float()
+    with safe_open(str(dense / "model.safetensors"), "pt") as f:
+        w = f.get_tensor(f"{base}.weight").float().t()
+    k, n = _awq_unpack(qweight).shape
+    assert (k, n) == (spec.intermediate_size, spec.hidden_size) and qweight.dtype == torch.int32
+    q, z = _awq_unpack(qweight).float(), _awq_unpack(qzeros).float()
+    deq = ((q.view(k // 128, 128, n) - z[:, None, :]) * scales[:, None, :]).reshape(k, n)
+    # Rounding to the nearest of 16 levels: within half a step (and bf16's own rounding).
+    step = scales.repeat_interleave(128, 0)
+    assert ((deq - w).abs() <= step * 0.51 + w.abs() / 128).all()
+    assert not ((deq - w).abs() <= step * 0.01).all()  # quantized, not a copy
+
+
+def test_awq_refuses_a_model_that_is_not_16_bit() -> None:
+    with pytest.raises(ModelError, match="16-bit"):
+        replace(spec_for("tiny", quant="awq"), dtype="float32").check()
