@@ -373,6 +373,7 @@ def _snapshot_parser(sub: argparse._SubParsersAction) -> None:
         ("create", "ask the running agent to snapshot its engine at the next quiet moment"),
         ("list", "every snapshot, newest first"),
         ("inspect", "one snapshot's manifest"),
+        ("memory", "what one snapshot's image holds, by process and kind of mapping"),
         ("verify", "check manifests, permissions and checksums (exit 1 when one is refused)"),
         ("delete", "remove snapshots"),
         ("push", "upload a snapshot (default: the newest) to the S3 store, only the chunks it "
@@ -381,7 +382,7 @@ def _snapshot_parser(sub: argparse._SubParsersAction) -> None:
                  "before it is published"),
     ):
         a = _configured(snsub, name, text, cmd_snapshot)
-        if name == "inspect":
+        if name in ("inspect", "memory"):
             a.add_argument("id")
         elif name == "verify":
             a.add_argument("ids", nargs="*", metavar="ID", help="default: all")

@@ -51,6 +51,8 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     elif args.action == "inspect":
         m = store.load(args.id)
         out = m.model_dump_json(indent=1) if args.json else views.manifest_text(m)
+    elif args.action == "memory":
+        out = _snapshot_memory(store, args.id, args.json)
     elif args.action == "verify":
         verdicts = [store.verify(i) for i in (args.ids or store.ids())]
         out = json.dumps([views.verdict_json(v) for v in verdicts], indent=1) if args.json \
@@ -63,6 +65,24 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
         out = json.dumps({"deleted": args.ids}) if args.json else f"deleted {' '.join(args.ids)}"
     print(out)
     return EXIT_OK
+
+
+def _snapshot_memory(store: SnapshotStore, sid: str, as_json: bool) -> str:
+    """`pitstop snapshot memory ID`: the image's page bytes by process and mapping."""
+    import dataclasses
+    import json
+
+    from agent.checkpoint.image_memory import image_memory, images_in, memory_text
+    from agent.errors import SnapshotError
+
+    store.load(sid)  # a clear error for an unknown or broken one
+    where = images_in(store.path(sid))
+    if where is None:
+        raise SnapshotError(f"snapshot {sid} holds no CRIU image (no pagemap-*.img under "
+                            f"{store.path(sid)})")
+    rows = image_memory(where)
+    return json.dumps([dataclasses.asdict(r) for r in rows], indent=1) if as_json \
+        else memory_text(rows)
 
 
 def _snapshot_transfer(args: argparse.Namespace, cfg: Config, store: SnapshotStore) -> int:

@@ -188,6 +188,7 @@ class Run:
                               row["path"], "")) if row else None
             if row and snap:
                 row["image_bytes"] = snap.get("image_bytes")
+                row["image_memory"] = snap.get("memory")
             costs = r.get(f"{row['path'].replace('-', '_')}_costs") if row else None
             if row and row["path"].startswith("standby") and costs:
                 row["standby_costs"] = costs
@@ -284,9 +285,21 @@ def take_snapshot(agent: Agent) -> dict:
     snap = {"id": sid, "kind": m.get("kind"), "timings": m.get("timings"),
             "image_bytes": sum(f["size"] for f in m["files"]),
             "largest_files": {f["name"]: f["size"] for f in
-                              sorted(m["files"], key=lambda f: -f["size"])[:6]}}
+                              sorted(m["files"], key=lambda f: -f["size"])[:6]},
+            "memory": image_memory(agent, sid)}
     log(f"snapshot {snap}")
     return snap
+
+
+def image_memory(agent: Agent, sid: str, top: int = 16) -> list[dict] | str:
+    """What the image's pages come from (`pitstop snapshot memory`): the largest rows, by
+    process and kind of mapping, for what a restore reads back (or why it could not say)."""
+    done = subprocess.run([sys.executable, "-m", "agent", "snapshot", "memory", sid, "--json",
+                           "--config", str(agent.path)], cwd=REPO, capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        return done.stderr.strip()[-500:]
+    return json.loads(done.stdout)[:top]
 
 
 def delete_snapshots(agent: Agent) -> None:

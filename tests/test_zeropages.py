@@ -9,19 +9,17 @@ from pathlib import Path
 import pytest
 
 from agent.checkpoint.criu import CriuBackend
-from agent.checkpoint.snapshotter import Snapshotter
-from agent.checkpoint.zeropages import (
+from agent.checkpoint.criu_image import (
     PAGE,
     PE_PRESENT,
     VMA_ANON_PRIVATE,
     VMA_AREA_REGULAR,
     ImageDamagedError,
-    _entry,
-    _fields,
-    _put_varint,
-    _read_entries,
-    drop_zero_pages,
+    fields,
+    read_entries,
 )
+from agent.checkpoint.snapshotter import Snapshotter
+from agent.checkpoint.zeropages import _entry, _put_varint, drop_zero_pages
 from agent.errors import SnapshotError
 from agent.store import SnapshotStore
 from tests.snapshot_helpers import criu
@@ -66,11 +64,11 @@ def test_zero_pages_of_anonymous_memory_go_and_the_entries_split_around_them(tmp
     assert (d.pages, d.dropped) == (6, 2)
     # The file-backed zero page stays: without it the restore would show the file's bytes.
     assert (tmp_path / "pages-3.img").read_bytes() == _page(1) + _page(2) + _page(0) + _page(3)
-    _, entries = _read_entries(tmp_path / "pagemap-7.img")
-    got = [(f[1], f[5], f[4]) for f in map(_fields, entries[1:])]
+    _, entries = read_entries(tmp_path / "pagemap-7.img")
+    got = [(f[1], f[5], f[4]) for f in map(fields, entries[1:])]
     assert got == [(base, 1, PE_PRESENT), (base + 2 * PAGE, 2, PE_PRESENT),
                    (base + 5 * PAGE, 1, PE_PRESENT)]
-    assert _fields(entries[0]) == {1: 3}
+    assert fields(entries[0]) == {1: 3}
     assert drop_zero_pages(tmp_path) == type(d)(4, 0)  # nothing more to drop: unchanged
 
 
@@ -95,9 +93,9 @@ def test_an_entry_of_the_older_format_whose_pages_are_in_the_parent_is_kept_as_i
     d = drop_zero_pages(tmp_path)
     assert (d.pages, d.dropped) == (2, 1)
     assert (tmp_path / "pages-3.img").read_bytes() == _page(7)
-    _, entries = _read_entries(tmp_path / "pagemap-7.img")
+    _, entries = read_entries(tmp_path / "pagemap-7.img")
     assert entries[1] == old
-    assert [(f[1], f[5], f[4]) for f in map(_fields, entries[2:])] == [
+    assert [(f[1], f[5], f[4]) for f in map(fields, entries[2:])] == [
         (base + 3 * PAGE, 1, PE_PRESENT)]
 
 

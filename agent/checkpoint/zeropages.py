@@ -26,30 +26,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-PAGE = 4096
-# criu/include/pagemap.h: a pagemap entry's flags.
-PE_PARENT = 1 << 0
-PE_PRESENT = 1 << 2
-# criu/include/image.h: the status bits of a vma_entry.
-VMA_AREA_REGULAR = 1 << 0
-VMA_AREA_STACK = 1 << 1
-VMA_AREA_HEAP = 1 << 5
-VMA_ANON_PRIVATE = 1 << 9
+from agent.checkpoint.criu_image import (
+    PAGE,
+    PE_PARENT,
+    PE_PRESENT,
+    VMA_ANON_PRIVATE,
+    VMA_AREA_HEAP,
+    VMA_AREA_REGULAR,
+    VMA_AREA_STACK,
+    ImageDamagedError,
+    ImageFormatError,
+    fields,
+    fields_all,
+    read_entries,
+)
+
 # Anything else set (vdso, vvar, AIO ring, SysV IPC, memfd, shadow stack, guard, plugin,
 # unsupported, ...) means the area is not plain private anonymous memory.
 _PLAIN = VMA_AREA_REGULAR | VMA_AREA_STACK | VMA_AREA_HEAP | VMA_ANON_PRIVATE
 _CHUNK = 64 << 20
 _ZERO = bytes(PAGE)
-
-
-class ImageFormatError(Exception):
-    """An image file is not laid out as this module expects (another CRIU's format, say);
-    nothing was changed, and the image may still be sound."""
-
-
-class ImageDamagedError(Exception):
-    """An image file is cut short, or its pages and its pagemap disagree: the image as CRIU
-    wrote it cannot be restored either; nothing was changed."""
 
 
 @dataclass(frozen=True)
@@ -86,10 +82,10 @@ def drop_zero_pages(image_dir: Path) -> Dropped:
 
 def _one(pagemap: Path, mm: Path, image_dir: Path) -> tuple[int, int]:
     anon = _anon_private(mm)
-    magic, entries = _read_entries(pagemap)
+    magic, entries = read_entries(pagemap)
     if not entries:
         raise ImageFormatError(f"{pagemap}: no pagemap_head")
-    pages_id = _fields(entries[0]).get(1)
+    pages_id = fields(entries[0]).get(1)
     if pages_id is None:
         raise ImageFormatError(f"{pagemap}: its head names no pages image")
     pages = image_dir / f"pages-{pages_id}.img"
@@ -124,7 +120,7 @@ def _rewrite(src: BinaryIO, dst: BinaryIO, entries: list[bytes],
     out_entries = [entries[0]]
     total = dropped = 0
     for raw in entries[1:]:
-        f = _fields(raw)
+        f = fields(raw)
         # An entry without flags is of CRIU's older format: its `in_parent` (field 3)
         # meant the pages are in the parent image (CRIU's init_compat_pagemap_entry).
         vaddr = f.get(1, 0)
@@ -202,14 +198,14 @@ def _read_exact(src, n: int, path: Path) -> bytes:  # type: ignore[no-untyped-de
 
 def _anon_private(mm: Path) -> tuple[list[int], list[int]]:
     """The (starts, ends) of the plain private anonymous areas in an mm image, sorted."""
-    _, entries = _read_entries(mm)
+    _, entries = read_entries(mm)
     if len(entries) != 1:
         raise ImageFormatError(f"{mm}: {len(entries)} mm entries, expected 1")
     areas = []
-    for field, value in _fields_all(entries[0]):
+    for field, value in fields_all(entries[0]):
         if field != 14 or not isinstance(value, bytes):  # repeated vma_entry vmas = 14
             continue
-        v = _fields(value)
+        v = fields(value)
         status = v.get(7, 0)
         if status & VMA_ANON_PRIVATE and status & VMA_AREA_REGULAR and not status & ~_PLAIN:
             areas.append((v[1], v[2]))
@@ -221,65 +217,6 @@ def _inside(areas: tuple[list[int], list[int]], addr: int) -> bool:
     starts, ends = areas
     i = bisect.bisect_right(starts, addr) - 1
     return i >= 0 and addr + PAGE <= ends[i]
-
-
-def _read_entries(path: Path) -> tuple[bytes, list[bytes]]:
-    raw = path.read_bytes()
-    if len(raw) < 8:
-        raise ImageDamagedError(f"{path}: too short for an image")
-    magic, at, out = raw[:8], 8, []
-    while at < len(raw):
-        if at + 4 > len(raw):
-            raise ImageDamagedError(f"{path}: an entry's length is cut off")
-        (n,) = struct.unpack_from("<I", raw, at)
-        at += 4
-        if at + n > len(raw):
-            raise ImageDamagedError(f"{path}: an entry runs past the end")
-        out.append(raw[at:at + n])
-        at += n
-    return magic, out
-
-
-def _varint(buf: bytes, at: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if at >= len(buf) or shift > 63:
-            raise ImageFormatError("a varint is cut off")
-        b = buf[at]
-        at += 1
-        value |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return value, at
-        shift += 7
-
-
-def _fields_all(msg: bytes) -> list[tuple[int, int | bytes]]:
-    """A protobuf message's fields in order: varints as ints, length-delimited as bytes."""
-    out: list[tuple[int, int | bytes]] = []
-    at = 0
-    while at < len(msg):
-        key, at = _varint(msg, at)
-        field, wire = key >> 3, key & 7
-        if wire == 0:
-            value, at = _varint(msg, at)
-            out.append((field, value))
-        elif wire == 2:
-            n, at = _varint(msg, at)
-            out.append((field, msg[at:at + n]))
-            at += n
-        elif wire == 1:
-            out.append((field, int.from_bytes(msg[at:at + 8], "little")))
-            at += 8
-        elif wire == 5:
-            out.append((field, int.from_bytes(msg[at:at + 4], "little")))
-            at += 4
-        else:
-            raise ImageFormatError(f"protobuf wire type {wire} is not expected here")
-    return out
-
-
-def _fields(msg: bytes) -> dict[int, int]:
-    return {f: v for f, v in _fields_all(msg) if isinstance(v, int)}
 
 
 def _put_varint(value: int) -> bytes:

@@ -1,0 +1,174 @@
+"""What a CRIU image's memory is made of: the bytes each process's pages take, by the kind
+of mapping they were dumped from (`pitstop snapshot memory`).
+
+A restore reads every page the image holds back into memory, so its time follows these
+bytes; this says which mappings they come from (the heap, anonymous memory such as a CUDA
+checkpoint's copy of device memory, a file's private pages, shared memory).
+
+The images read (criu/images/mm.proto, vma.proto, pagemap.proto, fdinfo.proto): mm-<pid>.img
+holds the vma_entry list (start 1, end 2, shmid 4: the file's id, status 7), pagemap-<pid>.img
+the entries of the pages in pages-<n>.img (vaddr 1, nr_pages 5, flags 4), files.img each
+file by id (id 2, reg 3: name 6), pagemap-shmem-<id>.img the pages of shared memory.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.checkpoint.criu_image import (
+    PAGE,
+    PE_PARENT,
+    PE_PRESENT,
+    VMA_ANON_PRIVATE,
+    VMA_ANON_SHARED,
+    VMA_AREA_HEAP,
+    VMA_AREA_MEMFD,
+    VMA_AREA_STACK,
+    VMA_FILE_PRIVATE,
+    VMA_FILE_SHARED,
+    fields,
+    fields_all,
+    read_entries,
+)
+
+_REG_FILE = 1  # fd_types REG in criu/images/fdinfo.proto
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    """The bytes of one process's pages (pid None: shared memory) dumped from one kind of
+    mapping: `heap`, `stack`, `anonymous`, `file <path>`, `memfd <name>`, `shared`, `other`."""
+
+    pid: int | None
+    kind: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class _Vma:
+    start: int
+    end: int
+    kind: str
+
+
+def image_memory(image_dir: Path) -> list[MemoryRow]:
+    """Every process's page bytes in `image_dir` by kind of mapping, largest first.
+
+    Example::
+
+        for row in image_memory(store.path(snapshot_id)):
+            print(row.pid, row.kind, row.bytes)
+    """
+    names = _file_names(image_dir / "files.img")
+    rows: Counter[tuple[int | None, str]] = Counter()
+    for pagemap in image_dir.glob("pagemap-*.img"):
+        pid = pagemap.name.removeprefix("pagemap-").removesuffix(".img")
+        if pid.startswith("shmem-"):
+            rows[(None, "shared")] += _present_pages(pagemap) * PAGE
+            continue
+        mm = image_dir / f"mm-{pid}.img"
+        if not pid.isdigit() or not mm.exists():
+            continue
+        vmas = _vmas(mm, names)
+        for vaddr, nr in _present(pagemap):
+            for kind, n in _split(vmas, vaddr, nr):
+                rows[(int(pid), kind)] += n * PAGE
+    return sorted((MemoryRow(pid, kind, n) for (pid, kind), n in rows.items()),
+                  key=lambda r: (-r.bytes, r.pid or 0, r.kind))
+
+
+def images_in(snapshot_dir: Path) -> Path | None:
+    """The directory of CRIU's images in a snapshot's directory (the top for Pitstop's, a
+    subdirectory for vLLM's own artifact); None when it holds none."""
+    if any(snapshot_dir.glob("pagemap-*.img")):
+        return snapshot_dir
+    return next((p.parent for p in sorted(snapshot_dir.rglob("pagemap-*.img"))), None)
+
+
+def memory_text(rows: list[MemoryRow]) -> str:
+    """A table of `rows`, their sum last."""
+    lines = [f"{'PID':>8}  {'MB':>10}  KIND"]
+    lines += [f"{'-' if r.pid is None else r.pid:>8}  {r.bytes / 1e6:>10.1f}  {r.kind}"
+              for r in rows]
+    lines.append(f"{'all':>8}  {sum(r.bytes for r in rows) / 1e6:>10.1f}")
+    return "\n".join(lines)
+
+
+def _file_names(files: Path) -> dict[int, str]:
+    """Regular files by id, as files.img names them ({} without one)."""
+    if not files.exists():
+        return {}
+    out = {}
+    for msg in read_entries(files)[1]:
+        f = dict(fields_all(msg))
+        reg = f.get(3)
+        if f.get(1) == _REG_FILE and isinstance(reg, bytes):
+            name = dict(fields_all(reg)).get(6)
+            if isinstance(name, bytes):
+                out[int(f.get(2, 0))] = name.decode(errors="replace")
+    return out
+
+
+def _vmas(mm: Path, names: dict[int, str]) -> list[_Vma]:
+    vmas = []
+    for msg in read_entries(mm)[1]:
+        for field, value in fields_all(msg):
+            if field == 14 and isinstance(value, bytes):  # repeated vma_entry vmas = 14
+                v = fields(value)
+                vmas.append(_Vma(v.get(1, 0), v.get(2, 0), _kind(v.get(7, 0), v.get(4, 0),
+                                                                 names)))
+    return sorted(vmas, key=lambda v: v.start)
+
+
+def _kind(status: int, shmid: int, names: dict[int, str]) -> str:
+    if status & VMA_AREA_HEAP:
+        return "heap"
+    if status & VMA_AREA_STACK:
+        return "stack"
+    if status & VMA_AREA_MEMFD:
+        return f"memfd {names.get(shmid, '?')}"
+    if status & (VMA_FILE_PRIVATE | VMA_FILE_SHARED):
+        return f"file {names.get(shmid, '?')}"
+    if status & VMA_ANON_SHARED:
+        return "shared"
+    if status & VMA_ANON_PRIVATE:
+        return "anonymous"
+    return "other"
+
+
+def _present(pagemap: Path) -> list[tuple[int, int]]:
+    """(vaddr, pages) of each entry whose pages are in this image (not its parent's)."""
+    out = []
+    for msg in read_entries(pagemap)[1][1:]:  # the first is the pagemap_head
+        f = fields(msg)
+        flags = f.get(4, PE_PARENT if f.get(3) else PE_PRESENT)
+        if flags & PE_PRESENT:
+            out.append((f.get(1, 0), f.get(5, f.get(2, 0))))
+    return out
+
+
+def _present_pages(pagemap: Path) -> int:
+    return sum(n for _, n in _present(pagemap))
+
+
+def _split(vmas: list[_Vma], vaddr: int, nr: int) -> list[tuple[str, int]]:
+    """The pages [vaddr, vaddr + nr pages) by the kind of the area each falls in."""
+    out = []
+    end = vaddr + nr * PAGE
+    i = max(bisect.bisect_right([v.start for v in vmas], vaddr) - 1, 0)
+    at = vaddr
+    while at < end:
+        while i < len(vmas) and vmas[i].end <= at:
+            i += 1
+        v = vmas[i] if i < len(vmas) else None
+        if v is None or at < v.start:
+            # Outside every area CRIU listed: counted as such, never lost from the sum.
+            stop, kind = (end if v is None else min(end, v.start)), "other"
+        else:
+            stop, kind = min(end, v.end), v.kind
+        out.append((kind, (stop - at) // PAGE))
+        at = stop
+    return out
