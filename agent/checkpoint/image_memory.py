@@ -73,8 +73,9 @@ def image_memory(image_dir: Path) -> list[MemoryRow]:
         if not pid.isdigit() or not mm.exists():
             continue
         vmas = _vmas(mm, names)
+        starts = [v.start for v in vmas]
         for vaddr, nr in _present(pagemap):
-            for kind, n in _split(vmas, vaddr, nr):
+            for kind, n in _split(vmas, starts, vaddr, nr):
                 rows[(int(pid), kind)] += n * PAGE
     return sorted((MemoryRow(pid, kind, n) for (pid, kind), n in rows.items()),
                   key=lambda r: (-r.bytes, r.pid or 0, r.kind))
@@ -154,11 +155,13 @@ def _present_pages(pagemap: Path) -> int:
     return sum(n for _, n in _present(pagemap))
 
 
-def _split(vmas: list[_Vma], vaddr: int, nr: int) -> list[tuple[str, int]]:
-    """The pages [vaddr, vaddr + nr pages) by the kind of the area each falls in."""
+def _split(vmas: list[_Vma], starts: list[int], vaddr: int,
+           nr: int) -> list[tuple[str, int]]:
+    """The pages [vaddr, vaddr + nr pages) by the kind of the area each falls in (`vmas`
+    sorted, `starts` their starts)."""
     out = []
     end = vaddr + nr * PAGE
-    i = max(bisect.bisect_right([v.start for v in vmas], vaddr) - 1, 0)
+    i = max(bisect.bisect_right(starts, vaddr) - 1, 0)
     at = vaddr
     while at < end:
         while i < len(vmas) and vmas[i].end <= at:
