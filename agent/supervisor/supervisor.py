@@ -368,9 +368,9 @@ class Supervisor:
         if self._on_ready is not None:
             self._on_ready()
         self._fire(Event.VERIFIED, f"{path} start in {duration:.2f}s ({attempt.cause})")
-        if not self._announced_ready and self._status_written is not None:
-            await self._status_written()
         if not self._announced_ready:
+            if self._status_written is not None:
+                await self._status_written()
             self._announced_ready = True
             self.notifier.ready(f"ready: {path} start in {duration:.2f}s")
         log.info("engine %d ready via %s in %.2fs (cause %s; stages %s)", self.engine.pid, path,

@@ -194,9 +194,7 @@ class PitstopModelLoader(BaseModelLoader):
         del meta
         forget()
         if online:
-            model = self._disk.load_model(vllm_config=vllm_config, model_config=model_config,
-                                          prefix=prefix)
-            return model, self._move_into_holder(model, name, device)
+            return self._load_and_hold(vllm_config, model_config, prefix, device, name)
         with device:
             model = initialize_model(vllm_config=vllm_config, model_config=model_config,
                                      prefix=prefix)
@@ -217,10 +215,16 @@ class PitstopModelLoader(BaseModelLoader):
         log.info("pitstop loader: %d layers' quantization methods cannot start from their own "
                  "output (%s): held for hybrid and refill restores, never attached by a new "
                  "start", len(unfit), "; ".join(unfit[:3]))
+        return self._load_and_hold(vllm_config, model_config, prefix, device,
+                                   f"{self.digest}/{support.ONCE_REGION}{sig}")
+
+    def _load_and_hold(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
+                       device: torch.device, name: str) -> tuple[nn.Module, HeldParams]:
+        """Loaded by vLLM's own loader (online quantization's layer-by-layer path
+        included), then moved into the new held region `name`."""
         model = self._disk.load_model(vllm_config=vllm_config, model_config=model_config,
                                       prefix=prefix)
-        return model, self._move_into_holder(model, f"{self.digest}/{support.ONCE_REGION}{sig}",
-                                             device)
+        return model, self._move_into_holder(model, name, device)
 
     def _move_into_holder(self, model: nn.Module, name: str,
                           device: torch.device) -> HeldParams:
