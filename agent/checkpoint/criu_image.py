@@ -93,3 +93,21 @@ def fields_all(msg: bytes) -> list[tuple[int, int | bytes]]:
 
 def fields(msg: bytes) -> dict[int, int]:
     return {f: v for f, v in fields_all(msg) if isinstance(v, int)}
+
+
+def pagemap_entry(msg: bytes) -> tuple[int, int, int]:
+    """(vaddr, nr_pages, flags) of a pagemap_entry message."""
+    f = fields(msg)
+    # An entry without flags is of CRIU's older format: its `in_parent` (field 3) meant the
+    # pages are in the parent image (CRIU's init_compat_pagemap_entry).
+    return f.get(1, 0), f.get(5, f.get(2, 0)), f.get(4, PE_PARENT if f.get(3) else PE_PRESENT)
+
+
+def vma_entries(mm: Path) -> list[dict[int, int]]:
+    """The number fields of each vma_entry of an mm image (start 1, end 2, shmid 4: the
+    file's id, status 7)."""
+    _, entries = read_entries(mm)
+    if len(entries) != 1:
+        raise ImageFormatError(f"{mm}: {len(entries)} mm entries, expected 1")
+    # repeated vma_entry vmas = 14
+    return [fields(v) for f, v in fields_all(entries[0]) if f == 14 and isinstance(v, bytes)]

@@ -20,7 +20,6 @@ from pathlib import Path
 
 from agent.checkpoint.criu_image import (
     PAGE,
-    PE_PARENT,
     PE_PRESENT,
     VMA_ANON_PRIVATE,
     VMA_ANON_SHARED,
@@ -29,9 +28,10 @@ from agent.checkpoint.criu_image import (
     VMA_AREA_STACK,
     VMA_FILE_PRIVATE,
     VMA_FILE_SHARED,
-    fields,
     fields_all,
+    pagemap_entry,
     read_entries,
+    vma_entries,
 )
 
 _REG_FILE = 1  # fd_types REG in criu/images/fdinfo.proto
@@ -67,7 +67,7 @@ def image_memory(image_dir: Path) -> list[MemoryRow]:
     for pagemap in image_dir.glob("pagemap-*.img"):
         pid = pagemap.name.removeprefix("pagemap-").removesuffix(".img")
         if pid.startswith("shmem-"):
-            rows[(None, "shared")] += _present_pages(pagemap) * PAGE
+            rows[(None, "shared")] += sum(n for _, n in _present(pagemap)) * PAGE
             continue
         mm = image_dir / f"mm-{pid}.img"
         if not pid.isdigit() or not mm.exists():
@@ -114,14 +114,8 @@ def _file_names(files: Path) -> dict[int, str]:
 
 
 def _vmas(mm: Path, names: dict[int, str]) -> list[_Vma]:
-    vmas = []
-    for msg in read_entries(mm)[1]:
-        for field, value in fields_all(msg):
-            if field == 14 and isinstance(value, bytes):  # repeated vma_entry vmas = 14
-                v = fields(value)
-                vmas.append(_Vma(v.get(1, 0), v.get(2, 0), _kind(v.get(7, 0), v.get(4, 0),
-                                                                 names)))
-    return sorted(vmas, key=lambda v: v.start)
+    return sorted((_Vma(v.get(1, 0), v.get(2, 0), _kind(v.get(7, 0), v.get(4, 0), names))
+                   for v in vma_entries(mm)), key=lambda v: v.start)
 
 
 def _kind(status: int, shmid: int, names: dict[int, str]) -> str:
@@ -142,17 +136,9 @@ def _kind(status: int, shmid: int, names: dict[int, str]) -> str:
 
 def _present(pagemap: Path) -> list[tuple[int, int]]:
     """(vaddr, pages) of each entry whose pages are in this image (not its parent's)."""
-    out = []
-    for msg in read_entries(pagemap)[1][1:]:  # the first is the pagemap_head
-        f = fields(msg)
-        flags = f.get(4, PE_PARENT if f.get(3) else PE_PRESENT)
-        if flags & PE_PRESENT:
-            out.append((f.get(1, 0), f.get(5, f.get(2, 0))))
-    return out
-
-
-def _present_pages(pagemap: Path) -> int:
-    return sum(n for _, n in _present(pagemap))
+    entries = read_entries(pagemap)[1][1:]  # the first is the pagemap_head
+    return [(vaddr, nr) for vaddr, nr, flags in map(pagemap_entry, entries)
+            if flags & PE_PRESENT]
 
 
 def _split(vmas: list[_Vma], starts: list[int], vaddr: int,

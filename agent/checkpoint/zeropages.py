@@ -28,7 +28,6 @@ from typing import BinaryIO
 
 from agent.checkpoint.criu_image import (
     PAGE,
-    PE_PARENT,
     PE_PRESENT,
     VMA_ANON_PRIVATE,
     VMA_AREA_HEAP,
@@ -37,8 +36,9 @@ from agent.checkpoint.criu_image import (
     ImageDamagedError,
     ImageFormatError,
     fields,
-    fields_all,
+    pagemap_entry,
     read_entries,
+    vma_entries,
 )
 
 # Anything else set (vdso, vvar, AIO ring, SysV IPC, memfd, shadow stack, guard, plugin,
@@ -120,12 +120,7 @@ def _rewrite(src: BinaryIO, dst: BinaryIO, entries: list[bytes],
     out_entries = [entries[0]]
     total = dropped = 0
     for raw in entries[1:]:
-        f = fields(raw)
-        # An entry without flags is of CRIU's older format: its `in_parent` (field 3)
-        # meant the pages are in the parent image (CRIU's init_compat_pagemap_entry).
-        vaddr = f.get(1, 0)
-        flags = f.get(4, PE_PARENT if f.get(3) else PE_PRESENT)
-        nr = f.get(5, f.get(2, 0))
+        vaddr, nr, flags = pagemap_entry(raw)
         if not flags & PE_PRESENT:
             out_entries.append(raw)  # no pages of its own in the file
             continue
@@ -198,14 +193,8 @@ def _read_exact(src, n: int, path: Path) -> bytes:  # type: ignore[no-untyped-de
 
 def _anon_private(mm: Path) -> tuple[list[int], list[int]]:
     """The (starts, ends) of the plain private anonymous areas in an mm image, sorted."""
-    _, entries = read_entries(mm)
-    if len(entries) != 1:
-        raise ImageFormatError(f"{mm}: {len(entries)} mm entries, expected 1")
     areas = []
-    for field, value in fields_all(entries[0]):
-        if field != 14 or not isinstance(value, bytes):  # repeated vma_entry vmas = 14
-            continue
-        v = fields(value)
+    for v in vma_entries(mm):
         status = v.get(7, 0)
         if status & VMA_ANON_PRIVATE and status & VMA_AREA_REGULAR and not status & ~_PLAIN:
             areas.append((v[1], v[2]))
