@@ -80,7 +80,17 @@ def _snapshot_memory(store: SnapshotStore, sid: str, as_json: bool) -> str:
     if where is None:
         raise SnapshotError(f"snapshot {sid} holds no CRIU image (no pagemap-*.img under "
                             f"{store.path(sid)})")
-    rows = image_memory(where)
+    from agent.checkpoint.criu_image import ImageDamagedError, ImageFormatError
+
+    try:
+        rows = image_memory(where)
+    except ImageDamagedError as e:
+        raise SnapshotError(f"snapshot {sid}: its CRIU image is damaged ({e}); it cannot be "
+                            f"restored either: `pitstop snapshot delete {sid}`") from e
+    except ImageFormatError as e:
+        raise SnapshotError(f"snapshot {sid}: its CRIU image is not laid out as this Pitstop "
+                            f"reads ({e}); the image may still be sound, only not "
+                            "measurable here") from e
     return json.dumps([dataclasses.asdict(r) for r in rows], indent=1) if as_json \
         else memory_text(rows)
 

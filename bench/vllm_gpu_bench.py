@@ -83,6 +83,7 @@ from gpu_recovery_bench import (  # noqa: E402
     Agent,
     gpu_id,
     log,
+    machine,
     manifest,
     restart_holder,
     snapshots,
@@ -730,11 +731,17 @@ def parse_args() -> argparse.Namespace:
 
 
 def open_result(a: argparse.Namespace, out_json: Path, model: Path) -> dict:
-    """What an earlier run into OUT measured on this model (kept), or a new result."""
+    """What an earlier run into OUT measured on this model on this kind of machine (kept), or
+    a new result: rows are labelled with the machine they are written on, so another GPU's
+    runs must not be carried into them."""
+    where = machine()[0]
     with contextlib.suppress(OSError, ValueError):
         old = json.loads(out_json.read_text())
-        if old.get("model_dir") == str(model):
+        if old.get("model_dir") == str(model) and \
+                {r.get("machine") for r in old.get("rows", [])} <= {where}:
             return old
+        log(f"{out_json}: another model's, or measured on another machine than {where}: "
+            "starting a new result")
     return {"gib": a.gib, "model_dir": str(model), "runs": a.runs, "kv_gib": a.kv_gib}
 
 

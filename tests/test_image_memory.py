@@ -56,6 +56,15 @@ def test_the_image_of_a_process_is_its_ballast_heap_and_library_pages_and_adds_u
     assert main(["snapshot", "memory", info.id, "--config", str(config)]) == 0
     assert capsys.readouterr().out == memory_text(rows) + "\n"
 
+    # An image cut short is named as damaged, with what to do, and nothing is printed.
+    pagemap = where / f"pagemap-{c.pid}.img"
+    pagemap.write_bytes(pagemap.read_bytes()[:-3])
+    assert main(["snapshot", "memory", info.id, "--config", str(config)]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert f"snapshot {info.id}: its CRIU image is damaged" in err
+    assert f"pitstop snapshot delete {info.id}" in err
+
 
 def test_a_snapshot_without_an_image_is_named_and_nothing_is_printed(tmp_path: Path) -> None:
     empty = tmp_path / "snap"
