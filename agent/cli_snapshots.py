@@ -72,6 +72,7 @@ def _snapshot_memory(store: SnapshotStore, sid: str, as_json: bool) -> str:
     import dataclasses
     import json
 
+    from agent.checkpoint.criu_image import ImageDamagedError, ImageFormatError
     from agent.checkpoint.image_memory import image_memory, images_in, memory_text
     from agent.errors import SnapshotError
 
@@ -80,8 +81,6 @@ def _snapshot_memory(store: SnapshotStore, sid: str, as_json: bool) -> str:
     if where is None:
         raise SnapshotError(f"snapshot {sid} holds no CRIU image (no pagemap-*.img under "
                             f"{store.path(sid)})")
-    from agent.checkpoint.criu_image import ImageDamagedError, ImageFormatError
-
     try:
         rows = image_memory(where)
     except ImageDamagedError as e:
