@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from gpu_recovery_bench import REPO, machine
 
 BALLAST = """
 import hashlib, os, signal, sys, time
@@ -103,10 +103,6 @@ def restore_once(criu: str, images: Path, done: Path, pid: int, lazy: bool) -> d
             "digest": digest}
 
 
-def machine() -> str:
-    return f"cpu-{os.cpu_count()}core"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=1.0)
@@ -133,15 +129,16 @@ def main() -> None:
     if len(digests) != 1:
         raise SystemExit(f"the restored bytes differ between runs: {sorted(digests)}")
     command = " ".join(["python3", "bench/lazy_restore_bench.py", *sys.argv[1:]])
+    where, host = machine()
     rows = [{"engine": "ballast", "path": path, "gib": a.gib,
              "runs_s": [round(r["restore_s"], 3) for r in rs],
              "median_s": round(statistics.median(r["restore_s"] for r in rs), 3),
              "all_pages_s": [round(r["all_pages_s"], 3) for r in rs],
              "hash_s": [round(r["hash_s"], 3) for r in rs],
-             "image_bytes": image_bytes, "machine": machine(), "command": command}
+             "image_bytes": image_bytes, "machine": where, "host": host, "command": command}
             for path, rs in runs.items()]
     a.out.mkdir(parents=True, exist_ok=True)
-    out = a.out / f"{datetime.date.today()}-lazy-restore-{machine()}.json"
+    out = a.out / f"{datetime.date.today()}-lazy-restore-{where}.json"
     out.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
     for r in rows:
         print(f"{r['path']}: restore {r['runs_s']} s, every page read by {r['all_pages_s']} s")
