@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import errno
 import json
 import os
 import random
@@ -549,7 +550,7 @@ class Injector:
         filler = self.node.fs / "filler"
         stat = os.statvfs(self.node.store_dir)
         free = stat.f_bavail * stat.f_frsize
-        await asyncio.to_thread(_fill, filler, free)
+        await asyncio.to_thread(fill_until_full, filler)
         try:
             r = await asyncio.to_thread(self.node.snapshot_create)
             if r.returncode == 0:
@@ -671,15 +672,20 @@ def _criu_dump_pid(store_dir: Path) -> int | None:
     return None
 
 
-def _fill(path: Path, size: int) -> None:
-    with open(path, "wb") as f:
-        chunk = b"\0" * (1 << 20)
+def fill_until_full(path: Path) -> None:
+    """Write zeros to `path` until its filesystem has no byte left.
+
+    Unbuffered: a buffered file keeps the tail of a short write (up to its 8 KiB buffer) and
+    raises ENOSPC again when the `with` closes it, so a fill whose free space ended within 8 KiB
+    of a MiB failed (once in a CI soak)."""
+    chunk = b"\0" * (1 << 20)
+    with open(path, "wb", buffering=0) as f:
         try:
-            while True:
-                f.write(chunk)
-        except OSError:
-            pass
-    del size
+            while f.write(chunk):
+                pass
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
 
 
 def _rewrite_weights(model: Path, version: int) -> Path:

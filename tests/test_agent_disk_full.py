@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from bench.chaos import fill_until_full
 from tests.agentproc import REPO, RunningAgent, agent_config, complete, snapshot_list
 from tests.prereq import require
 from tests.snapshot_helpers import criu_present  # noqa: F401 - autouse: CRIU is required
@@ -28,15 +29,6 @@ def small_fs(tmp_path):
     subprocess.run(["umount", "-l", str(fs)], check=False)
 
 
-def _fill(path):
-    with open(path, "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * (1 << 20))
-        except OSError:
-            pass
-
-
 def test_a_crash_while_the_snapshot_disk_is_full_is_restored_and_the_snapshot_kept(
         tmp_path, tiny_model, small_fs):
     a = RunningAgent(tmp_path, agent_config(
@@ -46,7 +38,7 @@ def test_a_crash_while_the_snapshot_disk_is_full_is_restored_and_the_snapshot_ke
         a.wait_for(lambda s: "published" in s.get("reason", ""), 120, "the first snapshot")
         before = complete(a)
         [snap] = snapshot_list(a)
-        _fill(small_fs / "filler")
+        fill_until_full(small_fs / "filler")
         assert os.statvfs(small_fs).f_bavail == 0
         os.kill(a.status()["engine_pid"], signal.SIGKILL)
         st = a.wait_recovered(1)

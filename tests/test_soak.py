@@ -8,13 +8,31 @@ import shutil
 
 import pytest
 
-from bench.chaos import DEFAULT_MIX, Injector, Kind, Load, Node, schedule, summary
+from agent.commands import run as run_command
+from bench.chaos import DEFAULT_MIX, Injector, Kind, Load, Node, fill_until_full, schedule, summary
 from tests.prereq import require
 from tests.snapshot_helpers import criu_present  # noqa: F401 - autouse: CRIU is required
 
 pytestmark = pytest.mark.integration
 
 FAILURES = 40
+
+
+def test_the_disk_full_filler_leaves_no_byte_and_raises_nothing_when_free_space_is_not_whole_mib(
+        tmp_path):
+    # 2044 KiB: the second 1 MiB write is short by 4 KiB, the tail a buffered file would keep
+    # and fail to flush when closed.
+    require(os.geteuid() == 0, "the filler's test mounts a tmpfs: needs root")
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    run_command(["mount", "-t", "tmpfs", "-o", "size=2044k", "pitstop-fill", str(fs)],
+                timeout_s=30)
+    try:
+        fill_until_full(fs / "filler")
+        assert os.statvfs(fs).f_bavail == 0
+        assert (fs / "filler").stat().st_size == 2044 << 10
+    finally:
+        run_command(["umount", "-l", str(fs)], timeout_s=30)
 
 
 def test_forty_mixed_failures_under_load_cost_no_request_and_no_snapshot(tmp_path, tiny_model):
