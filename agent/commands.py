@@ -136,6 +136,28 @@ def run(
     return result
 
 
+def start(argv: Sequence[str], *, output: Path | None = None) -> subprocess.Popen[bytes]:
+    """Start `argv` as a helper that outlives this call (a daemon the caller watches), stdin
+    from /dev/null, stdout and stderr appended to `output` (or dropped).
+
+    Its exit status is the caller's: the reaper leaves it alone until the caller has waited
+    on the returned Popen and called `proc.disown(p.pid)`. Raises CommandError when it
+    cannot start."""
+    args = [str(a) for a in argv]
+    sink = open(output, "ab") if output is not None else subprocess.DEVNULL  # noqa: SIM115
+    try:
+        with spawn_lock():
+            p = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=sink, stderr=sink)
+            own(p.pid)
+    except OSError as e:
+        raise CommandError(f"cannot start {args[0]}: {e.strerror}; check that it is installed"
+                           ) from e
+    finally:
+        if not isinstance(sink, int):
+            sink.close()
+    return p
+
+
 def _read(f: IO[bytes]) -> str:
     f.seek(0)
     return f.read().decode(errors="replace")

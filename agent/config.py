@@ -205,6 +205,10 @@ class SnapshotsConfig(_Strict):
     # state is restored onto the GPU, locked) instead of at the crash, which then costs no
     # CUDA restore; the price is the engine's own GPU memory while it waits.
     standby_woken: bool = False
+    # Restore pages on demand: `criu lazy-pages` serves the image by userfaultfd, the engine
+    # runs (and answers its canary) before the image is read, the rest follows in the
+    # background. Needs `criu check --feature uffd-noncoop`; without it, restores read first.
+    lazy_restore: bool = False
 
 
     @field_validator("remote")

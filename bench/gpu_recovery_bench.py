@@ -96,6 +96,20 @@ class Agent:
             time.sleep(0.05)
         raise SystemExit(f"timed out waiting for {what}: {self.status()}")
 
+    def reload(self, **snapshots: object) -> None:
+        """Set these snapshots.* keys and reload (SIGHUP); returns once the agent logged the
+        reload (a key it refuses stays as it was: the log says so)."""
+        self.cfg = {**self.cfg, "snapshots": {**self.cfg.get("snapshots", {}), **snapshots}}
+        self.path.write_text(yaml.safe_dump(self.cfg))
+        journal = Path(self.logf.name)
+        said = journal.read_text(errors="replace").count("configuration reloaded from")
+        self.p.send_signal(signal.SIGHUP)
+        end = time.monotonic() + 60
+        while journal.read_text(errors="replace").count("configuration reloaded from") <= said:
+            if time.monotonic() > end:
+                raise SystemExit(f"the agent did not log the reload of {snapshots}")
+            time.sleep(0.05)
+
     def wait_standby_armed(self, timeout: float, what: str) -> dict:
         """Until `pitstop status` says a standby is armed (snapshots.standby)."""
         return self.wait(lambda s: (s.get("standby") or {}).get("armed"), timeout, what)
