@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 
 from agent import proc
+from agent.checkpoint.backend import RestoredProcess
 from agent.checkpoint.criu import CriuBackend
 from agent.checkpoint.snapshotter import Snapshotter
 from agent.commands import CommandResult
 from agent.commands import run as real_run
-from agent.store import SnapshotStore
+from agent.store import Manifest, SnapshotStore
 from tests.agentproc import RunningAgent, agent_config, complete, snapshot_list
 from tests.prereq import require
 from tests.snapshot_helpers import (
@@ -68,6 +69,21 @@ def _ask(sock: Path) -> str:
         return s.recv(256).decode()
 
 
+def _counted_once(snap: Snapshotter, tmp: Path, ballast_mib: int) -> tuple[Counter, Manifest]:
+    """A counter at 1, dumped (CRIU ends it) and published: restores continue at 2."""
+    c = Counter(tmp / "c.sock", ballast_mib)
+    assert c.inc() == 1
+    info = capture(snap, c.pid, canary=CANARY, identity=identity(snap.criu.version))
+    c.stop()
+    return c, info.manifest
+
+
+def _end(r: RestoredProcess) -> None:
+    kill_and_reap(r.pid)
+    for f in set(r.outputs.values()):
+        f.close()
+
+
 def _transferred(logs: Path) -> list[tuple[int, int]]:
     """(pages handed over by userfaultfd, pages it had to hand over) per process, from the
     lazy-pages daemons' logs."""
@@ -92,9 +108,7 @@ def test_a_lazy_restore_hands_the_memory_over_by_userfaultfd_and_it_is_the_same(
             again = capture(snap, r.pid, canary=CANARY, identity=identity(snap.criu.version),
                             kind="hybrid")
         finally:
-            kill_and_reap(r.pid)
-            for f in set(r.outputs.values()):
-                f.close()
+            _end(r)
     assert any("every page of the lazy restore in place" in m for m in caplog.messages)
     moved = _transferred(tmp_path / "logs")
     assert moved and sum(n for n, _ in moved) > 4096 // 3  # the workload's pages with content
@@ -105,9 +119,7 @@ def test_a_lazy_restore_hands_the_memory_over_by_userfaultfd_and_it_is_the_same(
     try:
         assert _ask(sock) == before
     finally:
-        kill_and_reap(r2.pid)
-        for f in set(r2.outputs.values()):
-            f.close()
+        _end(r2)
     assert snap.store.verify(info.id).ok and snap.store.verify(again.id).ok
 
 
@@ -117,12 +129,9 @@ def test_a_page_daemon_that_dies_mid_transfer_takes_its_restored_tree_down(
     # moment the restore returns. Left running, the tree would read zeros where its
     # memory was not handed over yet.
     snap = _snapshotter(tmp_path)
-    c = Counter(tmp_path / "c.sock", 1024)
-    assert c.inc() == 1
-    info = capture(snap, c.pid, canary=CANARY, identity=identity(snap.criu.version))
-    c.stop()
+    _, manifest = _counted_once(snap, tmp_path, 1024)
     with caplog.at_level(logging.INFO, logger="pitstop.snapshot"):
-        r = snap.restore(info.manifest)
+        r = snap.restore(manifest)
         [pages] = snap.page_servers
         os.kill(pages.process.pid, signal.SIGKILL)
         try:
@@ -133,13 +142,11 @@ def test_a_page_daemon_that_dies_mid_transfer_takes_its_restored_tree_down(
                 time.sleep(0.05)
             assert not proc.pid_alive(r.pid), "the tree the dead daemon served still runs"
         finally:
-            kill_and_reap(r.pid)
-            for f in set(r.outputs.values()):
-                f.close()
+            _end(r)
     assert pages.returncode == -signal.SIGKILL
     assert any("lazy-pages daemon killed by signal 9" in m and "is killed" in m
                for m in caplog.messages), caplog.messages
-    assert snap.store.verify(info.id).ok  # the image is not at fault
+    assert snap.store.verify(manifest.id).ok  # the image is not at fault
 
 
 def test_a_kernel_without_userfaultfd_for_restores_reads_the_image_first(
@@ -150,19 +157,14 @@ def test_a_kernel_without_userfaultfd_for_restores_reads_the_image_first(
         return real_run(argv, **kw)
 
     snap = _snapshotter(tmp_path, no_uffd)
-    c = Counter(tmp_path / "c.sock", 4)
-    assert c.inc() == 1
-    info = capture(snap, c.pid, canary=CANARY, identity=identity(snap.criu.version))
-    c.stop()
+    c, manifest = _counted_once(snap, tmp_path, 4)
     with caplog.at_level(logging.WARNING, logger="pitstop.snapshot"):
-        r = snap.restore(info.manifest)
+        r = snap.restore(manifest)
     try:
         assert c.inc() == 2
         assert "lazy_pages_start" not in r.timings and not snap.page_servers
     finally:
-        kill_and_reap(r.pid)
-        for f in set(r.outputs.values()):
-            f.close()
+        _end(r)
     assert any("uffd-noncoop` fails" in m for m in caplog.messages), caplog.messages
     assert not _transferred(tmp_path / "logs")
 
