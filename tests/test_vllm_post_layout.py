@@ -112,3 +112,41 @@ def test_a_warm_start_gets_back_the_kernel_values_only_the_first_starts_processi
         "lin.quant_method.fp8_linear.logical_output_size"]
     assert (kernel.logical_output_size, kernel.backend) == (12, "rebuilt")
     assert fresh.lin.weight.shape == (8, 16)
+
+
+class Int8Kernel:
+    """Like vLLM's CPUInt8ScaledMMLinearKernel: its post-processing hands the weight to a
+    oneDNN handler, which keeps a pointer to the layer's weight scales."""
+
+    def __init__(self) -> None:
+        self.dnnl_handler: object | None = None
+
+
+class Scheme:
+    """Like compressed-tensors' W8A8 int8 scheme, which the layer keeps as `scheme`."""
+
+    def __init__(self) -> None:
+        self.kernel = Int8Kernel()
+
+
+def test_the_tensors_of_a_layer_whose_native_handler_holds_their_address_stay_in_place():
+    m = Tiny()
+    m.lin.scheme = Scheme()
+    m.lin.scheme.kernel.dnnl_handler = object()  # made by post-processing
+    keep = post.pinned(m)
+    assert keep == {"lin.weight", "lin.scale"}
+    scale_at = m.lin.scale.data_ptr()
+    layout = post.Layout.of(m, keep)
+    raw = torch.zeros(layout.size, dtype=torch.uint8)
+    post.move(m, raw, layout)
+    # The handler's pointer still names the scale; everything else moved.
+    assert m.lin.scale.data_ptr() == scale_at
+    assert post.outside(m, raw.data_ptr(), layout.size) == ["lin.scale", "lin.weight"]
+    assert post.outside(m, raw.data_ptr(), layout.size, keep) == []
+    assert {e.name for e in layout.entries} == {"emb.weight", "head.weight", "table"}
+
+
+def test_a_layer_without_a_handler_yet_pins_nothing():
+    m = Tiny()
+    m.lin.scheme = Scheme()  # before post-processing: no handler
+    assert post.pinned(m) == frozenset()

@@ -132,20 +132,27 @@ class PitstopModelLoader(BaseModelLoader):
                     model, held = self._load_post(meta, vllm_config, model_config, prefix,
                                                   device, sig, forget, online)
         space = held.held.space
+        keep: frozenset[str] = frozenset()
         if held.layout is not None:
             # Bound by parameter: vLLM's buffers (rotary tables) are made from the config
             # when the model is built, the same on every start; only parameters count.
             def check() -> list[str]:
                 return held.outside(dict(model.named_parameters()))
         else:
+            keep = post.pinned(model)
+            if keep:
+                log.info("pitstop loader: %d tensors stay in the engine's own memory (its "
+                         "image), as native kernels hold their addresses: %s", len(keep),
+                         ", ".join(sorted(keep)[:5]))
+
             def check() -> list[str]:
-                return post.outside(model, space.base, space.size)
+                return post.outside(model, space.base, space.size, keep)
         outside = check()
         if outside:
             log.warning("%d tensors the engine reads are outside held memory (%s): their "
                         "bytes are in the engine's image", len(outside), ", ".join(outside[:5]))
         state.set_current(held, source=held.source, seconds=time.monotonic() - t0,
-                          outside=outside, check=check)
+                          outside=outside, check=check, in_image=sorted(keep))
         log.info("pitstop loader: %s, %.1f MB %s in %.2fs", held.source, held.nbytes / 1e6,
                  "attached" if held.source == "holder" else "loaded and held",
                  time.monotonic() - t0)
@@ -229,8 +236,9 @@ class PitstopModelLoader(BaseModelLoader):
     def _move_into_holder(self, model: nn.Module, name: str,
                           device: torch.device) -> HeldParams:
         """Every tensor of a loaded, post-processed `model` moved into a new held region
-        `name` (its header lays them out), committed."""
-        layout = post.Layout.of(model)
+        `name` (its header lays them out), committed; but those native kernels hold by
+        address (`post.pinned`), which stay where they are."""
+        layout = post.Layout.of(model, post.pinned(model))
         held = HeldParams.create(self.socket, self.digest, name, layout.size,
                                  _space_factory(device))
         try:

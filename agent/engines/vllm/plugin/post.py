@@ -67,12 +67,13 @@ class Layout:
     kernels: Mapping[str, Mapping[str, Scalar]] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, model: Any) -> Layout:
+    def of(cls, model: Any, keep: frozenset[str] = frozenset()) -> Layout:
+        """The layout of every tensor of `model` but those named in `keep` (`pinned`)."""
         by_ptr: dict[int, int] = {}
         sizes: list[int] = []
         entries: list[Entry] = []
         for name, kind, t in named_tensors(model):
-            if t.device.type == "meta":
+            if t.device.type == "meta" or name in keep:
                 continue
             st = t.untyped_storage()
             idx = by_ptr.setdefault(st.data_ptr(), len(sizes))
@@ -148,6 +149,33 @@ def fill_kernel_state(model: Any, kernels: Mapping[str, Mapping[str, Scalar]]) -
     return filled
 
 
+def _holds_addresses(obj: Any) -> bool:
+    # vLLM's CPU oneDNN kernels keep their handler (a C++ object) here.
+    return getattr(obj, "dnnl_handler", None) is not None
+
+
+def pinned(model: Any) -> frozenset[str]:
+    """Tensors native code holds by address after post-processing, which must not move.
+
+    vLLM's CPU int8 kernel (CPUInt8ScaledMMLinearKernel, compressed-tensors W8A8) prepacks
+    the weight into a oneDNN handler but keeps a pointer to the weight scales
+    (`create_onednn_scaled_mm_handler` in vLLM's csrc/cpu/dnnl_kernels.cpp); moved into held
+    memory, the handler would read the freed copy, zeros once it was given back. Every
+    tensor of such a layer stays where it is, in the engine's own memory and so its image
+    (the weight lives in the handler there too); a restore puts it back at its address."""
+    out = set()
+    for mname, m in model.named_modules():
+        methods = [o for o in (getattr(m, "quant_method", None), getattr(m, "scheme", None))
+                   if o is not None]
+        held_by = [*methods, *(v for o in methods if hasattr(o, "__dict__")
+                               for v in vars(o).values())]
+        if any(_holds_addresses(o) for o in held_by):
+            for leaf, t in [*m._parameters.items(), *m._buffers.items()]:
+                if t is not None:
+                    out.add(f"{mname}.{leaf}" if mname else leaf)
+    return frozenset(out)
+
+
 def _up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -214,13 +242,15 @@ def materialize(model: Any, device: Any) -> list[str]:
     return left
 
 
-def outside(model: Any, base: int, size: int) -> list[str]:
+def outside(model: Any, base: int, size: int, keep: frozenset[str] = frozenset()) -> list[str]:
     """Every parameter and buffer with bytes whose storage is not in [base, base + size):
-    what the engine reads from its own memory, so from a snapshot's image, not the holder."""
+    what the engine reads from its own memory, so from a snapshot's image, not the holder;
+    but those `keep` names (`pinned`: in the image by design, not by accident)."""
     # A tensor still on the meta device has no bytes at all: listed too.
     return sorted({name for name, _, t in named_tensors(model)
-                   if t.numel() and (t.device.type == "meta"
-                                     or not base <= t.untyped_storage().data_ptr() < base + size)})
+                   if name not in keep and t.numel()
+                   and (t.device.type == "meta"
+                        or not base <= t.untyped_storage().data_ptr() < base + size)})
 
 
 def _get(modules: dict[str, Any], name: str) -> Any:

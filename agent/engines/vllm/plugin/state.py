@@ -21,6 +21,8 @@ class Loaded:
     # Lists again, at each state call, what the engine reads outside held memory (a
     # tensor vLLM makes after the load, say).
     check: Callable[[], list[str]] | None = None
+    # Outside held memory by design: native kernels hold their addresses (post.pinned).
+    in_image: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -46,9 +48,10 @@ def probed() -> Probed | None:
 
 
 def set_current(held: HeldParams, source: str, seconds: float, outside: list[str],
-                check: Callable[[], list[str]] | None = None) -> None:
+                check: Callable[[], list[str]] | None = None,
+                in_image: list[str] | None = None) -> None:
     global _current
-    _current = Loaded(held, source, seconds, outside, check)
+    _current = Loaded(held, source, seconds, outside, check, list(in_image or ()))
 
 
 def loaded() -> Loaded | None:

@@ -70,7 +70,7 @@ class PitstopWorkerExtension:
         # attached (a detached set's addresses are reserved, not readable).
         outside = loaded.check() if loaded.check and held.attached else loaded.outside
         return {"source": loaded.source, "load_s": round(loaded.seconds, 3),
-                "outside": outside, "vllm": vllm,
+                "outside": outside, "in_image": loaded.in_image, "vllm": vllm,
                 "held": {"digest": held.digest, "attached": held.attached,
                          "bytes": held.nbytes, "base": held.held.space.base,
                          "regions": held.identity}}
