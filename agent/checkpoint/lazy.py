@@ -10,8 +10,7 @@ daemon that fails takes the tree it served down with it (`PageServer.watch`).
 
 from __future__ import annotations
 
-import logging
-import subprocess
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -19,11 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.checkpoint.criu_locate import CriuBinary
-from agent.commands import start
+from agent.commands import Helper, start
 from agent.errors import CommandError, SnapshotError
 from agent.proc import disown
-
-logger = logging.getLogger("pitstop.snapshot")
 
 # CRIU's name for the daemon's socket, in the work directory both ends are given (-W).
 SOCKET_NAME = "lazy-pages.socket"
@@ -45,7 +42,7 @@ class PageServer:
         pages.watch(on_failure=lambda why: kill_tree(pid))
     """
 
-    process: subprocess.Popen[bytes]
+    process: Helper
     work_dir: Path
     log_path: Path
     started: float
@@ -75,6 +72,7 @@ class PageServer:
                 why = (f"exited with status {p.returncode}" if p.returncode is not None
                        else f"did not listen within {ready_timeout_s:g} s")
                 _end(p)
+                shutil.rmtree(work_dir, ignore_errors=True)
                 raise SnapshotError(f"CRIU's lazy-pages daemon {why} (log: {log_path})")
             time.sleep(READY_POLL_S)
         return cls(p, work_dir, log_path, t0)
@@ -83,6 +81,7 @@ class PageServer:
         """Kill the daemon (its restore failed: the tree it would serve is gone)."""
         if self.returncode is None and not self._done.is_set():
             _end(self.process)
+        shutil.rmtree(self.work_dir, ignore_errors=True)
 
     def watch(self, on_failure: Callable[[str], None],
               on_done: Callable[[float], None] | None = None) -> None:
@@ -101,6 +100,7 @@ class PageServer:
             rc = self.process.wait()
         finally:
             disown(self.process.pid)
+            shutil.rmtree(self.work_dir, ignore_errors=True)  # its socket
         self.returncode, self.ended = rc, time.monotonic()
         try:
             if rc == 0:
@@ -114,7 +114,7 @@ class PageServer:
             self._done.set()
 
 
-def _end(p: subprocess.Popen[bytes]) -> None:
+def _end(p: Helper) -> None:
     p.kill()
     try:
         p.wait(10)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -351,7 +350,6 @@ class Snapshotter:
                 os.close(fd)
             if pages is not None:
                 pages.stop()
-                shutil.rmtree(pages.work_dir, ignore_errors=True)
             raise
         for fd in writers:
             os.close(fd)
@@ -367,7 +365,6 @@ class Snapshotter:
                 f.close()
             if pages is not None:
                 pages.stop()
-                shutil.rmtree(pages.work_dir, ignore_errors=True)
             raise
         if pages is not None:
             self._watch_pages(pages, manifest.id, done.pid)
@@ -403,7 +400,6 @@ class Snapshotter:
         self._page_servers.append(pages)
 
         def failed(why: str) -> None:
-            shutil.rmtree(pages.work_dir, ignore_errors=True)
             now = stat(root, self._proc)
             if now is None or now.start_time != born:
                 logger.warning("snapshot %s: %s; its tree had exited already", snapshot_id, why)
@@ -413,7 +409,6 @@ class Snapshotter:
             kill_tree(root, proc=self._proc)
 
         def done(seconds: float) -> None:
-            shutil.rmtree(pages.work_dir, ignore_errors=True)
             logger.info("snapshot %s: every page of the lazy restore in place %.2f s after "
                         "its daemon started", snapshot_id, seconds)
 
