@@ -24,6 +24,7 @@ from agent.checkpoint.criu import (
     CriuBackend,
     DumpOptions,
     NetworkLock,
+    RestoreResult,
     restore_flags,
 )
 from agent.checkpoint.cuda import CudaCheckpoint, GpuPair, gpu_pairs, uses_cuda
@@ -318,7 +319,6 @@ class Snapshotter:
         image_dir = image or self.store.path(manifest.id)
         log = self._log(f"{manifest.id}-restore-{int(time.time() * 1000)}.log",
                         self.restore_log_dir)
-        flags = restore_flags(manifest.criu_flags)
         # One new pipe per old pipe inode; the write end goes to CRIU, we keep the read end.
         readers: dict[str, int] = {}
         writers: dict[int, str] = {}
@@ -327,24 +327,14 @@ class Snapshotter:
             readers[what] = r
             writers[w] = what
         timings: dict[str, float] = {"pid_wait": waited}
-        remaps: tuple[Path, ...] = ()
         # CRIU does not restore the AMX permission: the tree stays stopped until each of
         # its processes has asked for it again (agent/checkpoint/xcomp.py).
         regrant = self.regrant.active(self._proc)
         pages = None
         try:
             pages = self._page_server(manifest, image_dir, timings)
-            with outside.remap_window(self._shm) as remap_wait:
-                timings["remap_wait"] = remap_wait
-                remaps = outside.put_back(image_dir, manifest.process.shm_files,
-                                          manifest.process.socket_paths, self._shm)
-                try:
-                    done = self.criu.restore(
-                        image_dir, log, flags=flags, inherit_fds=writers, leave_stopped=regrant,
-                        lazy_work_dir=pages.work_dir if pages else None)
-                except BaseException:
-                    outside.drop_remaps(remaps)
-                    raise
+            done = self._criu_restore(manifest, image_dir, log, writers, timings,
+                                      leave_stopped=regrant, pages=pages)
         except BaseException:
             for fd in [*readers.values(), *writers]:
                 os.close(fd)
@@ -369,6 +359,24 @@ class Snapshotter:
         if pages is not None:
             self._watch_pages(pages, manifest.id, done.pid)
         return restored
+
+    def _criu_restore(self, manifest: Manifest, image_dir: Path, log: Path,
+                      writers: dict[int, str], timings: dict[str, float], *,
+                      leave_stopped: bool, pages: PageServer | None) -> RestoreResult:
+        """`criu restore`, the files the tree keeps outside itself put back first under the
+        host's remap lock (and taken away again when CRIU fails)."""
+        with outside.remap_window(self._shm) as remap_wait:
+            timings["remap_wait"] = remap_wait
+            remaps = outside.put_back(image_dir, manifest.process.shm_files,
+                                      manifest.process.socket_paths, self._shm)
+            try:
+                return self.criu.restore(
+                    image_dir, log, flags=restore_flags(manifest.criu_flags),
+                    inherit_fds=writers, leave_stopped=leave_stopped,
+                    lazy_work_dir=pages.work_dir if pages else None)
+            except BaseException:
+                outside.drop_remaps(remaps)
+                raise
 
     def _page_server(self, manifest: Manifest, image_dir: Path,
                      timings: dict[str, float]) -> PageServer | None:
