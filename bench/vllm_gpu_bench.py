@@ -200,6 +200,12 @@ class Run:
             for f in ("agent.log", "holder.log", "daemon.log", "manual.log"):
                 with contextlib.suppress(OSError):
                     shutil.copy(self.work / name / f, self.a.out / f"{name}-{f}")
+            # CRIU's own timestamped restore logs (-v4): where a restore's time goes.
+            logs = sorted((self.work / name).glob("**/run/criu/*-restore-*.log"),
+                          key=lambda p: p.stat().st_mtime)
+            for kept in logs[-3:]:
+                with contextlib.suppress(OSError):
+                    shutil.copy(kept, self.a.out / f"{name}-{kept.name}")
 
 
 # --- the engine and its agent ----------------------------------------------------------------
