@@ -57,6 +57,9 @@ class EngineConfig(_Strict):
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     stop_timeout_s: float = Field(10.0, gt=0)
+    # A small Pitstop process stays the root of the engine's process tree (vLLM only): CRIU
+    # then restores the engine's own processes in parallel (agent/deathsig.py says why).
+    small_root: bool = True
 
     @property
     def model_name(self) -> str:

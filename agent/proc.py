@@ -34,9 +34,11 @@ async def in_parent_thread(fn: Callable[..., T], *args: object) -> T:
     return await asyncio.get_running_loop().run_in_executor(_parent_thread, fn, *args)
 
 
-def with_deathsig(argv: list[str]) -> list[str]:
-    """`argv` behind the exec wrapper that arms PR_SET_PDEATHSIG(SIGKILL) in the child."""
-    return [sys.executable, "-I", "-S", str(DEATHSIG_WRAPPER), str(os.getpid()), "--", *argv]
+def with_deathsig(argv: list[str], root: bool = False) -> list[str]:
+    """`argv` behind the exec wrapper that arms PR_SET_PDEATHSIG(SIGKILL) in the child;
+    `root`: the wrapper stays, the small root of the engine's tree, and forks `argv`."""
+    return [sys.executable, "-I", "-S", str(DEATHSIG_WRAPPER), str(os.getpid()),
+            *(["--root"] if root else []), "--", *argv]
 
 
 class Stat(NamedTuple):

@@ -40,6 +40,8 @@ POLICY: dict[str, tuple[Apply, str]] = {
                                   "vLLM's features are read at start"),
     "engine.args": (Apply.ENGINE, "the engine is replaced"),
     "engine.stop_timeout_s": (Apply.LIVE, "the next engine stop"),
+    "engine.small_root": (Apply.LIVE, "the next cold start (a restored engine keeps the root "
+                          "its snapshot holds)"),
     "front.enabled": (Apply.RESTART, "the front owns the public port from the agent's start"),
     "front.host": (Apply.RESTART, "the front's socket is bound at start"),
     "front.port": (Apply.RESTART, "the front's socket is bound at start"),

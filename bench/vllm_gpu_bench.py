@@ -166,7 +166,8 @@ class Run:
         ctx = {"gib": self.result["gib"], "command": self.command, "model": self.result["model"],
                "vllm_version": self.result.get("vllm_version"),
                "held_bytes": self.result.get("held_bytes"), "tp": self.a.tp,
-               **({"eager": True} if self.a.eager else {}), **model_kind(self.a)}
+               **({"eager": True} if self.a.eager else {}), "small_root": not self.a.engine_root,
+               **model_kind(self.a)}
         r = self.result
         stamp_records(r, self.command)
         rows = [*start_peaks(r, ctx)]
@@ -688,7 +689,7 @@ def base_config(a: argparse.Namespace, model: Path, env: dict[str, str]) -> dict
     return {
         "engine": {"kind": "vllm", "model": str(model), "python": a.python,
                    "served_model_name": MODEL_NAME, "args": engine_args(model, a, False),
-                   "env": env, "stop_timeout_s": 30},
+                   "env": env, "stop_timeout_s": 30, "small_root": not a.engine_root},
         "front": {"host": "127.0.0.1", "port": 0},
         "metrics": {"host": "127.0.0.1", "port": 0},
         "health": {"interval_s": 1.0, "timeout_s": 10.0, "failures_before_restart": 3,
@@ -724,6 +725,9 @@ def parse_args() -> argparse.Namespace:
                     help="vLLM's --enforce-eager (no torch.compile, no CUDA graphs): a warm "
                          "start then runs every kernel's Python again, with no compiled "
                          "graph from an earlier start to stand in for it; rows carry it")
+    ap.add_argument("--engine-root", action="store_true",
+                    help="vLLM's API server is the root of its process tree (engine.small_root "
+                         "false), as before 2026-12-06; rows carry small_root")
     add_vllm_args(ap)
     add_model_args(ap)
     ap.add_argument("--criu", type=Path, default=os.environ.get("PITSTOP_CRIU"))

@@ -68,11 +68,12 @@ def cached_model(size: str) -> Path:
 
 def config(state: Path, model: Path, snapshots: bool, holder: Path | None = None,
            plugin: Path | None = None, engine: str = "vllm", standby: bool = False,
-           lazy: bool = False) -> dict:
+           lazy: bool = False, small_root: bool = True) -> dict:
     if engine == "vllm":
         eng = {"kind": "vllm", "model": str(model), "python": str(VLLM_PYTHON),
                "served_model_name": "bench", "args": CPU_ARGS, "stop_timeout_s": 20,
-               "env": {"PYTHONPATH": str(plugin)} if plugin else {}}
+               "env": {"PYTHONPATH": str(plugin)} if plugin else {},
+               "small_root": small_root}
     else:
         eng = {"kind": "reference", "model": str(model), "device": "cpu",
                "served_model_name": "bench", "stop_timeout_s": 20}
@@ -191,11 +192,12 @@ def vllm_version() -> str | None:
 
 def series(work: Path, name: str, model: Path, runs: int, want: str, snapshots: bool,
            holder: Path | None = None, plugin: Path | None = None,
-           engine: str = "vllm", lazy: bool = False) -> dict:
+           engine: str = "vllm", lazy: bool = False, small_root: bool = True) -> dict:
     """One agent, its first start (and snapshot), then `runs` SIGKILLs recovered by `want`
-    (with `lazy`, each restore by CRIU's lazy restore: snapshots.lazy_restore)."""
+    (with `lazy`, each restore by CRIU's lazy restore: snapshots.lazy_restore; without
+    `small_root`, vLLM's API server is the root of its tree: engine.small_root false)."""
     agent = Agent(config(work / f"state-{name}", model, snapshots, holder, plugin, engine,
-                         standby=want == "standby", lazy=lazy), work)
+                         standby=want == "standby", lazy=lazy, small_root=small_root), work)
     try:
         if snapshots:
             st = agent.wait(lambda s: s.get("state") == "ready"
@@ -262,22 +264,26 @@ def main() -> None:
     holder = None
     try:
         for path in paths:
-            # full-lazy, hybrid-lazy: the same rung, restored by CRIU's lazy restore.
-            want, lazy = path.removesuffix("-lazy"), path.endswith("-lazy")
+            # full-lazy, hybrid-lazy: the same rung, restored by CRIU's lazy restore;
+            # full-engine-root, hybrid-engine-root: with engine.small_root false.
+            small_root = not path.endswith("-engine-root")
+            rung = path.removesuffix("-engine-root")
+            want, lazy = rung.removesuffix("-lazy"), rung.endswith("-lazy")
             if want in ("full", "cold") and not (lazy and want == "cold"):
                 results[path] = series(work, path, model, args.runs, want, want == "full",
-                                       engine=args.engine, lazy=lazy)
+                                       engine=args.engine, lazy=lazy, small_root=small_root)
             elif want in ("hybrid", "standby") and not (lazy and want == "standby"):
                 holder = start_holder(work)
                 results[path] = series(work, path, model, args.runs, want, True,
                                        holder=work / "holder", plugin=plugin_for(work, vllm),
-                                       engine=args.engine, lazy=lazy)
+                                       engine=args.engine, lazy=lazy, small_root=small_root)
                 holder.terminate()
                 holder.wait(30)
                 holder = None
             else:
                 raise SystemExit(f"--paths: unknown path {path!r}; choose full, hybrid, "
-                                 "standby, cold, full-lazy, hybrid-lazy")
+                                 "standby, cold, full-lazy, hybrid-lazy (each also with "
+                                 "-engine-root)")
             load.append(os.getloadavg()[0])
     finally:
         if holder is not None:

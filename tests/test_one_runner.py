@@ -17,6 +17,7 @@ SPAWNERS = {
     "engines/vllm/preload.py": "`pitstop vllm-preload`: the daemon's own unit process",
     "units.py": "`pitstop install-units`: a command run once by an operator",
     "checkpoint/nsinit.py": "the standby's namespace init: its own process, started as an engine",
+    "deathsig.py": "the engine's small root (`--root`): a script of its own that forks the engine",
 }
 # Inside the agent a long-lived spawner must hold the spawn lock while it forks, so that
 # the reaper never sees its child as an orphan.

@@ -31,6 +31,8 @@ class LaunchSpec:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     socket: Path | None = None
+    # Start it under a small root process that stays (agent/deathsig.py `--root`).
+    small_root: bool = False
 
 
 class EngineAdapter(Protocol):

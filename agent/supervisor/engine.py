@@ -92,9 +92,9 @@ class EngineProcess:
         try:
             with proc.spawn_lock():
                 p = subprocess.Popen(
-                    proc.with_deathsig(list(spec.argv)), env=env, stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                    close_fds=True, pass_fds=pass_fds)
+                    proc.with_deathsig(list(spec.argv), spec.small_root), env=env,
+                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                    start_new_session=True, close_fds=True, pass_fds=pass_fds)
                 proc.own(p.pid)
         except OSError as e:
             raise EngineError(f"cannot start the engine {spec.argv[0]!r}: {e.strerror}") from e

@@ -242,7 +242,8 @@ class VllmAdapter:
                 argv.append("--enable-sleep-mode")
             env.update({support.ENABLE_ENV: "1", "VLLM_SERVER_DEV_MODE": "1"})
         # The user's engine.env comes last: an explicit setting wins over our defaults.
-        return LaunchSpec(argv=argv, env={**env, **eng.env}, socket=self._config.engine_socket)
+        return LaunchSpec(argv=argv, env={**env, **eng.env}, socket=self._config.engine_socket,
+                          small_root=eng.small_root)
 
     def python(self) -> str:
         """The interpreter that runs vLLM: engine.python, else the agent's own."""
