@@ -247,19 +247,24 @@ def first_answer(addr: str, model: str, since: float, limit_s: float = ANSWER_LI
 
 
 def serving_pid(engine_pid: int, proc: Path = Path("/proc")) -> int:
-    """The engine's own root process for the agent's `engine_pid`: itself, or, for an engine
+    """The engine's own serving process for the agent's `engine_pid`: itself; for an engine
     continued from a standby, the restored root two levels under the standby's init (its
-    namespace's PID 1 between them). A crash is that process dying; SIGKILL of the init
-    ends the engine too, but the engine may answer once more before its namespace goes."""
+    namespace's PID 1 between them); under Pitstop's small root (engine.small_root), the
+    root's one child, vLLM's API server. A crash is that process dying; SIGKILL of the init
+    or of the small root ends the engine too, but not as a crash of vLLM would."""
     from agent.checkpoint.standby import ns_root
     from agent.errors import SnapshotError
 
+    pid = engine_pid
     try:
-        if b"agent.checkpoint.nsinit" in (proc / str(engine_pid) / "cmdline").read_bytes():
-            return ns_root(engine_pid, proc)
-    except (OSError, SnapshotError):
+        if b"agent.checkpoint.nsinit" in (proc / str(pid) / "cmdline").read_bytes():
+            pid = ns_root(pid, proc)
+        argv = (proc / str(pid) / "cmdline").read_bytes().split(b"\0")
+        if any(a.endswith(b"deathsig.py") for a in argv) and b"--root" in argv:
+            pid = int((proc / str(pid) / "task" / str(pid) / "children").read_text().split()[0])
+    except (OSError, SnapshotError, IndexError, ValueError):
         pass
-    return engine_pid
+    return pid
 
 
 def kill_to_answer(front: str, model: str, pid: int) -> dict:

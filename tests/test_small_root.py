@@ -115,3 +115,18 @@ def test_the_root_refuses_to_start_an_engine_whose_agent_is_already_gone():
     assert r.returncode == 127
     assert "started" not in r.stdout
     assert f"the agent (PID {not_the_parent}) died before the engine started" in r.stderr
+
+
+def test_the_benches_kill_the_api_server_under_the_small_root_as_a_crash_would(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
+    from vllm_bench_kit import serving_pid
+
+    root = _start("sleep", "60")
+    try:
+        engine = _child_of(root.pid)
+        assert _runs(engine, b"sleep")
+        assert serving_pid(root.pid) == engine
+        assert serving_pid(engine) == engine
+    finally:
+        root.kill()
+        root.wait(timeout=30)
