@@ -228,6 +228,16 @@ def _comm(pid: int) -> str:
         return ""
 
 
+def _api_server(engine_pid: int) -> int:
+    """vLLM's API server: the one child of Pitstop's small root, which is the engine PID the
+    agent reports (engine.small_root)."""
+    argv = Path(f"/proc/{engine_pid}/cmdline").read_bytes().split(b"\0")
+    assert b"--root" in argv and any(a.endswith(b"deathsig.py") for a in argv), argv
+    children = Path(f"/proc/{engine_pid}/task/{engine_pid}/children").read_text().split()
+    assert len(children) == 1, f"want vLLM's API server alone under the root: {children}"
+    return int(children[0])
+
+
 def _engine_core(api_server: int) -> int:
     """vLLM's engine core: a child of the API server whose title says EngineCore."""
     cores = []
@@ -419,7 +429,8 @@ def test_sigkill_of_the_api_server_mid_stream_is_restored_and_the_stream_finishe
     dead, sweeps = _shm_files(pid), _sweeps(agent, pid)
     # The stream's connection to the engine dies with the API server; the front holds the
     # client and continues the answer on the restored engine from the last token sent.
-    stream = _Stream(agent, client, lambda: os.kill(pid, signal.SIGKILL))
+    api = _api_server(pid)
+    stream = _Stream(agent, client, lambda: os.kill(api, signal.SIGKILL))
     st = _restored(agent, client, stream.recoveries + 1, "crash")
     # CRIU gives the tree its PIDs back.
     assert st["engine_pid"] == pid
@@ -518,14 +529,15 @@ def test_sigkill_of_the_engine_core_mid_stream_is_restored_and_the_stream_finish
 def test_a_stopped_api_server_is_a_hang_and_is_restored(agent: VllmAgent,
                                                         client: openai.OpenAI):
     pid = agent.engine_pid()
+    api = _api_server(pid)
     recoveries = int(agent.status().get("restarts", 0))
-    os.kill(pid, signal.SIGSTOP)
+    os.kill(api, signal.SIGSTOP)
     try:
         _restored(agent, client, recoveries + 1, "hang")
         assert re.search(rf"engine {pid} failed 3 health checks in a row", agent.log())
     finally:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
+            os.kill(api, signal.SIGCONT)
     # Three restores in a row from one image, and no new snapshot taken after them.
     assert len(_snapshots(agent)) == 1
     assert len(re.findall(r"restored snapshot \S+ as PID", agent.log())) == 3

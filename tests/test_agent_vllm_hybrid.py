@@ -38,6 +38,7 @@ from tests.holder_proc import Holder, wait_for
 from tests.test_agent_standby import _armed, _children, _run_state
 from tests.test_agent_vllm import (
     BOOT_S,
+    _api_server,
     _engine_core,
     _manifest,
     _prerequisites,
@@ -186,7 +187,7 @@ def _hybrid_back(node: HybridNode, client: openai.OpenAI, n: int, causes: tuple[
 def test_sigkill_of_the_api_server_comes_back_through_the_hybrid_restore(
         node: HybridNode, client: openai.OpenAI):
     pid = node.agent.status()["engine_pid"]
-    os.kill(pid, signal.SIGKILL)
+    os.kill(_api_server(pid), signal.SIGKILL)  # the root ends as its child ended
     st = _hybrid_back(node, client, 1, ("crash",))
     assert st["engine_pid"] == pid  # CRIU gives the tree its PIDs back
 
