@@ -72,6 +72,15 @@ def wait_gone(pid: int, timeout: float = 30) -> None:
         time.sleep(0.01)
 
 
+def write_rows(out_dir: Path, name: str, rows: list[dict]) -> Path:
+    """OUT_DIR/<date>-NAME-<machine>.json with `rows` (the machine's name without spaces)."""
+    where = rows[0]["machine"].replace(" ", "-") if rows else "unknown"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{datetime.date.today()}-{name}-{where}.json"
+    path.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    return path
+
+
 def restore_once(criu: str, images: Path, done: Path, pid: int, lazy: bool) -> dict:
     done.unlink(missing_ok=True)
     daemon = None
@@ -137,9 +146,7 @@ def main() -> None:
              "hash_s": [round(r["hash_s"], 3) for r in rs],
              "image_bytes": image_bytes, "machine": where, "host": host, "command": command}
             for path, rs in runs.items()]
-    a.out.mkdir(parents=True, exist_ok=True)
-    out = a.out / f"{datetime.date.today()}-lazy-restore-{where}.json"
-    out.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    out = write_rows(a.out, "lazy-restore", rows)
     for r in rows:
         print(f"{r['path']}: restore {r['runs_s']} s, every page read by {r['all_pages_s']} s")
     print(f"wrote {out}")

@@ -20,7 +20,6 @@ must equal the first run's. `runs_s` is `criu restore`'s own time. Run as root, 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import signal
@@ -32,7 +31,7 @@ import time
 from pathlib import Path
 
 from gpu_recovery_bench import REPO, machine
-from lazy_restore_bench import wait_file, wait_gone
+from lazy_restore_bench import wait_file, wait_gone, write_rows
 
 # argv: GIB OUT [CHILD_GIB]: hold GIB, start the child (this same program) if CHILD_GIB.
 BALLAST = """
@@ -128,9 +127,7 @@ def main() -> None:
              "median_s": round(statistics.median(r["restore_s"] for r in rs), 3),
              "machine": where, "host": host, "command": command}
             for layout, rs in runs.items()]
-    a.out.mkdir(parents=True, exist_ok=True)
-    path = a.out / f"{datetime.date.today()}-tree-root-{where}.json"
-    path.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    path = write_rows(a.out, "tree-root", rows)
     for r in rows:
         print(f"{r['path']}: criu restore {r['runs_s']} s (median {r['median_s']})")
     print(f"wrote {path}")
