@@ -33,6 +33,8 @@ from pathlib import Path
 from gpu_recovery_bench import REPO, machine
 from lazy_restore_bench import wait_file, wait_gone, write_rows
 
+from agent.proc import with_deathsig
+
 # argv: GIB OUT [CHILD_GIB]: hold GIB, start the child (this same program) if CHILD_GIB.
 BALLAST = """
 import hashlib, os, signal, subprocess, sys, time
@@ -54,7 +56,6 @@ with open(out + ".pid", "w") as f:
 while True:
     time.sleep(0.05)
 """
-DEATHSIG = REPO / "agent" / "deathsig.py"
 
 
 def dump_tree(criu: str, work: Path, layout: str, api_gib: float, core_gib: float
@@ -64,8 +65,7 @@ def dump_tree(criu: str, work: Path, layout: str, api_gib: float, core_gib: floa
     images.mkdir()
     program.write_text(BALLAST)
     api = [sys.executable, str(program), str(api_gib), str(out), str(core_gib)]
-    argv = ([sys.executable, "-I", "-S", str(DEATHSIG), str(os.getpid()), "--root", "--", *api]
-            if layout == "small-root" else api)
+    argv = with_deathsig(api, root=True) if layout == "small-root" else api
     root = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True)
     pids = {"api": int(wait_file(Path(f"{out}.pid"))),
             "core": int(wait_file(Path(f"{out}.core.pid")))}
