@@ -312,7 +312,17 @@ def machine() -> tuple[str, str]:
         kind = f"cpu-{os.cpu_count()}core"
     else:
         kind = gpu.split(",")[0].strip().lower()
-    return kind, f"{os.uname().nodename} ({gpu}, kernel {os.uname().release})"
+    return kind, f"{os.uname().nodename} ({gpu}, kernel {os.uname().release}, THP {thp()})"
+
+
+def thp() -> str:
+    """The host's transparent huge page mode for anonymous memory (always, madvise, never):
+    CRIU restores pages faster into huge pages, and the kernel role sets `always`."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "unknown"
+    return next((w.strip("[]") for w in text.split() if w.startswith("[")), "unknown")
 
 
 H2D_SCRIPT = """

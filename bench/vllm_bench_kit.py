@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import yaml
-from gpu_recovery_bench import REPO, log, machine
+from gpu_recovery_bench import REPO, log, machine, thp
 
 if TYPE_CHECKING:
     from agent.engines.vllm.cli import VllmFeatures
@@ -385,7 +385,7 @@ def summarize(path: str, recs: list[dict], ctx: dict, time_key: str = "duration_
     return {"engine": "vllm", "path": path, "gib": ctx["gib"], "runs_s": runs,
             "median_s": round(statistics.median(runs), 3), "machine": where, "host": host,
             "command": commands_of(ok, ctx["command"]), "vllm_version": ctx.get("vllm_version"),
-            "model": ctx.get("model"), "tp": ctx.get("tp", 1),
+            "model": ctx.get("model"), "tp": ctx.get("tp", 1), "thp": thp(),
             **{k: ctx[k] for k in ("architecture", "quantization", "held_bytes", "eager",
                                    "small_root") if k in ctx},
             "kill_to_answer_s": k2a,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -127,3 +128,50 @@ def test_a_resume_of_a_checkpointed_process_restores_then_unlocks():
     cc = CudaCheckpoint(driver=stateful_driver(log))
     cc.resume(7)
     assert cc.state(7) == "running" and log == ["restore", "unlock"]
+
+
+def tree_driver(states: dict[int, str], meet: threading.Barrier | None = None,
+                failing: int | None = None) -> SimpleNamespace:
+    """A stand-in for a tree's processes: each restore waits at `meet` (so restores made one
+    after the other never get through it) and PID `failing`'s restore fails."""
+    def restore(pid, args):
+        if meet is not None:
+            meet.wait()
+        if pid == failing:
+            return (CUresult.CUDA_ERROR_ILLEGAL_STATE,)
+        states[pid] = "LOCKED"
+        return (CUresult.CUDA_SUCCESS,)
+
+    def unlock(pid, args):
+        states[pid] = "RUNNING"
+        return (CUresult.CUDA_SUCCESS,)
+
+    return SimpleNamespace(
+        CUresult=CUresult, CUcheckpointRestoreArgs=SimpleNamespace,
+        CUcheckpointUnlockArgs=SimpleNamespace,
+        cuCheckpointProcessGetState=lambda pid: (
+            CUresult.CUDA_SUCCESS, SimpleNamespace(name=f"CU_PROCESS_STATE_{states[pid]}")),
+        cuCheckpointProcessRestore=restore, cuCheckpointProcessUnlock=unlock)
+
+
+def test_the_processes_of_a_tree_are_restored_side_by_side():
+    states = {7: "CHECKPOINTED", 8: "CHECKPOINTED"}
+    cc = CudaCheckpoint(driver=tree_driver(states, threading.Barrier(2, timeout=10)))
+    each = cc.resume_all((7, 8))
+    assert states == {7: "RUNNING", 8: "RUNNING"} and sorted(each) == [7, 8]
+
+
+def test_a_standby_woken_ahead_restores_its_processes_side_by_side_and_leaves_them_locked():
+    states = {7: "CHECKPOINTED", 8: "CHECKPOINTED"}
+    CudaCheckpoint(driver=tree_driver(states, threading.Barrier(2, timeout=10))).restore_all(
+        (7, 8))
+    assert states == {7: "LOCKED", 8: "LOCKED"}
+
+
+def test_one_process_failing_its_restore_is_named_and_the_others_still_run():
+    states = {7: "CHECKPOINTED", 8: "CHECKPOINTED"}
+    cc = CudaCheckpoint(driver=tree_driver(states, failing=8))
+    with pytest.raises(SnapshotError, match="cuCheckpointProcessRestore of PID 8 failed") as e:
+        cc.resume_all((7, 8))
+    assert "PID 7" not in str(e.value)
+    assert states == {7: "RUNNING", 8: "CHECKPOINTED"}

@@ -66,7 +66,8 @@ def test_doctor_reports_each_item_and_its_exit_status(setup, capsys):
     rc = main(["doctor", "--config", str(cfg), "--json"])
     checks = {c["name"]: c for c in _json(capsys)}
     assert set(checks) == {"criu", "criu check", "privileges", "amx", "io_uring",
-                           "cuda checkpoint", "persistence mode", "free space"}  # fmt: skip
+                           "transparent huge pages", "cuda checkpoint", "persistence mode",
+                           "free space"}  # fmt: skip
     assert checks["criu"]["ok"] and checks["criu check"]["ok"]
     assert all(c["fix"] for c in checks.values() if not c["ok"])
     assert rc == (1 if any(c["needed"] and not c["ok"] for c in checks.values()) else 0)
@@ -91,6 +92,25 @@ def test_doctor_says_whether_the_cpu_has_amx_and_that_restores_regrant_it(
                         gpu_probe=lambda: (False, Check("persistence mode", True, False, "-")))
     amx = next(c for c in checks if c.name == "amx")
     assert says in amx.detail
+
+
+@pytest.mark.parametrize("enabled, ok", [
+    ("[always] madvise never\n", True),
+    ("always [madvise] never\n", False),
+])  # fmt: skip
+def test_doctor_warns_when_restores_get_no_huge_pages(setup, tmp_path: Path, enabled: str,
+                                                      ok: bool):
+    from agent.config import load_config
+    from agent.doctor import Check, run_checks
+
+    cfg, _ = setup
+    thp = tmp_path / "enabled"
+    thp.write_text(enabled)
+    checks = run_checks(load_config(cfg), thp_path=thp,
+                        gpu_probe=lambda: (False, Check("persistence mode", True, False, "-")))
+    item = next(c for c in checks if c.name == "transparent huge pages")
+    assert item.ok is ok and not item.needed
+    assert ok or ("madvise" in item.detail and f"echo always > {thp}" in (item.fix or ""))
 
 
 def test_doctor_says_whether_lazy_restore_can_work_when_it_is_on(tmp_path: Path, capsys):

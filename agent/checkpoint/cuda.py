@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from agent.errors import SnapshotError
 
 DEFAULT_LOCK_TIMEOUT_MS = 10_000
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -208,3 +212,35 @@ class CudaCheckpoint:
             pid,
         )
         return CudaTimings(restored, time.monotonic() - t1)
+
+    def resume_all(self, pids: tuple[int, ...],
+                   gpu_pairs: tuple[GpuPair, ...] = ()) -> dict[int, CudaTimings]:
+        """`resume` of every PID of a tree at once. SnapshotError names each PID that
+        failed; the others were resumed all the same."""
+        return _each_at_once(lambda p: self.resume(p, gpu_pairs), pids)
+
+    def restore_all(self, pids: tuple[int, ...],
+                    gpu_pairs: tuple[GpuPair, ...] = ()) -> dict[int, float]:
+        """`restore` of every PID of a tree at once, each left locked; errors as resume_all."""
+        return _each_at_once(lambda p: self.restore(p, gpu_pairs), pids)
+
+
+def _each_at_once(fn: Callable[[int], T], pids: tuple[int, ...]) -> dict[int, T]:
+    """fn(pid) for every PID, one thread each. A restore call waits while the driver brings
+    that process's device memory and context back; vLLM's API server and engine core are
+    restored side by side instead of one after the other. The driver calls of
+    cuda-bindings let go of the GIL."""
+    if len(pids) <= 1:
+        return {p: fn(p) for p in pids}
+    with ThreadPoolExecutor(max_workers=len(pids), thread_name_prefix="cuda-restore") as pool:
+        futures = {p: pool.submit(fn, p) for p in pids}
+    done: dict[int, T] = {}
+    failed: list[SnapshotError] = []
+    for p, f in futures.items():
+        try:
+            done[p] = f.result()
+        except SnapshotError as e:
+            failed.append(e)
+    if failed:
+        raise SnapshotError("; ".join(map(str, failed))) from failed[0]
+    return done

@@ -274,21 +274,26 @@ class Snapshotter:
         self, pids: tuple[int, ...], timings: dict[str, float], cause: Exception | None = None,
         pairs: tuple[GpuPair, ...] = (),
     ) -> None:
-        """CUDA restore + unlock of each PID (onto other GPUs per `pairs`). After a failure
-        (`cause`), a failing resume is reported together with the cause: that engine can no
-        longer serve."""
-        for p in pids:
-            try:
-                t = self._cuda().resume(p, pairs)
-            except SnapshotError as e:
-                if cause is None:
-                    raise
-                raise SnapshotError(
-                    f"{cause}\nand then CUDA restore/unlock of PID {p} failed too: {e}; "
-                    f"the engine cannot serve: kill it and cold start"
-                ) from e
-            timings["cuda_restore"] = timings.get("cuda_restore", 0.0) + t.first_s
-            timings["cuda_unlock"] = timings.get("cuda_unlock", 0.0) + t.second_s
+        """CUDA restore + unlock of every PID at once (onto other GPUs per `pairs`). After a
+        failure (`cause`), a failing resume is reported together with the cause: that engine
+        can no longer serve."""
+        t0 = self._clock()
+        try:
+            each = self._cuda().resume_all(pids, pairs)
+        except SnapshotError as e:
+            if cause is None:
+                raise
+            raise SnapshotError(
+                f"{cause}\nand then the CUDA restore/unlock failed too: {e}; "
+                f"the engine cannot serve: kill it and cold start"
+            ) from e
+        if not each:
+            return
+        wall = self._clock() - t0
+        restore = max(t.first_s for t in each.values())
+        timings["cuda_restore"] = timings.get("cuda_restore", 0.0) + restore
+        timings["cuda_unlock"] = timings.get("cuda_unlock", 0.0) + max(0.0, wall - restore)
+        _log_each("restore + unlock", {p: t.first_s + t.second_s for p, t in each.items()}, wall)
 
     def restore_log(self, name: str) -> Path:
         """A restore's log path, its directory made (a standby's restore)."""
@@ -296,16 +301,18 @@ class Snapshotter:
 
     def resume_cuda(self, pids: tuple[int, ...], timings: dict[str, float],
                     pairs: tuple[GpuPair, ...] = ()) -> None:
-        """CUDA restore + unlock of each PID of a tree restored elsewhere (a standby)."""
+        """CUDA restore + unlock of every PID of a tree restored elsewhere (a standby)."""
         self._resume(pids, timings, pairs=pairs)
 
     def restore_cuda_locked(self, pids: tuple[int, ...], timings: dict[str, float],
                             pairs: tuple[GpuPair, ...] = ()) -> None:
-        """CUDA restore of each PID, left locked (a standby woken ahead of the crash: its
-        resume_cuda later only unlocks)."""
-        for p in pids:
-            timings["cuda_restore"] = timings.get("cuda_restore", 0.0) + self._cuda().restore(
-                p, pairs)
+        """CUDA restore of every PID at once, left locked (a standby woken ahead of the
+        crash: its resume_cuda later only unlocks)."""
+        t0 = self._clock()
+        each = self._cuda().restore_all(pids, pairs)
+        wall = self._clock() - t0
+        timings["cuda_restore"] = timings.get("cuda_restore", 0.0) + wall
+        _log_each("restore", each, wall)
 
     def restore(self, manifest: Manifest, image: Path | None = None, *,
                 gpu_uuid: str | None = None) -> RestoredProcess:
@@ -518,3 +525,11 @@ def _prune_logs(d: Path, keep: int) -> None:
         for p in (path, path + ".pid"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
+
+
+def _log_each(what: str, seconds: dict[int, float], wall: float) -> None:
+    """One line of each process's CUDA share: the restores run side by side, so the stage's
+    figure is the slowest of them, and which one that was is only said here."""
+    if len(seconds) > 1:
+        logger.info("CUDA %s of %d processes at once in %.3f s: %s", what, len(seconds), wall,
+                    ", ".join(f"PID {p} {s:.3f} s" for p, s in sorted(seconds.items())))

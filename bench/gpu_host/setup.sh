@@ -21,6 +21,9 @@ rm -f "$PARTS"/site.tar.zst.part*
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$KIT/site" "$KIT"/whl/*
 chmod +x "$KIT"/cc/cuda-checkpoint
 sysctl -qw kernel.io_uring_disabled=2
+# What the kernel role sets on a fleet's hosts (kernel_transparent_hugepage: always): CRIU
+# restores pages faster into huge pages. A step that measures the host's own setting sets it.
+echo always > /sys/kernel/mm/transparent_hugepage/enabled
 rm -rf "$REPO" && mkdir -p "$REPO" && cp -a . "$REPO/"
 source "$KIT/run/env.sh"
 (cd "$REPO" && $PY -c "import agent, boto3, moto, sdnotify, vllm, torch
