@@ -208,10 +208,6 @@ class SnapshotsConfig(_Strict):
     # state is restored onto the GPU, locked) instead of at the crash, which then costs no
     # CUDA restore; the price is the engine's own GPU memory while it waits.
     standby_woken: bool = False
-    # Restore pages on demand: `criu lazy-pages` serves the image by userfaultfd, the engine
-    # runs (and answers its canary) before the image is read, the rest follows in the
-    # background. Needs `criu check --feature uffd-noncoop`; without it, restores read first.
-    lazy_restore: bool = False
 
 
     @field_validator("remote")
@@ -452,9 +448,19 @@ class Config(_Strict):
         return self.engine.socket or self.paths.run / "engine.sock"
 
 
+# Keys a release took away, and what a configuration that still sets one should do.
+REMOVED_KEYS = {
+    "snapshots.lazy_restore": "no longer a key: CRIU's lazy restore made every restore "
+    "measured slower (vLLM and the reference engine, on CPU and on GPUs: the first answer "
+    "touches most of the engine's memory, which then arrives page by page); remove it",
+}
+
+
 def _describe(err: dict[str, Any]) -> str:
     key = ".".join(str(p) for p in err["loc"]) or "(top level)"
     kind = err["type"]
+    if kind == "extra_forbidden" and key in REMOVED_KEYS:
+        return f"{key}: {REMOVED_KEYS[key]}"
     if kind == "extra_forbidden":
         return f"{key}: unknown key; remove it or check its spelling against docs/configuration.md"
     if kind == "missing":

@@ -6,13 +6,9 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from agent.checks import Check
 from agent.config import Config
-
-if TYPE_CHECKING:
-    from agent.checkpoint.criu import CriuBackend
 from agent.errors import SnapshotError
 
 CAP_SYS_PTRACE = 19
@@ -37,30 +33,13 @@ def _criu(config: Config) -> list[Check]:
     r = backend.check()
     said = (r.stdout + r.stderr).strip().splitlines()
     last = said[-1] if said else f"exit status {r.returncode}"
-    lazy = [_lazy(backend)] if config.snapshots.lazy_restore else []
     if r.ok and "Looks good" in r.stdout + r.stderr:
-        return [found, Check("criu check", True, True, last), *lazy]
+        return [found, Check("criu check", True, True, last)]
     return [
         found,
         Check("criu check", False, True, last,
               f"run `{binary.path} check` as root and fix what it names (kernel config)"),
-        *lazy,
     ]  # fmt: skip
-
-
-def _lazy(backend: CriuBackend) -> Check:
-    """snapshots.lazy_restore is on: can CRIU serve a restored tree's pages by userfaultfd?
-    Not needed: without it each restore reads the whole image first."""
-    from agent.checkpoint.lazy import FEATURE
-
-    if backend.supports(FEATURE):
-        return Check("lazy restore", True, False, f"`criu check --feature {FEATURE}` passes")
-    return Check("lazy restore", False, False,
-                 f"`criu check --feature {FEATURE}` fails: restores read the whole image "
-                 "first (snapshots.lazy_restore has no effect)",
-                 "a kernel with CONFIG_USERFAULTFD (Linux >= 4.11) and the userfaultfd "
-                 "syscall allowed (a container's seccomp profile), or set "
-                 "snapshots.lazy_restore: false")
 
 
 def _caps(proc_root: Path) -> Check:

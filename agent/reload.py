@@ -100,7 +100,6 @@ POLICY: dict[str, tuple[Apply, str]] = {
     "snapshots.pull_timeout_s": (Apply.LIVE, "the next pull"),
     "snapshots.standby": (Apply.RESTART, "the standby rung is built, or left out, at start"),
     "snapshots.standby_woken": (Apply.RESTART, "the standby rung is built at start"),
-    "snapshots.lazy_restore": (Apply.LIVE, "the next restore"),
     "holder.enabled": (Apply.LIVE, "the next ladder walk"),
     "holder.refill": (Apply.LIVE, "the next ladder walk"),
     "holder.dir": (Apply.RESTART, "the serving engine and its hybrid snapshots map the "

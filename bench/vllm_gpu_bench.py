@@ -128,11 +128,11 @@ BOOT_S = 900
 MODEL_NAME = "bench"
 # Where the held set's copy and the refill plan appear (agent/holder/weightplan.py).
 PLAN_NAME = "refill.json"
-PATHS = ("hybrid", "hybrid-lazy", "refill", "standby", "standby-woken", "warm", "cold", "full",
+PATHS = ("hybrid", "refill", "standby", "standby-woken", "warm", "cold", "full",
          "sleep", "vllm-snapshot", "vllm-snapshot-manual", "vllm-preload")
 CUDA_ONLY = ("sleep", "vllm-snapshot", "vllm-snapshot-manual", "vllm-preload")
 PHASES = {  # in the order they run: the holder's rungs first, the ones this bench is for
-    "holder": ("hybrid", "hybrid-lazy", "refill", "standby", "standby-woken", "warm"),
+    "holder": ("hybrid", "refill", "standby", "standby-woken", "warm"),
     "pitstop": ("cold", "full", "sleep"),
     "vllm-snapshot": ("vllm-snapshot", "vllm-snapshot-manual"),
     "vllm-preload": ("vllm-preload",),
@@ -171,21 +171,21 @@ class Run:
         r = self.result
         stamp_records(r, self.command)
         rows = [*start_peaks(r, ctx)]
-        for path in ("hybrid", "hybrid-lazy", "refill", "standby", "standby-woken", "warm",
+        for path in ("hybrid", "refill", "standby", "standby-woken", "warm",
                      "full", "cold", "vllm-snapshot", "vllm-preload"):
             key = path.replace("-", "_")
             # A rung's first start (no kill before it, so no client figure) is one of its
             # runs too, when it took that rung.
             first = [x for x in [r.get(f"{key}_first")] if x]
             rows.append(summarize(path, [*first, *r.get(key, [])], ctx,
-                                  rung=path.removesuffix("-woken").removesuffix("-lazy")))
+                                  rung=path.removesuffix("-woken")))
         rows.append(summarize("vllm-snapshot-manual", r.get("vllm_snapshot_manual", []), ctx,
                               time_key="restore_to_answer_s"))
         rows.append(summarize("sleep-wake", r.get("sleep", []), ctx,
                               time_key="wake_to_answer_s"))
         for row in rows:
             snap = r.get({"full": "snapshot", "hybrid": "hybrid_snapshot",
-                          "hybrid-lazy": "hybrid_snapshot", "refill": "hybrid_snapshot",
+                          "refill": "hybrid_snapshot",
                           "standby": "hybrid_snapshot",
                           "standby-woken": "hybrid_snapshot"}.get(
                               row["path"], "")) if row else None
@@ -373,8 +373,7 @@ def holder_phase(run: Run) -> None:
     hdir = d / "holder-dir"
     env = dict(run.cfg["engine"]["env"])
     env["PYTHONPATH"] = plugin_pythonpath(a, plugin)
-    snaps = any(run.wants(p) for p in ("hybrid", "hybrid-lazy", "refill", "standby",
-                                       "standby-woken"))
+    snaps = any(run.wants(p) for p in ("hybrid", "refill", "standby", "standby-woken"))
     cfg = agent_cfg(d, run.cfg, engine={"env": env},
                     holder={"enabled": True, "dir": str(hdir), "gpu": gpu},
                     snapshots={"enabled": snaps})
@@ -445,12 +444,6 @@ def hybrid_and_refill(run: Run, agent: Agent, holder: list[subprocess.Popen], gp
         return
     if run.wants("hybrid"):
         series(run, agent, "hybrid", "hybrid", run.a.runs, 30 + start_estimate(run))
-    if run.wants("hybrid-lazy"):
-        # The same image and agent, restored by CRIU's lazy restore (snapshots.lazy_restore,
-        # applied by a reload): the engine runs before its image is read.
-        agent.reload(lazy_restore=True)
-        series(run, agent, "hybrid_lazy", "hybrid", run.a.runs, 30 + start_estimate(run))
-        agent.reload(lazy_restore=False)
     if not run.wants("refill"):
         return
     # The agent writes the refill plan of the held set (vLLM's parameters are not the

@@ -1,7 +1,7 @@
 """Real vLLM (CPU build) under the real agent: cold start, full, hybrid and standby, side by side.
 
     python bench/vllm_recovery_bench.py [--runs 5] [--size tiny|small]
-        [--paths full,hybrid,standby,cold,full-lazy,hybrid-lazy]
+        [--paths full,hybrid,standby,cold]
         [--engine vllm|reference] [--out bench/results/DATE-vllm-recovery-cpu.json]
 
 One run of the script measures the paths on the same machine, minutes apart. For `full` the
@@ -12,9 +12,8 @@ vLLM (in a folder of its own, on PYTHONPATH): the weights live in the holder, th
 leaves them out, each recovery is a hybrid restore. For `standby` the hybrid setup with
 snapshots.standby on: before each kill the bench waits for the standby the agent restores
 in the background, and each recovery continues it. For `cold` the agent runs with
-snapshots off and each recovery is a cold start. `full-lazy` and `hybrid-lazy` are `full` and
-`hybrid` with snapshots.lazy_restore on (CRIU's lazy restore: the engine runs before its image
-is read). `--engine reference` runs the same series
+snapshots off and each recovery is a cold start. A path ending in `-engine-root` runs with
+engine.small_root false. `--engine reference` runs the same series
 with the reference engine on the CPU instead of vLLM.
 
 Each recovery is timed twice: the agent's own `last_recovery` duration (`runs_s`, from its
@@ -68,7 +67,7 @@ def cached_model(size: str) -> Path:
 
 def config(state: Path, model: Path, snapshots: bool, holder: Path | None = None,
            plugin: Path | None = None, engine: str = "vllm", standby: bool = False,
-           lazy: bool = False, small_root: bool = True) -> dict:
+           small_root: bool = True) -> dict:
     if engine == "vllm":
         eng = {"kind": "vllm", "model": str(model), "python": str(VLLM_PYTHON),
                "served_model_name": "bench", "args": CPU_ARGS, "stop_timeout_s": 20,
@@ -91,7 +90,7 @@ def config(state: Path, model: Path, snapshots: bool, holder: Path | None = None
         # crash loop's pause that says nothing of one crash.
         "restart": {"backoff_initial_s": 0, "backoff_max_s": 1.0, "crash_loop_limit": 1000},
         "snapshots": {"enabled": snapshots, "regenerate": "after-serving",
-                      "standby": standby, "lazy_restore": lazy},
+                      "standby": standby},
     }
 
 
@@ -192,12 +191,12 @@ def vllm_version() -> str | None:
 
 def series(work: Path, name: str, model: Path, runs: int, want: str, snapshots: bool,
            holder: Path | None = None, plugin: Path | None = None,
-           engine: str = "vllm", lazy: bool = False, small_root: bool = True) -> dict:
+           engine: str = "vllm", small_root: bool = True) -> dict:
     """One agent, its first start (and snapshot), then `runs` SIGKILLs recovered by `want`
-    (with `lazy`, each restore by CRIU's lazy restore: snapshots.lazy_restore; without
-    `small_root`, vLLM's API server is the root of its tree: engine.small_root false)."""
+    (without `small_root`, vLLM's API server is the root of its tree: engine.small_root
+    false)."""
     agent = Agent(config(work / f"state-{name}", model, snapshots, holder, plugin, engine,
-                         standby=want == "standby", lazy=lazy, small_root=small_root), work)
+                         standby=want == "standby", small_root=small_root), work)
     try:
         if snapshots:
             st = agent.wait(lambda s: s.get("state") == "ready"
@@ -264,26 +263,23 @@ def main() -> None:
     holder = None
     try:
         for path in paths:
-            # full-lazy, hybrid-lazy: the same rung, restored by CRIU's lazy restore;
             # full-engine-root, hybrid-engine-root: with engine.small_root false.
             small_root = not path.endswith("-engine-root")
-            rung = path.removesuffix("-engine-root")
-            want, lazy = rung.removesuffix("-lazy"), rung.endswith("-lazy")
-            if want in ("full", "cold") and not (lazy and want == "cold"):
+            want = path.removesuffix("-engine-root")
+            if want in ("full", "cold"):
                 results[path] = series(work, path, model, args.runs, want, want == "full",
-                                       engine=args.engine, lazy=lazy, small_root=small_root)
-            elif want in ("hybrid", "standby") and not (lazy and want == "standby"):
+                                       engine=args.engine, small_root=small_root)
+            elif want in ("hybrid", "standby"):
                 holder = start_holder(work)
                 results[path] = series(work, path, model, args.runs, want, True,
                                        holder=work / "holder", plugin=plugin_for(work, vllm),
-                                       engine=args.engine, lazy=lazy, small_root=small_root)
+                                       engine=args.engine, small_root=small_root)
                 holder.terminate()
                 holder.wait(30)
                 holder = None
             else:
                 raise SystemExit(f"--paths: unknown path {path!r}; choose full, hybrid, "
-                                 "standby, cold, full-lazy, hybrid-lazy (each also with "
-                                 "-engine-root)")
+                                 "standby, cold (each also with -engine-root)")
             load.append(os.getloadavg()[0])
     finally:
         if holder is not None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -196,42 +195,6 @@ def test_sigkill_of_the_engine_core_comes_back_through_the_hybrid_restore(
         node: HybridNode, client: openai.OpenAI):
     os.kill(_engine_core(node.agent.status()["engine_pid"]), signal.SIGKILL)
     _hybrid_back(node, client, 2, ("crash", "hang"))
-
-
-def _reload(agent: RunningAgent, **snapshots: object) -> None:
-    """Reload with these snapshots.* keys; returns once the agent logged them applied."""
-    agent.config["snapshots"].update(snapshots)
-    agent.write_config(agent.config)
-    said = agent.log().count("configuration reloaded from")
-    agent.proc.send_signal(signal.SIGHUP)
-    agent.wait_for(lambda s: agent.log().count("configuration reloaded from") > said, 60,
-                   "the reload")
-    assert all(f"snapshots.{k}" in agent.log().rsplit("configuration reloaded from", 1)[1]
-               for k in snapshots), agent.log_tail(2000)
-
-
-def test_with_lazy_restore_vllm_runs_before_its_image_is_read_and_answers_the_same(
-        node: HybridNode, client: openai.OpenAI):
-    # snapshots.lazy_restore, applied by a reload: vLLM's processes are restored by CRIU's
-    # lazy restore, their memory handed over by userfaultfd as they touch it.
-    a = node.agent
-    _reload(a, lazy_restore=True)
-    try:
-        recoveries = a.status()["restarts"]
-        os.kill(a.status()["engine_pid"], signal.SIGKILL)
-        st = _hybrid_back(node, client, recoveries + 1, ("crash",))
-        assert "lazy_pages_start" in st["last_recovery"]["stages"], st["last_recovery"]
-        a.wait_for(lambda s: "every page of the lazy restore in place" in a.log(), 120,
-                   "the lazy restore's last page")
-        moved = [(int(n), int(total)) for log in (Path(a.config["paths"]["state_dir"]) / "run"
-                                                  / "criu").glob("*-lazy-pages-*.log")
-                 for n, total in re.findall(r"UFFD transferred pages: \((\d+)/(\d+)\)",
-                                            log.read_text(errors="replace"))]
-        # The API server and the engine core at least, each handed every page over.
-        assert len([m for m in moved if m[1] > 0]) >= 2, moved
-        assert all(n == total for n, total in moved), moved
-    finally:
-        _reload(a, lazy_restore=False)
 
 
 def test_a_holder_restarted_empty_is_refilled_from_the_model_files_then_the_image_restored(

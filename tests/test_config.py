@@ -37,6 +37,8 @@ def test_engine_socket_defaults_to_the_run_directory(tmp_path):
     ("text", "names"),
     [
         ("engine: {model: /m}\nfront: {prot: 1}\n", ["front.prot", "unknown key"]),
+        ("engine: {model: /m}\nsnapshots: {lazy_restore: true}\n",
+         ["snapshots.lazy_restore", "no longer a key", "slower", "remove it"]),
         ("front: {port: 80}\n", ["engine", "required key is missing"]),
         ("engine: {model: /m, kind: tgi}\n", ["engine.kind", "'reference' or 'vllm'"]),
         ("engine: {model: /m}\nhealth: {interval_s: soon}\n", ["health.interval_s", "number"]),

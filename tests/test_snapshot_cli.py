@@ -113,27 +113,6 @@ def test_doctor_warns_when_restores_get_no_huge_pages(setup, tmp_path: Path, ena
     assert ok or ("madvise" in item.detail and f"echo always > {thp}" in (item.fix or ""))
 
 
-def test_doctor_says_whether_lazy_restore_can_work_when_it_is_on(tmp_path: Path, capsys):
-    # A CRIU that cannot serve pages by userfaultfd: a warning with its fix, not a failure
-    # (each restore then reads the image first).
-    no_uffd = tmp_path / "criu"
-    no_uffd.write_text("#!/bin/sh\ncase \"$*\" in\n  --version) echo 'Version: 4.2.1';;\n"
-                       "  'check --feature uffd-noncoop') echo 'UFFD is not supported'; exit 1;;\n"
-                       "  check) echo 'Looks good.';;\nesac\n")
-    no_uffd.chmod(0o755)
-    for binary, ok in ((str(criu().path), True), (str(no_uffd), False)):
-        cfg = tmp_path / "pitstop.yaml"
-        cfg.write_text(yaml.safe_dump({
-            "engine": {"kind": "reference", "model": str(tmp_path / "model")},
-            "paths": {"state_dir": str(tmp_path / "state")},
-            "snapshots": {"criu": binary, "lazy_restore": True},
-        }))  # fmt: skip
-        main(["doctor", "--config", str(cfg), "--json"])
-        lazy = {c["name"]: c for c in _json(capsys)}["lazy restore"]
-        assert (lazy["ok"], lazy["needed"]) == (ok, False), lazy
-        assert ok or "snapshots.lazy_restore: false" in lazy["fix"]
-
-
 def test_doctor_fails_with_a_fix_when_criu_is_missing(tmp_path: Path, capsys):
     cfg = tmp_path / "pitstop.yaml"
     cfg.write_text(yaml.safe_dump({

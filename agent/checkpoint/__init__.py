@@ -45,5 +45,4 @@ def build_snapshotter(config: Config) -> Snapshotter:
         CriuBackend(locate(config.snapshots.criu)),
         CudaCheckpoint(config.snapshots.cuda_lock_timeout_ms),
         restore_log_dir=config.paths.run / "criu",
-        lazy_restore=config.snapshots.lazy_restore,
     )

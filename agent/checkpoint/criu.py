@@ -129,7 +129,6 @@ class CriuBackend:
     def __init__(self, binary: CriuBinary, runner: Runner = run) -> None:
         self.binary = binary
         self._run = runner
-        self._features: dict[str, bool] = {}
 
     @property
     def version(self) -> str:
@@ -138,14 +137,6 @@ class CriuBackend:
     def check(self) -> CommandResult:
         """`criu check`: whether this kernel supports what CRIU needs (not raising)."""
         return self._run([str(self.binary.path), "check"], timeout_s=60, check=False)
-
-    def supports(self, feature: str) -> bool:
-        """`criu check --feature FEATURE` passes on this kernel (asked once per feature)."""
-        if feature not in self._features:
-            r = self._run([str(self.binary.path), "check", "--feature", feature],
-                          timeout_s=60, check=False)
-            self._features[feature] = r.ok
-        return self._features[feature]
 
     def dump(self, pid: int, image_dir: Path, log_path: Path, opts: DumpOptions) -> DumpResult:
         flags = (*opts.shared_flags(), *DUMP_ONLY_FLAGS)
@@ -171,15 +162,12 @@ class CriuBackend:
         verbosity: int = 4,
         timeout_s: float = CRIU_TIMEOUT_S,
         leave_stopped: bool = False,
-        lazy_work_dir: Path | None = None,
     ) -> RestoreResult:
         """Restore detached, as a child of the calling thread, which must outlive the tree
         (`proc.in_parent_thread`); `inherit_fds` maps an fd of ours (passed to CRIU) to the
         `pipe:[INODE]` it stands in for. Returns the restored root's PID (from a pidfile).
         `leave_stopped`: CRIU sends each restored process SIGSTOP before it lets go of it,
-        so the tree waits, having run none of its own code, until someone sends SIGCONT.
-        `lazy_work_dir`: the work directory of a `lazy.PageServer` serving this image; CRIU
-        leaves the private anonymous memory to it (`--lazy-pages`) and returns sooner."""
+        so the tree waits, having run none of its own code, until someone sends SIGCONT."""
         pidfile = log_path.with_name(log_path.name + ".pid")
         pidfile.unlink(missing_ok=True)
         inherit = inherit_fds or {}
@@ -196,8 +184,6 @@ class CriuBackend:
             argv += ["--inherit-fd", f"fd[{fd}]:{what}"]
         if leave_stopped:
             argv.append("--leave-stopped")
-        if lazy_work_dir is not None:
-            argv += ["--lazy-pages", "-W", str(lazy_work_dir)]
         start = time.monotonic()
         self._call(argv, log_path, timeout_s, f"criu restore of {image_dir}", tuple(inherit))
         try:

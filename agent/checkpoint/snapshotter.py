@@ -28,8 +28,6 @@ from agent.checkpoint.criu import (
     restore_flags,
 )
 from agent.checkpoint.cuda import CudaCheckpoint, GpuPair, gpu_pairs, uses_cuda
-from agent.checkpoint.lazy import FEATURE as LAZY_FEATURE
-from agent.checkpoint.lazy import PageServer
 from agent.checkpoint.xcomp import Regrant, continue_tree, process_tree, regrant_tree
 from agent.checkpoint.zeropages import ImageDamagedError, ImageFormatError, drop_zero_pages
 from agent.config import Config
@@ -64,9 +62,6 @@ PID_WAIT_S = 30.0
 # How soon the PIDs are looked at again when each holder has exited already (a zombie): its
 # reap, by its parent or by the agent as the subreaper, is due at once.
 ZOMBIES_AGAIN_S = 0.005
-# The longest a dump waits for a lazy restore's pages to be in place: the daemon copies
-# about 1.5 GB/s on two CPU cores, and an image is a few GB.
-LAZY_DRAIN_S = 120.0
 
 
 def tree_pids(root: int, proc_root: Path = Path("/proc")) -> tuple[int, ...]:
@@ -113,7 +108,6 @@ class Snapshotter:
         regrant: Regrant = Regrant.AUTO,
         pid_wait_s: float = PID_WAIT_S,
         sleep: Callable[[float], None] = time.sleep,
-        lazy_restore: bool = False,
     ) -> None:
         self.name = BackendName.CRIU
         self.kinds: frozenset[SnapshotKind] = frozenset({"full", "hybrid"})
@@ -134,22 +128,11 @@ class Snapshotter:
         self.regrant = regrant
         self.pid_wait_s = pid_wait_s
         self._sleep = sleep
-        # snapshots.lazy_restore; the page servers of lazy restores whose transfer may still
-        # run (a dump waits for them: CRIU must not read memory still being handed over).
-        self.lazy_restore = lazy_restore
-        self._page_servers: list[PageServer] = []
 
     def reconfigure(self, config: Config) -> None:
-        """snapshots.cuda_lock_timeout_ms and lazy_restore, as a reload left them: the next
-        checkpoint's lock, the next restore."""
-        self.lazy_restore = config.snapshots.lazy_restore
+        """snapshots.cuda_lock_timeout_ms, as a reload left it: the next checkpoint's lock."""
         if self.cuda is not None:
             self.cuda.lock_timeout_ms = config.snapshots.cuda_lock_timeout_ms
-
-    @property
-    def page_servers(self) -> tuple[PageServer, ...]:
-        """The lazy restores' daemons still handing pages over."""
-        return tuple(p for p in self._page_servers if p.returncode is None)
 
     @property
     def shm_dir(self) -> Path:
@@ -189,7 +172,6 @@ class Snapshotter:
         pid = request.pid
         opts = request.dump_options or DumpOptions(leave_running=request.leave_running)
         timings: dict[str, float] = {}
-        self._pages_in_place(timings)
         pids = tree_pids(pid, self._proc)
         tcp = refuse_outside_connections(pids, self._proc).tcp
         used = outside.survey(pids, self._proc, self._shm)
@@ -337,16 +319,12 @@ class Snapshotter:
         # CRIU does not restore the AMX permission: the tree stays stopped until each of
         # its processes has asked for it again (agent/checkpoint/xcomp.py).
         regrant = self.regrant.active(self._proc)
-        pages = None
         try:
-            pages = self._page_server(manifest, image_dir, timings)
             done = self._criu_restore(manifest, image_dir, log, writers, timings,
-                                      leave_stopped=regrant, pages=pages)
+                                      leave_stopped=regrant)
         except BaseException:
             for fd in [*readers.values(), *writers]:
                 os.close(fd)
-            if pages is not None:
-                pages.stop()
             raise
         for fd in writers:
             os.close(fd)
@@ -360,16 +338,12 @@ class Snapshotter:
             kill_tree(done.pid, proc=self._proc)
             for f in files.values():
                 f.close()
-            if pages is not None:
-                pages.stop()
             raise
-        if pages is not None:
-            self._watch_pages(pages, manifest.id, done.pid)
         return restored
 
     def _criu_restore(self, manifest: Manifest, image_dir: Path, log: Path,
                       writers: dict[int, str], timings: dict[str, float], *,
-                      leave_stopped: bool, pages: PageServer | None) -> RestoreResult:
+                      leave_stopped: bool) -> RestoreResult:
         """`criu restore`, the files the tree keeps outside itself put back first under the
         host's remap lock (and taken away again when CRIU fails)."""
         with outside.remap_window(self._shm) as remap_wait:
@@ -379,68 +353,10 @@ class Snapshotter:
             try:
                 return self.criu.restore(
                     image_dir, log, flags=restore_flags(manifest.criu_flags),
-                    inherit_fds=writers, leave_stopped=leave_stopped,
-                    lazy_work_dir=pages.work_dir if pages else None)
+                    inherit_fds=writers, leave_stopped=leave_stopped)
             except BaseException:
                 outside.drop_remaps(remaps)
                 raise
-
-    def _page_server(self, manifest: Manifest, image_dir: Path,
-                     timings: dict[str, float]) -> PageServer | None:
-        """The lazy-pages daemon for this restore (snapshots.lazy_restore), or None: off, or
-        this kernel cannot serve pages to a tree CRIU did not fork (the restore then reads
-        the whole image first, as without the setting)."""
-        if not self.lazy_restore:
-            return None
-        if not self.criu.supports(LAZY_FEATURE):
-            logger.warning("snapshots.lazy_restore is on but `criu check --feature %s` fails "
-                           "on this kernel: the restore reads the whole image first",
-                           LAZY_FEATURE)
-            return None
-        stamp = int(time.time() * 1000)
-        log = self._log(f"{manifest.id}-lazy-pages-{stamp}.log", self.restore_log_dir)
-        t0 = self._clock()
-        pages = PageServer.start(self.criu.binary, image_dir,
-                                 self.restore_log_dir / f"lazy-{stamp}", log)
-        timings["lazy_pages_start"] = self._clock() - t0
-        return pages
-
-    def _watch_pages(self, pages: PageServer, snapshot_id: str, root: int) -> None:
-        """Until every page is in place: a daemon that fails leaves memory the tree has not
-        touched yet reading as zeros, so that tree is killed (the supervisor brings it back
-        down the ladder), and only that tree: its root's start time names it."""
-        st = stat(root, self._proc)
-        born = st.start_time if st else None
-        self._page_servers = [p for p in self._page_servers if p.returncode is None]
-        self._page_servers.append(pages)
-
-        def failed(why: str) -> None:
-            now = stat(root, self._proc)
-            if now is None or now.start_time != born:
-                logger.warning("snapshot %s: %s; its tree had exited already", snapshot_id, why)
-                return
-            logger.error("snapshot %s: %s; its memory may read as zeros where it was not "
-                         "handed over yet: the engine (PID %d) is killed", snapshot_id, why, root)
-            kill_tree(root, proc=self._proc)
-
-        def done(seconds: float) -> None:
-            logger.info("snapshot %s: every page of the lazy restore in place %.2f s after "
-                        "its daemon started", snapshot_id, seconds)
-
-        pages.watch(on_failure=failed, on_done=done)
-
-    def _pages_in_place(self, timings: dict[str, float]) -> None:
-        """Before a dump: wait for the lazy restores still handing pages over."""
-        pending = self.page_servers
-        if not pending:
-            return
-        t0 = self._clock()
-        for p in pending:
-            if not p.wait(LAZY_DRAIN_S):
-                raise SnapshotError(
-                    f"the lazy restore's pages are still being handed over after "
-                    f"{LAZY_DRAIN_S:g} s (log: {p.log_path}); retry the snapshot later")
-        timings["lazy_pages_wait"] = self._clock() - t0
 
     def _bring_up(self, restored: RestoredProcess, manifest: Manifest, *, regrant: bool,
                   gpu_uuid: str | None) -> None:
