@@ -90,28 +90,8 @@ def test_a_uuid_that_is_not_one_is_named():
 
 
 def stateful_driver(log: list[str]) -> SimpleNamespace:
-    """A stand-in that keeps one process's state as the driver does: checkpointed ->
-    (restore) locked -> (unlock) running; a restore of a process not checkpointed fails."""
-    state = ["CHECKPOINTED"]
-
-    def restore(pid, args):
-        log.append("restore")
-        if state[0] != "CHECKPOINTED":
-            return (CUresult.CUDA_ERROR_ILLEGAL_STATE,)
-        state[0] = "LOCKED"
-        return (CUresult.CUDA_SUCCESS,)
-
-    def unlock(pid, args):
-        log.append("unlock")
-        state[0] = "RUNNING"
-        return (CUresult.CUDA_SUCCESS,)
-
-    return SimpleNamespace(
-        CUresult=CUresult, CUcheckpointRestoreArgs=SimpleNamespace,
-        CUcheckpointUnlockArgs=SimpleNamespace,
-        cuCheckpointProcessGetState=lambda pid: (
-            CUresult.CUDA_SUCCESS, SimpleNamespace(name=f"CU_PROCESS_STATE_{state[0]}")),
-        cuCheckpointProcessRestore=restore, cuCheckpointProcessUnlock=unlock)
+    """One process, PID 7, its state kept as the driver does (tree_driver)."""
+    return tree_driver({7: "CHECKPOINTED"}, log=log)
 
 
 def test_a_standby_woken_ahead_is_restored_locked_and_only_unlocked_at_the_crash():
@@ -130,19 +110,26 @@ def test_a_resume_of_a_checkpointed_process_restores_then_unlocks():
     assert cc.state(7) == "running" and log == ["restore", "unlock"]
 
 
-def tree_driver(states: dict[int, str], meet: threading.Barrier | None = None,
+def tree_driver(states: dict[int, str], *, log: list[str] | None = None,
+                meet: threading.Barrier | None = None,
                 failing: int | None = None) -> SimpleNamespace:
-    """A stand-in for a tree's processes: each restore waits at `meet` (so restores made one
-    after the other never get through it) and PID `failing`'s restore fails."""
+    """A stand-in that keeps each process's state as the driver does: checkpointed ->
+    (restore) locked -> (unlock) running; a restore of a process not checkpointed fails, and
+    so does PID `failing`'s. Each restore waits at `meet`, so restores made one after the
+    other never get through it."""
     def restore(pid, args):
+        if log is not None:
+            log.append("restore")
         if meet is not None:
             meet.wait()
-        if pid == failing:
+        if pid == failing or states[pid] != "CHECKPOINTED":
             return (CUresult.CUDA_ERROR_ILLEGAL_STATE,)
         states[pid] = "LOCKED"
         return (CUresult.CUDA_SUCCESS,)
 
     def unlock(pid, args):
+        if log is not None:
+            log.append("unlock")
         states[pid] = "RUNNING"
         return (CUresult.CUDA_SUCCESS,)
 
@@ -156,14 +143,14 @@ def tree_driver(states: dict[int, str], meet: threading.Barrier | None = None,
 
 def test_the_processes_of_a_tree_are_restored_side_by_side():
     states = {7: "CHECKPOINTED", 8: "CHECKPOINTED"}
-    cc = CudaCheckpoint(driver=tree_driver(states, threading.Barrier(2, timeout=10)))
+    cc = CudaCheckpoint(driver=tree_driver(states, meet=threading.Barrier(2, timeout=10)))
     each = cc.resume_all((7, 8))
     assert states == {7: "RUNNING", 8: "RUNNING"} and sorted(each) == [7, 8]
 
 
 def test_a_standby_woken_ahead_restores_its_processes_side_by_side_and_leaves_them_locked():
     states = {7: "CHECKPOINTED", 8: "CHECKPOINTED"}
-    CudaCheckpoint(driver=tree_driver(states, threading.Barrier(2, timeout=10))).restore_all(
+    CudaCheckpoint(driver=tree_driver(states, meet=threading.Barrier(2, timeout=10))).restore_all(
         (7, 8))
     assert states == {7: "LOCKED", 8: "LOCKED"}
 
