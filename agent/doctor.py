@@ -114,7 +114,7 @@ def _thp(path: Path) -> Check:
         return Check("transparent huge pages", True, False, "always")
     return Check(
         "transparent huge pages", False, False, f"{mode}: CRIU restores the engine's pages "
-        "into 4 KiB pages, and a restore takes about a third longer than with `always`",
+        "into 4 KiB pages, measured 35-70 % slower than with `always` (docs/performance.md)",
         f"echo always > {path}, and at every boot: the kernel role's "
         "kernel_transparent_hugepage (or a tmpfiles.d line: "
         f"w {path} - - - - always)",
