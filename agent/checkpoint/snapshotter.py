@@ -259,6 +259,8 @@ class Snapshotter:
         """CUDA restore + unlock of every PID at once (onto other GPUs per `pairs`). After a
         failure (`cause`), a failing resume is reported together with the cause: that engine
         can no longer serve."""
+        if not pids:
+            return
         t0 = self._clock()
         try:
             each = self._cuda().resume_all(pids, pairs)
@@ -269,8 +271,6 @@ class Snapshotter:
                 f"{cause}\nand then the CUDA restore/unlock failed too: {e}; "
                 f"the engine cannot serve: kill it and cold start"
             ) from e
-        if not each:
-            return
         wall = self._clock() - t0
         restore = max(t.first_s for t in each.values())
         timings["cuda_restore"] = timings.get("cuda_restore", 0.0) + restore
@@ -290,6 +290,8 @@ class Snapshotter:
                             pairs: tuple[GpuPair, ...] = ()) -> None:
         """CUDA restore of every PID at once, left locked (a standby woken ahead of the
         crash: its resume_cuda later only unlocks)."""
+        if not pids:
+            return
         t0 = self._clock()
         each = self._cuda().restore_all(pids, pairs)
         wall = self._clock() - t0
