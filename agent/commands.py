@@ -136,38 +136,6 @@ def run(
     return result
 
 
-class Helper(Protocol):
-    """A started helper process, as `start` returns it (what its watcher uses of a Popen)."""
-
-    pid: int
-    returncode: int | None
-
-    def poll(self) -> int | None: ...
-
-    def wait(self, timeout: float | None = None) -> int: ...
-
-    def kill(self) -> None: ...
-
-
-def start(argv: Sequence[str]) -> Helper:
-    """Start `argv` as a helper that outlives this call (a daemon the caller watches), stdin,
-    stdout and stderr /dev/null (it writes a log of its own).
-
-    Its exit status is the caller's: the reaper leaves it alone until the caller has waited
-    on the returned Popen and called `proc.disown(p.pid)`. Raises CommandError when it
-    cannot start."""
-    args = [str(a) for a in argv]
-    try:
-        with spawn_lock():
-            p = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.DEVNULL)
-            own(p.pid)
-    except OSError as e:
-        raise CommandError(f"cannot start {args[0]}: {e.strerror}; check that it is installed"
-                           ) from e
-    return p
-
-
 def _read(f: IO[bytes]) -> str:
     f.seek(0)
     return f.read().decode(errors="replace")
