@@ -72,6 +72,17 @@ def wait_gone(pid: int, timeout: float = 30) -> None:
         time.sleep(0.01)
 
 
+def restore_row(path: str, runs: list[dict], gib: float, **extra: object) -> dict:
+    """One result row of a plain CRIU restore bench: `runs` each carry `restore_s`; the
+    machine and the command (this script's own invocation) are filled in."""
+    where, host = machine()
+    return {"engine": "ballast", "path": path, "gib": gib,
+            "runs_s": [round(r["restore_s"], 3) for r in runs],
+            "median_s": round(statistics.median(r["restore_s"] for r in runs), 3),
+            **extra, "machine": where, "host": host,
+            "command": " ".join(["python3", f"bench/{Path(sys.argv[0]).name}", *sys.argv[1:]])}
+
+
 def write_rows(out_dir: Path, name: str, rows: list[dict]) -> Path:
     """OUT_DIR/<date>-NAME-<machine>.json with `rows` (the machine's name without spaces)."""
     where = rows[0]["machine"].replace(" ", "-") if rows else "unknown"
@@ -137,14 +148,9 @@ def main() -> None:
     digests = {r["digest"] for rs in runs.values() for r in rs}
     if len(digests) != 1:
         raise SystemExit(f"the restored bytes differ between runs: {sorted(digests)}")
-    command = " ".join(["python3", "bench/lazy_restore_bench.py", *sys.argv[1:]])
-    where, host = machine()
-    rows = [{"engine": "ballast", "path": path, "gib": a.gib,
-             "runs_s": [round(r["restore_s"], 3) for r in rs],
-             "median_s": round(statistics.median(r["restore_s"] for r in rs), 3),
-             "all_pages_s": [round(r["all_pages_s"], 3) for r in rs],
-             "hash_s": [round(r["hash_s"], 3) for r in rs],
-             "image_bytes": image_bytes, "machine": where, "host": host, "command": command}
+    rows = [restore_row(path, rs, a.gib,
+                        all_pages_s=[round(r["all_pages_s"], 3) for r in rs],
+                        hash_s=[round(r["hash_s"], 3) for r in rs], image_bytes=image_bytes)
             for path, rs in runs.items()]
     out = write_rows(a.out, "lazy-restore", rows)
     for r in rows:

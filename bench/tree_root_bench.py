@@ -23,15 +23,14 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from gpu_recovery_bench import REPO, machine
-from lazy_restore_bench import wait_file, wait_gone, write_rows
+from gpu_recovery_bench import REPO
+from lazy_restore_bench import restore_row, wait_file, wait_gone, write_rows
 
 from agent.proc import with_deathsig
 
@@ -119,13 +118,8 @@ def main() -> None:
                             for _ in range(a.runs)]
             if len({json.dumps(r["digests"], sort_keys=True) for r in runs[layout]}) != 1:
                 raise SystemExit(f"{layout}: the restored bytes differ between runs")
-    command = " ".join(["python3", "bench/tree_root_bench.py", *sys.argv[1:]])
-    where, host = machine()
-    rows = [{"engine": "ballast", "path": layout, "gib": round(a.api_gib + a.core_gib, 3),
-             "api_gib": a.api_gib, "core_gib": a.core_gib,
-             "runs_s": [round(r["restore_s"], 3) for r in rs],
-             "median_s": round(statistics.median(r["restore_s"] for r in rs), 3),
-             "machine": where, "host": host, "command": command}
+    rows = [restore_row(layout, rs, round(a.api_gib + a.core_gib, 3), api_gib=a.api_gib,
+                        core_gib=a.core_gib)
             for layout, rs in runs.items()]
     path = write_rows(a.out, "tree-root", rows)
     for r in rows:
