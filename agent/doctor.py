@@ -102,13 +102,21 @@ def _io_uring(config: Config, proc_root: Path) -> Check:
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
+def thp_mode(path: Path = THP_ENABLED) -> str | None:
+    """The kernel's transparent huge page mode for anonymous memory (always, madvise,
+    never; "unknown" when unreadable as such), or None where the file is absent."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    return next((w.strip("[]") for w in text.split() if w.startswith("[")), "unknown")
+
+
 def _thp(path: Path) -> Check:
     # CRIU restores an image into fresh anonymous memory; with 4 KiB pages most of that time
     # is page faults. A warning: restores work either way.
-    try:
-        mode = next((w.strip("[]") for w in path.read_text().split() if w.startswith("[")),
-                    "unknown")
-    except OSError:
+    mode = thp_mode(path)
+    if mode is None:
         return Check("transparent huge pages", True, False, f"{path} is absent: no THP here")
     if mode == "always":
         return Check("transparent huge pages", True, False, "always")

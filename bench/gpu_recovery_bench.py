@@ -318,11 +318,9 @@ def machine() -> tuple[str, str]:
 def thp() -> str:
     """The host's transparent huge page mode for anonymous memory (always, madvise, never):
     CRIU restores pages faster into huge pages, and the kernel role sets `always`."""
-    try:
-        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return "unknown"
-    return next((w.strip("[]") for w in text.split() if w.startswith("[")), "unknown")
+    from agent.doctor import thp_mode
+
+    return thp_mode() or "unknown"
 
 
 H2D_SCRIPT = """
