@@ -192,6 +192,9 @@ class SnapshotsConfig(_Strict):
     # disk_budget_gib beside the published ones; 0 deletes each one as it is refused.
     quarantine_keep: int = Field(2, ge=0)
     cuda_lock_timeout_ms: int = Field(10_000, ge=1)
+    # CRIU's log level (-v) for restores: 2 logs warnings and errors (an Error line names
+    # why a restore failed); 4, its debug log, costs a vLLM restore 40-55 ms. Dumps log at 4.
+    restore_log_level: int = Field(2, ge=0, le=4)
     # An S3-compatible store shared by a fleet (s3://bucket/prefix; credentials, region and
     # endpoint from the standard AWS variables and files): a start without a matching
     # local snapshot pulls one from it before it would cold-start (docs/snapshots.md).

@@ -129,6 +129,52 @@ def _thp(path: Path) -> Check:
     )  # fmt: skip
 
 
+def fs_type(path: Path, mountinfo: Path) -> str | None:
+    """The file system type of the mount that holds `path` (from a mountinfo file), or
+    None when it cannot be read."""
+    try:
+        lines = mountinfo.read_text().splitlines()
+    except OSError:
+        return None
+    target, best, kind = str(path).rstrip("/") + "/", "", None
+    for line in lines:
+        head, sep, tail = line.partition(" - ")
+        fields = head.split()
+        if not sep or len(fields) < 5 or not tail.split():
+            continue
+        point = fields[4].rstrip("/") + "/"
+        # The longest mount point above `path` holds it; of two at one point, the later.
+        if target.startswith(point) and len(point) >= len(best):
+            best, kind = point, tail.split()[0]
+    return kind
+
+
+KDAT = "criu.kdat"
+
+
+def _criu_cache(run_dir: Path, mountinfo: Path) -> Check:
+    # CRIU probes the kernel at the start of every dump and restore unless it finds the
+    # probe's result in /run/criu.kdat, which it keeps only on a tmpfs (criu/kerndat.c); a
+    # leftover criu.kdat.tmp makes its next save fail. 40 ms a restore measured.
+    name = "criu kernel cache"
+    kind = fs_type(run_dir, mountinfo)
+    if kind is None:
+        return Check(name, True, False, f"cannot read {mountinfo}: unknown")
+    if kind != "tmpfs":
+        return Check(
+            name, False, False, f"{run_dir} is {kind}, not a tmpfs: CRIU keeps its kernel probe "
+            f"({run_dir / KDAT}) only on a tmpfs, so every dump and restore probes the kernel "
+            "again (40 ms measured)",
+            f"mount a tmpfs on {run_dir} (systemd does; in a container: --tmpfs {run_dir})",
+        )  # fmt: skip
+    stale = run_dir / f"{KDAT}.tmp"
+    if stale.exists() and not (run_dir / KDAT).exists():
+        return Check(name, False, False, f"{stale} is left from a CRIU that did not finish "
+                     "saving its kernel probe: no CRIU can save it while it is there",
+                     f"rm {stale}")  # fmt: skip
+    return Check(name, True, False, f"{run_dir} is a tmpfs")
+
+
 def _gpu() -> tuple[bool, Check]:
     """(whether a GPU is present, the persistence mode check)."""
     try:
@@ -183,6 +229,7 @@ def run_checks(
     gpu_probe: Callable[[], tuple[bool, Check]] = _gpu,
     min_free: int = MIN_FREE_BYTES,
     thp_path: Path = THP_ENABLED,
+    run_dir: Path = Path("/run"),
 ) -> list[Check]:
     """Every doctor item, in the order a user fixes them.
 
@@ -197,6 +244,7 @@ def run_checks(
         _amx(proc_root),
         _io_uring(config, proc_root),
         _thp(thp_path),
+        _criu_cache(run_dir, proc_root / "self" / "mountinfo"),
         _cuda(gpu),
         persistence,
         _space(config, min_free),

@@ -95,6 +95,7 @@ POLICY: dict[str, tuple[Apply, str]] = {
     "snapshots.disk_budget_gib": (Apply.LIVE, "the next prune (after the next capture)"),
     "snapshots.quarantine_keep": (Apply.LIVE, "the next quarantine or prune"),
     "snapshots.cuda_lock_timeout_ms": (Apply.LIVE, "the next capture"),
+    "snapshots.restore_log_level": (Apply.LIVE, "the next restore"),
     "snapshots.remote": (Apply.LIVE, "the next ladder walk (pull) or capture (push)"),
     "snapshots.publish": (Apply.LIVE, "the next capture"),
     "snapshots.pull_timeout_s": (Apply.LIVE, "the next pull"),

@@ -312,7 +312,16 @@ def machine() -> tuple[str, str]:
         kind = f"cpu-{os.cpu_count()}core"
     else:
         kind = gpu.split(",")[0].strip().lower()
-    return kind, f"{os.uname().nodename} ({gpu}, kernel {os.uname().release}, THP {thp()})"
+    return kind, (f"{os.uname().nodename} ({gpu}, kernel {os.uname().release}, THP {thp()}, "
+                  f"/run {run_fs()})")
+
+
+def run_fs() -> str:
+    """The file system of the host's /run: CRIU keeps its kernel probe between runs only
+    where it is a tmpfs (as systemd mounts it), and probes again on every run elsewhere."""
+    from agent.doctor import fs_type
+
+    return fs_type(Path("/run"), Path("/proc/self/mountinfo")) or "unknown"
 
 
 def thp() -> str:

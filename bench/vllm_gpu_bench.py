@@ -201,7 +201,8 @@ class Run:
             for f in ("agent.log", "holder.log", "daemon.log", "manual.log"):
                 with contextlib.suppress(OSError):
                     shutil.copy(self.work / name / f, self.a.out / f"{name}-{f}")
-            # CRIU's own timestamped restore logs (-v4): where a restore's time goes.
+            # CRIU's own restore logs: with snapshots.restore_log_level 4 in the agent's
+            # config, timestamped lines that say where a restore's time goes.
             logs = sorted((self.work / name).glob("**/run/criu/*-restore-*.log"),
                           key=lambda p: p.stat().st_mtime)
             for kept in logs[-3:]:

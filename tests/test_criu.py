@@ -51,11 +51,15 @@ def test_restore_one_image_three_times_state_continues_same_pid_pipe_rewired(tmp
     assert m.timings["criu_dump"] > 0 and info.image_bytes > 4 << 20
     assert {"pstree.img", "inventory.img"} <= {f.name for f in m.files}
 
-    for _ in range(3):
+    # CRIU logs restores at warnings and errors unless snapshots.restore_log_level says 4.
+    for level in (None, None, 4):
+        if level is not None:
+            snap.criu.restore_verbosity = level
         chosen = snap.store.select(identity(snap.criu.version)).chosen
         assert chosen is not None and chosen.id == info.id
         r = snap.restore(chosen)
         try:
+            assert ("Forking task" in r.log_path.read_text()) is (level == 4)
             assert r.pid == c.pid
             assert inc(c.sock) == 2  # the count continued from the dump
             assert r.outputs[1].readline() == b"count 2\n"  # stdout came back to us

@@ -147,7 +147,7 @@ def test_every_part_of_the_agent_takes_the_live_values(tmp_path: Path, tiny_mode
         tmp_path, tiny_model, holder={"enabled": True},
         snapshots={"keep": 7, "disk_budget_gib": 3, "quiet_timeout_s": 4, "verify": "always",
                    "cuda_lock_timeout_ms": 55, "drift_check_interval_s": 0,
-                   "regenerate": "manual", "quarantine_keep": 0},
+                   "regenerate": "manual", "quarantine_keep": 0, "restore_log_level": 4},
         health={"timeout_s": 0.5, "interval_s": 0.25},
         front={"queue": {"max_waiting": 3}, "max_resumes": 9},
         restart={"crash_loop_limit": 9}, engine={"stop_timeout_s": 2})
@@ -162,6 +162,7 @@ def test_every_part_of_the_agent_takes_the_live_values(tmp_path: Path, tiny_mode
     assert agent.store is agent.snapshotter.store
     assert agent.store.retention == Retention(keep=7, budget_bytes=3 * 2**30, quarantine_keep=0)
     assert agent.snapshotter.cuda.lock_timeout_ms == 55
+    assert agent.snapshotter.criu.restore_verbosity == 4
     assert agent.full.timeout_s == agent.hybrid.timeout_s == 5.0
     assert agent.holder.config.enabled
     assert agent.front is not None and agent.front.config == effective.front

@@ -66,8 +66,8 @@ def test_doctor_reports_each_item_and_its_exit_status(setup, capsys):
     rc = main(["doctor", "--config", str(cfg), "--json"])
     checks = {c["name"]: c for c in _json(capsys)}
     assert set(checks) == {"criu", "criu check", "privileges", "amx", "io_uring",
-                           "transparent huge pages", "cuda checkpoint", "persistence mode",
-                           "free space"}  # fmt: skip
+                           "transparent huge pages", "criu kernel cache", "cuda checkpoint",
+                           "persistence mode", "free space"}  # fmt: skip
     assert checks["criu"]["ok"] and checks["criu check"]["ok"]
     assert all(c["fix"] for c in checks.values() if not c["ok"])
     assert rc == (1 if any(c["needed"] and not c["ok"] for c in checks.values()) else 0)
@@ -111,6 +111,41 @@ def test_doctor_warns_when_restores_get_no_huge_pages(setup, tmp_path: Path, ena
     item = next(c for c in checks if c.name == "transparent huge pages")
     assert item.ok is ok and not item.needed
     assert ok or ("madvise" in item.detail and f"echo always > {thp}" in (item.fix or ""))
+
+
+MOUNTINFO = """\
+22 1 253:1 / / rw,relatime shared:1 - ext4 /dev/vda rw
+23 22 0:21 / {run} rw,nosuid,nodev shared:5 - {fs} tmpfs rw,mode=755
+24 23 0:22 / {run}/user/0 rw,nosuid,nodev shared:6 - tmpfs tmpfs rw,mode=700
+25 22 0:23 / {run}ner rw shared:7 - ext4 /dev/vdb rw
+"""
+
+
+@pytest.mark.parametrize("run_fs, leftover, ok, says", [
+    ("tmpfs", False, True, "is a tmpfs"),
+    ("ext4", False, False, "probes the kernel again"),
+    ("tmpfs", True, False, "no CRIU can save it"),
+])  # fmt: skip
+def test_doctor_warns_when_criu_cannot_keep_its_kernel_probe(
+    setup, tmp_path: Path, run_fs: str, leftover: bool, ok: bool, says: str
+):
+    from agent.config import load_config
+    from agent.doctor import Check, run_checks
+
+    cfg, _ = setup
+    fake = tmp_path / "proc"
+    (fake / "self").mkdir(parents=True)
+    (fake / "self" / "status").write_text("CapEff:\t0000000000000000\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (fake / "self" / "mountinfo").write_text(MOUNTINFO.format(run=run, fs=run_fs))
+    if leftover:
+        (run / "criu.kdat.tmp").write_bytes(b"")
+    checks = run_checks(load_config(cfg), proc_root=fake, run_dir=run,
+                        gpu_probe=lambda: (False, Check("persistence mode", True, False, "-")))
+    item = next(c for c in checks if c.name == "criu kernel cache")
+    assert item.ok is ok and not item.needed and says in item.detail
+    assert ok or item.fix
 
 
 def test_doctor_fails_with_a_fix_when_criu_is_missing(tmp_path: Path, capsys):

@@ -42,7 +42,8 @@ def build_snapshotter(config: Config) -> Snapshotter:
 
     return Snapshotter(
         build_store(config),
-        CriuBackend(locate(config.snapshots.criu)),
+        CriuBackend(locate(config.snapshots.criu),
+                    restore_verbosity=config.snapshots.restore_log_level),
         CudaCheckpoint(config.snapshots.cuda_lock_timeout_ms),
         restore_log_dir=config.paths.run / "criu",
     )

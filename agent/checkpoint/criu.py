@@ -46,6 +46,11 @@ class NetworkLock(enum.Enum):
 DUMP_ONLY_FLAGS = ("--link-remap",)
 
 
+# CRIU's log level for a restore unless snapshots.restore_log_level says otherwise: warnings
+# and errors. At 4 (debug) CRIU writes a line per mapping and file, about 19,000 for a vLLM
+# engine, each a write on the restore's path: 40-55 ms of it (docs/performance.md).
+RESTORE_VERBOSITY = 2
+
 # The longest one `criu dump` or `criu restore` may run before it is killed: tens of GB of
 # pages at the speed of a slow disk.
 CRIU_TIMEOUT_S = 900.0
@@ -126,9 +131,11 @@ class CriuBackend:
         r.pid
     """
 
-    def __init__(self, binary: CriuBinary, runner: Runner = run) -> None:
+    def __init__(self, binary: CriuBinary, runner: Runner = run, *,
+                 restore_verbosity: int = RESTORE_VERBOSITY) -> None:
         self.binary = binary
         self._run = runner
+        self.restore_verbosity = restore_verbosity
 
     @property
     def version(self) -> str:
@@ -159,7 +166,7 @@ class CriuBackend:
         *,
         flags: tuple[str, ...] = COMMON_FLAGS,
         inherit_fds: Mapping[int, str] | None = None,
-        verbosity: int = 4,
+        verbosity: int | None = None,
         timeout_s: float = CRIU_TIMEOUT_S,
         leave_stopped: bool = False,
     ) -> RestoreResult:
@@ -167,7 +174,8 @@ class CriuBackend:
         (`proc.in_parent_thread`); `inherit_fds` maps an fd of ours (passed to CRIU) to the
         `pipe:[INODE]` it stands in for. Returns the restored root's PID (from a pidfile).
         `leave_stopped`: CRIU sends each restored process SIGSTOP before it lets go of it,
-        so the tree waits, having run none of its own code, until someone sends SIGCONT."""
+        so the tree waits, having run none of its own code, until someone sends SIGCONT.
+        `verbosity`: CRIU's -v for this restore (None: `restore_verbosity`)."""
         pidfile = log_path.with_name(log_path.name + ".pid")
         pidfile.unlink(missing_ok=True)
         inherit = inherit_fds or {}
@@ -177,7 +185,8 @@ class CriuBackend:
         # has pdeath_sig configured"). As our child it fires when the calling thread exits.
         argv = [
             str(self.binary.path), "restore", "-D", str(image_dir), "--restore-detached",
-            "--restore-sibling", "--pidfile", str(pidfile), f"-v{verbosity}", "-o",
+            "--restore-sibling", "--pidfile", str(pidfile),
+            f"-v{self.restore_verbosity if verbosity is None else verbosity}", "-o",
             str(log_path), *flags,
         ]  # fmt: skip
         for fd, what in inherit.items():

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from agent.checkpoint import outside
-from agent.checkpoint.criu import CriuBackend
+from agent.checkpoint.criu import RESTORE_VERBOSITY, CriuBackend
 from agent.checkpoint.criu_locate import CriuBinary
 from agent.errors import SnapshotError
 
@@ -120,7 +120,7 @@ def _restore(args: argparse.Namespace) -> int:
     # CRIU wires each dumped pipe to an fd of ours: all go to our stdout (the agent's log).
     inherit = {os.dup(1): pipe for pipe in args.pipe}
     r = criu.restore(Path(args.image), Path(args.log), flags=tuple(args.flag),
-                     inherit_fds=inherit, leave_stopped=True)
+                     inherit_fds=inherit, leave_stopped=True, verbosity=args.verbosity)
     for fd in inherit:
         os.close(fd)
     return r.pid
@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--criu", required=True)
     p.add_argument("--image", required=True)
     p.add_argument("--log", required=True)
+    p.add_argument("--verbosity", type=int, default=RESTORE_VERBOSITY, help="CRIU's -v")
     p.add_argument("--socket", action="append", default=[],
                    help="a path the tree binds a Unix socket at (repeated)")
     p.add_argument("--shm", action="append", default=[],

@@ -130,7 +130,9 @@ class Snapshotter:
         self._sleep = sleep
 
     def reconfigure(self, config: Config) -> None:
-        """snapshots.cuda_lock_timeout_ms, as a reload left it: the next checkpoint's lock."""
+        """snapshots.cuda_lock_timeout_ms and restore_log_level, as a reload left them: the
+        next checkpoint's lock, the next restore's CRIU log."""
+        self.criu.restore_verbosity = config.snapshots.restore_log_level
         if self.cuda is not None:
             self.cuda.lock_timeout_ms = config.snapshots.cuda_lock_timeout_ms
 

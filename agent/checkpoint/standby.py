@@ -28,6 +28,7 @@ def init_argv(snap: Snapshotter, manifest: Manifest, socket: Path, report_fd: in
     log = snap.restore_log(f"{manifest.id}-standby-{int(time.time() * 1000)}.log")
     argv = [sys.executable, "-m", "agent.checkpoint.nsinit", "--criu", str(snap.criu.binary.path),
             "--image", str(snap.store.path(manifest.id)), "--log", str(log),
+            "--verbosity", str(snap.criu.restore_verbosity),
             "--report-fd", str(report_fd)]
     for path in sorted({str(socket), *manifest.process.socket_paths}):
         argv += ["--socket", path]

@@ -3,7 +3,8 @@
 # bundle (bundle.sh) with its SHA256SUMS is in $PARTS; run from the checkout's root. Joins
 # the parts into $SITE, installs the kit's wheels into $KIT/site, copies the checkout to
 # $REPO (the runs read it from there while later calls replace the working tree), disables
-# io_uring (CRIU cannot dump it; vLLM's API server sets it up) and checks the imports.
+# io_uring (CRIU cannot dump it; vLLM's API server sets it up), sets THP and /run as a
+# fleet's hosts have them, and checks the imports.
 set -euo pipefail
 KIT=${KIT:-/tmp/gpu} PARTS=${PARTS:-/tmp/parts} SITE=${SITE:-/tmp/vsite} REPO=${REPO:-/root/repo}
 t0=$(date +%s)
@@ -24,6 +25,24 @@ sysctl -qw kernel.io_uring_disabled=2
 # What the kernel role sets on a fleet's hosts (kernel_transparent_hugepage: always): CRIU
 # restores pages faster into huge pages. A step that measures the host's own setting sets it.
 echo always > /sys/kernel/mm/transparent_hugepage/enabled
+# A systemd host's /run is a tmpfs, where CRIU keeps its kernel probe (/run/criu.kdat)
+# between runs (only there: criu/kerndat.c); this host's /run is not, so every criu call
+# probed the kernel again (40 ms, bench/criu_fixed_costs_bench.py). A tmpfs goes on /run,
+# with what was there bound back in (not CRIU's leftover criu.kdat.tmp, which would stop it
+# saving the probe).
+if [ "$(stat -f -c %T /run)" != tmpfs ]; then
+  mkdir -p /tmp/run.disk && mount --bind /run /tmp/run.disk
+  mount -t tmpfs -o mode=755,nosuid,nodev tmpfs /run
+  for e in /tmp/run.disk/* /tmp/run.disk/.[!.]*; do
+    n=/run/${e##*/}
+    case "${e##*/}" in criu.kdat*) continue ;; esac
+    if [ -L "$e" ]; then cp -a "$e" "$n"
+    elif [ -d "$e" ]; then mkdir -p "$n" && mount --bind "$e" "$n"
+    elif [ -e "$e" ]; then touch "$n" && mount --bind "$e" "$n"
+    fi
+  done
+fi
+echo "/run is $(stat -f -c %T /run)"
 rm -rf "$REPO" && mkdir -p "$REPO" && cp -a . "$REPO/"
 source "$KIT/run/env.sh"
 (cd "$REPO" && $PY -c "import agent, boto3, moto, sdnotify, vllm, torch
