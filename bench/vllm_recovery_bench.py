@@ -13,7 +13,8 @@ leaves them out, each recovery is a hybrid restore. For `standby` the hybrid set
 snapshots.standby on: before each kill the bench waits for the standby the agent restores
 in the background, and each recovery continues it. For `cold` the agent runs with
 snapshots off and each recovery is a cold start. A path ending in `-engine-root` runs with
-engine.small_root false. `--engine reference` runs the same series
+engine.small_root false, one ending in `-debug-log` with snapshots.restore_log_level 4 (CRIU's
+debug log, which restores wrote before 2026-12-07). `--engine reference` runs the same series
 with the reference engine on the CPU instead of vLLM.
 
 Each recovery is timed twice: the agent's own `last_recovery` duration (`runs_s`, from its
@@ -67,7 +68,7 @@ def cached_model(size: str) -> Path:
 
 def config(state: Path, model: Path, snapshots: bool, holder: Path | None = None,
            plugin: Path | None = None, engine: str = "vllm", standby: bool = False,
-           small_root: bool = True) -> dict:
+           small_root: bool = True, restore_log_level: int = 2) -> dict:
     if engine == "vllm":
         eng = {"kind": "vllm", "model": str(model), "python": str(VLLM_PYTHON),
                "served_model_name": "bench", "args": CPU_ARGS, "stop_timeout_s": 20,
@@ -90,7 +91,7 @@ def config(state: Path, model: Path, snapshots: bool, holder: Path | None = None
         # crash loop's pause that says nothing of one crash.
         "restart": {"backoff_initial_s": 0, "backoff_max_s": 1.0, "crash_loop_limit": 1000},
         "snapshots": {"enabled": snapshots, "regenerate": "after-serving",
-                      "standby": standby},
+                      "standby": standby, "restore_log_level": restore_log_level},
     }
 
 
@@ -191,12 +192,13 @@ def vllm_version() -> str | None:
 
 def series(work: Path, name: str, model: Path, runs: int, want: str, snapshots: bool,
            holder: Path | None = None, plugin: Path | None = None,
-           engine: str = "vllm", small_root: bool = True) -> dict:
+           engine: str = "vllm", small_root: bool = True, restore_log_level: int = 2) -> dict:
     """One agent, its first start (and snapshot), then `runs` SIGKILLs recovered by `want`
     (without `small_root`, vLLM's API server is the root of its tree: engine.small_root
     false)."""
     agent = Agent(config(work / f"state-{name}", model, snapshots, holder, plugin, engine,
-                         standby=want == "standby", small_root=small_root), work)
+                         standby=want == "standby", small_root=small_root,
+                         restore_log_level=restore_log_level), work)
     try:
         if snapshots:
             st = agent.wait(lambda s: s.get("state") == "ready"
@@ -263,23 +265,29 @@ def main() -> None:
     holder = None
     try:
         for path in paths:
-            # full-engine-root, hybrid-engine-root: with engine.small_root false.
-            small_root = not path.endswith("-engine-root")
-            want = path.removesuffix("-engine-root")
+            # full-engine-root, hybrid-engine-root: with engine.small_root false;
+            # hybrid-debug-log: with snapshots.restore_log_level 4.
+            level = 4 if path.endswith("-debug-log") else 2
+            want = path.removesuffix("-debug-log")
+            small_root = not want.endswith("-engine-root")
+            want = want.removesuffix("-engine-root")
+            shape = {"engine": args.engine, "small_root": small_root,
+                     "restore_log_level": level}
             if want in ("full", "cold"):
                 results[path] = series(work, path, model, args.runs, want, want == "full",
-                                       engine=args.engine, small_root=small_root)
+                                       **shape)
             elif want in ("hybrid", "standby"):
                 holder = start_holder(work)
                 results[path] = series(work, path, model, args.runs, want, True,
                                        holder=work / "holder", plugin=plugin_for(work, vllm),
-                                       engine=args.engine, small_root=small_root)
+                                       **shape)
                 holder.terminate()
                 holder.wait(30)
                 holder = None
             else:
                 raise SystemExit(f"--paths: unknown path {path!r}; choose full, hybrid, "
-                                 "standby, cold (each also with -engine-root)")
+                                 "standby, cold (each also with -engine-root, then "
+                                 "-debug-log)")
             load.append(os.getloadavg()[0])
     finally:
         if holder is not None:
