@@ -31,6 +31,7 @@ from agent.checkpoint.xcomp import (
     XFEATURE_XTILEDATA,
     Grant,
     Regrant,
+    _vdso,
     cpu_has_amx,
     inject_syscall,
     request_amx_self,
@@ -253,6 +254,21 @@ def test_a_signal_pending_during_an_injection_is_delivered_after_it_with_its_pay
         assert ask(t.sock, "pids") == f"pids {t.pid} 0"
     finally:
         t.stop()
+
+
+def test_the_vdso_comes_from_the_auxiliary_vector_and_from_the_maps_without_it(tmp_path: Path):
+    # An engine's maps are thousands of lines: the auxiliary vector says where the vDSO is.
+    pid = os.getpid()
+    fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+    try:
+        [(lo, hi)] = _vdso(pid, fd, Path("/proc"))
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "maps").write_text(Path(f"/proc/{pid}/maps").read_text())
+        [(maps_lo, maps_hi)] = _vdso(pid, fd, tmp_path)  # no auxv there
+        assert os.pread(fd, 2, hi - 2)  # every byte of the span is readable
+    finally:
+        os.close(fd)
+    assert maps_lo == lo < hi <= maps_hi
 
 
 def test_injecting_into_a_process_that_is_gone_names_the_pid(tiles_bin: Path):
