@@ -15,7 +15,9 @@ times each way, the ways taken in turn:
 - criu-restore-debug-log-no-kdat-cache: both, what restores cost before 2026-12-07 on such
   a host.
 The restores run in a private mount namespace with a tmpfs on /run (this script re-runs
-itself under `unshare`), so the host's /run is left alone. `runs_s` is `criu restore`'s own
+itself under `unshare`), so the host's /run is left alone; the process writes nowhere (a
+file it inherited from outside that namespace, such as a log its caller redirected to,
+is on a mount CRIU cannot find there, and the dump fails). `runs_s` is `criu restore`'s own
 time, `log_lines` the lines of its log. Run as root, with CRIU >= 4.2 (`make criu`). Rows go
 to OUT/<date>-criu-fixed-costs-<machine>.json.
 """
@@ -86,6 +88,7 @@ def bench(a: argparse.Namespace) -> None:
         images.mkdir()
         ballast = subprocess.Popen([sys.executable, "-c", BALLAST, str(a.gib), str(a.maps),
                                     str(out), *a.imports], stdin=subprocess.DEVNULL,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                    start_new_session=True)
         pid = int(wait_file(Path(f"{out}.pid"), 600))
         if subprocess.run([a.criu, "dump", "-t", str(pid), "-D", str(images), "--shell-job",
