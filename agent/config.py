@@ -193,7 +193,8 @@ class SnapshotsConfig(_Strict):
     quarantine_keep: int = Field(2, ge=0)
     cuda_lock_timeout_ms: int = Field(10_000, ge=1)
     # CRIU's log level (-v) for restores: 2 logs warnings and errors (an Error line names
-    # why a restore failed); 4, its debug log, costs a vLLM restore 40-55 ms. Dumps log at 4.
+    # why a restore failed); 4, its debug log, cost a vLLM restore 36-56 ms on the CPU (docs/
+    # performance.md). Dumps log at 4.
     restore_log_level: int = Field(2, ge=0, le=4)
     # An S3-compatible store shared by a fleet (s3://bucket/prefix; credentials, region and
     # endpoint from the standard AWS variables and files): a start without a matching

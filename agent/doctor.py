@@ -155,7 +155,7 @@ KDAT = "criu.kdat"
 def _criu_cache(run_dir: Path, mountinfo: Path) -> Check:
     # CRIU probes the kernel at the start of every dump and restore unless it finds the
     # probe's result in /run/criu.kdat, which it keeps only on a tmpfs (criu/kerndat.c); a
-    # leftover criu.kdat.tmp makes its next save fail. 40 ms a restore measured.
+    # leftover criu.kdat.tmp makes its next save fail. 10-40 ms a run (docs/performance.md).
     name = "criu kernel cache"
     kind = fs_type(run_dir, mountinfo)
     if kind is None:
@@ -164,7 +164,7 @@ def _criu_cache(run_dir: Path, mountinfo: Path) -> Check:
         return Check(
             name, False, False, f"{run_dir} is {kind}, not a tmpfs: CRIU keeps its kernel probe "
             f"({run_dir / KDAT}) only on a tmpfs, so every dump and restore probes the kernel "
-            "again (40 ms measured)",
+            "again (10-40 ms each)",
             f"mount a tmpfs on {run_dir} (systemd does; in a container: --tmpfs {run_dir})",
         )  # fmt: skip
     stale = run_dir / f"{KDAT}.tmp"

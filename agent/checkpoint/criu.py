@@ -47,8 +47,8 @@ DUMP_ONLY_FLAGS = ("--link-remap",)
 
 
 # CRIU's log level for a restore unless snapshots.restore_log_level says otherwise: warnings
-# and errors. At 4 (debug) CRIU writes a line per mapping and file, about 19,000 for a vLLM
-# engine, each a write on the restore's path: 40-55 ms of it (docs/performance.md).
+# and errors. At 4 (debug) CRIU writes a line per mapping and file, about 33,000 for vLLM 0.33
+# on a GPU, each a write on the restore's path: 36-56 ms on the CPU (docs/performance.md).
 RESTORE_VERBOSITY = 2
 
 # The longest one `criu dump` or `criu restore` may run before it is killed: tens of GB of

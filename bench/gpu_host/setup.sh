@@ -27,7 +27,7 @@ sysctl -qw kernel.io_uring_disabled=2
 echo always > /sys/kernel/mm/transparent_hugepage/enabled
 # A systemd host's /run is a tmpfs, where CRIU keeps its kernel probe (/run/criu.kdat)
 # between runs (only there: criu/kerndat.c); this host's /run is not, so every criu call
-# probed the kernel again (40 ms, bench/criu_fixed_costs_bench.py). A tmpfs goes on /run,
+# probed the kernel again (10-40 ms, bench/criu_fixed_costs_bench.py). A tmpfs goes on /run,
 # with what was there bound back in (not CRIU's leftover criu.kdat.tmp, which would stop it
 # saving the probe).
 if [ "$(stat -f -c %T /run)" != tmpfs ]; then
