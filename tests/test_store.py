@@ -111,7 +111,7 @@ def test_snapshots_verify_always_hashes_at_every_select(tmp_path: Path):
     m = publish(store, 3000)
     calls = []
     real = store.verify
-    store.verify = lambda sid, full=True: calls.append(full) or real(sid, full=full)  # type: ignore[method-assign]
+    store.verify = lambda sid, full=True, **kw: calls.append(full) or real(sid, full=full, **kw)  # type: ignore[method-assign]
     assert store.select(IDENT).chosen == m
     assert calls == [True]
 

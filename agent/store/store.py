@@ -379,8 +379,10 @@ class SnapshotStore:
                            f"snapshot {snapshot_id}: manifest names another id ({m.id})")
         return m
 
-    def entries(self) -> list[Entry]:
-        """Every published snapshot, newest first, with any problem found without hashing."""
+    def entries(self, *, sized: bool = True) -> list[Entry]:
+        """Every published snapshot, newest first, with any problem found without hashing.
+        `sized=False` leaves `bytes_on_disk` 0: select needs no sizes, and walking every
+        file of every image is milliseconds of each restore."""
         out = []
         for sid in self.ids():
             d = self.root / sid
@@ -391,21 +393,26 @@ class SnapshotStore:
                     RefusalCode.NOT_A_SNAPSHOT,
                     f"{d} is not a snapshot directory; move it out of {self.root}"), 0))
                 continue
-            size = tree_bytes(d)
+            size = tree_bytes(d) if sized else 0
             try:
                 out.append(Entry(sid, self.load(sid), None, size))
             except SnapshotUnusableError as e:
                 out.append(Entry(sid, None, e.refusal, size))
         return sorted(out, key=_created, reverse=True)
 
-    def verify(self, snapshot_id: str, *, full: bool = True) -> Verdict:
+    def verify(self, snapshot_id: str, *, full: bool = True,
+               manifest: Manifest | None = None) -> Verdict:
         """Check manifest, permissions, and the size and sha256 chunks of every image file.
         With `full=False`, a file whose inode, size, mtime and ctime are still those it had
-        when it was hashed at seal is trusted without being read again."""
-        try:
-            m = self.load(snapshot_id)
-        except SnapshotError as e:
-            return Verdict(snapshot_id, (str(e),))
+        when it was hashed at seal is trusted without being read again. `manifest`: the one
+        the caller loaded a moment ago (select), not read and parsed again."""
+        if manifest is not None:
+            m = manifest
+        else:
+            try:
+                m = self.load(snapshot_id)
+            except SnapshotError as e:
+                return Verdict(snapshot_id, (str(e),))
         d = self.path(snapshot_id)
         listed = {f.name for f in m.files}
         reasons = unlisted_files(d, listed, listed | {MANIFEST_NAME, SEALED_NAME}
@@ -449,7 +456,7 @@ class SnapshotStore:
         def skip(sid: str, code: RefusalCode, detail: str) -> None:
             skipped.append(Skipped(sid, Refusal(code, detail)))
 
-        for e in self.entries():
+        for e in self.entries(sized=False):
             if e.manifest is None:
                 assert e.problem is not None
                 skipped.append(Skipped(e.id, e.problem))
@@ -462,7 +469,7 @@ class SnapshotStore:
             elif accept is not None and (refused := accept(e.manifest)) is not None:
                 skipped.append(refused)
             else:
-                v = self.verify(e.id, full=not self.trust_sealed)
+                v = self.verify(e.id, full=not self.trust_sealed, manifest=e.manifest)
                 if v.ok:
                     chosen = v.manifest
                 else:
