@@ -68,7 +68,7 @@ def cached_model(size: str) -> Path:
 
 def config(state: Path, model: Path, snapshots: bool, holder: Path | None = None,
            plugin: Path | None = None, engine: str = "vllm", standby: bool = False,
-           small_root: bool = True, restore_log_level: int = 2) -> dict:
+           small_root: bool = True, restore_log_level: int | None = None) -> dict:
     if engine == "vllm":
         eng = {"kind": "vllm", "model": str(model), "python": str(VLLM_PYTHON),
                "served_model_name": "bench", "args": CPU_ARGS, "stop_timeout_s": 20,
@@ -90,8 +90,9 @@ def config(state: Path, model: Path, snapshots: bool, holder: Path | None = None
         # second and later recoveries would wait 0.2, 0.4, 0.8 s before the decision, a
         # crash loop's pause that says nothing of one crash.
         "restart": {"backoff_initial_s": 0, "backoff_max_s": 1.0, "crash_loop_limit": 1000},
-        "snapshots": {"enabled": snapshots, "regenerate": "after-serving",
-                      "standby": standby, "restore_log_level": restore_log_level},
+        "snapshots": {"enabled": snapshots, "regenerate": "after-serving", "standby": standby,
+                      **({} if restore_log_level is None
+                         else {"restore_log_level": restore_log_level})},
     }
 
 
@@ -192,7 +193,8 @@ def vllm_version() -> str | None:
 
 def series(work: Path, name: str, model: Path, runs: int, want: str, snapshots: bool,
            holder: Path | None = None, plugin: Path | None = None,
-           engine: str = "vllm", small_root: bool = True, restore_log_level: int = 2) -> dict:
+           engine: str = "vllm", small_root: bool = True,
+           restore_log_level: int | None = None) -> dict:
     """One agent, its first start (and snapshot), then `runs` SIGKILLs recovered by `want`
     (without `small_root`, vLLM's API server is the root of its tree: engine.small_root
     false)."""
@@ -267,7 +269,7 @@ def main() -> None:
         for path in paths:
             # full-engine-root, hybrid-engine-root: with engine.small_root false;
             # hybrid-debug-log: with snapshots.restore_log_level 4.
-            level = 4 if path.endswith("-debug-log") else 2
+            level = 4 if path.endswith("-debug-log") else None
             want = path.removesuffix("-debug-log")
             small_root = not want.endswith("-engine-root")
             want = want.removesuffix("-engine-root")

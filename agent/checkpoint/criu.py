@@ -166,7 +166,6 @@ class CriuBackend:
         *,
         flags: tuple[str, ...] = COMMON_FLAGS,
         inherit_fds: Mapping[int, str] | None = None,
-        verbosity: int | None = None,
         timeout_s: float = CRIU_TIMEOUT_S,
         leave_stopped: bool = False,
     ) -> RestoreResult:
@@ -175,7 +174,7 @@ class CriuBackend:
         `pipe:[INODE]` it stands in for. Returns the restored root's PID (from a pidfile).
         `leave_stopped`: CRIU sends each restored process SIGSTOP before it lets go of it,
         so the tree waits, having run none of its own code, until someone sends SIGCONT.
-        `verbosity`: CRIU's -v for this restore (None: `restore_verbosity`)."""
+        CRIU logs at `restore_verbosity` (snapshots.restore_log_level)."""
         pidfile = log_path.with_name(log_path.name + ".pid")
         pidfile.unlink(missing_ok=True)
         inherit = inherit_fds or {}
@@ -185,8 +184,7 @@ class CriuBackend:
         # has pdeath_sig configured"). As our child it fires when the calling thread exits.
         argv = [
             str(self.binary.path), "restore", "-D", str(image_dir), "--restore-detached",
-            "--restore-sibling", "--pidfile", str(pidfile),
-            f"-v{self.restore_verbosity if verbosity is None else verbosity}", "-o",
+            "--restore-sibling", "--pidfile", str(pidfile), f"-v{self.restore_verbosity}", "-o",
             str(log_path), *flags,
         ]  # fmt: skip
         for fd, what in inherit.items():

@@ -116,11 +116,12 @@ def _exit_code(status: int) -> int:
 
 def _restore(args: argparse.Namespace) -> int:
     """CRIU restores the image as our child, stopped; its PID in this namespace."""
-    criu = CriuBackend(CriuBinary(Path(args.criu), "", "standby"))
+    criu = CriuBackend(CriuBinary(Path(args.criu), "", "standby"),
+                       restore_verbosity=args.verbosity)
     # CRIU wires each dumped pipe to an fd of ours: all go to our stdout (the agent's log).
     inherit = {os.dup(1): pipe for pipe in args.pipe}
     r = criu.restore(Path(args.image), Path(args.log), flags=tuple(args.flag),
-                     inherit_fds=inherit, leave_stopped=True, verbosity=args.verbosity)
+                     inherit_fds=inherit, leave_stopped=True)
     for fd in inherit:
         os.close(fd)
     return r.pid
