@@ -14,8 +14,8 @@ One model of --gib GiB (`pitstop make-model --target-gib`, in /dev/shm), the rea
 - **holder** (paths hybrid, refill, standby, warm): a holder (`pitstop holder`, cuda
   backend) and the Pitstop plugin for vLLM's interpreter. The first start loads the weights
   into the holder (its peak GPU memory is recorded: `first-start-holder`), a hybrid
-  snapshot is taken, then
-  --runs SIGKILLs of the API server come back through `hybrid`; once the agent has written
+  snapshot is taken, then --hybrid-runs (default --runs) SIGKILLs of the API server come
+  back through `hybrid`; once the agent has written
   its copy of the held set (the refill plan), --runs times the holder is restarted empty
   and the API server killed: `refill`; with `standby`, an agent with `snapshots.standby`
   over the same holder and store restores that image, and --runs kills (each once `pitstop
@@ -444,7 +444,7 @@ def hybrid_and_refill(run: Run, agent: Agent, holder: list[subprocess.Popen], gp
         r.setdefault("skipped", {})["hybrid"] = f"the snapshot is {snap.get('kind')}"
         return
     if run.wants("hybrid"):
-        series(run, agent, "hybrid", "hybrid", run.a.runs, 30 + start_estimate(run))
+        series(run, agent, "hybrid", "hybrid", run.a.hybrid_runs, 30 + start_estimate(run))
     if not run.wants("refill"):
         return
     # The agent writes the refill plan of the held set (vLLM's parameters are not the
@@ -707,6 +707,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--gib", type=float, default=8.0)
     ap.add_argument("--paths", default=",".join(PATHS), help=f"any of {', '.join(PATHS)}")
     ap.add_argument("--runs", type=int, default=2, help="kills per path")
+    ap.add_argument("--hybrid-runs", type=int, default=None,
+                    help="kills through hybrid (default: --runs): a few seconds each, so "
+                         "more of them than of the slow paths fit one call")
     ap.add_argument("--warm-runs", type=int, default=1)
     ap.add_argument("--cold-runs", type=int, default=1)
     ap.add_argument("--budget-s", type=float, default=None,
@@ -734,6 +737,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--device", default="cuda", help="cpu: a dry run on vLLM's CPU build")
     a = ap.parse_args()
     a.paths = a.paths.split(",")
+    if a.hybrid_runs is None:
+        a.hybrid_runs = a.runs
     unknown = sorted(set(a.paths) - set(PATHS))
     if unknown:
         ap.error(f"--paths: unknown {', '.join(unknown)}; choose from {', '.join(PATHS)}")
