@@ -1,0 +1,41 @@
+"""The GPU bench's command line: how many kills each path gets in one call."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def parse(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *args: str):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import vllm_gpu_bench
+
+    monkeypatch.setattr("sys.argv", ["vllm_gpu_bench.py", str(tmp_path), *args])
+    return vllm_gpu_bench.parse_args()
+
+
+def test_hybrid_gets_as_many_kills_as_every_path_unless_told(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    a = parse(monkeypatch, tmp_path, "--runs", "3")
+    assert (a.runs, a.hybrid_runs) == (3, 3)
+
+
+def test_hybrid_runs_set_apart_from_the_slow_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    a = parse(monkeypatch, tmp_path, "--runs", "1", "--hybrid-runs", "5",
+              "--paths", "hybrid,full,vllm-snapshot")
+    assert (a.runs, a.hybrid_runs) == (1, 5)
+    assert a.paths == ["hybrid", "full", "vllm-snapshot"]
+
+
+def test_an_unknown_path_is_refused_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
+    with pytest.raises(SystemExit):
+        parse(monkeypatch, tmp_path, "--paths", "hybrid,hybird")
+    assert "unknown hybird" in capsys.readouterr().err
