@@ -1,10 +1,13 @@
-"""The GPU bench's command line: how many kills each path gets in one call."""
+"""The GPU bench's command line: how many kills each path gets in one call, and how many
+tensor-parallel workers vLLM runs with."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+
+from agent.engines.vllm.parallel import Parallel
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
@@ -39,3 +42,18 @@ def test_an_unknown_path_is_refused_by_name(
     with pytest.raises(SystemExit):
         parse(monkeypatch, tmp_path, "--paths", "hybrid,hybird")
     assert "unknown hybird" in capsys.readouterr().err
+
+
+def test_the_gpu_bench_runs_tensor_parallel_and_its_rows_say_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    a = parse(monkeypatch, tmp_path, "--tp", "2")
+    import vllm_bench_kit
+    import vllm_gpu_bench
+
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 4096}')
+    assert Parallel.of_args(vllm_gpu_bench.engine_args(tmp_path, a, False)).tensor == 2
+    row = vllm_bench_kit.summarize(
+        "warm", [{"duration_s": 1.5}], {"gib": 1, "command": "c", "tp": a.tp}
+    )
+    assert row is not None and row["tp"] == 2 and row["path"] == "warm"

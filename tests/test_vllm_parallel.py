@@ -224,20 +224,3 @@ def test_a_warm_start_of_a_tensor_parallel_engine_needs_every_ranks_set_held(tmp
         assert "--load-format" in ready.plan
     finally:
         holder.stop()
-
-
-def test_the_gpu_bench_runs_tensor_parallel_and_its_rows_say_so(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-):
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
-    import vllm_bench_kit
-    import vllm_gpu_bench
-
-    monkeypatch.setattr("sys.argv", ["vllm_gpu_bench.py", str(tmp_path), "--tp", "2"])
-    a = vllm_gpu_bench.parse_args()
-    (tmp_path / "config.json").write_text('{"max_position_embeddings": 4096}')
-    assert Parallel.of_args(vllm_gpu_bench.engine_args(tmp_path, a, False)).tensor == 2
-    row = vllm_bench_kit.summarize(
-        "warm", [{"duration_s": 1.5}], {"gib": 1, "command": "c", "tp": a.tp}
-    )
-    assert row is not None and row["tp"] == 2 and row["path"] == "warm"
