@@ -12,6 +12,7 @@ import torch
 
 from agent.config import CanaryConfig, parse_config
 from agent.engines import build_adapter
+from agent.engines.probe import CanaryAnswer
 from agent.engines.refengine.detok import Detokenizer
 from agent.engines.refengine.kvpool import KVPool
 from agent.engines.refengine.model import Llama
@@ -19,6 +20,7 @@ from agent.engines.refengine.protocol import CompletionRequest, Prefill
 from agent.engines.refengine.sampling import SamplingParams
 from agent.engines.refengine.scheduler import Output, Scheduler
 from agent.engines.refengine.tokenizer import Tokenizer
+from agent.errors import EngineError
 from agent.metrics import Metrics, StatusView, new_registry
 from agent.store.manifest import Canary, CanaryMethod
 from agent.supervisor.canary import CanaryBook, CanaryRecord
@@ -219,3 +221,34 @@ def test_an_older_record_is_checked_its_own_way_then_recorded_by_one_pass(
     assert "the record made by engine_default matched; recorded again by " \
            "one_pass_prefill" in caplog.text
     assert book.load() == rec
+
+
+# vLLM's answer to a canary request with `prompt_logprobs: 1` (vLLM 0.32, the tiny model,
+# abridged): no prediction before the first prompt token; each later position holds the
+# prompt's own token at its rank and the top-1 at rank 1, which may be the same token.
+VLLM_PROMPT_LOGPROBS_CHOICE = {
+    "text": " c", "token_ids": [274], "prompt_token_ids": [0, 54, 280, 318],
+    "prompt_logprobs": [
+        None,
+        {"54": {"logprob": -7.6, "rank": 652, "decoded_token": "P"},
+         "238": {"logprob": -4.6, "rank": 1, "decoded_token": "x"}},
+        {"280": {"logprob": -4.3, "rank": 1, "decoded_token": "it"}},
+        {"318": {"logprob": -6.6, "rank": 246, "decoded_token": "st"},
+         "113": {"logprob": -4.4, "rank": 1, "decoded_token": "y"}},
+    ]}
+
+
+def test_vllms_prompt_predictions_come_before_the_generated_token() -> None:
+    answer = CanaryAnswer.from_choice(VLLM_PROMPT_LOGPROBS_CHOICE)
+    assert answer == CanaryAnswer(text="xity c", token_ids=(238, 280, 113, 274))
+    # Without the prompt's logprobs an answer is its generated tokens alone.
+    plain = {"text": "ab", "token_ids": [1, 2]}
+    assert CanaryAnswer.from_choice(plain) == CanaryAnswer(text="ab", token_ids=(1, 2))
+
+
+def test_a_prompt_position_without_a_top_prediction_is_an_engine_error() -> None:
+    choice = {**VLLM_PROMPT_LOGPROBS_CHOICE,
+              "prompt_logprobs": [None, {"54": {"logprob": -7.6, "rank": 652}}]}
+    with pytest.raises(EngineError, match="no rank-1 token"):
+        CanaryAnswer.from_choice(choice)
+

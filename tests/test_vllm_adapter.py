@@ -14,6 +14,7 @@ from agent.config import parse_config
 from agent.engines import build_adapter
 from agent.engines.vllm.adapter import ENTRYPOINT, VllmAdapter, read_package
 from agent.errors import ConfigError, EngineError
+from agent.store.manifest import CanaryMethod
 
 
 def _config(tmp: Path, **engine: object):
@@ -176,3 +177,12 @@ def test_what_the_check_cannot_tell_is_left_to_vllm(tmp_path: Path, config: dict
 def test_a_model_directory_without_config_is_left_to_vllm(tmp_path: Path):
     # The model may not be there yet when the config is checked (mounted later).
     VllmAdapter(_config(tmp_path, args=["--max-model-len", "8192"]))
+
+
+def test_the_canary_asks_vllm_for_prompt_predictions_and_one_token(tmp_path: Path) -> None:
+    adapter = VllmAdapter(_config(tmp_path))
+    assert adapter.canary_method is CanaryMethod.PROMPT_PREDICTIONS
+    assert adapter.canary_fields(CanaryMethod.PROMPT_PREDICTIONS) == {
+        "prompt_logprobs": 1, "max_tokens": 1}
+    # A record an older Pitstop made is checked as it was made: a plain greedy request.
+    assert adapter.canary_fields(CanaryMethod.ENGINE_DEFAULT) == {}

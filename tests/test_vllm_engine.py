@@ -19,6 +19,8 @@ import openai
 import pytest
 
 from agent.config import CanaryConfig
+from agent.engines.probe import CanaryAnswer
+from agent.store.manifest import CanaryMethod
 from tests.prereq import require
 from tests.vllmproc import VLLM_PYTHON, VllmServer, vllm_adapter
 
@@ -56,13 +58,19 @@ def server(
     s.kill()
 
 
+def _canary_choice(server: VllmServer) -> dict:
+    """The supervisor's canary request (config defaults, the adapter's method): greedy, with
+    token ids."""
+    canary, adapter = CanaryConfig(), server.adapter
+    return server.get_json("/v1/completions", {
+        "model": adapter.model_name(), "prompt": canary.prompt,
+        "max_tokens": canary.max_tokens, "temperature": 0, "return_token_ids": True,
+        **adapter.canary_fields(adapter.canary_method)})["choices"][0]
+
+
 def _canary(server: VllmServer) -> tuple[str, list[int]]:
-    """The supervisor's canary request (config defaults): greedy, with token ids."""
-    canary = CanaryConfig()
-    r = server.get_json("/v1/completions", {
-        "model": server.adapter.model_name(), "prompt": canary.prompt,
-        "max_tokens": canary.max_tokens, "temperature": 0, "return_token_ids": True})
-    return r["choices"][0]["text"], r["choices"][0]["token_ids"]
+    answer = CanaryAnswer.from_choice(_canary_choice(server))
+    return answer.text, list(answer.token_ids)
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +158,22 @@ def test_metrics_are_vllms_own_on_the_same_socket(client: openai.OpenAI, server:
 
 def test_canary_is_stable_within_a_boot(server: VllmServer, first_canary):
     assert _canary(server) == first_canary
+
+
+def test_the_canary_checks_every_prompt_position_in_one_pass(client: openai.OpenAI,
+                                                           server: VllmServer):
+    assert server.adapter.canary_method is CanaryMethod.PROMPT_PREDICTIONS
+    choice = _canary_choice(server)
+    prompt_ids, answer = choice["prompt_token_ids"], CanaryAnswer.from_choice(choice)
+    # A prediction for each prompt token after the first, then the one generated token:
+    # more greedy picks than the 8 tokens a plain canary generates, for one forward pass.
+    assert len(answer.token_ids) == len(prompt_ids) > CanaryConfig().max_tokens
+    assert choice["token_ids"] == list(answer.token_ids[-1:])
+    # The last pick is what a plain greedy request generates first.
+    plain = client.completions.create(model=server.adapter.model_name(),
+                                      prompt=CanaryConfig().prompt, max_tokens=1,
+                                      temperature=0, extra_body={"return_token_ids": True})
+    assert (plain.choices[0].model_extra or {})["token_ids"] == choice["token_ids"]
 
 
 def test_sigkill_of_the_api_server(server: VllmServer, first_canary):

@@ -14,10 +14,27 @@ from agent.errors import EngineError
 
 @dataclass(frozen=True)
 class CanaryAnswer:
-    """The greedy answer to the canary request: what verification compares."""
+    """The greedy answer to the canary request: what verification compares. With the
+    prompt's logprobs asked for, the top prediction at each prompt position comes first,
+    then the generated tokens."""
 
     text: str
     token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_choice(cls, choice: dict[str, Any]) -> CanaryAnswer:
+        top = [_top_prediction(pos) for pos in choice.get("prompt_logprobs") or () if pos]
+        return cls(text="".join(t for _, t in top) + choice["text"],
+                   token_ids=(*(i for i, _ in top), *(choice.get("token_ids") or ())))
+
+
+def _top_prediction(position: dict[str, dict[str, Any]]) -> tuple[int, str]:
+    """The rank-1 token of one prompt position's logprobs (vLLM's `{id: {logprob, rank,
+    decoded_token}}`, which also holds the prompt's own token at its rank)."""
+    for token_id, lp in position.items():
+        if lp.get("rank") == 1:
+            return int(token_id), lp.get("decoded_token") or ""
+    raise EngineError(f"canary answer's prompt logprobs name no rank-1 token: {position}")
 
 
 class EngineProbe:
@@ -87,5 +104,4 @@ class EngineProbe:
         status, raw = await self._request("POST", "/v1/completions", body, timeout=timeout)
         if status != 200:
             raise EngineError(f"canary request answered {status}: {raw[:300]!r}")
-        choice = json.loads(raw)["choices"][0]
-        return CanaryAnswer(text=choice["text"], token_ids=tuple(choice.get("token_ids") or ()))
+        return CanaryAnswer.from_choice(json.loads(raw)["choices"][0])

@@ -91,6 +91,10 @@ class CanaryMethod(StrEnum):
     # The whole prompt in one forward call, then one decode step a token (replayed from CUDA
     # graphs on a GPU): what a real request costs, one read of the weights a token.
     ONE_PASS_PREFILL = "one_pass_prefill"
+    # The model's top prediction at every prompt position (the prompt's logprobs, vLLM's
+    # `prompt_logprobs`) and one generated token, all from one forward pass: as many greedy
+    # picks as a long answer for one read of the weights instead of one a token.
+    PROMPT_PREDICTIONS = "prompt_predictions"
 
 
 class Canary(_Strict):

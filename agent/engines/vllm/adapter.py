@@ -88,7 +88,7 @@ class VllmAdapter:
     dead_marker = b"EngineCore encountered an issue"
     # vLLM's own scheduler already prefills a short prompt in one step and decodes from its
     # graphs: a plain request is the cheap one, and records have always been made that way.
-    canary_method = CanaryMethod.ENGINE_DEFAULT
+    canary_method = CanaryMethod.PROMPT_PREDICTIONS
     # A detach is two control calls (the prefix cache reset, the detach), a resume one.
     control_limit_s = 2 * CONTROL_LIMIT_S
 
@@ -266,6 +266,11 @@ class VllmAdapter:
         return self._config.engine.model_name
 
     def canary_fields(self, method: CanaryMethod) -> dict[str, Any]:
+        if method is CanaryMethod.PROMPT_PREDICTIONS:
+            # The top-1 of each prompt position comes with the prompt's own token's logprob;
+            # vLLM reads no cached prefix for a request that asks for them, so every position
+            # is computed by the engine being checked.
+            return {"prompt_logprobs": 1, "max_tokens": 1}
         return {}
 
     def exit_is_failure(self, returncode: int) -> bool:
