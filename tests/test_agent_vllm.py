@@ -34,6 +34,7 @@ from agent.config import parse_config
 from agent.engines import build_adapter
 from agent.identity import host_identity, read_vllm_package
 from agent.store import Manifest
+from agent.store.manifest import CanaryMethod
 from tests.agentproc import REPO, RunningAgent, agent_config, fallthroughs
 from tests.prereq import require
 from tests.snapshot_helpers import criu
@@ -308,10 +309,14 @@ def _restored(agent: VllmAgent, client: openai.OpenAI, n: int,
           f"{rec['stages']}", file=sys.stderr)
     [snap] = _snapshots(agent)
     assert f"restored snapshot {snap['id']} as PID {st['engine_pid']}" in agent.log()
-    # The canary the restore was verified with is the cold start's, and so is the answer.
+    # The canary the restore was verified with is the cold start's, and so is the answer:
+    # vLLM's predictions at the prompt's positions and a token, made in one pass.
     canary = json.loads((Path(agent.config["paths"]["state_dir"]) / "canary.json").read_text())
     recorded = _manifest(agent, snap["id"]).canary
     assert (recorded.text, list(recorded.token_ids)) == (canary["text"], canary["token_ids"])
+    assert recorded.method is CanaryMethod.PROMPT_PREDICTIONS
+    assert canary["method"] == CanaryMethod.PROMPT_PREDICTIONS.value
+    assert len(recorded.token_ids) > recorded.max_tokens, recorded
     assert _greedy(client) == agent.cold_answer
     agent.engine_pid()
     return st
