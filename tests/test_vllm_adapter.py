@@ -186,3 +186,18 @@ def test_the_canary_asks_vllm_for_prompt_predictions_and_one_token(tmp_path: Pat
         "prompt_logprobs": 1, "max_tokens": 1}
     # A record an older Pitstop made is checked as it was made: a plain greedy request.
     assert adapter.canary_fields(CanaryMethod.ENGINE_DEFAULT) == {}
+
+
+@pytest.mark.parametrize("args", [["--max-logprobs", "0"], ["--max_logprobs=0"],
+                                  ["--kv-sharing-fast-prefill"],
+                                  ["--no-kv-sharing-fast-prefill", "--kv_sharing_fast_prefill"]])
+def test_a_vllm_that_refuses_prompt_logprobs_gets_a_plain_greedy_canary(
+        tmp_path: Path, args: list[str]) -> None:
+    assert VllmAdapter(_config(tmp_path, args=args)).canary_method is CanaryMethod.ENGINE_DEFAULT
+
+
+@pytest.mark.parametrize("args", [["--max-logprobs", "5"],
+                                  ["--kv-sharing-fast-prefill", "--no-kv-sharing-fast-prefill"]])
+def test_prompt_logprobs_allowed_keep_the_one_pass_canary(tmp_path: Path, args: list[str]) -> None:
+    assert VllmAdapter(_config(tmp_path, args=args)).canary_method \
+        is CanaryMethod.PROMPT_PREDICTIONS

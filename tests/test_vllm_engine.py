@@ -22,7 +22,7 @@ from agent.config import CanaryConfig
 from agent.engines.probe import CanaryAnswer
 from agent.store.manifest import CanaryMethod
 from tests.prereq import require
-from tests.vllmproc import VLLM_PYTHON, VllmServer, vllm_adapter
+from tests.vllmproc import CPU_ARGS, VLLM_PYTHON, VllmServer, vllm_adapter
 
 pytestmark = pytest.mark.integration
 
@@ -38,8 +38,9 @@ def vllm_python() -> Path:
     return VLLM_PYTHON
 
 
-def _boot(tmp: Path, model: Path) -> VllmServer:
-    server = VllmServer(vllm_adapter(tmp, model), tmp / "vllm.log")
+def _boot(tmp: Path, model: Path, args: list[str] | None = None) -> VllmServer:
+    adapter = vllm_adapter(tmp, model, **({"args": [*CPU_ARGS, *args]} if args else {}))
+    server = VllmServer(adapter, tmp / "vllm.log")
     try:
         boot_s = server.wait_ready()
     except BaseException:
@@ -77,6 +78,16 @@ def _canary(server: VllmServer) -> tuple[str, list[int]]:
 def first_canary(server: VllmServer) -> tuple[str, list[int]]:
     """The canary answer of the module's first boot, for the next boot to match."""
     return _canary(server)
+
+
+@pytest.fixture(scope="module")
+def first_plain_canary(server: VllmServer) -> tuple[str, list[int]]:
+    """The first boot's answer to the canary asked the plain greedy way."""
+    choice = server.get_json("/v1/completions", {
+        "model": server.adapter.model_name(), "prompt": CanaryConfig().prompt,
+        "max_tokens": CanaryConfig().max_tokens, "temperature": 0, "return_token_ids": True,
+        **server.adapter.canary_fields(CanaryMethod.ENGINE_DEFAULT)})["choices"][0]
+    return choice["text"], choice["token_ids"]
 
 
 @pytest.fixture
@@ -176,7 +187,7 @@ def test_the_canary_checks_every_prompt_position_in_one_pass(client: openai.Open
     assert (plain.choices[0].model_extra or {})["token_ids"] == choice["token_ids"]
 
 
-def test_sigkill_of_the_api_server(server: VllmServer, first_canary):
+def test_sigkill_of_the_api_server(server: VllmServer, first_canary, first_plain_canary):
     # first_canary: taken before this kill, for the next boot to compare with.
     # Last user of the shared server: it ends it.
     engine_cores = [p for p, t in server.children().items() if t.startswith("VLLM::EngineCore")]
@@ -196,12 +207,18 @@ def test_sigkill_of_the_api_server(server: VllmServer, first_canary):
 
 
 def test_sigkill_of_the_engine_core_ends_the_api_server(
-    vllm_python: Path, tiny_model: Path, tmp_path: Path, first_canary
+    vllm_python: Path, tiny_model: Path, tmp_path: Path, first_plain_canary
 ):
-    server = _boot(tmp_path, tiny_model)
+    # Started so that it refuses the prompt's logprobs: the canary is then the plain request.
+    server = _boot(tmp_path, tiny_model, ["--max-logprobs", "0"])
     try:
+        assert server.adapter.canary_method is CanaryMethod.ENGINE_DEFAULT
+        refused = server.post("/v1/completions", {
+            "model": server.adapter.model_name(), "prompt": PROMPT, "max_tokens": 1,
+            **server.adapter.canary_fields(CanaryMethod.PROMPT_PREDICTIONS)})
+        assert refused.status_code == 400 and "prompt logprobs" in refused.text, refused.text
         # A restarted vLLM must give the recorded canary answer, or every restart fails verify.
-        assert _canary(server) == first_canary
+        assert _canary(server) == first_plain_canary
         cores = [p for p, t in server.children().items() if t.startswith("VLLM::EngineCore")]
         assert len(cores) == 1, f"want one VLLM::EngineCore under {server.pid}: {server.children()}"
         os.kill(cores[0], signal.SIGKILL)

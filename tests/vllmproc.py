@@ -75,11 +75,15 @@ class VllmServer:
         with self.http(timeout=5.0) as c:
             return c.get(f"http://localhost{path}")
 
-    def get_json(self, path: str, body: dict) -> dict:
+    def post(self, path: str, body: dict) -> httpx.Response:
         with self.http() as c:
-            r = c.post(f"http://localhost{path}", json=body)
-            r.raise_for_status()
-            return r.json()
+            return c.post(f"http://localhost{path}", json=body)
+
+    def get_json(self, path: str, body: dict) -> dict:
+        """The JSON answer to a POST of `body`; raises on an error status."""
+        r = self.post(path, body)
+        r.raise_for_status()
+        return r.json()
 
     def wait_ready(self, timeout: float = BOOT_TIMEOUT_S) -> float:
         """Wait for /health 200 and the served model in /v1/models; the seconds it took."""

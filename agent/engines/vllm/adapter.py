@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import agent
 from agent.config import Config
+from agent.engineargs import flag_value
 from agent.engines.base import Detached, LaunchSpec
 from agent.engines.vllm.cli import VllmFeatures, read_features
 from agent.engines.vllm.maxlen import check_max_model_len
@@ -86,9 +87,6 @@ class VllmAdapter:
     # vLLM's EngineDeadError (vllm/v1/engine/exceptions.py, 0.32): between its engine core's
     # death and its own exit, the API server answers requests 500 with this message.
     dead_marker = b"EngineCore encountered an issue"
-    # vLLM's own scheduler already prefills a short prompt in one step and decodes from its
-    # graphs: a plain request is the cheap one, and records have always been made that way.
-    canary_method = CanaryMethod.PROMPT_PREDICTIONS
     # A detach is two control calls (the prefix cache reset, the detach), a resume one.
     control_limit_s = 2 * CONTROL_LIMIT_S
 
@@ -265,6 +263,13 @@ class VllmAdapter:
     def model_name(self) -> str:
         return self._config.engine.model_name
 
+    @property
+    def canary_method(self) -> CanaryMethod:
+        """Prompt predictions, unless the engine's arguments make vLLM refuse a request for
+        the prompt's logprobs: then a plain greedy request, as before they were used."""
+        return (CanaryMethod.ENGINE_DEFAULT if refuses_prompt_logprobs(self._config.engine.args)
+                else CanaryMethod.PROMPT_PREDICTIONS)
+
     def canary_fields(self, method: CanaryMethod) -> dict[str, Any]:
         if method is CanaryMethod.PROMPT_PREDICTIONS:
             # The top-1 of each prompt position comes with the prompt's own token's logprob;
@@ -277,6 +282,18 @@ class VllmAdapter:
         # When vLLM's engine core dies the API server may exit 0: any exit the
         # agent did not ask for is a crash, whatever its status.
         return True
+
+
+def refuses_prompt_logprobs(args: Sequence[str]) -> bool:
+    """Whether vLLM started with `args` answers 400 to `prompt_logprobs: 1`: with
+    `--max-logprobs 0` (vllm/sampling_params.py checks prompt logprobs against it) or with
+    `--kv-sharing-fast-prefill` (vllm/v1/engine/async_llm.py refuses them outright; a boolean
+    flag, `--no-kv-sharing-fast-prefill` its negation, the last one given wins)."""
+    names = ["--" + a[2:].replace("_", "-") for a in args if a.startswith("--")]
+    fast = [n for n in names if n in ("--kv-sharing-fast-prefill",
+                                      "--no-kv-sharing-fast-prefill")]
+    return (bool(fast) and fast[-1] == "--kv-sharing-fast-prefill") \
+        or flag_value(args, ("--max-logprobs",)) == "0"
 
 
 def outside_refusal(state: dict[str, Any]) -> Refusal | None:
