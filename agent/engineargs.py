@@ -13,6 +13,11 @@ PIPELINE_PARALLEL = ("--pipeline-parallel-size", "-pp")
 DATA_PARALLEL = ("--data-parallel-size", "-dp")
 
 
+def _spelled(name: str) -> str:
+    """A long flag as vLLM's parser takes it: `--x_y` is `--x-y`."""
+    return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
+
+
 def flag_value(args: Sequence[str], flags: Iterable[str]) -> str | None:
     """The value `args` give the first of `flags` (or any other spelling of it in `flags`),
     None when absent. `--x N` and `--x=N` alike, `--x_y` as `--x-y`, and the last one given
@@ -21,11 +26,18 @@ def flag_value(args: Sequence[str], flags: Iterable[str]) -> str | None:
     found: str | None = None
     for i, arg in enumerate(args):
         name, eq, value = arg.partition("=")
-        if name.startswith("--"):
-            name = "--" + name[2:].replace("_", "-")
+        name = _spelled(name)
         if name in flags:
             found = value if eq else (args[i + 1] if i + 1 < len(args) else "")
     return found
+
+
+def switch(args: Sequence[str], flag: str) -> bool:
+    """Whether `args` turn on one of vLLM's on/off flags (`--x`, its negation `--no-x`, the
+    last one given wins, off when neither is given)."""
+    off = "--no-" + flag[2:]
+    given = [name for name in map(_spelled, args) if name in (flag, off)]
+    return bool(given) and given[-1] == flag
 
 
 def workers(args: Sequence[str], flags: tuple[str, ...]) -> int:

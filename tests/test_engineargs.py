@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.engineargs import TENSOR_PARALLEL, flag_value, workers
+from agent.engineargs import TENSOR_PARALLEL, flag_value, switch, workers
 from agent.errors import ConfigError
 
 
@@ -27,3 +27,15 @@ def test_a_size_flag_left_out_is_one_worker_and_a_bad_one_names_the_flag() -> No
     for bad in (["-tp", "0"], ["-tp"], ["--tensor-parallel-size=x"]):
         with pytest.raises(ConfigError, match="--tensor-parallel-size .* is not a number"):
             workers(bad, TENSOR_PARALLEL)
+
+
+@pytest.mark.parametrize(("args", "on"), [
+    ([], False),
+    (["--enforce-eager"], False),
+    (["--kv-sharing-fast-prefill"], True),
+    (["--kv_sharing_fast_prefill"], True),
+    (["--kv-sharing-fast-prefill", "--no-kv-sharing-fast-prefill"], False),
+    (["--no-kv-sharing-fast-prefill", "--kv-sharing-fast-prefill"], True),
+])
+def test_an_on_off_flag_is_the_last_one_given(args: list[str], on: bool) -> None:
+    assert switch(args, "--kv-sharing-fast-prefill") is on

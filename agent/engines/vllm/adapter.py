@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import agent
 from agent.config import Config
-from agent.engineargs import flag_value
+from agent.engineargs import flag_value, switch
 from agent.engines.base import Detached, LaunchSpec
 from agent.engines.vllm.cli import VllmFeatures, read_features
 from agent.engines.vllm.maxlen import check_max_model_len
@@ -287,12 +287,8 @@ class VllmAdapter:
 def refuses_prompt_logprobs(args: Sequence[str]) -> bool:
     """Whether vLLM started with `args` answers 400 to `prompt_logprobs: 1`: with
     `--max-logprobs 0` (vllm/sampling_params.py checks prompt logprobs against it) or with
-    `--kv-sharing-fast-prefill` (vllm/v1/engine/async_llm.py refuses them outright; a boolean
-    flag, `--no-kv-sharing-fast-prefill` its negation, the last one given wins)."""
-    names = ["--" + a[2:].replace("_", "-") for a in args if a.startswith("--")]
-    fast = [n for n in names if n in ("--kv-sharing-fast-prefill",
-                                      "--no-kv-sharing-fast-prefill")]
-    return (bool(fast) and fast[-1] == "--kv-sharing-fast-prefill") \
+    `--kv-sharing-fast-prefill` (vllm/v1/engine/async_llm.py refuses them outright)."""
+    return switch(args, "--kv-sharing-fast-prefill") \
         or flag_value(args, ("--max-logprobs",)) == "0"
 
 
