@@ -59,14 +59,14 @@ def server(
     s.kill()
 
 
-def _canary_choice(server: VllmServer) -> dict:
-    """The supervisor's canary request (config defaults, the adapter's method): greedy, with
-    token ids."""
+def _canary_choice(server: VllmServer, method: CanaryMethod | None = None) -> dict:
+    """The supervisor's canary request (config defaults; `method`, else the adapter's):
+    greedy, with token ids."""
     canary, adapter = CanaryConfig(), server.adapter
     return server.get_json("/v1/completions", {
         "model": adapter.model_name(), "prompt": canary.prompt,
         "max_tokens": canary.max_tokens, "temperature": 0, "return_token_ids": True,
-        **adapter.canary_fields(adapter.canary_method)})["choices"][0]
+        **adapter.canary_fields(method or adapter.canary_method)})["choices"][0]
 
 
 def _canary(server: VllmServer) -> tuple[str, list[int]]:
@@ -83,10 +83,7 @@ def first_canary(server: VllmServer) -> tuple[str, list[int]]:
 @pytest.fixture(scope="module")
 def first_plain_canary(server: VllmServer) -> tuple[str, list[int]]:
     """The first boot's answer to the canary asked the plain greedy way."""
-    choice = server.get_json("/v1/completions", {
-        "model": server.adapter.model_name(), "prompt": CanaryConfig().prompt,
-        "max_tokens": CanaryConfig().max_tokens, "temperature": 0, "return_token_ids": True,
-        **server.adapter.canary_fields(CanaryMethod.ENGINE_DEFAULT)})["choices"][0]
+    choice = _canary_choice(server, CanaryMethod.ENGINE_DEFAULT)
     return choice["text"], choice["token_ids"]
 
 
@@ -188,7 +185,8 @@ def test_the_canary_checks_every_prompt_position_in_one_pass(client: openai.Open
 
 
 def test_sigkill_of_the_api_server(server: VllmServer, first_canary, first_plain_canary):
-    # first_canary: taken before this kill, for the next boot to compare with.
+    # first_canary, first_plain_canary: taken before this kill, for the next boot to compare
+    # with.
     # Last user of the shared server: it ends it.
     engine_cores = [p for p, t in server.children().items() if t.startswith("VLLM::EngineCore")]
     assert engine_cores, f"no VLLM::EngineCore under {server.pid}: {server.children()}"
