@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from agent.errors import CommandError
-from agent.proc import disown, own, spawn_lock
+from agent.proc import disown, own, spawn_lock, wait_exits
 
 TAIL_LINES = 20
 
@@ -118,15 +118,17 @@ def run(
                 f"cannot start {args[0]}: {e.strerror}; check that it is installed"
             ) from e
         try:
-            try:
-                p.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
+            # Woken by the kernel through a pidfd when it exits: Popen.wait(timeout) polls
+            # with sleeps growing to 50 ms, and a CRIU restore of half a second was seen to
+            # end up to 50 ms late.
+            wait_exits((p.pid,), timeout_s)
+            if p.poll() is None:
                 p.kill()
                 p.wait()
                 raise CommandError(
                     _describe(args, f"timed out after {timeout_s:g} s and was killed",
                               _read(err_f), log_path)
-                ) from None
+                )
         finally:
             disown(p.pid)
         out, err = _read(out_f), _read(err_f)
