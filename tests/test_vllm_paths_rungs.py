@@ -284,7 +284,7 @@ def test_a_restored_engine_is_adopted_and_reached_through_engine_socket(
                                            else runner)(argv, **kw)
         take(store, backend, CreateRequest("vllm"), _host())
         backend._run = runner
-        backend._inspected.clear()
+        backend._inspected.clear()  # as after an agent's restart
         calls.clear()
         rung = VllmSnapshotRestore(backend, store, socket=cfg.engine_socket, identity=_host,
                                    features=lambda: CUDA_VLLM, has_gpu=lambda: True,
@@ -312,7 +312,8 @@ def test_a_restored_engine_is_adopted_and_reached_through_engine_socket(
             assert not cfg.engine_socket.exists()
 
         asyncio.run(scenario())
-        assert calls == ["inspect", "restore"]
+        # vLLM's reading of the artifact was kept when it was taken: no import to choose it.
+        assert calls == ["restore"]
     finally:
         engine.kill()
         engine.wait()
@@ -339,7 +340,8 @@ def test_a_vllm_snapshot_is_sealed_without_the_files_its_restore_rewrites(
         tmp_path: Path, py: Path) -> None:
     m = _take(tmp_path, py)
     assert m.kind == "vllm" and m.scratch == SCRATCH
-    assert {f.name for f in m.files} == {"vllm/manifest.json", "vllm/images/pages-1.img"}
+    assert {f.name for f in m.files} == {"vllm/manifest.json", "vllm/images/pages-1.img",
+                                         "vllm-inspect.json"}
     assert m.canary.prompt == "The capital of France is" and m.canary.text == " Paris"
     assert m.process.root_pid == 424242 and m.process.cuda_pids == (424242,)
     store = SnapshotStore(tmp_path / "state/snapshots")
@@ -353,6 +355,49 @@ def test_a_vllm_snapshot_is_sealed_without_the_files_its_restore_rewrites(
     with open(d / "vllm" / "images" / "pages-1.img", "r+b") as f:
         f.write(b"\x00")
     assert "vllm/images/pages-1.img: sha256 differs" in store.verify(m.id).reasons[0]
+
+
+def _counting_backend(tmp: Path, py: Path) -> tuple[VllmSnapshotBackend, list[str]]:
+    """A backend of its own, as an agent started afresh has: which `vllm snapshot` commands
+    it runs (each a real one)."""
+    calls: list[str] = []
+
+    def runner(argv, **kw):
+        calls.append(argv[4] if argv[3] == "snapshot" else argv[3])
+        return commands.run(argv, **kw)
+
+    backend, _ = _backend(tmp, py, run=runner)
+    return backend, calls
+
+
+def test_an_agent_started_afresh_chooses_a_vllm_snapshot_without_running_vllm(
+        tmp_path: Path, py: Path) -> None:
+    # Each `vllm snapshot inspect` imports vLLM: 23 s of a first restore on an H100.
+    m = _take(tmp_path, py)
+    backend, calls = _counting_backend(tmp_path, py)
+    prepared = _prepare(_snapshot_rung(tmp_path, py, _host(), backend=backend))
+    assert isinstance(prepared, Prepared) and prepared.plan.id == m.id
+    assert calls == []
+    # An artifact without that kept reading (a snapshot taken before it was kept) is read
+    # by vLLM, once for as long as its manifest is unchanged.
+    loose = tmp_path / "loose" / "vllm"
+    loose.parent.mkdir()
+    _write_manifest(loose, backend.expected_argv())
+    assert backend.read(loose).canary_text == " Paris"
+    assert backend.read(loose).model == SNAP["model"]
+    assert calls == ["inspect"]
+
+
+def test_a_changed_kept_reading_makes_the_vllm_snapshot_corrupt(tmp_path: Path, py: Path) -> None:
+    m = _take(tmp_path, py)
+    kept = SnapshotStore(tmp_path / "state/snapshots").path(m.id) / "vllm-inspect.json"
+    kept.write_text(kept.read_text().replace('" Paris"', '" Rome!"'))
+    backend, _ = _counting_backend(tmp_path, py)
+    refusal = _refusal(_snapshot_rung(tmp_path, py, _host(), backend=backend))
+    assert refusal.code is RefusalCode.NO_USABLE_SNAPSHOT
+    assert f"{m.id}: corrupt: " in refusal.detail, refusal
+    assert "/vllm-inspect.json: sha256 differs from the manifest" in refusal.detail, refusal
+    assert store_ids(tmp_path) == []
 
 
 # --- vllm-preload ----------------------------------------------------------------------------
