@@ -267,7 +267,7 @@ def _cmd_vllm_snapshot(args: argparse.Namespace) -> int:
         m = backend.read(backend.artifact(info.path))
     elif args.action == "inspect":
         path = Path(args.id) if "/" in args.id else backend.artifact(store.path(args.id))
-        m = backend.read(path)
+        m = backend.read(path, kept=False)
     else:
         rows = []
         for e in store.entries():

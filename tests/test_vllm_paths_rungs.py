@@ -378,6 +378,11 @@ def test_an_agent_started_afresh_chooses_a_vllm_snapshot_without_running_vllm(
     prepared = _prepare(_snapshot_rung(tmp_path, py, _host(), backend=backend))
     assert isinstance(prepared, Prepared) and prepared.plan.id == m.id
     assert calls == []
+    # `pitstop vllm-snapshot inspect` asks vLLM itself.
+    in_store = backend.artifact(SnapshotStore(tmp_path / "state/snapshots").path(m.id))
+    assert backend.read(in_store, kept=False).canary_text == " Paris"
+    assert calls == ["inspect"]
+    calls.clear()
     # An artifact without that kept reading (a snapshot taken before it was kept) is read
     # by vLLM, once for as long as its manifest is unchanged.
     loose = tmp_path / "loose" / "vllm"

@@ -322,18 +322,21 @@ class VllmSnapshotBackend:
             raise map_failure(action, path, done.returncode, done.stderr)
         return done
 
-    def read(self, path: Path) -> VllmManifest:
+    def read(self, path: Path, *, kept: bool = True) -> VllmManifest:
         """The manifest of vLLM's artifact at `path` as vLLM reads it (which checks its
         permissions and schema); cached while manifest.json is unchanged, since each call
-        costs vLLM's import time. For an artifact in the store, vLLM's reading at the
-        snapshot's creation (INSPECTED) stands in for it: the store's checksums, checked
-        before any restore, say that the artifact and that reading are the bytes sealed
-        together, and a vLLM of another version makes the snapshot stale first."""
+        costs vLLM's import time. With `kept`, vLLM's reading at the snapshot's creation
+        (INSPECTED) stands in for it: the store's checksums, checked before any restore, say
+        that the artifact and that reading are the bytes sealed together, and a vLLM of
+        another version makes the snapshot stale first. `kept=False`: vLLM reads it now
+        (`pitstop vllm-snapshot inspect`, which asks for vLLM's own word)."""
         key = _stat_key(path / "manifest.json")
         hit = self._inspected.get(path)
-        if hit is not None and hit[0] == key:
+        if kept and hit is not None and hit[0] == key:
             return hit[1]
-        manifest = _kept_reading(path) or VllmManifest.from_inspect(path, self._inspect(path))
+        manifest = _kept_reading(path) if kept else None
+        if manifest is None:
+            manifest = VllmManifest.from_inspect(path, self._inspect(path))
         self._inspected[path] = (key, manifest)
         return manifest
 
