@@ -49,6 +49,8 @@ from agent.supervisor.paths.restore import FullRestore, resume_timeout_s
 from agent.supervisor.paths.standby import StandbyRestore
 from agent.supervisor.paths.vllm import VllmHost, vllm_rungs
 from agent.supervisor.remote import RemoteSnapshots
+from agent.supervisor.shm import RECORD_NAME as SHM_RECORD
+from agent.supervisor.shm import ShmLeftovers
 from agent.supervisor.status import AgentStatus, HolderFacts, NewestSnapshot, StatusFile
 from agent.supervisor.supervisor import Supervisor
 from agent.systemd import Notifier
@@ -232,7 +234,8 @@ class Agent:
             capture=self.capture, on_change=self._changed,
             before_start=self._before_start, on_ready=self._on_ready,
             status_written=self.status_file.flushed, gpu=self.gpu,
-            on_engine=self.ledger.record, pull=self.remote, beside=self.standby)
+            on_engine=self.ledger.record, pull=self.remote, beside=self.standby,
+            shm=ShmLeftovers(record=config.paths.state_dir / SHM_RECORD))
         self.board = StatusBoard(
             self.status, node=self._node_info, stale=self._stale_reasons,
             gpu_watched=self._gpu_watched, front_counts=self._front_counts,

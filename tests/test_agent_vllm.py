@@ -659,7 +659,8 @@ def test_an_agent_sigkilled_outside_systemd_leaves_no_vllm_process_and_the_next_
         tiny_model: Path, tmp_path: Path, io_uring_off: None):
     """Two vLLM boots. The agent's death takes the API server by its death signal and the
     rest of its group (the engine core, which no signal reaches) by the agent's tether, at
-    once; the next agent starts exactly one engine."""
+    once; the next agent starts exactly one engine, and once it is ready removes the
+    shared-memory files the dead agent's tree left (their record in the state directory)."""
     _prerequisites()
     cfg = agent_config(
         tmp_path, tiny_model,
@@ -672,6 +673,13 @@ def test_an_agent_sigkilled_outside_systemd_leaves_no_vllm_process_and_the_next_
     api = first.wait_ready(timeout=BOOT_S)["engine_pid"]
     tree = _session_pids(api)
     assert len(tree) >= 2, "expected the API server and its engine core"
+    dead = _shm_files(api)
+    assert any(name.startswith("psm_") for name in dead), dead
+    record = tmp_path / "state" / "engine-shm.json"
+    deadline = time.monotonic() + 30
+    while not (record.exists() and json.loads(record.read_text())["pid"] == api):
+        assert time.monotonic() < deadline, f"no record of engine {api}'s files: {first.log_tail()}"
+        time.sleep(0.1)
     first.proc.send_signal(signal.SIGKILL)
     first.proc.wait(10)
     deadline = time.monotonic() + 10
@@ -684,5 +692,6 @@ def test_an_agent_sigkilled_outside_systemd_leaves_no_vllm_process_and_the_next_
         st = second.wait_ready(timeout=BOOT_S)
         assert st["engine_pid"] != api and len(_session_pids(st["engine_pid"])) >= 2
         assert "left its engine running" not in second.log()  # nothing was left to kill
+        _swept(second, api, dead, 0)
     finally:
         assert second.stop(timeout=60) == 0

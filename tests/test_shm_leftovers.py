@@ -5,6 +5,7 @@ once the real one, of real processes, from /proc)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -140,6 +141,67 @@ def test_a_sweep_waits_for_a_restore_that_puts_files_back_on_this_host(tmp_path:
         assert not done and (tmp_path / "psm_dead").exists()
     t.join(30)
     assert done and done[0].names == ("psm_dead",)
+
+
+def _proc_of_boot(root: Path, boot_id: str) -> Path:
+    (root / "sys" / "kernel" / "random").mkdir(parents=True, exist_ok=True)
+    (root / "sys" / "kernel" / "random" / "boot_id").write_text(f"{boot_id}\n")
+    return root
+
+
+def _agent_life(shm: Path, trees: Trees, record: Path, proc_root: Path, *pids: int) -> None:
+    """One agent's life: each engine of `pids` ready in turn, then the agent gone."""
+    async def main() -> None:
+        leftovers = ShmLeftovers(shm, survey=trees, record=record, proc_root=proc_root)
+        for pid in pids:
+            leftovers.ready(pid)
+        await leftovers.settled()
+
+    asyncio.run(main())
+
+
+def test_the_next_agent_removes_what_the_tree_that_died_with_the_agent_before_it_left(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    caplog.set_level(logging.INFO, logger="pitstop.supervisor")
+    shm, state = tmp_path / "shm", tmp_path / "state"
+    shm.mkdir()
+    state.mkdir()
+    proc_root = _proc_of_boot(tmp_path / "proc", "boot-1")
+    record = state / "engine-shm.json"
+    trees = Trees()
+    trees.files[100] = {_file(shm, "psm_first"): "psm_first"}
+    trees.files[200] = {_file(shm, "psm_second"): "psm_second"}
+    trees.files[300] = {_file(shm, "psm_third"): "psm_third"}
+    # The first agent: engine 100 crashed, 200 served when the agent itself died.
+    _agent_life(shm, trees, record, proc_root, 100, 200)
+    assert sorted(os.listdir(shm)) == [outside.REMAP_LOCK, "psm_second", "psm_third"]
+    assert json.loads(record.read_text())["pid"] == 200
+    # The next agent, on the same state directory: its first engine sweeps 200's files.
+    _agent_life(shm, trees, record, proc_root, 300)
+    assert sorted(os.listdir(shm)) == [outside.REMAP_LOCK, "psm_third"]
+    assert json.loads(record.read_text())["pid"] == 300
+    assert f"engine 200 left in {shm}: psm_second" in caplog.text
+
+
+def test_a_record_of_another_boot_or_that_does_not_read_removes_nothing(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    shm, state = tmp_path / "shm", tmp_path / "state"
+    shm.mkdir()
+    state.mkdir()
+    record = state / "engine-shm.json"
+    trees = Trees()
+    trees.files[100] = {_file(shm, "psm_old"): "psm_old"}
+    trees.files[200] = {_file(shm, "psm_new"): "psm_new"}
+    trees.files[300] = {_file(shm, "psm_newer"): "psm_newer"}
+    _agent_life(shm, trees, record, _proc_of_boot(tmp_path / "proc-1", "boot-1"), 100)
+    # After a reboot, the same inode numbers and names could be other files.
+    _agent_life(shm, trees, record, _proc_of_boot(tmp_path / "proc-2", "boot-2"), 200)
+    assert (shm / "psm_old").exists()
+    record.write_text("{not json")
+    _agent_life(shm, trees, record, _proc_of_boot(tmp_path / "proc-2", "boot-2"), 300)
+    assert (shm / "psm_new").exists()
+    assert f"ignoring {record}, which does not read as a record" in caplog.text
+    assert json.loads(record.read_text())["pid"] == 300  # written again, whole
 
 
 # A root that maps what vLLM's processes map, and a child of it that maps a file of its own.

@@ -7,12 +7,18 @@ import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict, ValidationError
+
 from agent import proc
 from agent.checkpoint import outside
 from agent.checkpoint.outside import FileId
 from agent.errors import SnapshotError
+from agent.fsutil import write_private
 
 log = logging.getLogger("pitstop.supervisor")
+
+# Beside the engine record (ownership.RECORD_NAME) in the state directory.
+RECORD_NAME = "engine-shm.json"
 
 # The shared-memory files of the engine tree rooted at a PID, each with its name or ""
 # (outside.shared_files).
@@ -27,6 +33,27 @@ def tree_survey(shm_dir: Path = outside.SHM_DIR, proc_root: Path = Path("/proc")
     return survey
 
 
+class ShmRecord(BaseModel):
+    """The shared-memory files of the engine tree that served last, kept for the next agent:
+    should this one die, its engine's tree dies with it (the tether) and nobody else knows
+    what the tree left. Files are (device, inode, name) as `outside.shared_files` gives them;
+    they mean nothing in another boot."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    boot_id: str
+    pid: int
+    files: tuple[tuple[int, int, str], ...]
+
+    @classmethod
+    def of(cls, pid: int, files: Mapping[FileId, str], boot_id: str) -> ShmRecord:
+        return cls(boot_id=boot_id, pid=pid,
+                   files=tuple(sorted((dev, ino, name) for (dev, ino), name in files.items())))
+
+    def mapping(self) -> dict[FileId, str]:
+        return {(dev, ino): name for dev, ino, name in self.files}
+
+
 class ShmLeftovers:
     """Knows the shared-memory files of the engine tree that serves; once the next engine is
     ready, removes those of the tree before it that the new one does not use.
@@ -37,17 +64,25 @@ class ShmLeftovers:
     `Supervisor._ready`, which calls `ready`; the surveys and the sweep run in worker
     threads, after the new engine serves, so a recovery never waits for them. Not known, so
     left: the files of a tree that never became ready (a restore that failed after putting
-    its image's copies back) and of one that died with the agent.
+    its image's copies back).
+
+    With a `record` file, the serving tree's files are also written there, and the first
+    engine ready after the agent started sweeps what the record names: the files of the tree
+    that died with the agent before it (killed by the tether, or by `kill_leftovers`, before
+    this agent started anything).
 
     Example::
 
-        shm = ShmLeftovers()
+        shm = ShmLeftovers(record=state_dir / RECORD_NAME)
         shm.ready(engine.pid)   # after each engine is verified; the one before it is gone
     """
 
-    def __init__(self, shm_dir: Path = outside.SHM_DIR, survey: Survey | None = None) -> None:
+    def __init__(self, shm_dir: Path = outside.SHM_DIR, survey: Survey | None = None,
+                 record: Path | None = None, proc_root: Path = Path("/proc")) -> None:
         self._shm = shm_dir
         self._survey = survey if survey is not None else tree_survey(shm_dir)
+        self._record = record
+        self._proc = proc_root
         # The tree serving now, and its files: None before the first engine is ready.
         self._serving: tuple[int, dict[FileId, str]] | None = None
         self._last: asyncio.Task[None] | None = None
@@ -66,7 +101,12 @@ class ShmLeftovers:
             # In the order the engines became ready: the tree before is the one surveyed last.
             await asyncio.wait([before])
         live = dict(await asyncio.to_thread(self._survey, pid))
-        dead, self._serving = self._serving, (pid, live)
+        dead = self._serving
+        if dead is None and self._record is not None:
+            dead = await asyncio.to_thread(self._predecessor)
+        self._serving = (pid, live)
+        if self._record is not None:
+            await asyncio.to_thread(self._keep, pid, live)
         if dead is None or not dead[1]:
             return
         try:
@@ -78,3 +118,28 @@ class ShmLeftovers:
         log.info("removed %d shared-memory files (%d bytes) engine %d left in %s%s",
                  len(swept.names), swept.bytes, dead[0], self._shm,
                  f": {', '.join(swept.names)}" if swept.names else "")
+
+    def _predecessor(self) -> tuple[int, dict[FileId, str]] | None:
+        """The tree the record names, left by the agent before this one in this boot."""
+        assert self._record is not None
+        try:
+            rec = ShmRecord.model_validate_json(self._record.read_bytes())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValidationError) as e:
+            log.warning("ignoring %s, which does not read as a record of shared-memory files: "
+                        "%s", self._record, e)
+            return None
+        if rec.boot_id != proc.boot_id(self._proc):
+            return None
+        return rec.pid, rec.mapping()
+
+    def _keep(self, pid: int, files: dict[FileId, str]) -> None:
+        assert self._record is not None
+        try:
+            rec = ShmRecord.of(pid, files, proc.boot_id(self._proc))
+            # Not fsynced: it means nothing after a reboot, when /dev/shm is empty anyway.
+            write_private(self._record, rec.model_dump_json().encode(), durable=False)
+        except OSError as e:
+            log.warning("cannot record engine %d's shared-memory files in %s (%s): should "
+                        "this agent die, they stay in %s", pid, self._record, e, self._shm)
