@@ -40,6 +40,9 @@ Every recovery is timed twice: the agent's own figure (decision to restart -> ve
 canary, `runs_s`) and the client's (`kill_to_answer_s`: SIGKILL of the API server -> the
 next request through the front that completes; its answer must equal the one before), and
 between them `kill_breakdown` (vllm_bench_kit.py) says where the client's seconds went.
+A rung's first start (a fresh agent) is `first_start_s` beside its row, not one of its
+`runs_s`; a row made of the first start alone (the warm rung with --warm-runs 0) says
+`from_first_start`.
 `--arch qwen3-moe` (a mixture of experts), `--quant fp8|fp8-ct|w8a8-int8|awq` (a checkpoint
 pre-quantized so) and `--quantization fp8` (vLLM quantizes a bf16 checkpoint at load) choose
 the model; each row says which in `architecture` and `quantization`, and the file's name too
@@ -173,12 +176,7 @@ class Run:
         rows = [*start_peaks(r, ctx)]
         for path in ("hybrid", "refill", "standby", "standby-woken", "warm",
                      "full", "cold", "vllm-snapshot", "vllm-preload"):
-            key = path.replace("-", "_")
-            # A rung's first start (no kill before it, so no client figure) is one of its
-            # runs too, when it took that rung.
-            first = [x for x in [r.get(f"{key}_first")] if x]
-            rows.append(summarize(path, [*first, *r.get(key, [])], ctx,
-                                  rung=path.removesuffix("-woken")))
+            rows.append(rung_row(path, r, ctx))
         rows.append(summarize("vllm-snapshot-manual", r.get("vllm_snapshot_manual", []), ctx,
                               time_key="restore_to_answer_s"))
         rows.append(summarize("sleep-wake", r.get("sleep", []), ctx,
@@ -208,6 +206,24 @@ class Run:
             for kept in logs[-3:]:
                 with contextlib.suppress(OSError):
                     shutil.copy(kept, self.a.out / f"{name}-{kept.name}")
+
+
+def rung_row(path: str, r: dict, ctx: dict) -> dict | None:
+    """The row of `path` from its kills. A rung's first start (a fresh agent: no kill before
+    it, so no client figure) is kept beside them as `first_start_s`, not among them; the row
+    is made of it alone only where no kill was measured (the warm rung is a start)."""
+    key, rung = path.replace("-", "_"), path.removesuffix("-woken")
+    first = r.get(f"{key}_first")
+    row = summarize(path, r.get(key, []), ctx, rung=rung)
+    took = bool(first) and first.get("result", "success") == "success" \
+        and first.get("path", rung) == rung and first.get("duration_s") is not None
+    if row is None and took:
+        row = summarize(path, [first], ctx, rung=rung)
+        if row is not None:
+            row["from_first_start"] = True
+    if row is not None and took:
+        row["first_start_s"] = first["duration_s"]
+    return row
 
 
 # --- the engine and its agent ----------------------------------------------------------------

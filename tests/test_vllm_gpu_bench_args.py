@@ -1,5 +1,5 @@
 """The GPU bench's command line: how many kills each path gets in one call, and how many
-tensor-parallel workers vLLM runs with."""
+tensor-parallel workers vLLM runs with; and what a rung's row is made of."""
 
 from __future__ import annotations
 
@@ -57,3 +57,24 @@ def test_the_gpu_bench_runs_tensor_parallel_and_its_rows_say_so(
         "warm", [{"duration_s": 1.5}], {"gib": 1, "command": "c", "tp": a.tp}
     )
     assert row is not None and row["tp"] == 2 and row["path"] == "warm"
+
+
+def test_a_rungs_first_start_stands_beside_its_recoveries_not_among_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    parse(monkeypatch, tmp_path)
+    import vllm_gpu_bench
+
+    ctx = {"gib": 8, "command": "c"}
+    r = {"vllm_snapshot_first": {"path": "vllm-snapshot", "duration_s": 57.0},
+         "vllm_snapshot": [{"path": "vllm-snapshot", "duration_s": 34.0,
+                            "kill_to_answer_s": 34.5}],
+         "warm_first": {"path": "warm", "duration_s": 67.0},
+         "vllm_preload_first": {"path": "cold", "duration_s": 90.0}}
+    row = vllm_gpu_bench.rung_row("vllm-snapshot", r, ctx)
+    assert row is not None and row["runs_s"] == [34.0] and row["median_s"] == 34.0
+    assert row["first_start_s"] == 57.0 and "from_first_start" not in row
+    warm = vllm_gpu_bench.rung_row("warm", r, ctx)
+    assert warm is not None and warm["runs_s"] == [67.0] and warm["from_first_start"]
+    # A first start that fell to another rung is no figure of this one.
+    assert vllm_gpu_bench.rung_row("vllm-preload", r, ctx) is None
