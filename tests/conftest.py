@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import agentproc, lanes
+from tests import agentproc, lanes, shm_hygiene
 from tests.holder_proc import Holder
 from tests.refengine_proc import REPO, Engine, run_engine
 
@@ -37,6 +37,7 @@ def cached_model(size: str = "tiny", seed: int = 0, arch: str = "llama",
 
 # --- parallel runs (`make test`: pytest-xdist, each lane on one worker; tests/lanes.py) ---
 _PID_MAX_BEFORE = pytest.StashKey[int | None]()
+_SHM_BEFORE = pytest.StashKey[set[str]]()
 
 
 def _parallel_controller(config: pytest.Config) -> bool:
@@ -47,10 +48,15 @@ def _parallel_controller(config: pytest.Config) -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     if _parallel_controller(config):
         config.stash[_PID_MAX_BEFORE] = lanes.widen_pid_space()
+    if not hasattr(config, "workerinput"):  # the run's one controller, or a run without -n
+        config.stash[_SHM_BEFORE] = shm_hygiene.names()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     lanes.restore_pid_space(config.stash.get(_PID_MAX_BEFORE, None))
+    before = config.stash.get(_SHM_BEFORE, None)
+    if before is not None:  # every worker is done: no test's engine is running now
+        shm_hygiene.remove_leftovers(before)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
