@@ -19,12 +19,16 @@ import pytest
 
 from agent.checkpoint import outside
 from agent.checkpoint.outside import FileId
-from agent.config import parse_config
+from agent.config import Config, parse_config
 from agent.engines import build_adapter
+from agent.engines.base import EngineAdapter
+from agent.errors import EngineError
 from agent.metrics import Metrics, StatusView, new_registry
 from agent.supervisor.canary import CanaryBook
+from agent.supervisor.engine import EngineProcess
 from agent.supervisor.gate import EngineGate
-from agent.supervisor.paths.cold import ColdStart
+from agent.supervisor.ladder import Prepared
+from agent.supervisor.paths.cold import ColdStart, ExtraArgs
 from agent.supervisor.shm import ShmLeftovers, tree_survey
 from agent.supervisor.status import AgentStatus
 from agent.supervisor.supervisor import Supervisor
@@ -141,6 +145,63 @@ def test_a_sweep_waits_for_a_restore_that_puts_files_back_on_this_host(tmp_path:
         assert not done and (tmp_path / "psm_dead").exists()
     t.join(30)
     assert done and done[0].names == ("psm_dead",)
+
+
+def test_a_tree_that_failed_before_it_was_ready_is_swept_with_the_next_ready(tmp_path: Path):
+    trees = Trees()
+    trees.files[100] = {_file(tmp_path, "psm_serving"): "psm_serving"}
+    trees.files[200] = {_file(tmp_path, "psm_failed"): "psm_failed"}
+    trees.files[300] = {_file(tmp_path, "psm_next"): "psm_next"}
+
+    async def main() -> None:
+        shm = ShmLeftovers(tmp_path, survey=trees)
+        shm.ready(100)
+        await shm.settled()
+        await shm.failed(200)  # surveyed before its kill, while it lives
+        assert (tmp_path / "psm_failed").exists()  # nothing swept before an engine is ready
+        shm.ready(300)
+        await shm.settled()
+
+    asyncio.run(main())
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("psm_")) == ["psm_next"]
+    assert trees.on_loop == [False, False, False]
+
+
+def test_a_failed_trees_survey_that_hangs_holds_up_its_kill_for_a_bounded_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+    monkeypatch.setattr("agent.supervisor.shm.FAILED_SURVEY_S", 0.2)
+    release = threading.Event()
+
+    def stuck(pid: int) -> dict[FileId, str]:
+        release.wait(30)  # reading the maps of a process stuck in the kernel
+        return {}
+
+    async def main() -> float:
+        t0 = time.monotonic()
+        await ShmLeftovers(tmp_path, survey=stuck).failed(200)
+        return time.monotonic() - t0
+
+    try:
+        assert asyncio.run(main()) < 5
+    finally:
+        release.set()
+    assert "could not list the shared-memory files of engine 200" in caplog.text
+
+
+def test_the_survey_of_a_tree_whose_root_died_finds_the_rest_of_its_group(tmp_path: Path):
+    (tmp_path / "sub").mkdir()
+    p = subprocess.Popen([sys.executable, "-c", MAPPER, str(tmp_path), "root", MAPPER],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        p.kill()  # the root only: its child lives on in the root's group and session
+        p.wait()
+        found = tree_survey(tmp_path)(p.pid)
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+    st = os.stat(tmp_path / "psm_child")
+    assert found == {(st.st_dev, st.st_ino): "psm_child"}, found
 
 
 def _proc_of_boot(root: Path, boot_id: str) -> Path:
@@ -268,25 +329,80 @@ def test_the_supervisor_sweeps_after_each_ready_engine(tiny_model: Path, tmp_pat
     assert (tmp_path / f"psm_{second}").exists()
 
 
+class FailsOnce(ColdStart):
+    """A cold start whose first engine fails after it answered (as a canary that differs
+    does): the supervisor kills it and tries the next rung."""
+
+    def __init__(self, adapter: EngineAdapter) -> None:
+        super().__init__(adapter)
+        self.failed_pids: list[int] = []
+
+    async def after_verified(self, engine: EngineProcess, prepared: Prepared[ExtraArgs]) -> None:
+        if not self.failed_pids:
+            self.failed_pids.append(engine.pid)
+            raise EngineError("the test's first engine fails")
+
+
+@pytest.mark.integration
+def test_the_supervisor_sweeps_what_a_start_that_failed_left(tiny_model: Path, tmp_path: Path):
+    made: dict[int, FileId] = {}
+
+    def survey(pid: int) -> dict[FileId, str]:
+        made.setdefault(pid, _file(tmp_path, f"psm_{pid}"))
+        return {made[pid]: f"psm_{pid}"}
+
+    async def main() -> list[int]:
+        d = socket_dir()
+        cfg = parse_config(agent_config(d, tiny_model), "test")
+        adapter = build_adapter(cfg)
+        failing = FailsOnce(adapter)
+        status = AgentStatus()
+        shm = ShmLeftovers(tmp_path, survey=survey)
+        sup = _supervisor(cfg, adapter, status, shm, [failing, ColdStart(adapter)], d)
+        run = asyncio.ensure_future(sup.run())
+        try:
+            await _until_ready(run, status, 0)
+            await shm.settled()
+        finally:
+            sup.request_stop()
+            await asyncio.wait_for(run, 60)
+        return [*failing.failed_pids, status.last_recovery.path]  # type: ignore[union-attr]
+
+    [failed, path] = asyncio.run(main())
+    assert path == "cold"
+    [first, second] = made
+    assert first == failed
+    assert not (tmp_path / f"psm_{failed}").exists()
+    assert (tmp_path / f"psm_{second}").exists()
+
+
+def _supervisor(cfg: Config, adapter: EngineAdapter, status: AgentStatus, shm: ShmLeftovers,
+                paths: list[ColdStart], d: Path) -> Supervisor:
+    metrics = Metrics(new_registry(), lambda: StatusView("", False, None, (), None))  # type: ignore[arg-type]
+    return Supervisor(
+        config=cfg, adapter=adapter, gate=EngineGate(), metrics=metrics, notifier=Notifier({}),
+        status=status, canaries=CanaryBook(d / "canary.json"), paths=paths, shm=shm)
+
+
+async def _until_ready(run: asyncio.Future[None], status: AgentStatus, restarts: int) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 120
+    while not (status.state == "ready" and status.restarts == restarts):
+        assert not run.done(), f"the supervisor ended: {run.exception()!r}"
+        assert loop.time() < deadline, f"not ready: {status}"
+        await asyncio.sleep(0.05)
+
+
 async def _crash_then_cold(tiny_model: Path, shm: ShmLeftovers) -> None:
     d = socket_dir()
     cfg = parse_config(agent_config(d, tiny_model), "test")
     adapter = build_adapter(cfg)
     status = AgentStatus()
-    metrics = Metrics(new_registry(), lambda: StatusView("", False, None, (), None))  # type: ignore[arg-type]
-    sup = Supervisor(
-        config=cfg, adapter=adapter, gate=EngineGate(), metrics=metrics, notifier=Notifier({}),
-        status=status, canaries=CanaryBook(d / "canary.json"), paths=[ColdStart(adapter)],
-        shm=shm)
+    sup = _supervisor(cfg, adapter, status, shm, [ColdStart(adapter)], d)
     run = asyncio.ensure_future(sup.run())
-    loop = asyncio.get_running_loop()
     try:
         for restarts in (0, 1):
-            deadline = loop.time() + 120
-            while not (status.state == "ready" and status.restarts == restarts):
-                assert not run.done(), f"the supervisor ended: {run.exception()!r}"
-                assert loop.time() < deadline, f"not ready: {status}"
-                await asyncio.sleep(0.05)
+            await _until_ready(run, status, restarts)
             await shm.settled()
             if restarts == 0:
                 assert status.engine_pid is not None

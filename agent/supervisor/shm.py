@@ -25,11 +25,20 @@ RECORD_NAME = "engine-shm.json"
 Survey = Callable[[int], Mapping[FileId, str]]
 
 
+# How long a failed engine's kill waits for the survey of its tree: reading the maps of a
+# process stuck in the kernel (a hung driver call holding its memory map's lock) can block.
+FAILED_SURVEY_S = 2.0
+
+
 def tree_survey(shm_dir: Path = outside.SHM_DIR, proc_root: Path = Path("/proc")) -> Survey:
-    """The survey of a live tree from /proc: its root and every descendant."""
+    """The survey of a live tree from /proc: its root and every descendant, and the other
+    members of the root's process group and session (each engine leads its own): those of a
+    tree whose root died first (vLLM's engine core after its API server)."""
     def survey(pid: int) -> dict[FileId, str]:
-        pids = (pid, *proc.descendants(pid, proc_root))
-        return outside.shared_files(pids, proc_root, shm_dir)
+        pids = [pid, *proc.descendants(pid, proc_root)]
+        pids += [m for m, st in proc.group_members(pid, proc_root).items()
+                 if st.session == pid and m not in pids]
+        return outside.shared_files(tuple(pids), proc_root, shm_dir)
     return survey
 
 
@@ -62,9 +71,11 @@ class ShmLeftovers:
     vLLM stops, but it dies with a killed tree (a crash, a hang): each file then stays in
     /dev/shm, in RAM, with nobody to remove it. Every rung's engine becomes ready through
     `Supervisor._ready`, which calls `ready`; the surveys and the sweep run in worker
-    threads, after the new engine serves, so a recovery never waits for them. Not known, so
-    left: the files of a tree that never became ready (a restore that failed after putting
-    its image's copies back).
+    threads, after the new engine serves, so a recovery never waits for them. A tree that
+    started but failed its checks (health, canary, the rung's own) is surveyed by `failed`
+    before its kill and swept with the next ready engine. Not known, so left: the files of a
+    tree killed inside a rung's start (a restore that failed after putting its image's
+    copies back).
 
     With a `record` file, the serving tree's files are also written there, and the first
     engine ready after the agent started sweeps what the record names: the files of the tree
@@ -85,11 +96,29 @@ class ShmLeftovers:
         self._proc = proc_root
         # The tree serving now, and its files: None before the first engine is ready.
         self._serving: tuple[int, dict[FileId, str]] | None = None
+        # Trees killed before they became ready, and their files: swept with the next ready.
+        self._unready: list[tuple[int, dict[FileId, str]]] = []
         self._last: asyncio.Task[None] | None = None
 
     def ready(self, pid: int) -> None:
         """Engine `pid` serves: survey it, then sweep what the tree before it left."""
         self._last = asyncio.ensure_future(self._after_ready(pid, self._last))
+
+    async def failed(self, pid: int) -> None:
+        """Engine `pid` never became ready and is about to be killed: survey its tree while
+        it lives (at most FAILED_SURVEY_S), so that the next ready engine sweeps its files
+        too. A start loop that keeps failing would otherwise leave a tree's files at every
+        try."""
+        try:
+            files = await asyncio.wait_for(asyncio.to_thread(self._survey, pid),
+                                           FAILED_SURVEY_S)
+        except (TimeoutError, OSError) as e:
+            log.warning("could not list the shared-memory files of engine %d, which failed "
+                        "before it was ready (%s): they stay in %s", pid,
+                        e or "no answer from /proc", self._shm)
+            return
+        if files:
+            self._unready.append((pid, dict(files)))
 
     async def settled(self) -> None:
         """Until the work of the last `ready` is done."""
@@ -107,16 +136,21 @@ class ShmLeftovers:
         self._serving = (pid, live)
         if self._record is not None:
             await asyncio.to_thread(self._keep, pid, live)
-        if dead is None or not dead[1]:
-            return
+        trees, self._unready = [*([dead] if dead else []), *self._unready], []
+        for gone, files in trees:
+            if files:
+                await self._sweep(gone, files, live)
+
+    async def _sweep(self, gone: int, files: dict[FileId, str],
+                     live: dict[FileId, str]) -> None:
         try:
-            swept = await asyncio.to_thread(outside.sweep, dead[1], live, self._shm)
+            swept = await asyncio.to_thread(outside.sweep, files, live, self._shm)
         except (OSError, SnapshotError) as e:
             log.warning("could not remove the shared-memory files engine %d left in %s: %s",
-                        dead[0], self._shm, e)
+                        gone, self._shm, e)
             return
         log.info("removed %d shared-memory files (%d bytes) engine %d left in %s%s",
-                 len(swept.names), swept.bytes, dead[0], self._shm,
+                 len(swept.names), swept.bytes, gone, self._shm,
                  f": {', '.join(swept.names)}" if swept.names else "")
 
     def _predecessor(self) -> tuple[int, dict[FileId, str]] | None:

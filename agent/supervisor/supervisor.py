@@ -288,6 +288,7 @@ class Supervisor:
                 extend=not self._announced_ready)
             await path.after_verified(engine, prepared)
         except EngineError as e:
+            await self.shm.failed(engine.pid)
             await self._let_go(engine, stop=False)
             if self._stop.is_set():
                 raise StopRequested from e
