@@ -188,22 +188,6 @@ def test_a_failed_trees_survey_that_hangs_holds_up_its_kill_for_a_bounded_time(
     assert "could not list the shared-memory files of engine 200" in caplog.text
 
 
-def test_the_survey_of_a_tree_whose_root_died_finds_the_rest_of_its_group(tmp_path: Path):
-    (tmp_path / "sub").mkdir()
-    p = subprocess.Popen([sys.executable, "-c", MAPPER, str(tmp_path), "root", MAPPER],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                         start_new_session=True)
-    try:
-        assert p.stdout is not None and p.stdout.readline() == "ready\n"
-        p.kill()  # the root only: its child lives on in the root's group and session
-        p.wait()
-        found = tree_survey(tmp_path)(p.pid)
-    finally:
-        os.killpg(p.pid, signal.SIGKILL)
-    st = os.stat(tmp_path / "psm_child")
-    assert found == {(st.st_dev, st.st_ino): "psm_child"}, found
-
-
 def _proc_of_boot(root: Path, boot_id: str) -> Path:
     (root / "sys" / "kernel" / "random").mkdir(parents=True, exist_ok=True)
     (root / "sys" / "kernel" / "random" / "boot_id").write_text(f"{boot_id}\n")
@@ -290,14 +274,20 @@ sys.stdin.readline()
 """
 
 
-def test_the_survey_finds_the_files_a_tree_maps_shared_and_writable_in_the_shm_dir(
-        tmp_path: Path):
-    (tmp_path / "sub").mkdir()
-    p = subprocess.Popen([sys.executable, "-c", MAPPER, str(tmp_path), "root", MAPPER],
+def _mapper(shm: Path) -> subprocess.Popen[str]:
+    """MAPPER's root and child, in a session of their own, each file mapped."""
+    (shm / "sub").mkdir()
+    p = subprocess.Popen([sys.executable, "-c", MAPPER, str(shm), "root", MAPPER],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                          start_new_session=True)
+    assert p.stdout is not None and p.stdout.readline() == "ready\n"
+    return p
+
+
+def test_the_survey_finds_the_files_a_tree_maps_shared_and_writable_in_the_shm_dir(
+        tmp_path: Path):
+    p = _mapper(tmp_path)
     try:
-        assert p.stdout is not None and p.stdout.readline() == "ready\n"
         found = tree_survey(tmp_path)(p.pid)
     finally:
         os.killpg(p.pid, signal.SIGKILL)
@@ -313,18 +303,37 @@ def test_the_survey_finds_the_files_a_tree_maps_shared_and_writable_in_the_shm_d
                      ident("sem.mp-x"): ""}, found
 
 
+def test_the_survey_of_a_tree_whose_root_died_finds_the_rest_of_its_group(tmp_path: Path):
+    p = _mapper(tmp_path)
+    try:
+        p.kill()  # the root only: its child lives on in the root's group and session
+        p.wait()
+        found = tree_survey(tmp_path)(p.pid)
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+    st = os.stat(tmp_path / "psm_child")
+    assert found == {(st.st_dev, st.st_ino): "psm_child"}, found
+
+
+class Rings:
+    """The survey of real engines faked as vLLM makes its files: a ring buffer per tree, under
+    a name of its own, made when the tree is first surveyed."""
+
+    def __init__(self, shm: Path) -> None:
+        self.shm = shm
+        self.made: dict[int, FileId] = {}
+
+    def __call__(self, pid: int) -> dict[FileId, str]:
+        self.made.setdefault(pid, _file(self.shm, f"psm_{pid}"))
+        return {self.made[pid]: f"psm_{pid}"}
+
+
 @pytest.mark.integration
 def test_the_supervisor_sweeps_after_each_ready_engine(tiny_model: Path, tmp_path: Path):
     """The real supervisor and reference engine: a crash, then a cold start."""
-    made: dict[int, FileId] = {}
-
-    def survey(pid: int) -> dict[FileId, str]:
-        # As vLLM makes them: a ring buffer per tree, under a name of its own.
-        made.setdefault(pid, _file(tmp_path, f"psm_{pid}"))
-        return {made[pid]: f"psm_{pid}"}
-
-    asyncio.run(_crash_then_cold(tiny_model, ShmLeftovers(tmp_path, survey=survey)))
-    [first, second] = made
+    rings = Rings(tmp_path)
+    asyncio.run(_crash_then_cold(tiny_model, ShmLeftovers(tmp_path, survey=rings)))
+    [first, second] = rings.made
     assert not (tmp_path / f"psm_{first}").exists()
     assert (tmp_path / f"psm_{second}").exists()
 
@@ -345,11 +354,7 @@ class FailsOnce(ColdStart):
 
 @pytest.mark.integration
 def test_the_supervisor_sweeps_what_a_start_that_failed_left(tiny_model: Path, tmp_path: Path):
-    made: dict[int, FileId] = {}
-
-    def survey(pid: int) -> dict[FileId, str]:
-        made.setdefault(pid, _file(tmp_path, f"psm_{pid}"))
-        return {made[pid]: f"psm_{pid}"}
+    rings = Rings(tmp_path)
 
     async def main() -> list[int]:
         d = socket_dir()
@@ -357,7 +362,7 @@ def test_the_supervisor_sweeps_what_a_start_that_failed_left(tiny_model: Path, t
         adapter = build_adapter(cfg)
         failing = FailsOnce(adapter)
         status = AgentStatus()
-        shm = ShmLeftovers(tmp_path, survey=survey)
+        shm = ShmLeftovers(tmp_path, survey=rings)
         sup = _supervisor(cfg, adapter, status, shm, [failing, ColdStart(adapter)], d)
         run = asyncio.ensure_future(sup.run())
         try:
@@ -370,7 +375,7 @@ def test_the_supervisor_sweeps_what_a_start_that_failed_left(tiny_model: Path, t
 
     [failed, path] = asyncio.run(main())
     assert path == "cold"
-    [first, second] = made
+    [first, second] = rings.made
     assert first == failed
     assert not (tmp_path / f"psm_{failed}").exists()
     assert (tmp_path / f"psm_{second}").exists()
