@@ -113,13 +113,29 @@ def children_of(parent: int, proc: Path = Path("/proc")) -> dict[int, str]:
     return out
 
 
+def _stats(proc: Path) -> dict[int, Stat]:
+    """Every process's stat, in one pass over /proc."""
+    return {pid: st for pid in _pids(proc) if (st := stat(pid, proc)) is not None}
+
+
 def descendants(root: int, proc: Path = Path("/proc")) -> list[int]:
     """Every live descendant of `root`, parents before children."""
-    parent_of: dict[int, int] = {}
-    for pid in _pids(proc):
-        st = stat(pid, proc)
-        if st:
-            parent_of[pid] = st[1]
+    return _descendants_in(root, {pid: st.ppid for pid, st in _stats(proc).items()})
+
+
+def tree_and_group(root: int, proc: Path = Path("/proc")) -> list[int]:
+    """`root`, its descendants, and the live members of the process group and session it
+    leads (an engine leads its own): the rest of a tree whose root died first. One pass over
+    /proc."""
+    stats = _stats(proc)
+    found = [root, *_descendants_in(root, {pid: st.ppid for pid, st in stats.items()})]
+    known = set(found)
+    return found + [pid for pid, st in stats.items()
+                    if st.pgid == root and st.session == root and st.state != "Z"
+                    and pid not in known]
+
+
+def _descendants_in(root: int, parent_of: dict[int, int]) -> list[int]:
     order: list[int] = []
     frontier = [root]
     while frontier:

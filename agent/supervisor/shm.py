@@ -35,10 +35,8 @@ def tree_survey(shm_dir: Path = outside.SHM_DIR, proc_root: Path = Path("/proc")
     members of the root's process group and session (each engine leads its own): those of a
     tree whose root died first (vLLM's engine core after its API server)."""
     def survey(pid: int) -> dict[FileId, str]:
-        pids = [pid, *proc.descendants(pid, proc_root)]
-        pids += [m for m, st in proc.group_members(pid, proc_root).items()
-                 if st.session == pid and m not in pids]
-        return outside.shared_files(tuple(pids), proc_root, shm_dir)
+        return outside.shared_files(tuple(proc.tree_and_group(pid, proc_root)), proc_root,
+                                    shm_dir)
     return survey
 
 
