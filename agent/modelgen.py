@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import os
@@ -446,6 +447,13 @@ def _tensor(name: str, shape: tuple[int, ...], spec: ModelSpec, dtype_name: str)
     dtype = getattr(torch, dtype_name)
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=dtype)
+    return _draw(name, shape, spec).to(dtype).cpu()
+
+
+def _draw(name: str, shape: tuple[int, ...], spec: ModelSpec) -> Any:
+    """The full-precision values of `name`, float32 on the device that draws them."""
+    import torch
+
     # One generator per tensor, seeded from (seed, name): each tensor is the same whatever
     # else the model holds, and tensors can be made one at a time.
     digest = hashlib.sha256(f"{spec.seed}:{name}".encode()).digest()
@@ -454,40 +462,45 @@ def _tensor(name: str, shape: tuple[int, ...], spec: ModelSpec, dtype_name: str)
     device = os.environ.get("PITSTOP_MODELGEN_DEVICE", "cpu")
     gen = torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
     std = 1.0 if name == "model.embed_tokens.weight" else spec.init_std
-    t = torch.randn(shape, generator=gen, dtype=torch.float32, device=device) * std
-    return t.to(dtype).cpu()
+    return torch.randn(shape, generator=gen, dtype=torch.float32, device=device) * std
 
 
+# A quantized weight is written as two or three tensors, one after the other in the file,
+# all from one quantization: the last one is kept for the next part instead of drawn and
+# quantized again (three times the work for AWQ).
+@functools.lru_cache(maxsize=1)
 def _quantized(name: str, shape: tuple[int, ...], spec: ModelSpec) -> tuple[Any, Any]:
     """The weight `name` quantized (e4m3, or int8 for `w8a8-int8`) and its scale (one per
     tensor for `fp8`, else one per output row): weight * scale is the dense model's
     weight, rounded."""
     import torch
 
-    w = _tensor(name, shape, replace(spec, quant="none"), "float32")
+    w = _draw(name, shape, spec)
     top = 127.0 if spec.quant == "w8a8-int8" else FP8_MAX
     amax = w.abs().amax() if spec.quant == "fp8" else w.abs().amax(dim=1, keepdim=True)
     scale = (amax / top).clamp(min=1e-12).to(torch.float32)
     q = (w / scale).clamp(-top, top)
     if spec.quant == "w8a8-int8":
-        return q.round().to(torch.int8), scale
-    return q.to(torch.float8_e4m3fn), scale
+        return q.round().to(torch.int8).cpu(), scale.cpu()
+    return q.to(torch.float8_e4m3fn).cpu(), scale.cpu()
 
 
+@functools.lru_cache(maxsize=1)
 def _awq(name: str, shape: tuple[int, ...], spec: ModelSpec) -> tuple[Any, Any, Any]:
     """The weight `name` (out x in) in AWQ's GEMM format: qweight (in x out/8), qzeros
     (groups x out/8), scales (groups x out), asymmetric 4 bits per group of AWQ_GROUP input
     channels: (q - zero) * scale is the dense model's weight, rounded."""
     import torch
 
-    w = _tensor(name, shape, replace(spec, quant="none"), "float32").t()  # in x out
+    w = _draw(name, shape, spec).t()  # in x out
     k, n = w.shape
     g = w.reshape(k // AWQ_GROUP, AWQ_GROUP, n)
     lo, hi = g.amin(dim=1), g.amax(dim=1)
     scale = ((hi - lo) / 15).clamp(min=1e-8)
     zero = (-lo / scale).round().clamp(0, 15)
     q = ((g / scale[:, None]).round() + zero[:, None]).clamp(0, 15).reshape(k, n)
-    return (_awq_pack(q), _awq_pack(zero), scale.to(getattr(torch, spec.dtype)))
+    return (_awq_pack(q).cpu(), _awq_pack(zero).cpu(),
+            scale.to(getattr(torch, spec.dtype)).cpu())
 
 
 def _awq_pack(values: Any) -> Any:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from agent import modelgen
 from agent.cli import main
 from agent.engines.refengine.model import load_weights
 from agent.errors import ModelError
@@ -169,6 +170,27 @@ def test_an_awq_checkpoint_unpacks_as_vllm_reads_it_to_the_dense_weight(tmp_path
     step = scales.repeat_interleave(128, 0)
     assert ((deq - w).abs() <= step * 0.51 + w.abs() / 128).all()
     assert not ((deq - w).abs() <= step * 0.01).all()  # quantized, not a copy
+
+
+@pytest.mark.parametrize("quant", ["awq", "fp8-ct"])
+def test_a_quantized_weight_is_drawn_once_for_all_the_tensors_it_is_written_as(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quant: str
+) -> None:
+    # AWQ writes each weight as qweight, qzeros and scales, FP8 as the weight and its scale:
+    # making them from one draw is what keeps a 16 GiB AWQ model's making inside a GPU lease.
+    drawn: list[str] = []
+    draw = modelgen._draw
+
+    def counting(name: str, shape: tuple[int, ...], spec: modelgen.ModelSpec) -> torch.Tensor:
+        drawn.append(name)
+        return draw(name, shape, spec)
+
+    monkeypatch.setattr(modelgen, "_draw", counting)
+    modelgen._awq.cache_clear()
+    modelgen._quantized.cache_clear()
+    make_model(tmp_path / quant, spec_for("tiny", quant=quant))
+    assert "model.layers.1.mlp.down_proj.weight" in drawn
+    assert len(drawn) == len(set(drawn)), sorted(n for n in drawn if drawn.count(n) > 1)
 
 
 def test_awq_refuses_a_model_that_is_not_16_bit() -> None:
