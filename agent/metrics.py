@@ -80,6 +80,8 @@ class StatusView:
     stale_reasons: tuple[str, ...] = ()
     holder_up: bool | None = None
     holder_bytes: int | None = None
+    # None without a holder, or when it does not answer.
+    holder_bypassed: bool | None = None
     front_queue_depth: int = 0
     front_inflight: int = 0
     # The GPU memory in use at its peak during the last recovery by each path (path, bytes);
@@ -335,6 +337,10 @@ class StatusCollector(Collector):
     @staticmethod
     def _holder_and_gpu(s: StatusView) -> Iterable[Metric]:
         yield _flag("pitstop_holder_up", "1 when the GPU memory holder answers.", s.holder_up)
+        yield _flag("pitstop_holder_bypassed",
+                    "1 while starts load the weights without the holder because the last start "
+                    "over it failed (until the weights change or a reload); no sample without "
+                    "a holder that answers.", s.holder_bypassed)
         hb = GaugeMetricFamily(
             "pitstop_holder_bytes", "Bytes of model memory held outside the engine.")
         if s.holder_bytes is not None:

@@ -68,6 +68,10 @@ class RefusalCode(StrEnum):
     WEIGHTS_NOT_RESTARTABLE = "weights_not_restartable"
     # The holder's regions are not those the hybrid snapshot was taken with.
     HELD_STALE = "held_stale"
+    # The last start given the holder's flags failed (a model whose load over the holder
+    # does not fit the GPU, say): starts load from disk and the holder rungs are skipped
+    # until the weights change or the configuration is reloaded.
+    HELD_START_FAILED = "held_start_failed"
     # The standby rung (agent/supervisor/paths/standby.py): none is armed (snapshots.standby
     # off, no hybrid snapshot yet, still restoring, or it died), it was restored from
     # another snapshot than the newest usable one, or continuing it or its resume failed.

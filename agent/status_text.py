@@ -95,7 +95,9 @@ def _store_lines(data: dict) -> list[str]:
     holder = data.get("holder")
     if holder:
         lines.append("holder:   " + (f"up, {holder['bytes_held'] / 2**30:.2f} GiB held"
-                                     if holder["up"] else "not answering"))
+                                     if holder["up"] else "not answering")
+                     + ("; bypassed: the last start over it failed, starts load from disk "
+                        "until a reload" if holder.get("bypassed") else ""))
     return lines
 
 

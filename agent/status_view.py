@@ -83,6 +83,7 @@ class StatusBoard:
             stale_reasons=self._stale(newest is not None) if self._read_store else (),
             holder_up=holder.up if holder else None,
             holder_bytes=holder.bytes_held if holder else None,
+            holder_bypassed=holder.bypassed if holder and holder.up else None,
             recovery_gpu_peak_bytes=tuple(sorted(s.gpu_peak_bytes.items())),
             gpu_usable=s.gpu != Verdict.UNUSABLE.value if self._gpu_watched() else None,
             standby_armed=s.standby.armed if s.standby is not None else None)

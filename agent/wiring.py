@@ -42,8 +42,7 @@ from agent.supervisor.capture import Capture
 from agent.supervisor.gate import EngineGate
 from agent.supervisor.gpu import GpuGuard
 from agent.supervisor.ownership import EngineLedger, Tether
-from agent.supervisor.paths.cold import ColdStart
-from agent.supervisor.paths.holder import HolderLink, HybridRestore, WarmStart
+from agent.supervisor.paths.holder import ColdOverHolder, HolderLink, HybridRestore, WarmStart
 from agent.supervisor.paths.refill import RefillRestore
 from agent.supervisor.paths.restore import FullRestore, resume_timeout_s
 from agent.supervisor.paths.standby import StandbyRestore
@@ -325,7 +324,8 @@ class Agent:
         standby = [self.standby] if self.standby is not None else []
         return [*self.vllm_first, *standby, self.hybrid, self.refill, self.full,
                 WarmStart(self.adapter, self.holder),
-                *self.vllm_warm, ColdStart(self.adapter, extra_args=self._cold_args)]
+                *self.vllm_warm,
+                ColdOverHolder(self.adapter, self.holder, suspect=self._held_suspect)]
 
     # --- reload -------------------------------------------------------------------------
     def reconfigure(self, config: Config, result: ReloadResult) -> None:
@@ -382,10 +382,8 @@ class Agent:
         return (await self.reloader.reload()).to_json()
 
     # --- what the ladder and the status view ask --------------------------------------
-    def _cold_args(self) -> list[str]:
-        # Held memory that a GPU fault made suspect and the holder did not drop: load from
-        # disk, not from the holder.
-        return [] if self.gpu.held_suspect else self.holder.engine_args()
+    def _held_suspect(self) -> bool:
+        return self.gpu.held_suspect
 
     def identity(self) -> Identity:
         """What a snapshot taken now depends on, and what a restore must match."""
@@ -487,7 +485,8 @@ class Agent:
         if not self.holder.config.enabled:
             return None
         with HolderClient(self.holder.path, timeout=2) as c:
-            return HolderFacts(up=True, bytes_held=c.stats().bytes_held)
+            return HolderFacts(up=True, bytes_held=c.stats().bytes_held,
+                               bypassed=self.holder.bypassed())
 
     def _stale_reasons(self, snapshot_present: bool) -> tuple[str, ...]:
         rungs = [*self.vllm_first, self.full, *([self.hybrid] if snapshot_present else [])]

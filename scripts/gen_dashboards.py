@@ -124,6 +124,9 @@ BARS = {"drawStyle": "bars", "fillOpacity": 60, "stacking": {"mode": "normal"}}
 POINTS = {"drawStyle": "line", "showPoints": "always", "pointSize": 6, "spanNulls": False}
 UP_MAP = [{"type": "value", "options": {"0": {"text": "down", "color": "red"},
                                         "1": {"text": "up", "color": "green"}}}]
+# The holder's state: pitstop_holder_up plus pitstop_holder_bypassed.
+HOLDER_MAP = [{"type": "value", "options": {**UP_MAP[0]["options"],
+                                            "2": {"text": "bypassed", "color": "orange"}}}]
 VERSION_COLUMNS = ["instance", "engine", "model", "driver_version", "cuda_driver_version", "kernel",
                    "gpu_name", "engine_kind", "engine_version", "weights_digest"]
 
@@ -205,8 +208,11 @@ def node_panels() -> list[dict[str, Any]]:
         panel(TS, "Held GPU memory", "Bytes of model memory the holder keeps outside the "
               "engine, so that a hybrid restore does not copy them.",
               [target(f"pitstop_holder_bytes{{{I}}}", WHO)], "bytes"),
-        panel("state-timeline", "Holder up", "Whether the GPU memory holder answers.",
-              [target(f"pitstop_holder_up{{{I}}}", WHO)], mappings=UP_MAP,
+        panel("state-timeline", "Holder up", "Whether the GPU memory holder answers, and "
+              "whether the engine starts without it because the last start over it failed "
+              "(bypassed: alert PitstopHolderBypassed).",
+              [target(f"pitstop_holder_up{{{I}}} + (pitstop_holder_bypassed{{{I}}} or "
+                      f"pitstop_holder_up{{{I}}} * 0)", WHO)], mappings=HOLDER_MAP,
               options={"showValue": "auto"}),
         row("GPU"),
         panel(TS, "GPU faults", "Faults of the engine's GPU seen through NVML (Xid, "

@@ -80,6 +80,8 @@ class HolderFacts:
 
     up: bool
     bytes_held: int | None = None
+    # Starts go without the holder: the last one over it failed (HolderLink.start_failed).
+    bypassed: bool = False
 
 
 @dataclass(frozen=True)

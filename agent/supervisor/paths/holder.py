@@ -47,10 +47,26 @@ class HolderLink:
         # The engine decides how it maps held weights (its flags), and whether it can here
         # (vLLM: the Pitstop plugin installed in its interpreter, a vLLM the plugin supports).
         self._adapter = adapter
+        # (weights digest, why) of the last start over the holder that failed.
+        self._failed: tuple[str | None, str] | None = None
 
     def reconfigure(self, config: Config) -> None:
-        """holder.refill and the rest of the holder section, as a reload left them."""
+        """holder.refill and the rest of the holder section, as a reload left them; a
+        reload also tries the holder again after a start over it failed."""
         self.config = config.holder
+        self._failed = None
+
+    def start_failed(self, reason: str) -> None:
+        """A start given the holder's flags failed: later starts of the same weights load
+        from disk, and the holder rungs are skipped, until a reload."""
+        self._failed = (self._digest(), reason)
+        log.warning("a start over the holder failed (%s): the next starts load the weights "
+                    "from disk without it, until the weights change or the configuration is "
+                    "reloaded", reason)
+
+    def bypassed(self) -> bool:
+        """Whether starts go without the holder because the last one over it failed."""
+        return self._failed is not None and self._failed[0] == self._digest()
 
     @property
     def path(self) -> Path:
@@ -65,6 +81,11 @@ class HolderLink:
     def unavailable(self) -> Refusal | None:
         if not self.config.enabled:
             return Refusal(RefusalCode.DISABLED, "no holder configured (holder.enabled: false)")
+        if self._failed is not None and self.bypassed():
+            return Refusal(RefusalCode.HELD_START_FAILED,
+                           f"the last start over the holder failed ({self._failed[1]}); starts "
+                           "load from disk until the weights change or the configuration is "
+                           "reloaded (systemctl reload)")
         refusal = self._adapter.holder_refusal()
         if refusal is not None:
             return refusal
@@ -117,6 +138,26 @@ class HolderLink:
     def stale_reason(self, held: dict) -> str | None:
         with HolderClient(self.path) as c:
             return stale_reason(c, held)
+
+
+class ColdOverHolder(ColdStart):
+    """The cold start, holding the weights it loads when a holder answers.
+
+    One that fails with the holder's flags (an engine whose load over the holder does not
+    fit the GPU, a holder that cannot allocate) makes the next ones load without them: the
+    engine serves from its own copy, and the holder rungs wait for a reload.
+    """
+
+    def __init__(self, adapter: EngineAdapter, link: HolderLink,
+                 suspect: Callable[[], bool] = lambda: False) -> None:
+        # Held memory a GPU fault made suspect, the holder not having dropped it: load
+        # from disk, not from the holder.
+        super().__init__(adapter, extra_args=lambda: [] if suspect() else link.engine_args())
+        self._link = link
+
+    async def failed(self, prepared: Prepared[ExtraArgs], reason: str) -> None:
+        if prepared.plan:
+            self._link.start_failed(reason)
 
 
 class WarmStart(ColdStart):
