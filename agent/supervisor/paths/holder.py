@@ -85,7 +85,7 @@ class HolderLink:
             return Refusal(RefusalCode.HELD_START_FAILED,
                            f"the last start over the holder failed ({self._failed[1]}); starts "
                            "load from disk until the weights change or the configuration is "
-                           "reloaded (systemctl reload)")
+                           "reloaded (pitstop reload, or systemctl reload pitstop-agent)")
         refusal = self._adapter.holder_refusal()
         if refusal is not None:
             return refusal
