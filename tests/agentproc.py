@@ -175,6 +175,18 @@ class RunningAgent:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def logged(self, text: str, timeout: float = 15) -> str:
+        """The log once it has `text`. The engine's lines reach it through the agent, which
+        relays them as they come: a line the engine wrote before an answer may be written
+        here after the client has that answer."""
+        deadline = time.monotonic() + timeout
+        while text not in (log := self.log()):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{text!r} not in the agent's log after {timeout} s:\n"
+                                     f"{self.log_tail()}")
+            time.sleep(0.05)
+        return log
+
     def log_tail(self, chars: int = 4000) -> str:
         """The end of the log for a failure message, without the engine's access lines for
         the agent's own health checks (one a second: minutes of them hide what happened)."""

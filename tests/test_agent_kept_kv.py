@@ -96,7 +96,7 @@ def test_a_stream_cut_after_a_long_prompt_continues_from_the_kept_kv(kept):
     got = stream_cut_by_sigkill(a, lambda: None)
     a.wait_recovered(restarts + 1)
     assert got == want
-    log = a.log()
+    log = a.logged("resume: kept KV for ")
     [line] = re.findall(r"resume: kept KV for (\d+) of (\d+) positions; prefilling (\d+)", log)
     kept_positions, positions, prefilled = map(int, line)
     # Only the last token ran again: the prompt and the tokens sent were not prefilled.
@@ -121,7 +121,7 @@ def test_a_torn_ledger_falls_back_to_a_full_prefill_with_the_same_text(kept):
     got = stream_cut_by_sigkill(a, tear_every_header)
     a.wait_recovered(restarts + 1)
     assert got == want
-    assert "resume: kept KV not used (torn: " in a.log()
+    a.logged("resume: kept KV not used (torn: ")
     assert kv_resumes(a, "torn") == 1
 
 
@@ -138,5 +138,5 @@ def test_overwritten_kv_blocks_fall_back_to_a_full_prefill_with_the_same_text(ke
     got = stream_cut_by_sigkill(a, overwrite_layer0_keys)
     a.wait_recovered(restarts + 1)
     assert got == want
-    assert "resume: kept KV not used (kv_changed: positions 0..15 changed" in a.log()
+    a.logged("resume: kept KV not used (kv_changed: positions 0..15 changed")
     assert kv_resumes(a, "kv_changed") == 1

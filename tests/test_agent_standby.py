@@ -123,7 +123,7 @@ def test_a_sigkill_is_answered_by_continuing_the_standby(standby):
     # Only continued: no restore after the crash.
     assert "standby_continue" in rec["stages"], rec
     assert complete(a) == before
-    assert "held weights re-attached at the same addresses" in a.log()
+    a.logged("held weights re-attached at the same addresses")
     # The reference engine keeps its KV pool in the holder, claimed by one process at a
     # time: the standby waited for the dead engine's tree to be gone.
     assert "torn down while the standby rung is tried" not in a.log()
