@@ -66,7 +66,14 @@ class HolderLink:
 
     def bypassed(self) -> bool:
         """Whether starts go without the holder because the last one over it failed."""
-        return self._failed is not None and self._failed[0] == self._digest()
+        return self._bypass_reason() is not None
+
+    def _bypass_reason(self) -> str | None:
+        """Why the last start over the holder failed, while that still holds (same weights,
+        no reload since)."""
+        if self._failed is None or self._failed[0] != self._digest():
+            return None
+        return self._failed[1]
 
     @property
     def path(self) -> Path:
@@ -81,9 +88,10 @@ class HolderLink:
     def unavailable(self) -> Refusal | None:
         if not self.config.enabled:
             return Refusal(RefusalCode.DISABLED, "no holder configured (holder.enabled: false)")
-        if self._failed is not None and self.bypassed():
+        why = self._bypass_reason()
+        if why is not None:
             return Refusal(RefusalCode.HELD_START_FAILED,
-                           f"the last start over the holder failed ({self._failed[1]}); starts "
+                           f"the last start over the holder failed ({why}); starts "
                            "load from disk until the weights change or the configuration is "
                            "reloaded (pitstop reload, or systemctl reload pitstop-agent)")
         refusal = self._adapter.holder_refusal()
