@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import parse_config
+from agent import proc
+from agent.config import Config, parse_config
 from agent.engines import build_adapter
 from agent.refusal import RefusalCode
 from agent.supervisor.ladder import Prepared
@@ -24,7 +25,7 @@ def engine_argv(pid: int) -> list[str]:
     """The command line of the engine the agent names, or of its one child when that is a
     small root of Pitstop's."""
     argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    children = list(proc.children_of(pid))
     if "--holder" not in argv and children:
         argv += Path(f"/proc/{children[0]}/cmdline").read_bytes().decode().split("\0")
     return argv
@@ -42,10 +43,14 @@ def codes(rec: dict) -> dict[str, str]:
     return {f["path"]: f["refusal"]["code"] for f in rec["fallthroughs"]}
 
 
+def held_config(tmp_path: Path, tiny_model: Path) -> Config:
+    return parse_config(agent_config(tmp_path, tiny_model, holder={
+        "enabled": True, "dir": str(tmp_path / "holder"), "gpu": "cpu"}), "test")
+
+
 def link_and_cold(tmp_path: Path, tiny_model: Path, digest: list[str]
                   ) -> tuple[HolderLink, ColdOverHolder]:
-    cfg = parse_config(agent_config(tmp_path, tiny_model, holder={
-        "enabled": True, "dir": str(tmp_path / "holder"), "gpu": "cpu"}), "test")
+    cfg = held_config(tmp_path, tiny_model)
     adapter = build_adapter(cfg)
     link = HolderLink(cfg.holder, cfg.paths.run, gpu=lambda: "cpu", digest=lambda: digest[0],
                       adapter=adapter)
@@ -67,8 +72,7 @@ def test_the_bypass_lasts_until_the_weights_change_or_a_reload(tmp_path, tiny_mo
 
     digest[0] = "sha256:a"
     assert link.bypassed()
-    link.reconfigure(parse_config(agent_config(tmp_path, tiny_model, holder={
-        "enabled": True, "dir": str(tmp_path / "holder"), "gpu": "cpu"}), "test"))
+    link.reconfigure(held_config(tmp_path, tiny_model))
     assert not link.bypassed()
 
 
