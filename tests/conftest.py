@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +35,21 @@ def cached_model(size: str = "tiny", seed: int = 0, arch: str = "llama",
         fcntl.flock(lock, fcntl.LOCK_EX)
         make_model(directory, spec)
     return directory
+
+
+@contextlib.contextmanager
+def module_scratch(request: pytest.FixtureRequest, name: str) -> Iterator[Path]:
+    """`tmp_path_factory.mktemp(name)` for a module's fixture, removed when the fixture is done
+    unless a test of this worker failed (then it stays, for its logs). A vLLM module's images
+    and model copies are gigabytes; kept to the end of the run, with the per-test dirs,
+    they filled the disk of a CI machine. Per-test dirs go by pyproject's
+    `tmp_path_retention_policy`."""
+    factory: pytest.TempPathFactory = request.getfixturevalue("tmp_path_factory")
+    path = factory.mktemp(name)
+    failed_before = request.session.testsfailed
+    yield path  # a fixture that raised while it ended leaves its files too
+    if request.session.testsfailed == failed_before:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # --- parallel runs (`make test`: pytest-xdist, each lane on one worker; tests/lanes.py) ---

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.agentproc import REPO, RunningAgent, agent_config, complete, snapshot_list
+from tests.conftest import module_scratch
 from tests.holder_proc import Holder
 from tests.s3_server import CuttingProxy, S3Server, s3_server
 from tests.snapshot_helpers import criu
@@ -75,29 +76,29 @@ def metric(a: RunningAgent, sample: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def fleet(tiny_model: Path, request: pytest.FixtureRequest) -> Iterator[Fleet]:
     """Host A made the fleet's snapshot and pushed it (snapshots.publish), then stopped."""
     criu()
-    tmp = tmp_path_factory.mktemp("fleet")
-    shared = tmp / "shared"
-    shared.mkdir()
-    with s3_server(tmp / "aws") as server:
-        server.create_bucket(BUCKET)
-        seeding = Fleet(server, shared, tiny_model, "", "")
-        holder = fresh_holder(seeding)
-        a = seeding.start("host-a", publish=True)
-        try:
-            a.wait_ready()
-            st = a.wait_for(lambda s: (s.get("last_push") or {}).get("result") == "ok", 180,
-                            "the snapshot pushed")
-            answer = complete(a, PROMPT)
-            assert st["last_push"]["kind"] == "hybrid" and st["last_push"]["bytes"] > 0, st
-            assert st["last_pull"]["result"] == "no_snapshot", st  # the first node: none yet
-            pushed = st["last_push"]["snapshot"]
-        finally:
-            a.stop()
-            holder.stop()
-        yield Fleet(server, shared, tiny_model, pushed, answer)
+    with module_scratch(request, "fleet") as tmp:
+        shared = tmp / "shared"
+        shared.mkdir()
+        with s3_server(tmp / "aws") as server:
+            server.create_bucket(BUCKET)
+            seeding = Fleet(server, shared, tiny_model, "", "")
+            holder = fresh_holder(seeding)
+            a = seeding.start("host-a", publish=True)
+            try:
+                a.wait_ready()
+                st = a.wait_for(lambda s: (s.get("last_push") or {}).get("result") == "ok", 180,
+                                "the snapshot pushed")
+                answer = complete(a, PROMPT)
+                assert st["last_push"]["kind"] == "hybrid" and st["last_push"]["bytes"] > 0, st
+                assert st["last_pull"]["result"] == "no_snapshot", st  # the first node: none yet
+                pushed = st["last_push"]["snapshot"]
+            finally:
+                a.stop()
+                holder.stop()
+            yield Fleet(server, shared, tiny_model, pushed, answer)
 
 
 def test_a_host_that_never_ran_the_engine_pulls_and_restores_through_refill(fleet: Fleet):

@@ -36,6 +36,7 @@ from agent.identity import host_identity, read_vllm_package
 from agent.store import Manifest
 from agent.store.manifest import CanaryMethod
 from tests.agentproc import REPO, RunningAgent, agent_config, fallthroughs
+from tests.conftest import module_scratch
 from tests.prereq import require
 from tests.snapshot_helpers import criu
 from tests.vllmproc import CPU_ARGS, VLLM_PYTHON
@@ -156,38 +157,38 @@ def io_uring_off() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def agent(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
+def agent(tiny_model: Path, request: pytest.FixtureRequest,
           io_uring_off: None) -> Iterator[VllmAgent]:
     _prerequisites()
-    tmp = tmp_path_factory.mktemp("agent-vllm")
-    cfg = agent_config(
-        tmp, tiny_model,
-        engine={"kind": "vllm", "python": str(VLLM_PYTHON), "served_model_name": NAME,
-                "args": CPU_ARGS, "stop_timeout_s": 20},
-        # vLLM on 2 shared cores can take a second or two to answer /health under load: a
-        # hang is 3 missed checks of 5 s, not a slow moment.
-        health={"interval_s": 1.0, "timeout_s": 5.0, "failures_before_restart": 3,
-                "start_timeout_s": BOOT_S},
-        # Requests sent while vLLM cold-starts are held by the front until it is back.
-        front={"queue": {"deadline_s": BOOT_S}, "resume_wait_s": BOOT_S},
-        snapshots={"enabled": True, "regenerate": "after-serving"},
-    )
-    a = VllmAgent(tmp, cfg)
-    a.engines = set()
-    t0 = time.monotonic()
-    try:
-        a.wait_ready(timeout=BOOT_S)
-        print(f"\nagent + vLLM ready in {time.monotonic() - t0:.1f}s", file=sys.stderr)
-        a.engine_pid()
-        yield a
-    finally:
-        with contextlib.suppress(KeyError, OSError, json.JSONDecodeError):
-            a.engines.add(a.status().get("engine_pid") or 0)
-        rc = a.stop(timeout=60)
-        left = {pid: _session_pids(pid) for pid in a.engines if pid}
-        print(f"\nagent log tail:\n{a.log_tail(3000)}", file=sys.stderr)
-        assert rc == 0, f"agent exited {rc}"
-        assert not any(left.values()), f"engine processes left after the agent stopped: {left}"
+    with module_scratch(request, "agent-vllm") as tmp:
+        cfg = agent_config(
+            tmp, tiny_model,
+            engine={"kind": "vllm", "python": str(VLLM_PYTHON), "served_model_name": NAME,
+                    "args": CPU_ARGS, "stop_timeout_s": 20},
+            # vLLM on 2 shared cores can take a second or two to answer /health under load: a
+            # hang is 3 missed checks of 5 s, not a slow moment.
+            health={"interval_s": 1.0, "timeout_s": 5.0, "failures_before_restart": 3,
+                    "start_timeout_s": BOOT_S},
+            # Requests sent while vLLM cold-starts are held by the front until it is back.
+            front={"queue": {"deadline_s": BOOT_S}, "resume_wait_s": BOOT_S},
+            snapshots={"enabled": True, "regenerate": "after-serving"},
+        )
+        a = VllmAgent(tmp, cfg)
+        a.engines = set()
+        t0 = time.monotonic()
+        try:
+            a.wait_ready(timeout=BOOT_S)
+            print(f"\nagent + vLLM ready in {time.monotonic() - t0:.1f}s", file=sys.stderr)
+            a.engine_pid()
+            yield a
+        finally:
+            with contextlib.suppress(KeyError, OSError, json.JSONDecodeError):
+                a.engines.add(a.status().get("engine_pid") or 0)
+            rc = a.stop(timeout=60)
+            left = {pid: _session_pids(pid) for pid in a.engines if pid}
+            print(f"\nagent log tail:\n{a.log_tail(3000)}", file=sys.stderr)
+            assert rc == 0, f"agent exited {rc}"
+            assert not any(left.values()), f"engine processes left after the agent stopped: {left}"
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ from agent.engines.vllm.plugin import support
 from agent.holder.heldcopy import COPY_DIR
 from agent.holder.weightplan import PLAN_NAME, PlanSource, load_plan
 from tests.agentproc import REPO, RunningAgent, Traffic, agent_config, fallthroughs
-from tests.conftest import cached_model
+from tests.conftest import cached_model, module_scratch
 from tests.holder_proc import Holder, wait_for
 from tests.test_agent_standby import _armed, _children, _run_state
 from tests.test_agent_vllm import (
@@ -108,24 +108,24 @@ class HybridNode:
 
 
 @pytest.fixture(scope="module")
-def node(plugin_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+def node(plugin_dir: Path, request: pytest.FixtureRequest,
          io_uring_off: None) -> Iterator[HybridNode]:  # noqa: F811 - the fixture above
     model = cached_model("medium")
-    tmp = tmp_path_factory.mktemp("agent-vllm-hybrid")
-    holder = Holder(tmp / "holder")
-    cfg = _config(tmp, model, {**ENV, "PYTHONPATH": str(plugin_dir)}, tmp / "holder")
-    a = RunningAgent(tmp, cfg)
-    t0 = time.monotonic()
-    n = HybridNode(a, holder, model)
-    try:
-        a.wait_ready(timeout=BOOT_S)
-        print(f"\nagent + vLLM (plugin) ready in {time.monotonic() - t0:.1f}s", file=sys.stderr)
-        yield n
-    finally:
-        rc = a.stop(timeout=60)
-        print(f"\nagent log tail:\n{a.log_tail(3000)}", file=sys.stderr)
-        n.holder.stop()  # the one serving now: a test restarts it
-        assert rc == 0, f"agent exited {rc}"
+    with module_scratch(request, "agent-vllm-hybrid") as tmp:
+        holder = Holder(tmp / "holder")
+        cfg = _config(tmp, model, {**ENV, "PYTHONPATH": str(plugin_dir)}, tmp / "holder")
+        a = RunningAgent(tmp, cfg)
+        t0 = time.monotonic()
+        n = HybridNode(a, holder, model)
+        try:
+            a.wait_ready(timeout=BOOT_S)
+            print(f"\nagent + vLLM (plugin) ready in {time.monotonic() - t0:.1f}s", file=sys.stderr)
+            yield n
+        finally:
+            rc = a.stop(timeout=60)
+            print(f"\nagent log tail:\n{a.log_tail(3000)}", file=sys.stderr)
+            n.holder.stop()  # the one serving now: a test restarts it
+            assert rc == 0, f"agent exited {rc}"
 
 
 @pytest.fixture

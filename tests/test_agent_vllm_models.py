@@ -22,7 +22,7 @@ import pytest
 
 from agent.engines.vllm.plugin import support
 from tests.agentproc import RunningAgent
-from tests.conftest import cached_model
+from tests.conftest import cached_model, module_scratch
 from tests.holder_proc import Holder
 from tests.test_agent_vllm import (
     BOOT_S,
@@ -66,14 +66,15 @@ def _stop(n: HybridNode) -> None:
 
 @pytest.fixture(scope="module", params=sorted(HELD))
 def node(request: pytest.FixtureRequest, plugin_dir: Path,  # noqa: F811
-         tmp_path_factory: pytest.TempPathFactory, io_uring_off: None,  # noqa: F811
+         io_uring_off: None,  # noqa: F811
          ) -> Iterator[HybridNode]:
     model = cached_model("tiny", **HELD[request.param])
-    n = _start(tmp_path_factory.mktemp(f"agent-vllm-{request.param}"), model, plugin_dir)
-    try:
-        yield n
-    finally:
-        _stop(n)
+    with module_scratch(request, f"agent-vllm-{request.param}") as tmp:
+        n = _start(tmp, model, plugin_dir)
+        try:
+            yield n
+        finally:
+            _stop(n)
 
 
 def _greedy(agent: RunningAgent) -> str:
