@@ -18,7 +18,9 @@ import pytest
 from agent.checkpoint import outside
 from agent.checkpoint.connections import Outside
 from agent.checkpoint.criu import DumpOptions
-from agent.errors import OpenConnectionsError
+from agent.checkpoint.snapshotter import Snapshotter
+from agent.errors import OpenConnectionsError, SnapshotError
+from agent.store import Manifest
 from tests.snapshot_helpers import (
     CANARY,
     REPO,
@@ -178,3 +180,64 @@ def test_the_wait_for_another_engines_dump_or_restore_is_measured(tmp_path: Path
         time.sleep(0.3)
     t.join(timeout=30)
     assert waited and waited[0] >= 0.3
+
+
+def _gone(pid: int, within_s: float) -> bool:
+    """Whether `pid` is gone (reaped: this process is the restored trees' subreaper)."""
+    end = time.monotonic() + within_s
+    while True:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+
+
+def _dumped_talker(tmp_path: Path) -> tuple[Snapshotter, Manifest, Talker]:
+    """A Talker dumped (left running, then killed as a crash would): the snapshotter, the
+    snapshot, and the talker's socket path."""
+    snap = snapshotter(tmp_path / "snaps", tmp_path / "logs")
+    t = Talker(tmp_path / "t.sock")
+    info = capture(snap, t.pid, canary=CANARY, identity=identity(snap.criu.version),
+                   options=DumpOptions(leave_running=True))
+    t.stop()
+    return snap, info.manifest, t
+
+
+def test_a_restore_that_fails_in_criu_takes_back_the_shm_copies_it_put_back(
+        tmp_path: Path, shm_clean: None):
+    snap, m, t = _dumped_talker(tmp_path)
+    # Not a stale socket, which the restore would remove, but a directory at the path the
+    # tree binds: CRIU's bind fails after the copies are in /dev/shm.
+    t.sock.unlink()
+    t.sock.mkdir()
+    with pytest.raises(SnapshotError):
+        snap.restore(m)
+    assert m.process.shm_files, m.process
+    left = [n for n in m.process.shm_files if (outside.SHM_DIR / n).exists()]
+    assert not left, f"copies left in /dev/shm after the failed restore: {left}"
+    assert _gone(t.pid, 10), "a process of the failed restore still runs"
+
+
+def test_a_restore_that_fails_after_criu_kills_the_tree_and_takes_back_its_copies(
+        tmp_path: Path, shm_clean: None, monkeypatch: pytest.MonkeyPatch):
+    snap, m, t = _dumped_talker(tmp_path)
+    restored: list[int] = []
+
+    def cuda_restore_fails(pids: tuple[int, ...], timings: dict[str, float], **_: object):
+        # Where a GPU's tree has its CUDA state restored (none here): the tree runs.
+        restored.append(ping(t.sock)[0])
+        raise SnapshotError("cuda-checkpoint --action restore failed (injected)")
+
+    monkeypatch.setattr(snap, "_resume", cuda_restore_fails)
+    with pytest.raises(SnapshotError, match="injected"):
+        snap.restore(m)
+    assert restored == [1], "the restored tree answered before its CUDA restore failed"
+    # The remapped file CRIU consumed; the copy it mapped under its name, taken back.
+    left = [n for n in m.process.shm_files if (outside.SHM_DIR / n).exists()]
+    assert not left, f"copies left in /dev/shm after the failed restore: {left}"
+    assert _gone(t.pid, 10), "the tree of the failed restore still runs"

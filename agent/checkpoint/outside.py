@@ -136,20 +136,26 @@ def sweep(dead: dict[FileId, str], live: dict[FileId, str], shm_dir: Path = SHM_
     doomed = {ident: name for ident, name in dead.items() if ident not in live}
     if not doomed:
         return Swept((), 0)
+    with remap_window(shm_dir):
+        return _unlink_each(doomed, shm_dir)
+
+
+def _unlink_each(doomed: dict[FileId, str], shm_dir: Path) -> Swept:
+    """Unlink the plain files of `shm_dir` that are one of `doomed`, under the name it gives
+    (any name where it gives ""). The caller holds `remap_window`."""
     names: list[str] = []
     size = 0
-    with remap_window(shm_dir):
-        for name in sorted(_names(shm_dir)):
-            try:
-                st = os.lstat(shm_dir / name)
-                if not stat.S_ISREG(st.st_mode) or name == REMAP_LOCK \
-                        or doomed.get((st.st_dev, st.st_ino)) not in ("", name):
-                    continue
-                os.unlink(shm_dir / name)
-            except FileNotFoundError:
+    for name in sorted(_names(shm_dir)):
+        try:
+            st = os.lstat(shm_dir / name)
+            if not stat.S_ISREG(st.st_mode) or name == REMAP_LOCK \
+                    or doomed.get((st.st_dev, st.st_ino)) not in ("", name):
                 continue
-            names.append(name)
-            size += st.st_blocks * 512
+            os.unlink(shm_dir / name)
+        except FileNotFoundError:
+            continue
+        names.append(name)
+        size += st.st_blocks * 512
     return Swept(tuple(names), size)
 
 
@@ -189,25 +195,26 @@ def saved(image_dir: Path) -> tuple[str, ...]:
 
 
 def put_back(image_dir: Path, names: tuple[str, ...], socket_paths: tuple[str, ...],
-             shm_dir: Path = SHM_DIR) -> tuple[Path, ...]:
+             shm_dir: Path = SHM_DIR) -> dict[FileId, str]:
     """Before a restore: each saved shm file in place again (the dump-time content, written
     whole then renamed), and every stale socket file at a path the tree binds removed.
-    Returns the link_remap files written, which CRIU consumes; on a failed restore the
-    caller removes them (`drop_remaps`)."""
-    remaps: list[Path] = []
+    Returns the copies written, by identity, with their names (CRIU consumes the link_remap
+    ones); should the restore fail, the caller gives them to `take_back`. Called inside
+    `remap_window`, as `take_back` is; on an error it takes back what it wrote."""
+    copies: dict[FileId, str] = {}
     try:
         for name in names:
             target = shm_dir / name
             tmp = shm_dir / f".pitstop-{os.getpid()}-{name}"
             try:
                 copy_sparse(image_dir / (PREFIX + name), tmp)
+                st = os.lstat(tmp)
                 os.replace(tmp, target)
             finally:
                 tmp.unlink(missing_ok=True)
-            if name.startswith(REMAP):
-                remaps.append(target)
+            copies[(st.st_dev, st.st_ino)] = name
     except OSError as e:
-        drop_remaps(tuple(remaps))
+        take_back(copies, shm_dir)
         raise SnapshotError(f"could not put {name} back into {shm_dir} before the restore: "
                             f"{e}; check that {shm_dir} is writable and has room") from e
     for path in socket_paths:
@@ -218,9 +225,19 @@ def put_back(image_dir: Path, names: tuple[str, ...], socket_paths: tuple[str, .
         except FileNotFoundError:
             continue
         except OSError as e:
+            take_back(copies, shm_dir)
             raise SnapshotError(f"could not remove the stale socket {path} that the restored "
                                 f"engine binds again: {e}") from e
-    return tuple(remaps)
+    return copies
+
+
+def take_back(copies: dict[FileId, str], shm_dir: Path = SHM_DIR) -> Swept:
+    """After a restore that failed (in CRIU, or after it, its tree killed): unlink the copies
+    `put_back` wrote that are still there under their names. Nobody else would: they are not
+    the dead tree's files, which the next ready engine sweeps, and a cold start after the
+    failure names its own. A copy replaced since (another restore of the image on this host)
+    is not one. The caller holds `remap_window`."""
+    return _unlink_each(copies, shm_dir) if copies else Swept((), 0)
 
 
 def copy_sparse(src: Path, dst: Path) -> None:
@@ -335,12 +352,6 @@ def remap_window(shm_dir: Path = SHM_DIR) -> Iterator[float]:
         yield time.monotonic() - t0
     finally:
         os.close(fd)  # releases the lock
-
-
-def drop_remaps(paths: tuple[Path, ...]) -> None:
-    for p in paths:
-        with contextlib.suppress(FileNotFoundError):
-            p.unlink()
 
 
 def _names(d: Path) -> list[str]:

@@ -324,8 +324,8 @@ class Snapshotter:
         # its processes has asked for it again (agent/checkpoint/xcomp.py).
         regrant = self.regrant.active(self._proc)
         try:
-            done = self._criu_restore(manifest, image_dir, log, writers, timings,
-                                      leave_stopped=regrant)
+            done, copies = self._criu_restore(manifest, image_dir, log, writers, timings,
+                                              leave_stopped=regrant)
         except BaseException:
             for fd in [*readers.values(), *writers]:
                 os.close(fd)
@@ -342,25 +342,45 @@ class Snapshotter:
             kill_tree(done.pid, proc=self._proc)
             for f in files.values():
                 f.close()
+            with outside.remap_window(self._shm):
+                self._take_back(manifest, copies)
             raise
         return restored
 
+    def _take_back(self, manifest: Manifest, copies: dict[outside.FileId, str]) -> None:
+        """The image's shm copies out of the shm dir again after a failed restore (the
+        caller holds `remap_window`): each is RAM, and once this restore failed nothing
+        would remove it."""
+        try:
+            gone = outside.take_back(copies, self._shm)
+        except OSError as e:
+            logger.warning("snapshot %s: could not remove the copies of its shared-memory "
+                           "files from %s after the failed restore: %s", manifest.id,
+                           self._shm, e)
+            return
+        if gone.names:
+            logger.info("snapshot %s: removed %d copies of its shared-memory files (%d "
+                        "bytes) from %s after the failed restore", manifest.id,
+                        len(gone.names), gone.bytes, self._shm)
+
     def _criu_restore(self, manifest: Manifest, image_dir: Path, log: Path,
                       writers: dict[int, str], timings: dict[str, float], *,
-                      leave_stopped: bool) -> RestoreResult:
+                      leave_stopped: bool,
+                      ) -> tuple[RestoreResult, dict[outside.FileId, str]]:
         """`criu restore`, the files the tree keeps outside itself put back first under the
-        host's remap lock (and taken away again when CRIU fails)."""
+        host's remap lock (and taken away again when CRIU fails); with the copies put back."""
         with outside.remap_window(self._shm) as remap_wait:
             timings["remap_wait"] = remap_wait
-            remaps = outside.put_back(image_dir, manifest.process.shm_files,
+            copies = outside.put_back(image_dir, manifest.process.shm_files,
                                       manifest.process.socket_paths, self._shm)
             try:
-                return self.criu.restore(
+                done = self.criu.restore(
                     image_dir, log, flags=restore_flags(manifest.criu_flags),
                     inherit_fds=writers, leave_stopped=leave_stopped)
             except BaseException:
-                outside.drop_remaps(remaps)
+                self._take_back(manifest, copies)
                 raise
+        return done, copies
 
     def _bring_up(self, restored: RestoredProcess, manifest: Manifest, *, regrant: bool,
                   gpu_uuid: str | None) -> None:

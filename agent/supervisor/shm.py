@@ -71,9 +71,8 @@ class ShmLeftovers:
     `Supervisor._ready`, which calls `ready`; the surveys and the sweep run in worker
     threads, after the new engine serves, so a recovery never waits for them. A tree that
     started but failed its checks (health, canary, the rung's own) is surveyed by `failed`
-    before its kill and swept with the next ready engine. Not known, so left: the files of a
-    tree killed inside a rung's start (a restore that failed after putting its image's
-    copies back).
+    before its kill and swept with the next ready engine. A restore that fails after putting
+    its image's copies back removes them itself (`Snapshotter.restore`).
 
     With a `record` file, the serving tree's files are also written there, and the first
     engine ready after the agent started sweeps what the record names: the files of the tree
