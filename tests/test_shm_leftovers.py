@@ -22,7 +22,7 @@ from agent.checkpoint.outside import FileId
 from agent.config import Config, parse_config
 from agent.engines import build_adapter
 from agent.engines.base import EngineAdapter
-from agent.errors import EngineError
+from agent.errors import EngineError, SnapshotError
 from agent.metrics import Metrics, StatusView, new_registry
 from agent.supervisor.canary import CanaryBook
 from agent.supervisor.engine import EngineProcess
@@ -108,6 +108,33 @@ def test_a_restore_that_puts_its_copies_under_the_dead_trees_names_keeps_them(tm
 
     asyncio.run(main())
     assert (tmp_path / "psm_image").read_bytes() == b"image"
+
+
+def test_a_put_back_that_fails_part_way_takes_back_the_copies_it_wrote(tmp_path: Path):
+    image, shm = tmp_path / "image", tmp_path / "shm"
+    image.mkdir()
+    shm.mkdir()
+    (image / f"{outside.PREFIX}psm_a").write_bytes(b"image")  # psm_b's copy is missing
+    dead = _file(shm, "psm_a", b"dead")
+    with pytest.raises(SnapshotError, match="could not put psm_b back"):
+        outside.put_back(image, ("psm_a", "psm_b"), (), shm)
+    # The dead tree's psm_a was replaced by the copy, and the copy taken back: nothing of
+    # the failed restore stays (the dead file's inode is gone with its name).
+    assert sorted(os.listdir(shm)) == [], dead
+
+
+def test_only_a_copy_still_under_its_name_is_taken_back(tmp_path: Path):
+    image = tmp_path / "image"
+    image.mkdir()
+    for name in ("psm_a", "psm_b"):
+        (image / f"{outside.PREFIX}{name}").write_bytes(b"image")
+    copies = outside.put_back(image, ("psm_a", "psm_b"), (), tmp_path)
+    assert sorted(copies.values()) == ["psm_a", "psm_b"]
+    # Another restore on this host put its own psm_b in place since: not our copy.
+    _file(tmp_path, ".theirs", b"another restore's")
+    os.replace(tmp_path / ".theirs", tmp_path / "psm_b")
+    assert outside.take_back(copies, tmp_path).names == ("psm_a",)
+    assert (tmp_path / "psm_b").read_bytes() == b"another restore's"
 
 
 def test_a_file_under_another_name_than_the_dead_tree_mapped_is_not_its_file(tmp_path: Path):

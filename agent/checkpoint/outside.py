@@ -214,7 +214,8 @@ def put_back(image_dir: Path, names: tuple[str, ...], socket_paths: tuple[str, .
                 tmp.unlink(missing_ok=True)
             copies[(st.st_dev, st.st_ino)] = name
     except OSError as e:
-        take_back(copies, shm_dir)
+        with contextlib.suppress(OSError):  # the error to report is the one above
+            take_back(copies, shm_dir)
         raise SnapshotError(f"could not put {name} back into {shm_dir} before the restore: "
                             f"{e}; check that {shm_dir} is writable and has room") from e
     for path in socket_paths:
@@ -225,7 +226,8 @@ def put_back(image_dir: Path, names: tuple[str, ...], socket_paths: tuple[str, .
         except FileNotFoundError:
             continue
         except OSError as e:
-            take_back(copies, shm_dir)
+            with contextlib.suppress(OSError):
+                take_back(copies, shm_dir)
             raise SnapshotError(f"could not remove the stale socket {path} that the restored "
                                 f"engine binds again: {e}") from e
     return copies

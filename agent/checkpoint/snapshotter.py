@@ -342,18 +342,19 @@ class Snapshotter:
             kill_tree(done.pid, proc=self._proc)
             for f in files.values():
                 f.close()
-            with outside.remap_window(self._shm):
-                self._take_back(manifest, copies)
+            self._take_back(manifest, copies, locked=False)
             raise
         return restored
 
-    def _take_back(self, manifest: Manifest, copies: dict[outside.FileId, str]) -> None:
-        """The image's shm copies out of the shm dir again after a failed restore (the
-        caller holds `remap_window`): each is RAM, and once this restore failed nothing
-        would remove it."""
+    def _take_back(self, manifest: Manifest, copies: dict[outside.FileId, str], *,
+                   locked: bool) -> None:
+        """The image's shm copies out of the shm dir again after a failed restore (under
+        `remap_window`, which the caller holds when `locked`): each is RAM, and once this
+        restore failed nothing would remove it. Never raises over the restore's error."""
         try:
-            gone = outside.take_back(copies, self._shm)
-        except OSError as e:
+            with contextlib.nullcontext() if locked else outside.remap_window(self._shm):
+                gone = outside.take_back(copies, self._shm)
+        except (OSError, SnapshotError) as e:
             logger.warning("snapshot %s: could not remove the copies of its shared-memory "
                            "files from %s after the failed restore: %s", manifest.id,
                            self._shm, e)
@@ -378,7 +379,7 @@ class Snapshotter:
                     image_dir, log, flags=restore_flags(manifest.criu_flags),
                     inherit_fds=writers, leave_stopped=leave_stopped)
             except BaseException:
-                self._take_back(manifest, copies)
+                self._take_back(manifest, copies, locked=True)
                 raise
         return done, copies
 
