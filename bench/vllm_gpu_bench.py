@@ -199,13 +199,15 @@ class Run:
             for f in ("agent.log", "holder.log", "daemon.log", "manual.log"):
                 with contextlib.suppress(OSError):
                     shutil.copy(self.work / name / f, self.a.out / f"{name}-{f}")
-            # CRIU's own restore logs: with snapshots.restore_log_level 4 in the agent's
-            # config, timestamped lines that say where a restore's time goes.
-            logs = sorted((self.work / name).glob("**/run/criu/*-restore-*.log"),
-                          key=lambda p: p.stat().st_mtime)
-            for kept in logs[-3:]:
-                with contextlib.suppress(OSError):
-                    shutil.copy(kept, self.a.out / f"{name}-{kept.name}")
+            # CRIU's own logs: with --restore-log-level 4, timestamped lines that say where a
+            # restore's time goes; the dump's (always at 4) lists each mapping it dumped.
+            criu_logs = self.work / name
+            for pattern, keep in (("**/run/criu/*-restore-*.log", 3),
+                                  ("**/snapshots/.logs/*-dump.log", 1)):
+                logs = sorted(criu_logs.glob(pattern), key=lambda p: p.stat().st_mtime)
+                for kept in logs[-keep:]:
+                    with contextlib.suppress(OSError):
+                        shutil.copy(kept, self.a.out / f"{name}-{kept.name}")
 
 
 def rung_row(path: str, r: dict, ctx: dict) -> dict | None:
@@ -713,7 +715,9 @@ def base_config(a: argparse.Namespace, model: Path, env: dict[str, str]) -> dict
         # be restored instead of measuring that path again.
         "snapshots": {"enabled": False, "regenerate": "manual",
                       "drift_check_interval_s": 0, "quiet_timeout_s": 60, "keep": 1,
-                      **({"criu": str(a.criu)} if a.criu else {})},
+                      **({"criu": str(a.criu)} if a.criu else {}),
+                      **({"restore_log_level": a.restore_log_level}
+                         if a.restore_log_level is not None else {})},
     }
 
 
@@ -744,6 +748,9 @@ def parse_args() -> argparse.Namespace:
     add_vllm_args(ap)
     add_model_args(ap)
     ap.add_argument("--criu", type=Path, default=os.environ.get("PITSTOP_CRIU"))
+    ap.add_argument("--restore-log-level", type=int, choices=range(5), default=None,
+                    help="the agent's snapshots.restore_log_level: 4 keeps CRIU's timestamped "
+                         "debug log of each restore (it costs the restore some time)")
     ap.add_argument("--cuda-checkpoint", type=Path, default=None,
                     help="NVIDIA's cuda-checkpoint binary (vLLM's snapshots run it)")
     ap.add_argument("--cuda-plugin-dir", type=Path, default=None,
