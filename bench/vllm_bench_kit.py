@@ -387,7 +387,7 @@ def summarize(path: str, recs: list[dict], ctx: dict, time_key: str = "duration_
             "command": commands_of(ok, ctx["command"]), "vllm_version": ctx.get("vllm_version"),
             "model": ctx.get("model"), "tp": ctx.get("tp", 1), "thp": thp(),
             **{k: ctx[k] for k in ("architecture", "quantization", "held_bytes", "eager",
-                                   "small_root") if k in ctx},
+                                   "small_root", "restore_log_level") if k in ctx},
             "kill_to_answer_s": k2a,
             "kill_to_answer_median_s": round(statistics.median(k2a), 3) if k2a else None,
             "same_answer": [r.get("same_answer") for r in ok if "same_answer" in r],

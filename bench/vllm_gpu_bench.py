@@ -170,6 +170,8 @@ class Run:
                "vllm_version": self.result.get("vllm_version"),
                "held_bytes": self.result.get("held_bytes"), "tp": self.a.tp,
                **({"eager": True} if self.a.eager else {}), "small_root": not self.a.engine_root,
+               **({"restore_log_level": self.a.restore_log_level}
+                  if self.a.restore_log_level is not None else {}),
                **model_kind(self.a)}
         r = self.result
         stamp_records(r, self.command)
@@ -750,7 +752,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--criu", type=Path, default=os.environ.get("PITSTOP_CRIU"))
     ap.add_argument("--restore-log-level", type=int, choices=range(5), default=None,
                     help="the agent's snapshots.restore_log_level: 4 keeps CRIU's timestamped "
-                         "debug log of each restore (it costs the restore some time)")
+                         "debug log of each restore (it costs the restore some time); rows "
+                         "carry restore_log_level")
     ap.add_argument("--cuda-checkpoint", type=Path, default=None,
                     help="NVIDIA's cuda-checkpoint binary (vLLM's snapshots run it)")
     ap.add_argument("--cuda-plugin-dir", type=Path, default=None,

@@ -78,3 +78,23 @@ def test_a_rungs_first_start_stands_beside_its_recoveries_not_among_them(
     assert warm is not None and warm["runs_s"] == [67.0] and warm["from_first_start"]
     # A first start that fell to another rung is no figure of this one.
     assert vllm_gpu_bench.rung_row("vllm-preload", r, ctx) is None
+
+
+def test_a_restore_log_level_reaches_the_agent_and_every_row_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from agent.config import Config
+
+    a = parse(monkeypatch, tmp_path, "--restore-log-level", "4")
+    import vllm_bench_kit
+    import vllm_gpu_bench
+
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 4096}')
+    cfg = vllm_gpu_bench.base_config(a, tmp_path, {})
+    assert Config.model_validate(cfg).snapshots.restore_log_level == 4
+    row = vllm_bench_kit.summarize("hybrid", [{"duration_s": 0.9}],
+                                   {"gib": 1, "command": "c", "restore_log_level": 4})
+    assert row is not None and row["restore_log_level"] == 4
+    # Without the option the agent keeps its default and no row claims a level.
+    plain = parse(monkeypatch, tmp_path)
+    assert "restore_log_level" not in vllm_gpu_bench.base_config(plain, tmp_path, {})["snapshots"]
