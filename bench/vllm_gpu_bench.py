@@ -170,8 +170,7 @@ class Run:
                "vllm_version": self.result.get("vllm_version"),
                "held_bytes": self.result.get("held_bytes"), "tp": self.a.tp,
                **({"eager": True} if self.a.eager else {}), "small_root": not self.a.engine_root,
-               **({"restore_log_level": self.a.restore_log_level}
-                  if self.a.restore_log_level is not None else {}),
+               **restore_log(self.a),
                **model_kind(self.a)}
         r = self.result
         stamp_records(r, self.command)
@@ -699,6 +698,12 @@ def model_dir(a: argparse.Namespace) -> Path:
     return d
 
 
+def restore_log(a: argparse.Namespace) -> dict[str, int]:
+    """`restore_log_level` when --restore-log-level was given: a key of the agent's
+    `snapshots` and of every row, which says the restores ran with that CRIU log."""
+    return {} if a.restore_log_level is None else {"restore_log_level": a.restore_log_level}
+
+
 def base_config(a: argparse.Namespace, model: Path, env: dict[str, str]) -> dict:
     return {
         "engine": {"kind": "vllm", "model": str(model), "python": a.python,
@@ -718,8 +723,7 @@ def base_config(a: argparse.Namespace, model: Path, env: dict[str, str]) -> dict
         "snapshots": {"enabled": False, "regenerate": "manual",
                       "drift_check_interval_s": 0, "quiet_timeout_s": 60, "keep": 1,
                       **({"criu": str(a.criu)} if a.criu else {}),
-                      **({"restore_log_level": a.restore_log_level}
-                         if a.restore_log_level is not None else {})},
+                      **restore_log(a)},
     }
 
 

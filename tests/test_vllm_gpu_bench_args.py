@@ -95,6 +95,6 @@ def test_a_restore_log_level_reaches_the_agent_and_every_row_says_so(
     row = vllm_bench_kit.summarize("hybrid", [{"duration_s": 0.9}],
                                    {"gib": 1, "command": "c", "restore_log_level": 4})
     assert row is not None and row["restore_log_level"] == 4
-    # Without the option the agent keeps its default and no row claims a level.
+    # Without the option the agent keeps its default level.
     plain = parse(monkeypatch, tmp_path)
     assert "restore_log_level" not in vllm_gpu_bench.base_config(plain, tmp_path, {})["snapshots"]
