@@ -42,7 +42,11 @@ next request through the front that completes; its answer must equal the one bef
 between them `kill_breakdown` (vllm_bench_kit.py) says where the client's seconds went.
 A rung's first start (a fresh agent) is `first_start_s` beside its row, not one of its
 `runs_s`; a row made of the first start alone (the warm rung with --warm-runs 0) says
-`from_first_start`.
+`from_first_start`. Each hybrid-family row has the image's `image_memory` (`pitstop snapshot
+memory`: bytes, mappings, runs and 2 MiB windows by process and kind). `--debug-restore` adds
+one hybrid kill after the timed ones with CRIU's timestamped debug log (the row's
+`debug_restore`, its log kept beside the results); `--restore-log-level N` runs every restore
+at level N instead (rows say `restore_log_level`).
 `--arch qwen3-moe` (a mixture of experts), `--quant fp8|fp8-ct|w8a8-int8|awq` (a checkpoint
 pre-quantized so) and `--quantization fp8` (vLLM quantizes a bf16 checkpoint at load) choose
 the model; each row says which in `architecture` and `quantization`, and the file's name too
@@ -121,6 +125,7 @@ from vllm_bench_kit import (  # noqa: E402
     write_config,
 )
 
+from agent.config import SnapshotsConfig  # noqa: E402
 from agent.engines.vllm.cli import VllmFeatures, read_features  # noqa: E402
 from agent.errors import HolderError  # noqa: E402
 from agent.holder.client import HolderClient  # noqa: E402
@@ -128,6 +133,8 @@ from agent.modelgen import make_model, record_for, spec_for  # noqa: E402
 
 IO_URING = Path("/proc/sys/kernel/io_uring_disabled")
 BOOT_S = 900
+# CRIU's debug level (-v4): every line timestamped (--debug-restore).
+DEBUG_LOG_LEVEL = 4
 MODEL_NAME = "bench"
 # Where the held set's copy and the refill plan appear (agent/holder/weightplan.py).
 PLAN_NAME = "refill.json"
@@ -191,6 +198,8 @@ class Run:
             if row and snap:
                 row["image_bytes"] = snap.get("image_bytes")
                 row["image_memory"] = snap.get("memory")
+            if row and row["path"] == "hybrid" and (debug := debug_row(r.get("hybrid_debug", []))):
+                row["debug_restore"] = debug
             costs = r.get(f"{row['path'].replace('-', '_')}_costs") if row else None
             if row and row["path"].startswith("standby") and costs:
                 row["standby_costs"] = costs
@@ -464,6 +473,8 @@ def hybrid_and_refill(run: Run, agent: Agent, holder: list[subprocess.Popen], gp
         return
     if run.wants("hybrid"):
         series(run, agent, "hybrid", "hybrid", run.a.hybrid_runs, 30 + start_estimate(run))
+        if run.a.debug_restore:
+            debug_restore(run, agent)
     if not run.wants("refill"):
         return
     # The agent writes the refill plan of the held set (vLLM's parameters are not the
@@ -480,6 +491,29 @@ def hybrid_and_refill(run: Run, agent: Agent, holder: list[subprocess.Popen], gp
         holder[0] = restart_holder(holder[0], gpu, hdir, d)
 
     series(run, agent, "refill", "refill", run.a.runs, 60 + r["gib"] * 5, empty)
+
+
+def debug_restore(run: Run, agent: Agent) -> None:
+    """One more hybrid kill, with CRIU's timestamped debug log of its restore (where the
+    restore's time goes, mapping by mapping); the level goes back to what it was, for the
+    paths after it."""
+    was = agent.cfg.get("snapshots", {}).get(
+        "restore_log_level", SnapshotsConfig.model_fields["restore_log_level"].default)
+    agent.reload(restore_log_level=DEBUG_LOG_LEVEL)
+    try:
+        series(run, agent, "hybrid_debug", "hybrid", 1, 30 + start_estimate(run))
+    finally:
+        agent.reload(restore_log_level=was)
+
+
+def debug_row(recs: list[dict]) -> dict | None:
+    """The hybrid row's `debug_restore`: the kill under CRIU's debug log, by the agent."""
+    if not recs:
+        return None
+    rec = recs[0]
+    return {"restore_log_level": DEBUG_LOG_LEVEL, "path": rec.get("path"),
+            "duration_s": rec.get("duration_s"), "stages": rec.get("stages"),
+            "kill_to_answer_s": rec.get("kill_to_answer_s")}
 
 
 def pitstop_phase(run: Run) -> None:
@@ -758,6 +792,11 @@ def parse_args() -> argparse.Namespace:
                     help="the agent's snapshots.restore_log_level: 4 keeps CRIU's timestamped "
                          "debug log of each restore (it costs the restore some time); rows "
                          "carry restore_log_level")
+    ap.add_argument("--debug-restore", action="store_true",
+                    help="after the timed hybrid kills, one more with CRIU's timestamped debug "
+                         "log (snapshots.restore_log_level 4, reloaded live, then back): the "
+                         "hybrid row's `debug_restore`, kept apart from its runs (the log costs "
+                         "the restore time); the log is kept beside the results")
     ap.add_argument("--cuda-checkpoint", type=Path, default=None,
                     help="NVIDIA's cuda-checkpoint binary (vLLM's snapshots run it)")
     ap.add_argument("--cuda-plugin-dir", type=Path, default=None,

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agent.checkpoint.image_memory import image_memory, images_in, memory_text
+from agent.checkpoint.criu_image import PAGE
+from agent.checkpoint.image_memory import HUGE, image_memory, images_in, memory_text
 from agent.cli import main
 from tests.agentproc import agent_config
 from tests.snapshot_helpers import (
@@ -52,7 +53,8 @@ def test_the_image_of_a_process_is_its_ballast_heap_and_library_pages_and_adds_u
     config.write_text(yaml.safe_dump(agent_config(tmp_path, tiny_model)))
     assert main(["snapshot", "memory", info.id, "--json", "--config", str(config)]) == 0
     assert json.loads(capsys.readouterr().out) == [
-        {"pid": r.pid, "kind": r.kind, "bytes": r.bytes} for r in rows]
+        {"pid": r.pid, "kind": r.kind, "bytes": r.bytes, "areas": r.areas, "runs": r.runs,
+         "windows_2m": r.windows_2m} for r in rows]
     assert main(["snapshot", "memory", info.id, "--config", str(config)]) == 0
     assert capsys.readouterr().out == memory_text(rows) + "\n"
 
@@ -64,6 +66,33 @@ def test_the_image_of_a_process_is_its_ballast_heap_and_library_pages_and_adds_u
     assert out == ""
     assert f"snapshot {info.id}: its CRIU image is damaged" in err
     assert f"pitstop snapshot delete {info.id}" in err
+
+
+def test_each_row_says_how_its_pages_lie_runs_and_2mib_windows(tmp_path: Path) -> None:
+    """Two images of the same bytes restore in different times when their pages lie
+    differently: the rows count the runs a restore reads and the huge-page windows it
+    fills, here of two mappings whose written pages are known (tests/workloads/counter.py
+    --shapes)."""
+    snap = snapshotter(tmp_path / "snapshots", tmp_path / "logs")
+    shapes = tmp_path / "shapes"
+    shapes.mkdir()
+    c = Counter(tmp_path / "c.sock", 0, "--shapes", str(shapes))
+    try:
+        assert c.inc() == 1
+        info = capture(snap, c.pid, canary=CANARY, identity=identity(snap.criu.version))
+    finally:
+        c.stop()
+    rows = {r.kind: r for r in image_memory(snap.store.path(info.id)) if r.pid == c.pid}
+    sparse, dense = rows[f"file {shapes / 'sparse'}"], rows[f"file {shapes / 'dense'}"]
+    # One page every 4 MiB: each its own run and its own window.
+    assert (sparse.bytes, sparse.areas, sparse.runs, sparse.windows_2m) == (16 * PAGE, 1, 16, 16)
+    # 8 MiB written whole: one run over four windows, five where it starts off a boundary.
+    assert (dense.bytes, dense.areas, dense.runs) == (8 << 20, 1, 1)
+    assert dense.windows_2m in (4, 5)
+    every = list(rows.values())
+    assert all(1 <= r.areas <= r.runs <= r.bytes // PAGE for r in every), every
+    assert all(r.bytes <= r.windows_2m * HUGE and r.windows_2m <= r.bytes // PAGE
+               for r in every), every
 
 
 def test_a_snapshot_without_an_image_is_named_and_nothing_is_printed(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ tensor-parallel workers vLLM runs with; and what a rung's row is made of."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,44 @@ def test_a_restore_log_level_reaches_the_agent_and_every_row_says_so(
     # Without the option the agent keeps its default level.
     plain = parse(monkeypatch, tmp_path)
     assert "restore_log_level" not in vllm_gpu_bench.base_config(plain, tmp_path, {})["snapshots"]
+
+
+def test_a_debug_restore_is_one_more_hybrid_kill_apart_from_the_timed_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """`--debug-restore`: after the timed hybrid kills the agent is reloaded with CRIU's
+    debug level for one more, then back to its own; the row keeps that kill apart."""
+    a = parse(monkeypatch, tmp_path, "--paths", "hybrid", "--hybrid-runs", "3",
+              "--debug-restore")
+    import vllm_gpu_bench
+
+    calls: list[tuple] = []
+
+    class FakeAgent:
+        cfg: dict = {"snapshots": {"enabled": True}}
+
+        def reload(self, **snapshots: object) -> None:
+            calls.append(("reload", snapshots))
+
+    def series(run, agent, key, want, runs, each_s, before=None):
+        calls.append(("series", key, want, runs))
+        run.result[key] = [{"path": want, "duration_s": 1.0 + len(calls), "stages": {}}]
+
+    monkeypatch.setattr(vllm_gpu_bench, "series", series)
+    monkeypatch.setattr(vllm_gpu_bench, "take_snapshot", lambda agent: {"kind": "hybrid"})
+    run = vllm_gpu_bench.Run(a=a, result={"gib": 1, "model": "m"}, out_json=tmp_path / "r.json",
+                             budget=None, model=tmp_path, work=tmp_path, cfg={},
+                             features=None, command="c")
+    vllm_gpu_bench.hybrid_and_refill(run, FakeAgent(), [], "gpu", tmp_path, tmp_path)
+    assert calls == [("series", "hybrid", "hybrid", 3),
+                     ("reload", {"restore_log_level": 4}),
+                     ("series", "hybrid_debug", "hybrid", 1),
+                     ("reload", {"restore_log_level": 2})]
+    # The row's runs are the timed kills; the debug one stands beside them.
+    run.save()
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    hybrid = next(r for r in rows if r["path"] == "hybrid")
+    assert hybrid["runs_s"] == [run.result["hybrid"][0]["duration_s"]]
+    assert hybrid["debug_restore"]["restore_log_level"] == 4
+    assert hybrid["debug_restore"]["duration_s"] == run.result["hybrid_debug"][0]["duration_s"]
+    assert vllm_gpu_bench.debug_row([]) is None

@@ -1,5 +1,6 @@
 """A tiny server for CRIU tests: a counter over a Unix socket; each count is also printed."""
 
+import mmap
 import os
 import sys
 
@@ -17,6 +18,19 @@ if "--cuda" in sys.argv:
     gpu = torch.ones(int(sys.argv[sys.argv.index("--cuda") + 1]) << 18, device="cuda")
 # A regular file held open, as engines hold their weights.
 held = open(__file__, "rb")  # noqa: SIM115
+# --shapes DIR: two private mappings of files made there, whose written pages lie in known
+# ways: `sparse`, one page every 4 MiB of 64 MiB (16 pages, no two in one 2 MiB window);
+# `dense`, 8 MiB written whole.
+shapes = []
+if "--shapes" in sys.argv:
+    where = sys.argv[sys.argv.index("--shapes") + 1]
+    for name, size, step in (("sparse", 64 << 20, 4 << 20), ("dense", 8 << 20, mmap.PAGESIZE)):
+        with open(os.path.join(where, name), "wb+") as f:
+            f.truncate(size)
+            m = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE)
+        for at in range(0, size, step):
+            m[at] = 1
+        shapes.append(m)
 
 
 def answer(message: bytes) -> bytes | None:
