@@ -86,6 +86,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from criu_restore_log import as_json as restore_log_json  # noqa: E402
+from criu_restore_log import read_log as read_restore_log  # noqa: E402
 from gpu_recovery_bench import (  # noqa: E402
     Agent,
     gpu_id,
@@ -198,7 +200,8 @@ class Run:
             if row and snap:
                 row["image_bytes"] = snap.get("image_bytes")
                 row["image_memory"] = snap.get("memory")
-            if row and row["path"] == "hybrid" and (debug := debug_row(r.get("hybrid_debug", []))):
+            if row and row["path"] == "hybrid" and (
+                    debug := debug_row(r.get("hybrid_debug", []), r.get("hybrid_debug_log"))):
                 row["debug_restore"] = debug
             costs = r.get(f"{row['path'].replace('-', '_')}_costs") if row else None
             if row and row["path"].startswith("standby") and costs:
@@ -495,8 +498,8 @@ def hybrid_and_refill(run: Run, agent: Agent, holder: list[subprocess.Popen], gp
 
 def debug_restore(run: Run, agent: Agent) -> None:
     """One more hybrid kill, with CRIU's timestamped debug log of its restore (where the
-    restore's time goes, mapping by mapping); the level goes back to what it was, for the
-    paths after it."""
+    restore's time goes: bench/criu_restore_log.py sums it up into the row); the level goes
+    back to what it was, for the paths after it."""
     was = agent.cfg.get("snapshots", {}).get(
         "restore_log_level", SnapshotsConfig.model_fields["restore_log_level"].default)
     agent.reload(restore_log_level=DEBUG_LOG_LEVEL)
@@ -504,16 +507,25 @@ def debug_restore(run: Run, agent: Agent) -> None:
         series(run, agent, "hybrid_debug", "hybrid", 1, 30 + start_estimate(run))
     finally:
         agent.reload(restore_log_level=was)
+    logs = sorted((run.work / "holder").glob("**/run/criu/*-restore-*.log"),
+                  key=lambda p: p.stat().st_mtime)
+    if run.result.get("hybrid_debug") and logs:
+        try:
+            run.result["hybrid_debug_log"] = restore_log_json(read_restore_log(logs[-1]))
+        except (OSError, ValueError) as e:
+            run.result["hybrid_debug_log"] = str(e)
+        run.save()
 
 
-def debug_row(recs: list[dict]) -> dict | None:
-    """The hybrid row's `debug_restore`: the kill under CRIU's debug log, by the agent."""
+def debug_row(recs: list[dict], criu_log: dict | str | None = None) -> dict | None:
+    """The hybrid row's `debug_restore`: the kill under CRIU's debug log, by the agent, and
+    what that log says of the restore (`criu_log`)."""
     if not recs:
         return None
     rec = recs[0]
     return {"restore_log_level": DEBUG_LOG_LEVEL, "path": rec.get("path"),
             "duration_s": rec.get("duration_s"), "stages": rec.get("stages"),
-            "kill_to_answer_s": rec.get("kill_to_answer_s")}
+            "kill_to_answer_s": rec.get("kill_to_answer_s"), "criu_log": criu_log}
 
 
 def pitstop_phase(run: Run) -> None:
