@@ -6,8 +6,8 @@ A restore's largest part is each process's restorer reading the image's pages in
 one or more `preadv` calls, each of many iovecs (one per run of pages the image holds), which
 fault in the memory they write. Per process this says the pages CRIU restored, the iovecs
 it read them with, the bytes and the seconds of those reads (from each `Preadv` line to its
-"`- returned" line); and for the whole restore, the seconds to "Restore finished
-successfully" and to the log's last line. Two restores of the same bytes that take different
+"`- returned" line), the mappings and threads it restored; and for the whole restore, the
+seconds to "Restore finished successfully" and to the log's last line. Two restores of the same bytes that take different
 times differ here: in the reads' seconds (the memory they fault in: `pitstop snapshot memory`
 counts its runs and 2 MiB windows) or elsewhere (the rest of the restore).
 
@@ -29,6 +29,9 @@ _LINE = re.compile(r"^\((\d+)\.(\d+)\)\s+(.*)$")
 _PREADV = re.compile(r"^pie: (\d+): Preadv 0x[0-9a-f]+:\d+\.\.\. \((\d+) iovs\)")
 _RETURNED = re.compile(r"^pie: (\d+): `- returned (-?\d+)")
 _STAT = re.compile(r"^(\d+): (nr_restored_pages|nr_enqueued):\s+(\d+)")
+# Each process's restorer logs every mapping it moves into place, and CRIU each thread's stack.
+_VMA = re.compile(r"^pie: (\d+):\s+mmap\(0x[0-9a-f]+ -> 0x[0-9a-f]+,")
+_THREAD = re.compile(r"^(\d+): Thread\s+\d+ stack")
 _FINISHED = "Restore finished successfully"
 
 
@@ -43,6 +46,8 @@ class ProcessRead:
     bytes: int = 0        # what those calls returned
     read_s: float = 0.0   # their seconds, summed
     calls: int = 0
+    vmas: int = 0         # the mappings CRIU restored (each mapped, then moved into place)
+    threads: int = 0
 
 
 @dataclass
@@ -87,6 +92,10 @@ def read_log(path: Path) -> RestoreLog:
             proc = procs.setdefault(int(s.group(1)), ProcessRead(int(s.group(1))))
             setattr(proc, "pages" if s.group(2) == "nr_restored_pages" else "enqueued",
                     int(s.group(3)))
+        elif (v := _VMA.match(text)) is not None:
+            procs.setdefault(int(v.group(1)), ProcessRead(int(v.group(1)))).vmas += 1
+        elif (th := _THREAD.match(text)) is not None:
+            procs.setdefault(int(th.group(1)), ProcessRead(int(th.group(1)))).threads += 1
         elif text.startswith(_FINISHED):
             finished = t
     if last is None:
@@ -108,9 +117,10 @@ def as_text(log: RestoreLog) -> str:
     lines = [f"{log.path}: finished at {log.finished_s} s, last line at {log.last_s} s; "
              f"longest process's reads {log.read_s_max:.3f} s",
              f"{'PID':>8}  {'PAGES':>9}  {'QUEUED':>7}  {'IOVS':>7}  {'MB READ':>9}  "
-             f"{'READ S':>7}  CALLS"]
+             f"{'READ S':>7}  {'CALLS':>5}  {'VMAS':>6}  THREADS"]
     lines += [f"{p.pid:>8}  {p.pages:>9}  {p.enqueued:>7}  {p.iovs:>7}  {p.bytes / 1e6:>9.1f}  "
-              f"{p.read_s:>7.3f}  {p.calls}" for p in log.processes]
+              f"{p.read_s:>7.3f}  {p.calls:>5}  {p.vmas:>6}  {p.threads}"
+              for p in log.processes]
     return "\n".join(lines)
 
 

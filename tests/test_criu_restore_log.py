@@ -53,6 +53,8 @@ def test_a_debug_log_says_how_long_the_ballast_took_to_read_back(
     assert root.pages * 4096 >= BALLAST_MIB << 20
     assert root.bytes >= BALLAST_MIB << 20 and root.calls >= 1 and root.iovs >= 1
     assert 0 < root.read_s <= log.read_s_max
+    # A Python process maps its interpreter, libraries, heap and stacks: dozens of mappings.
+    assert root.vmas >= 20 and root.threads >= 1
     assert log.finished_s is not None and root.read_s < log.finished_s <= log.last_s
 
     assert criu_restore_log.main([str(logs[4]), "--json"]) == 0
