@@ -7,9 +7,10 @@ one or more `preadv` calls, each of many iovecs (one per run of pages the image 
 fault in the memory they write. Per process this says the pages CRIU restored, the iovecs
 it read them with, the bytes and the seconds of those reads (from each `Preadv` line to its
 "`- returned" line), the mappings and threads it restored; and for the whole restore, the
-seconds to "Restore finished successfully" and to the log's last line. Two restores of the same bytes that take different
-times differ here: in the reads' seconds (the memory they fault in: `pitstop snapshot memory`
-counts its runs and 2 MiB windows) or elsewhere (the rest of the restore).
+seconds to "Restore finished successfully" and to the log's last line. Two restores of the
+same bytes that take different times differ here: in the reads' seconds (the memory they
+fault in: `pitstop snapshot memory` counts its runs and 2 MiB windows), in the mappings and
+threads, or elsewhere (the rest of the restore).
 
 Pitstop keeps such a log of every restore when `snapshots.restore_log_level` is 4
 (`<state>/run/criu/<snapshot>-restore-<ms>.log`); `bench/vllm_gpu_bench.py --debug-restore`
