@@ -1,11 +1,12 @@
 """What the suite's killed vLLM trees leave in /dev/shm, removed when the run ends.
 
-A vLLM killed by a test (its engine core and workers talk through `psm_*` ring buffers) loses
-its resource tracker with it; the agent removes such files after the next engine is ready,
-but a test that kills a tree and starts no other leaves them, in RAM, to every later run on
-the same machine (455 of them, 15 GB, once ran a machine out of memory mid-run). At the end
-of a run, with no test left running, each `psm_*` file made during the run that no process
-maps or holds open is removed."""
+A vLLM killed by a test (its engine core and workers talk through `psm_*` ring buffers, and
+the CPU build's tensor-parallel workers through `vllm_dist_*-cpushm_N` segments of 4 MiB)
+loses its resource tracker with it; the agent removes such files after the next engine is
+ready, but a test that kills a tree and starts no other leaves them, in RAM, to every later
+run on the same machine (455 `psm_*` files, 15 GB, once ran a machine out of memory mid-run;
+each run left two `cpushm` segments). At the end of a run, with no test left running, each
+such file made during the run that no process maps or holds open is removed."""
 
 from __future__ import annotations
 
@@ -14,11 +15,14 @@ import os
 from pathlib import Path
 
 SHM = Path("/dev/shm")
+# vLLM's shared-memory files: its message queues' ring buffers, and the CPU build's
+# tensor-parallel segments (named for the distributed init's FileStore).
+VLLMS = ("psm_", "vllm_dist_")
 
 
 def names(shm: Path = SHM) -> set[str]:
     with contextlib.suppress(OSError):
-        return {n for n in os.listdir(shm) if n.startswith("psm_")}
+        return {n for n in os.listdir(shm) if n.startswith(VLLMS)}
     return set()
 
 

@@ -21,14 +21,15 @@ sys.stdin.readline()
 def test_only_the_runs_own_unused_ring_buffers_are_removed(tmp_path: Path):
     (tmp_path / "psm_before").write_bytes(b"x" * 4096)
     before = shm_hygiene.names(tmp_path)
-    for name in ("psm_mapped", "psm_open", "psm_dead", "not_vllms"):
+    tp_segment = "vllm_dist_735206eb-tp:0-[0-1]-cpushm_0"
+    for name in ("psm_mapped", "psm_open", "psm_dead", tp_segment, "not_vllms"):
         (tmp_path / name).write_bytes(b"x" * 4096)
     p = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / "psm_mapped"),
                           str(tmp_path / "psm_open")],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout is not None and p.stdout.readline() == "ready\n"
-        assert shm_hygiene.remove_leftovers(before, tmp_path) == ["psm_dead"]
+        assert shm_hygiene.remove_leftovers(before, tmp_path) == ["psm_dead", tp_segment]
     finally:
         p.kill()
         p.wait()
