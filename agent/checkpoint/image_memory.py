@@ -5,9 +5,9 @@ A restore reads every page the image holds back into memory, so its time follows
 bytes; this says which mappings they come from (the heap, anonymous memory such as a CUDA
 checkpoint's copy of device memory, a file's private pages, shared memory), and how they
 lie: in how many mappings, in how many runs of contiguous pages (each a read of its own),
-over how many 2 MiB windows (with transparent huge pages, each one a huge page the restore
-faults in and clears whole, however few of its pages the image holds). Two images of the
-same bytes can take different times to restore when these differ.
+over how many 2 MiB windows (with transparent huge pages, each one the mapping covers is a
+huge page the restore faults in and clears whole, however few of its pages the image
+holds). Two images of the same bytes can take different times to restore when these differ.
 
 The images read (criu/images/mm.proto, vma.proto, pagemap.proto, fdinfo.proto): mm-<pid>.img
 holds the vma_entry list (start 1, end 2, shmid 4: the file's id, status 7), pagemap-<pid>.img
