@@ -72,6 +72,10 @@ def read_log(path: Path) -> RestoreLog:
     procs: dict[int, ProcessRead] = {}
     open_reads: dict[int, float] = {}
     finished = last = None
+
+    def of(pid: str) -> ProcessRead:
+        return procs.setdefault(int(pid), ProcessRead(int(pid)))
+
     for raw in path.read_text(errors="replace").splitlines():
         m = _LINE.match(raw)
         if m is None:
@@ -79,24 +83,21 @@ def read_log(path: Path) -> RestoreLog:
         t = int(m.group(1)) + int(m.group(2)) / 10 ** len(m.group(2))
         last, text = t, m.group(3)
         if (p := _PREADV.match(text)) is not None:
-            pid = int(p.group(1))
-            proc = procs.setdefault(pid, ProcessRead(pid))
+            proc = of(p.group(1))
             proc.iovs += int(p.group(2))
             proc.calls += 1
-            open_reads[pid] = t
+            open_reads[proc.pid] = t
         elif (r := _RETURNED.match(text)) is not None and int(r.group(1)) in open_reads:
-            pid = int(r.group(1))
-            proc = procs[pid]
-            proc.read_s += t - open_reads.pop(pid)
+            proc = of(r.group(1))
+            proc.read_s += t - open_reads.pop(proc.pid)
             proc.bytes += max(int(r.group(2)), 0)
         elif (s := _STAT.match(text)) is not None:
-            proc = procs.setdefault(int(s.group(1)), ProcessRead(int(s.group(1))))
-            setattr(proc, "pages" if s.group(2) == "nr_restored_pages" else "enqueued",
+            setattr(of(s.group(1)), "pages" if s.group(2) == "nr_restored_pages" else "enqueued",
                     int(s.group(3)))
         elif (v := _VMA.match(text)) is not None:
-            procs.setdefault(int(v.group(1)), ProcessRead(int(v.group(1)))).vmas += 1
+            of(v.group(1)).vmas += 1
         elif (th := _THREAD.match(text)) is not None:
-            procs.setdefault(int(th.group(1)), ProcessRead(int(th.group(1)))).threads += 1
+            of(th.group(1)).threads += 1
         elif text.startswith(_FINISHED):
             finished = t
     if last is None:

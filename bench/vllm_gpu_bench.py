@@ -137,6 +137,9 @@ IO_URING = Path("/proc/sys/kernel/io_uring_disabled")
 BOOT_S = 900
 # CRIU's debug level (-v4): every line timestamped (--debug-restore).
 DEBUG_LOG_LEVEL = 4
+# Where an agent's state keeps CRIU's log of each restore and of each dump.
+RESTORE_LOGS = "**/run/criu/*-restore-*.log"
+DUMP_LOGS = "**/snapshots/.logs/*-dump.log"
 MODEL_NAME = "bench"
 # Where the held set's copy and the refill plan appear (agent/holder/weightplan.py).
 PLAN_NAME = "refill.json"
@@ -214,11 +217,8 @@ class Run:
                     shutil.copy(self.work / name / f, self.a.out / f"{name}-{f}")
             # CRIU's own logs: with --restore-log-level 4, timestamped lines that say where a
             # restore's time goes; the dump's (always at 4) lists each mapping it dumped.
-            criu_logs = self.work / name
-            for pattern, keep in (("**/run/criu/*-restore-*.log", 3),
-                                  ("**/snapshots/.logs/*-dump.log", 1)):
-                logs = sorted(criu_logs.glob(pattern), key=lambda p: p.stat().st_mtime)
-                for kept in logs[-keep:]:
+            for pattern, keep in ((RESTORE_LOGS, 3), (DUMP_LOGS, 1)):
+                for kept in newest(self.work / name, pattern)[-keep:]:
                     with contextlib.suppress(OSError):
                         shutil.copy(kept, self.a.out / f"{name}-{kept.name}")
 
@@ -496,6 +496,11 @@ def hybrid_and_refill(run: Run, agent: Agent, holder: list[subprocess.Popen], gp
     series(run, agent, "refill", "refill", run.a.runs, 60 + r["gib"] * 5, empty)
 
 
+def newest(where: Path, pattern: str) -> list[Path]:
+    """The files under `where` that `pattern` matches, oldest first."""
+    return sorted(where.glob(pattern), key=lambda p: p.stat().st_mtime)
+
+
 def debug_restore(run: Run, agent: Agent) -> None:
     """One more hybrid kill, with CRIU's timestamped debug log of its restore (where the
     restore's time goes: bench/criu_restore_log.py sums it up into the row); the level goes
@@ -507,8 +512,7 @@ def debug_restore(run: Run, agent: Agent) -> None:
         series(run, agent, "hybrid_debug", "hybrid", 1, 30 + start_estimate(run))
     finally:
         agent.reload(restore_log_level=was)
-    logs = sorted((run.work / "holder").glob("**/run/criu/*-restore-*.log"),
-                  key=lambda p: p.stat().st_mtime)
+    logs = newest(run.work / "holder", RESTORE_LOGS)
     if run.result.get("hybrid_debug") and logs:
         try:
             run.result["hybrid_debug_log"] = restore_log_json(read_restore_log(logs[-1]))
